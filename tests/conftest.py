@@ -1,0 +1,47 @@
+"""Shared fixtures: the compute device (CUDA when present, else CPU), tmpfs and disk directories, gpu marker."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked gpu when CUDA is absent (they run on the lent GPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA; run on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The compute device: CUDA when available, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def tmpfs_dir() -> Iterator[Path]:
+    """A fresh directory on tmpfs (/dev/shm) where available, else the system temp dir."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="tierstore-test-", dir=root) as path:
+        yield Path(path)
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    """A directory on the ordinary disk (pytest's tmp_path)."""
+    return tmp_path
+
+
+@pytest.fixture(params=["tmpfs", "disk"])
+def nvme_dir(request: pytest.FixtureRequest, tmpfs_dir: Path, disk_dir: Path) -> Path:
+    """Both kinds of swap directory, so each NVMe test runs on tmpfs and on disk."""
+    return tmpfs_dir if request.param == "tmpfs" else disk_dir

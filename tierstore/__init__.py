@@ -1,0 +1,47 @@
+"""tierstore: tensors and bytes across three tiers (GPU HBM, pinned host memory, NVMe files).
+
+The package knows nothing of nn.Module; the runtime builds on its public API:
+
+- :class:`TierStore` -- key -> record of where each copy of a tensor lives; fetch / evict / release.
+- :class:`TransferEngine` -- the only code that moves bytes; every transfer returns a :class:`Handle`.
+- :class:`PinnedArena`, :class:`NVMeDirectory` -- the host and disk back ends.
+- :class:`EventBus` / :class:`TransferEvent` -- what moved, where and when, for listeners such as a profiler.
+"""
+
+from tierstore.errors import (
+    CapacityError,
+    CorruptFileError,
+    DirectoryLockedError,
+    StoreIOError,
+    TierStoreError,
+)
+from tierstore.events import EventBus, TransferEvent
+from tierstore.keys import TensorKey, TensorMeta
+from tierstore.residency import CopyState, IllegalTransitionError
+from tierstore.tiers import Tier, TierName
+from tierstore.pinned import PinnedArena
+from tierstore.nvme import NVMeDirectory
+from tierstore.transfer import Handle, TransferEngine
+from tierstore.store import StoreConfig, TierStore
+
+__all__ = [
+    "CapacityError",
+    "CopyState",
+    "CorruptFileError",
+    "DirectoryLockedError",
+    "EventBus",
+    "Handle",
+    "IllegalTransitionError",
+    "NVMeDirectory",
+    "PinnedArena",
+    "StoreConfig",
+    "StoreIOError",
+    "TensorKey",
+    "TensorMeta",
+    "Tier",
+    "TierName",
+    "TierStore",
+    "TierStoreError",
+    "TransferEngine",
+    "TransferEvent",
+]

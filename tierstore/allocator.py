@@ -1,0 +1,83 @@
+"""A first-fit range allocator over [0, capacity): the bookkeeping behind the pinned arena.
+
+Pure logic (no memory is touched), so it is tested exhaustively on its own. Offsets and sizes are rounded
+up to ``alignment`` so that every sub-buffer can be used for O_DIRECT IO.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+
+def align_up(value: int, alignment: int) -> int:
+    """The smallest multiple of alignment that is >= value."""
+    return (value + alignment - 1) // alignment * alignment
+
+
+class RangeAllocator:
+    """Hands out aligned, non-overlapping [offset, offset + size) ranges; freed neighbours coalesce."""
+
+    def __init__(self, capacity_nbytes: int, alignment: int = 4096):
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.capacity_nbytes = capacity_nbytes
+        self.alignment = alignment
+        # Sorted, disjoint, non-adjacent free ranges as parallel lists of starts and ends.
+        usable = capacity_nbytes - capacity_nbytes % alignment
+        self._free_starts: list[int] = [0] if usable > 0 else []
+        self._free_ends: list[int] = [usable] if usable > 0 else []
+        self._allocated: dict[int, int] = {}  # offset -> reserved size
+        self._lock = threading.Lock()
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes reserved, alignment padding included."""
+        with self._lock:
+            return sum(self._allocated.values())
+
+    @property
+    def largest_free_nbytes(self) -> int:
+        """The largest single range that could be allocated now."""
+        with self._lock:
+            return max((e - s for s, e in zip(self._free_starts, self._free_ends)), default=0)
+
+    def reserved_size(self, nbytes: int) -> int:
+        """How many bytes an allocation of nbytes reserves."""
+        return align_up(max(nbytes, 1), self.alignment)
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Reserve nbytes (rounded up); returns the offset, or None when no free range is large enough."""
+        size = self.reserved_size(nbytes)
+        with self._lock:
+            for i, (start, end) in enumerate(zip(self._free_starts, self._free_ends)):
+                if end - start >= size:
+                    if end - start == size:
+                        del self._free_starts[i]
+                        del self._free_ends[i]
+                    else:
+                        self._free_starts[i] = start + size
+                    self._allocated[start] = size
+                    return start
+        return None
+
+    def free(self, offset: int) -> None:
+        """Return a range; raises RuntimeError on a double free or an unknown offset."""
+        with self._lock:
+            size = self._allocated.pop(offset, None)
+            if size is None:
+                raise RuntimeError(f"free of offset {offset} that is not allocated (double free?)")
+            start, end = offset, offset + size
+            i = bisect.bisect_left(self._free_starts, start)
+            # Coalesce with the previous and next free ranges where they touch.
+            if i > 0 and self._free_ends[i - 1] == start:
+                i -= 1
+                start = self._free_starts[i]
+                del self._free_starts[i]
+                del self._free_ends[i]
+            if i < len(self._free_starts) and self._free_starts[i] == end:
+                end = self._free_ends[i]
+                del self._free_starts[i]
+                del self._free_ends[i]
+            self._free_starts.insert(i, start)
+            self._free_ends.insert(i, end)

@@ -1,0 +1,372 @@
+"""The store: key -> record of where each copy of a tensor lives, and the movements between tiers.
+
+Every tensor has a home tier (its permanent copy) and may have cached copies on faster tiers. ``fetch``
+brings a current copy toward the GPU (staging NVMe -> host on the way), ``evict`` writes a copy back
+toward home and drops it, ``release`` drops a copy without writing (refused for the last current copy),
+``mark_dirty`` records that a copy was modified in place. All movement goes through the TransferEngine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tierstore.errors import TierStoreError
+from tierstore.events import EventBus
+from tierstore.keys import TensorKey, TensorMeta
+from tierstore.nvme import NVMeDirectory
+from tierstore.pinned import PinnedArena
+from tierstore.residency import CopyState, check_transition
+from tierstore.tiers import Allocation, GpuTier, HostTier, NvmeTier, Tier, TierName
+from tierstore.transfer import Handle, TransferEngine, done_handle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """What the store needs to build its tiers. Sizes are bytes."""
+
+    device: str = "cpu"
+    gpu_budget_nbytes: int = 1 << 40
+    host_budget_nbytes: int = 1 << 30
+    pin: bool | None = None  # None: pin when CUDA is available
+    nvme_path: str | None = None  # None: no NVMe tier
+    nvme_budget_nbytes: int = 64 << 30
+    io_threads: int = 4
+    io_block_nbytes: int = 64 << 20
+    direct_io: str = "auto"
+
+
+@dataclass
+class Copy:
+    """One tier's copy of one tensor."""
+
+    state: CopyState = CopyState.ABSENT
+    allocation: Allocation | None = None
+    handle: Handle | None = None  # the transfer filling this copy, while LOADING
+
+
+@dataclass
+class Record:
+    """Everything the store knows of one key."""
+
+    key: TensorKey
+    meta: TensorMeta
+    home: TierName
+    copies: dict[TierName, Copy] = field(default_factory=lambda: {tier: Copy() for tier in TierName})
+    step: int = 0
+
+
+class TierStore:
+    """Holds tensors across GPU, pinned host and NVMe tiers with hard budgets on each."""
+
+    def __init__(self, config: StoreConfig, bus: EventBus | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.bus = bus or EventBus()
+        self.engine = TransferEngine(self.device, config.io_threads, self.bus)
+        self.tiers: dict[TierName, Tier] = {
+            TierName.GPU: GpuTier(self.device, config.gpu_budget_nbytes),
+            TierName.HOST: HostTier(PinnedArena(config.host_budget_nbytes, config.pin)),
+        }
+        self._nvme_tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        if config.nvme_path is not None:
+            path = config.nvme_path
+            if path == "tmp":
+                self._nvme_tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-nvme-", dir=_default_tmp_root())
+                path = self._nvme_tmpdir.name
+            try:
+                directory = NVMeDirectory(path, config.nvme_budget_nbytes, config.direct_io, config.io_block_nbytes)
+            except BaseException:
+                self.tiers[TierName.HOST].close()
+                raise
+            self.tiers[TierName.NVME] = NvmeTier(directory)
+        self._records: dict[TensorKey, Record] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # ---- registry ------------------------------------------------------------------------------------
+    def register(self, key: TensorKey | str, meta: TensorMeta, home: TierName | str, init: torch.Tensor | None = None) -> Record:
+        """Reserve key's home copy. ``init`` (any tensor of meta's dtype and numel) is written into it;
+        without it the home copy's content is undefined until written through ``tensor()`` + ``mark_dirty``."""
+        key, home = _key(key), TierName(home)
+        if home not in self.tiers:
+            raise TierStoreError(f"cannot place {key} on {home.value}: that tier is not configured (set tiers.nvme.path)")
+        with self._lock:
+            if key in self._records:
+                raise KeyError(f"{key} is already registered")
+            record = Record(key=key, meta=meta, home=home)
+            home_copy = record.copies[home]
+            home_copy.allocation = self.tiers[home].allocate(key, meta)
+            self._records[key] = record
+        if init is None:
+            home_copy.state = CopyState.CLEAN
+            if home is TierName.NVME:
+                self._write_zeros(record)
+            return record
+        if init.numel() != meta.numel or init.dtype != meta.dtype:
+            raise ValueError(f"init for {key} is {init.dtype} x{init.numel()}, expected {meta.dtype} x{meta.numel}")
+        if home is TierName.NVME:
+            self._write_home_nvme(record, init.reshape(-1))
+        else:
+            home_copy.allocation.tensor.copy_(init.reshape(-1))
+        home_copy.state = CopyState.CLEAN
+        return record
+
+    def unregister(self, key: TensorKey | str) -> None:
+        """Drop every copy of key and return its bytes (waiting for transfers in flight)."""
+        with self._lock:
+            record = self._records.pop(_key(key))
+        for tier, copy in record.copies.items():
+            if copy.handle is not None:
+                copy.handle.done() or copy.handle.wait()
+            if copy.allocation is not None:
+                self.tiers[tier].free(copy.allocation)
+
+    def record(self, key: TensorKey | str) -> Record:
+        """The record of key."""
+        return self._records[_key(key)]
+
+    def keys(self) -> list[TensorKey]:
+        """Every registered key."""
+        return list(self._records)
+
+    def state(self, key: TensorKey | str, tier: TierName | str) -> CopyState:
+        """The state of key's copy on tier (settling a completed transfer first)."""
+        copy = self.record(key).copies[TierName(tier)]
+        self._settle(copy)
+        return copy.state
+
+    def tensor(self, key: TensorKey | str, tier: TierName | str) -> torch.Tensor:
+        """A flat view of key's current copy on tier (GPU or host). Waits for a transfer filling it."""
+        record, tier = self.record(key), TierName(tier)
+        copy = record.copies[tier]
+        if copy.state is CopyState.LOADING:
+            copy.handle.wait()
+            self._settle(copy)
+        if not copy.state.is_current or copy.allocation is None or copy.allocation.tensor is None:
+            raise RuntimeError(f"{record.key} has no current copy on {tier.value} (state {copy.state.value}); fetch it first")
+        return copy.allocation.tensor
+
+    # ---- movement ------------------------------------------------------------------------------------
+    def fetch(self, key: TensorKey | str, to: TierName | str = TierName.GPU) -> Handle:
+        """Bring a current copy of key to tier ``to`` (staging through host when it only lives on NVMe).
+        Returns a handle; a copy already there (or on its way) returns its handle at once."""
+        record, to = self.record(key), TierName(to)
+        if to is TierName.NVME:
+            raise ValueError("fetch moves toward the GPU; use evict to write to NVMe")
+        with self._lock:
+            target = record.copies[to]
+            self._settle(target)
+            if target.state is CopyState.LOADING:
+                return target.handle
+            if target.state.is_current:
+                return done_handle(str(record.key), to.value)
+            source_tier = self._nearest_current(record, below=to)
+            after: Handle | None = None
+            if source_tier is TierName.NVME and to is TierName.GPU:
+                after = self.fetch(record.key, TierName.HOST)  # stage; the host copy stays as a cache
+                source_tier = TierName.HOST
+            dirty = not record.copies[record.home].state.is_current
+            return self._copy(record, source_tier, to, after, dirty)
+
+    prefetch = fetch  # a fetch issued early by the schedule; same mechanics, named for the reader
+
+    def evict(self, key: TensorKey | str, frm: TierName | str, to: TierName | str | None = None, release: bool = True) -> Handle:
+        """Write key's copy on ``frm`` back to ``to`` (default: home) and, when ``release``, drop ``frm``'s copy
+        once the write completes. A clean copy is simply released."""
+        record = self.record(key)
+        frm = TierName(frm)
+        to = record.home if to is None else TierName(to)
+        if to.rank <= frm.rank:
+            raise ValueError(f"evict moves away from the GPU: {frm.value} -> {to.value} is not toward a lower tier")
+        with self._lock:
+            source = record.copies[frm]
+            if source.state is CopyState.LOADING:
+                source.handle.wait()
+                self._settle(source)
+            if not source.state.is_current:
+                raise RuntimeError(f"{record.key} on {frm.value} is {source.state.value}: nothing to evict")
+            if record.copies[to].state.is_current:
+                if release:
+                    self.release(record.key, frm)
+                return done_handle(str(record.key), to.value)
+            handle = self._copy(record, frm, to, None, dirty=to is not record.home)
+            if release:
+                handle.add_done_callback(lambda h: h.error is None and self._release_after_evict(record, frm))
+            return handle
+
+    def release(self, key: TensorKey | str, tier: TierName | str) -> None:
+        """Drop key's copy on tier without writing it anywhere. Refused for the home copy and for the last
+        current copy (evict it instead)."""
+        record, tier = self.record(key), TierName(tier)
+        with self._lock:
+            copy = record.copies[tier]
+            self._settle(copy)
+            if copy.state is CopyState.ABSENT:
+                return
+            if tier is record.home:
+                raise RuntimeError(f"{record.key}: the home copy on {tier.value} cannot be released")
+            if copy.state is CopyState.LOADING:
+                raise RuntimeError(f"{record.key} on {tier.value} is still loading; wait for its handle first")
+            if copy.state is CopyState.DIRTY and not any(
+                c.state.is_current for t, c in record.copies.items() if t is not tier
+            ):
+                raise RuntimeError(f"{record.key} on {tier.value} is the only current copy; evict it instead of releasing")
+            self._set_state(record, tier, CopyState.ABSENT)
+            self.tiers[tier].free(copy.allocation)
+            copy.allocation = None
+
+    def mark_dirty(self, key: TensorKey | str, tier: TierName | str, step: int | None = None) -> None:
+        """Record that key's copy on tier was modified in place; every other copy becomes stale."""
+        record, tier = self.record(key), TierName(tier)
+        with self._lock:
+            copy = record.copies[tier]
+            self._settle(copy)
+            if not copy.state.is_current:
+                raise RuntimeError(f"{record.key} on {tier.value} is {copy.state.value}; only a current copy can be modified")
+            for other_tier, other in record.copies.items():
+                if other_tier is not tier and other.state.is_current:
+                    self._set_state(record, other_tier, CopyState.STALE)
+            self._set_state(record, tier, CopyState.CLEAN if tier is record.home else CopyState.DIRTY)
+            if step is not None:
+                record.step = step
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _copy(self, record: Record, frm: TierName, to: TierName, after: Handle | None, dirty: bool) -> Handle:
+        """Reserve ``to``'s copy (if needed), issue the transfer, and settle the state when it completes."""
+        target = record.copies[to]
+        if target.allocation is None:
+            target.allocation = self.tiers[to].allocate(record.key, record.meta)
+        self._set_state(record, to, CopyState.LOADING)
+        name = str(record.key)
+        src, dst = record.copies[frm].allocation, target.allocation
+        host = self.tiers[TierName.HOST]
+        if (frm, to) == (TierName.HOST, TierName.GPU):
+            handle = self.engine.h2d(name, src.tensor, dst.tensor, after)
+        elif (frm, to) == (TierName.GPU, TierName.HOST):
+            handle = self.engine.d2h(name, src.tensor, dst.tensor, after)
+        elif (frm, to) == (TierName.NVME, TierName.HOST):
+            handle = self.engine.read(name, self._nvme_dir, src.swap, host.io_buffer(dst))
+        elif (frm, to) == (TierName.HOST, TierName.NVME):
+            handle = self.engine.write(name, self._nvme_dir, dst.swap, host.io_buffer(src), record.step, after)
+        elif (frm, to) == (TierName.GPU, TierName.NVME):
+            raise TierStoreError(f"{record.key}: GPU -> NVMe goes through host; evict to host first")
+        else:
+            raise RuntimeError(f"no path {frm.value} -> {to.value}")
+        target.handle = handle
+        final = CopyState.DIRTY if dirty else CopyState.CLEAN
+        source_copy = record.copies[frm]
+
+        def settle(h: Handle) -> None:
+            with self._lock:
+                if target.handle is not h:
+                    return
+                target.handle = None
+                if h.error is not None:
+                    self._set_state(record, to, CopyState.ABSENT if to is not record.home else CopyState.STALE)
+                    if to is not record.home and target.allocation is not None:
+                        self.tiers[to].free(target.allocation)
+                        target.allocation = None
+                    return
+                self._set_state(record, to, final)
+                if to is record.home and source_copy.state is CopyState.DIRTY:
+                    self._set_state(record, frm, CopyState.CLEAN)
+
+        handle.add_done_callback(settle)
+        return handle
+
+    def _release_after_evict(self, record: Record, tier: TierName) -> None:
+        with self._lock:
+            copy = record.copies[tier]
+            if copy.allocation is not None and copy.state is not CopyState.LOADING and tier is not record.home:
+                self._set_state(record, tier, CopyState.ABSENT)
+                self.tiers[tier].free(copy.allocation)
+                copy.allocation = None
+
+    def _settle(self, copy: Copy) -> None:
+        if copy.handle is not None:
+            copy.handle.done()  # runs the settle callback when complete
+
+    def _nearest_current(self, record: Record, below: TierName) -> TierName:
+        for tier in TierName:
+            if tier.rank > below.rank:
+                copy = record.copies[tier]
+                if copy.state is CopyState.LOADING:
+                    copy.handle.wait()
+                self._settle(copy)
+                if copy.state.is_current:
+                    return tier
+        raise RuntimeError(f"{record.key} has no current copy below {below.value}")
+
+    def _set_state(self, record: Record, tier: TierName, new: CopyState) -> None:
+        copy = record.copies[tier]
+        check_transition(str(record.key), tier.value, copy.state, new)
+        copy.state = new
+
+    @property
+    def _nvme_dir(self) -> NVMeDirectory:
+        tier = self.tiers.get(TierName.NVME)
+        if tier is None:
+            raise TierStoreError("no NVMe tier is configured (set tiers.nvme.path)")
+        return tier.directory  # type: ignore[attr-defined]
+
+    def _write_home_nvme(self, record: Record, data: torch.Tensor) -> None:
+        """Write initial data to an NVMe home through a temporary host staging buffer."""
+        host = self.tiers[TierName.HOST]
+        staging = host.allocate(record.key, record.meta)
+        try:
+            staging.tensor.copy_(data)
+            self.engine.write(str(record.key), self._nvme_dir, record.copies[TierName.NVME].allocation.swap, host.io_buffer(staging), record.step).wait()
+        finally:
+            host.free(staging)
+
+    def _write_zeros(self, record: Record) -> None:
+        self._write_home_nvme(record, torch.zeros(record.meta.numel, dtype=record.meta.dtype))
+
+    # ---- accounting & lifetime -----------------------------------------------------------------------
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Bytes used and budget per tier."""
+        return {name.value: {"used_nbytes": t.used_nbytes, "capacity_nbytes": t.capacity_nbytes} for name, t in self.tiers.items()}
+
+    @property
+    def nvme_io_mode(self) -> str | None:
+        """"direct" or "buffered" when an NVMe tier exists."""
+        tier = self.tiers.get(TierName.NVME)
+        return tier.directory.io_mode if tier is not None else None  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Finish transfers, free everything, delete swap files and unlock the NVMe directory."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        for key in list(self._records):
+            self.unregister(key)
+        for tier in reversed(list(self.tiers.values())):
+            tier.close()
+        if self._nvme_tmpdir is not None:
+            self._nvme_tmpdir.cleanup()
+
+    def __enter__(self) -> "TierStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _key(key: TensorKey | str) -> TensorKey:
+    return key if isinstance(key, TensorKey) else TensorKey(key)
+
+
+def _default_tmp_root() -> str | None:
+    """tmpfs (/dev/shm) when present, so 'tmp' swap directories exercise the buffered path fast."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None

@@ -1,0 +1,176 @@
+"""The three tiers behind one small interface: allocate / free / tensor, with enforced byte budgets."""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from tierstore.errors import CapacityError
+from tierstore.keys import TensorKey, TensorMeta
+from tierstore.nvme import NVMeDirectory, SwapFile
+from tierstore.pinned import PinnedArena
+
+
+class TierName(str, enum.Enum):
+    """The tiers, fastest first. Order matters: a lower index is closer to the compute."""
+
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+
+    @property
+    def rank(self) -> int:
+        """0 for the GPU, 2 for NVMe."""
+        return list(TierName).index(self)
+
+
+@dataclass
+class Allocation:
+    """Bytes reserved on one tier for one key. ``tensor`` is a flat view of meta's dtype (None on NVMe)."""
+
+    key: TensorKey
+    meta: TensorMeta
+    reserved_nbytes: int
+    tensor: torch.Tensor | None = None
+    offset: int = -1
+    swap: SwapFile | None = None
+
+
+class Tier(abc.ABC):
+    """A place where bytes live, with a hard budget."""
+
+    name: TierName
+
+    @property
+    @abc.abstractmethod
+    def capacity_nbytes(self) -> int:
+        """The budget in bytes."""
+
+    @property
+    @abc.abstractmethod
+    def used_nbytes(self) -> int:
+        """Bytes reserved now."""
+
+    @property
+    def free_nbytes(self) -> int:
+        """Budget not reserved."""
+        return self.capacity_nbytes - self.used_nbytes
+
+    @abc.abstractmethod
+    def allocate(self, key: TensorKey, meta: TensorMeta) -> Allocation:
+        """Reserve room for key; raises CapacityError (reserving nothing) when it does not fit."""
+
+    @abc.abstractmethod
+    def free(self, allocation: Allocation) -> None:
+        """Return an allocation's bytes."""
+
+    def close(self) -> None:
+        """Release the tier's resources."""
+
+
+class GpuTier(Tier):
+    """Device memory (the CPU stands in for it when there is no CUDA), accounted against a budget."""
+
+    name = TierName.GPU
+
+    def __init__(self, device: torch.device, budget_nbytes: int):
+        self.device = device
+        self._capacity = budget_nbytes
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_nbytes(self) -> int:
+        return self._used
+
+    def allocate(self, key: TensorKey, meta: TensorMeta) -> Allocation:
+        with self._lock:
+            if self._used + meta.nbytes > self._capacity:
+                raise CapacityError("gpu", meta.nbytes, self._used, self._capacity, str(key))
+            self._used += meta.nbytes
+        try:
+            tensor = torch.empty(meta.numel, dtype=meta.dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            with self._lock:
+                self._used -= meta.nbytes
+            raise
+        return Allocation(key=key, meta=meta, reserved_nbytes=meta.nbytes, tensor=tensor)
+
+    def free(self, allocation: Allocation) -> None:
+        with self._lock:
+            self._used -= allocation.reserved_nbytes
+        allocation.tensor = None
+
+
+class HostTier(Tier):
+    """Sub-allocations of one pinned arena."""
+
+    name = TierName.HOST
+
+    def __init__(self, arena: PinnedArena):
+        self.arena = arena
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return self.arena.capacity_nbytes
+
+    @property
+    def used_nbytes(self) -> int:
+        return self.arena.used_nbytes
+
+    def allocate(self, key: TensorKey, meta: TensorMeta) -> Allocation:
+        offset = self.arena.allocate(meta.nbytes, what=str(key))
+        return Allocation(
+            key=key,
+            meta=meta,
+            reserved_nbytes=self.arena.reserved_size(meta.nbytes),
+            tensor=self.arena.view(offset, meta.nbytes, meta.dtype),
+            offset=offset,
+        )
+
+    def io_buffer(self, allocation: Allocation) -> torch.Tensor:
+        """The allocation's bytes padded to the IO alignment, as uint8 (for O_DIRECT file IO)."""
+        return self.arena.padded_view(allocation.offset, allocation.meta.nbytes)
+
+    def free(self, allocation: Allocation) -> None:
+        self.arena.free(allocation.offset)
+        allocation.tensor = None
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+class NvmeTier(Tier):
+    """One swap file per key in a locked directory."""
+
+    name = TierName.NVME
+
+    def __init__(self, directory: NVMeDirectory):
+        self.directory = directory
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return self.directory.budget_nbytes
+
+    @property
+    def used_nbytes(self) -> int:
+        return self.directory.used_nbytes
+
+    def allocate(self, key: TensorKey, meta: TensorMeta) -> Allocation:
+        swap = self.directory.create(key, meta)
+        return Allocation(key=key, meta=meta, reserved_nbytes=swap.file_nbytes, swap=swap)
+
+    def free(self, allocation: Allocation) -> None:
+        self.directory.remove(allocation.key)
+        allocation.swap = None
+
+    def close(self) -> None:
+        self.directory.close()

@@ -1,0 +1,252 @@
+"""The transfer engine: the only code that moves bytes between tiers.
+
+Host<->GPU copies run on two dedicated CUDA streams (one per direction, so both directions overlap) and
+are guarded by CUDA events; file IO runs on a thread pool whose size is the queue depth. Every transfer
+returns a :class:`Handle`; a completed transfer is published once on the event bus.
+Without CUDA, host<->"GPU" copies are plain synchronous ``copy_`` and their handles are born done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from tierstore.events import EventBus, TransferEvent
+from tierstore.nvme import NVMeDirectory, SwapFile
+
+log = logging.getLogger(__name__)
+
+
+class Handle:
+    """A transfer in flight. ``wait()`` blocks until it is complete (raising its error, if any);
+    ``done()`` asks without blocking; ``wait_stream()`` makes a CUDA stream wait without blocking the host."""
+
+    def __init__(self, kind: str, key: str, src_tier: str, dst_tier: str, nbytes: int, bus: EventBus | None):
+        self.kind = kind
+        self.key = key
+        self.src_tier = src_tier
+        self.dst_tier = dst_tier
+        self.nbytes = nbytes
+        self.start_s = time.perf_counter()
+        self._bus = bus
+        self._lock = threading.Lock()
+        self._issued = threading.Event()  # set once the work is enqueued (CUDA) or finished (IO)
+        self._future: Future[None] | None = None
+        self._start_event: torch.cuda.Event | None = None
+        self._end_event: torch.cuda.Event | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+        self._callbacks: list[Callable[["Handle"], None]] = []
+
+    # ---- completion --------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the transfer has completed (successfully or not)."""
+        if self._finished:
+            return True
+        if not self._issued.is_set():
+            return False
+        if self._error is None and self._end_event is not None and not self._end_event.query():
+            return False
+        self._finish()
+        return True
+
+    def wait(self) -> "Handle":
+        """Block the calling thread until the transfer is complete; re-raises a transfer error."""
+        if not self._finished:
+            self._issued.wait()
+            if self._error is None and self._end_event is not None:
+                self._end_event.synchronize()
+            self._finish()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Order ``stream`` (default: the current stream) after this transfer without blocking the host
+        once the copy is enqueued. Host-side transfers (file IO, CPU copies) are waited for on the host."""
+        self._issued.wait()
+        if self._error is not None:
+            raise self._error
+        if self._end_event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self._end_event)
+        else:
+            self.wait()
+
+    def add_done_callback(self, callback: Callable[["Handle"], None]) -> None:
+        """Run callback(handle) once, at the first observation of completion (immediately if complete)."""
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the transfer failed with, if any (only meaningful once done)."""
+        return self._error
+
+    # ---- engine side -------------------------------------------------------------------------------
+    def _set_issued(self, end_event: torch.cuda.Event | None = None, start_event: torch.cuda.Event | None = None) -> None:
+        self._start_event, self._end_event = start_event, end_event
+        self._issued.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._issued.set()
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, []
+        end_s = time.perf_counter()
+        if self._error is None and self._bus is not None:
+            device_s = None
+            if self._start_event is not None and self._end_event is not None:
+                device_s = self._start_event.elapsed_time(self._end_event) / 1000.0
+            self._bus.publish(
+                TransferEvent(self.kind, self.key, self.src_tier, self.dst_tier, self.nbytes, self.start_s, end_s, device_s, threading.current_thread().name)
+            )
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("transfer completion callback failed for %s", self.key)
+
+    def __repr__(self) -> str:
+        state = "done" if self._finished else ("issued" if self._issued.is_set() else "pending")
+        return f"Handle({self.kind} {self.key} {self.nbytes:,} B {self.src_tier}->{self.dst_tier}, {state})"
+
+
+def done_handle(key: str, tier: str) -> Handle:
+    """A handle for work that needed no transfer (the copy was already where it was asked for)."""
+    handle = Handle("none", key, tier, tier, 0, None)
+    handle._set_issued()
+    handle._finish()
+    return handle
+
+
+class TransferEngine:
+    """Issues every copy: H2D / D2H on dedicated streams, file reads / writes on ``io_threads`` workers."""
+
+    def __init__(self, device: torch.device, io_threads: int = 4, bus: EventBus | None = None):
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.device = device
+        self.bus = bus or EventBus()
+        self.cuda = device.type == "cuda"
+        self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._io_pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierstore-io")
+        self._closed = False
+
+    # ---- host <-> device ----------------------------------------------------------------------------
+    def h2d(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None) -> Handle:
+        """Copy host src into device dst. ``after``: a transfer that must complete first (e.g. staging)."""
+        return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after)
+
+    def d2h(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None) -> Handle:
+        """Copy device src into host dst. The copy is ordered after the work queued so far on the current
+        stream (which produced src); src's memory is kept alive until the copy ends."""
+        return self._device_copy("d2h", key, "gpu", "host", src, dst, self.d2h_stream, after)
+
+    def _device_copy(self, kind: str, key: str, src_tier: str, dst_tier: str, src: torch.Tensor, dst: torch.Tensor,
+                     stream: torch.cuda.Stream | None, after: Handle | None) -> Handle:
+        if src.numel() != dst.numel() or src.dtype != dst.dtype:
+            raise ValueError(f"copy of {key}: src {src.dtype} x{src.numel()} does not match dst {dst.dtype} x{dst.numel()}")
+        handle = Handle(kind, key, src_tier, dst_tier, src.numel() * src.element_size(), self.bus)
+        producer = None
+        if stream is not None:
+            # Order after whatever the caller's stream queued so far: it produced src, or it last used the
+            # memory now handed to dst by the caching allocator.
+            producer = torch.cuda.current_stream(self.device).record_event()
+
+        def issue() -> None:
+            try:
+                if stream is None:
+                    dst.copy_(src)
+                    handle._set_issued()
+                    handle._finish()
+                    return
+                with torch.cuda.stream(stream):
+                    stream.wait_event(producer)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    dst.copy_(src, non_blocking=True)
+                    end.record(stream)
+                    # Neither buffer may be reused by the allocator before the side stream is done with it.
+                    for tensor in (src, dst):
+                        if tensor.is_cuda:
+                            tensor.record_stream(stream)
+                handle._set_issued(end, start)
+            except BaseException as exc:  # surfaces through wait()
+                handle._fail(exc)
+
+        if after is None or after.done() and after.error is None:
+            issue()
+        else:
+            def on_after(prev: Handle) -> None:
+                if prev.error is not None:
+                    handle._fail(prev.error)
+                else:
+                    issue()
+            after.add_done_callback(on_after)
+        return handle
+
+    # ---- host <-> file ------------------------------------------------------------------------------
+    def read(self, key: str, directory: NVMeDirectory, swap: SwapFile, dst: torch.Tensor) -> Handle:
+        """Read key's swap file into host dst (a uint8 buffer) on an IO worker; checksum verified."""
+        handle = Handle("read", key, "nvme", "host", swap.meta.nbytes, self.bus)
+        self._submit_io(handle, lambda: directory.read(swap, dst))
+        return handle
+
+    def write(self, key: str, directory: NVMeDirectory, swap: SwapFile, src: torch.Tensor, step: int = 0,
+              after: Handle | None = None, fsync: bool = False) -> Handle:
+        """Write host src (a uint8 buffer) to key's swap file on an IO worker, after ``after`` completes."""
+        handle = Handle("write", key, "host", "nvme", swap.meta.nbytes, self.bus)
+        job = lambda: directory.write(swap, src, step=step, fsync=fsync)  # noqa: E731
+        if after is None:
+            self._submit_io(handle, job)
+        else:
+            after.add_done_callback(lambda prev: handle._fail(prev.error) if prev.error else self._submit_io(handle, job))
+        return handle
+
+    def _submit_io(self, handle: Handle, job: Callable[[], int]) -> None:
+        if self._closed:
+            handle._fail(RuntimeError("transfer engine is closed"))
+            return
+
+        def run() -> None:
+            handle.start_s = time.perf_counter()  # time the IO itself, not the queueing
+            try:
+                moved = job()
+                if moved != handle.nbytes:
+                    raise RuntimeError(f"{handle.kind} of {handle.key} moved {moved} bytes, expected {handle.nbytes}")
+            except BaseException as exc:
+                handle._fail(exc)
+                return
+            handle._set_issued()
+            handle._finish()
+
+        handle._future = self._io_pool.submit(run)
+
+    def synchronize(self) -> None:
+        """Wait for every queued device copy (not file IO)."""
+        for stream in (self.h2d_stream, self.d2h_stream):
+            if stream is not None:
+                stream.synchronize()
+
+    def close(self) -> None:
+        """Finish queued IO and stop the workers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._io_pool.shutdown(wait=True)
+        self.synchronize()
