@@ -1,0 +1,230 @@
+"""``tierstore bench store``: the store's bandwidth on each path beside the raw ceiling measured in the same run.
+
+Paths: host->GPU and GPU->host (raw ceiling: a plain pinned ``copy_`` on one stream), NVMe->host and
+host->NVMe (raw ceiling: ``dd`` with direct IO where the file system takes it, buffered otherwise, on the
+same directory). Each path moves ``total_nbytes`` in ``transfer_nbytes`` pieces, all issued before the
+first wait, so the store may keep as many in flight as its queues allow.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tierstore import StoreConfig, TensorMeta, TierName, TierStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PathResult:
+    """One path's measurement: bytes moved, store seconds and raw-ceiling seconds."""
+
+    path: str
+    nbytes: int
+    store_s: float
+    raw_s: float
+    raw_method: str
+
+    @property
+    def store_gbps(self) -> float:
+        """Store bandwidth in GB/s (1e9 bytes)."""
+        return self.nbytes / self.store_s / 1e9
+
+    @property
+    def raw_gbps(self) -> float:
+        """Raw ceiling in GB/s."""
+        return self.nbytes / self.raw_s / 1e9
+
+    @property
+    def ratio(self) -> float:
+        """Store bandwidth over the raw ceiling."""
+        return self.raw_s / self.store_s
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready figures."""
+        return {**asdict(self), "store_gbps": self.store_gbps, "raw_gbps": self.raw_gbps, "ratio": self.ratio}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_of(repeats: int, run) -> float:  # type: ignore[no-untyped-def]
+    """The fastest of ``repeats`` timed runs (after the first, a warm-up): the ceiling each side can reach."""
+    run()
+    return min(run() for _ in range(repeats))
+
+
+def bench_pcie(store: TierStore, num_transfers: int, transfer_nbytes: int, repeats: int) -> list[PathResult]:
+    """host->GPU and GPU->host through the store, and a raw pinned copy_ of the same bytes."""
+    device = store.device
+    meta = TensorMeta(torch.uint8, transfer_nbytes)
+    keys = [f"bench.pcie.{i}" for i in range(num_transfers)]
+    for key in keys:
+        store.register(key, meta, TierName.HOST, init=torch.randint(0, 255, (transfer_nbytes,), dtype=torch.uint8))
+
+    def store_h2d() -> float:
+        for key in keys:
+            if store.state(key, TierName.GPU).value != "absent":
+                store.release(key, TierName.GPU)
+        _sync(device)
+        start = time.perf_counter()
+        handles = [store.fetch(key, TierName.GPU) for key in keys]
+        for handle in handles:
+            handle.wait()
+        return time.perf_counter() - start
+
+    def store_d2h() -> float:
+        for key in keys:
+            store.fetch(key, TierName.GPU).wait()
+            store.mark_dirty(key, TierName.GPU)
+        _sync(device)
+        start = time.perf_counter()
+        handles = [store.evict(key, TierName.GPU, TierName.HOST, release=False) for key in keys]
+        for handle in handles:
+            handle.wait()
+        return time.perf_counter() - start
+
+    h2d_s = _best_of(repeats, store_h2d)
+    d2h_s = _best_of(repeats, store_d2h)
+    # Raw ceiling: the same host buffers, one plain copy_ each, on one side stream.
+    hosts = [store.tensor(key, TierName.HOST) for key in keys]
+    gpus = [torch.empty(transfer_nbytes, dtype=torch.uint8, device=device) for _ in keys]
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def raw(to_device: bool) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.cuda.stream(stream) if stream is not None else _null():
+            for host, gpu in zip(hosts, gpus):
+                (gpu.copy_(host, non_blocking=True) if to_device else host.copy_(gpu, non_blocking=True))
+        _sync(device)
+        return time.perf_counter() - start
+
+    raw_h2d_s = _best_of(repeats, lambda: raw(True))
+    raw_d2h_s = _best_of(repeats, lambda: raw(False))
+    for key in keys:
+        store.unregister(key)
+    total = num_transfers * transfer_nbytes
+    method = "pinned copy_" if device.type == "cuda" else "host copy_ (no CUDA)"
+    return [
+        PathResult("host->gpu", total, h2d_s, raw_h2d_s, method),
+        PathResult("gpu->host", total, d2h_s, raw_d2h_s, method),
+    ]
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def bench_nvme(store: TierStore, num_transfers: int, transfer_nbytes: int, repeats: int) -> list[PathResult]:
+    """NVMe->host and host->NVMe through the store, and dd on the same directory."""
+    meta = TensorMeta(torch.uint8, transfer_nbytes)
+    keys = [f"bench.nvme.{i}" for i in range(num_transfers)]
+    for key in keys:
+        store.register(key, meta, TierName.NVME, init=torch.randint(0, 255, (transfer_nbytes,), dtype=torch.uint8))
+
+    def store_read() -> float:
+        for key in keys:
+            if store.state(key, TierName.HOST).value != "absent":
+                store.release(key, TierName.HOST)
+        start = time.perf_counter()
+        for handle in [store.fetch(key, TierName.HOST) for key in keys]:
+            handle.wait()
+        return time.perf_counter() - start
+
+    def store_write() -> float:
+        for key in keys:
+            store.fetch(key, TierName.HOST).wait()
+            store.mark_dirty(key, TierName.HOST)
+        start = time.perf_counter()
+        for handle in [store.evict(key, TierName.HOST, release=False) for key in keys]:
+            handle.wait()
+        return time.perf_counter() - start
+
+    read_s = _best_of(repeats, store_read)
+    write_s = _best_of(repeats, store_write)
+    for key in keys:
+        store.unregister(key)
+    directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+    direct = directory.io_mode == "direct"
+    raw_write_s, raw_read_s, method = _dd_ceiling(directory.path, num_transfers, transfer_nbytes, direct, repeats)
+    total = num_transfers * transfer_nbytes
+    return [
+        PathResult("nvme->host", total, read_s, raw_read_s, method),
+        PathResult("host->nvme", total, write_s, raw_write_s, method),
+    ]
+
+
+def _dd_ceiling(directory: Path, count: int, block_nbytes: int, direct: bool, repeats: int) -> tuple[float, float, str]:
+    """Sequential write then read of count x block_nbytes with dd (the OS's own path) in directory."""
+    dd = shutil.which("dd")
+    if dd is None:
+        raise RuntimeError("dd is not on PATH; the raw disk ceiling needs it")
+    target = directory / "bench.dd.raw"
+    flag_w = ["oflag=direct"] if direct else []
+    flag_r = ["iflag=direct"] if direct else []
+    bs = f"bs={block_nbytes}"
+
+    def write() -> float:
+        start = time.perf_counter()
+        subprocess.run([dd, "if=/dev/zero", f"of={target}", bs, f"count={count}", "conv=notrunc", *flag_w], check=True, capture_output=True)
+        return time.perf_counter() - start
+
+    def read() -> float:
+        start = time.perf_counter()
+        subprocess.run([dd, f"if={target}", "of=/dev/null", bs, f"count={count}", *flag_r], check=True, capture_output=True)
+        return time.perf_counter() - start
+
+    try:
+        write_s = _best_of(repeats, write)
+        read_s = _best_of(repeats, read)
+    finally:
+        target.unlink(missing_ok=True)
+    return write_s, read_s, "dd " + ("O_DIRECT" if direct else "buffered")
+
+
+def run_store_bench(nvme_dir: str | None, total_nbytes: int, transfer_nbytes: int, repeats: int = 3,
+                    io_threads: int = 4, device: str | None = None) -> list[PathResult]:
+    """Measure every path; returns one PathResult per path (NVMe paths only when nvme_dir is given)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    num_transfers = max(1, total_nbytes // transfer_nbytes)
+    host_nbytes = num_transfers * (transfer_nbytes + 4096) + (1 << 20)
+    tmp = None
+    if nvme_dir == "tmp":
+        tmp = tempfile.TemporaryDirectory(prefix="tierstore-bench-")
+        nvme_dir = tmp.name
+    config = StoreConfig(device=device, host_budget_nbytes=host_nbytes, nvme_path=nvme_dir,
+                         nvme_budget_nbytes=num_transfers * (transfer_nbytes + 8192) + (1 << 20), io_threads=io_threads,
+                         io_block_nbytes=min(transfer_nbytes, 64 << 20) // 4096 * 4096 or 4096)
+    results: list[PathResult] = []
+    try:
+        with TierStore(config) as store:
+            results += bench_pcie(store, num_transfers, transfer_nbytes, repeats)
+            if nvme_dir is not None:
+                results += bench_nvme(store, num_transfers, transfer_nbytes, repeats)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return results
+
+
+def format_store_table(results: list[PathResult], device_name: str) -> str:
+    """A fixed-width table of store vs raw bandwidth and their ratio."""
+    lines = [f"store bandwidth on {device_name}", f"{'path':<12}{'MiB':>8}{'store GB/s':>12}{'raw GB/s':>10}{'store/raw':>11}  raw ceiling"]
+    for r in results:
+        lines.append(f"{r.path:<12}{r.nbytes / 2**20:>8.0f}{r.store_gbps:>12.2f}{r.raw_gbps:>10.2f}{r.ratio:>11.2f}  {r.raw_method}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""The ``tierstore`` command: train, plan, profile, bench. The only module that prints (results for a person)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _size(text: str) -> int:
+    from runtime.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="tierstore", description="Offload training across GPU, pinned host memory and NVMe.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train the bundled example model with offload (embedded default config)")
+    train.add_argument("--config", type=Path, help="YAML config (default: the embedded one, through all three tiers)")
+    train.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
+    train.add_argument("--profile", type=Path, metavar="DIR", help="write a swap-traffic profile to DIR")
+    train.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints under DIR")
+    train.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N steps")
+    train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --checkpoint-dir")
+
+    plan = sub.add_parser("plan", help="show the memory plan of a config; refuses one that does not fit")
+    plan.add_argument("--config", type=Path, required=True)
+
+    profile = sub.add_parser("profile", help="report of a saved profile")
+    profile.add_argument("dir", type=Path)
+
+    bench = sub.add_parser("bench", help="benchmarks (store bandwidth; training against baselines)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    store = bench_sub.add_parser("store", help="store bandwidth on each path vs the raw ceiling, same run")
+    store.add_argument("--nvme-dir", help="directory for the NVMe paths ('tmp' for a temporary one; omit to skip)")
+    store.add_argument("--total", type=_size, default=1 << 30, help="bytes per path (default 1GiB)")
+    store.add_argument("--transfer", type=_size, default=64 << 20, help="bytes per transfer (default 64MiB)")
+    store.add_argument("--repeats", type=int, default=3, help="timed repeats per path; the best is kept")
+    store.add_argument("--io-threads", type=int, default=4)
+    store.add_argument("--json", type=Path, help="also write the results as JSON here")
+
+    btrain = bench_sub.add_parser("train", help="training step time against the bound and baselines")
+    btrain.add_argument("--preset", default="1.35b", help="model preset (1.35b, tiny)")
+    btrain.add_argument("--rows", default="all", help="comma-separated rows to run")
+    btrain.add_argument("--steps", type=int, default=6)
+    btrain.add_argument("--json", type=Path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tierstore`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "bench" and args.bench_command == "store":
+            return _bench_store(args)
+        if args.command == "bench" and args.bench_command == "train":
+            from runtime.bench.train_bench import main as bench_train_main
+
+            return bench_train_main(args)
+        if args.command == "train":
+            from runtime.train import main as train_main
+
+            return train_main(args)
+        if args.command == "plan":
+            from runtime.plan import main as plan_main
+
+            return plan_main(args)
+        if args.command == "profile":
+            from runtime.profiler import main as profile_main
+
+            return profile_main(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a person reads this: one line, then the details at debug level
+        from runtime.config import ConfigError
+        from tierstore import TierStoreError
+
+        if isinstance(exc, (ConfigError, TierStoreError, FileNotFoundError, ValueError)):
+            log.debug("details", exc_info=True)
+            print(f"tierstore: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 1
+
+
+def _bench_store(args: argparse.Namespace) -> int:
+    import torch
+
+    from runtime.bench.store_bench import format_store_table, run_store_bench
+
+    results = run_store_bench(args.nvme_dir, args.total, args.transfer, args.repeats, args.io_threads)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)"
+    print(format_store_table(results, name))
+    if args.json:
+        args.json.write_text(json.dumps({"device": name, "results": [r.as_dict() for r in results]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
