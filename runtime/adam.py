@@ -1,0 +1,63 @@
+"""AdamW over a block's flat fp32 buffers, with torch's fused kernel (CPU or CUDA).
+
+The kernel is called on per-parameter views of the flat buffers, with one step counter per parameter:
+exactly the tensor list ``torch.optim.AdamW(fused=True)`` sees, so results are bit-identical to it in fp32
+(and a parameter that got no gradient keeps its own step count, as in the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """AdamW hyper-parameters (torch.optim.AdamW's meaning)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+def split_views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive 1-D views of flat with the given element counts."""
+    views, offset = [], 0
+    for size in sizes:
+        views.append(flat[offset : offset + size])
+        offset += size
+    return views
+
+
+def adamw_update(
+    master: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: list[torch.Tensor],
+    exp_avg_sq: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hyper: AdamWHyper,
+    lr: float | None = None,
+) -> None:
+    """One AdamW step in place on parallel lists of views (all fp32, same device). Increments steps."""
+    if not master:
+        return
+    for step in steps:
+        step += 1  # the reference increments before the update
+    torch._fused_adamw_(
+        master,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        [],
+        steps,
+        lr=hyper.lr if lr is None else lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
+    )

@@ -1,0 +1,175 @@
+"""``offload(model, config)``: the one call that turns an ordinary nn.Module into an offloaded one."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from runtime.adam import AdamWHyper
+from runtime.blocks import Block, build_blocks
+from runtime.config import TierstoreConfig, load_config
+from runtime.controller import Controller, RuntimeOptions
+from runtime.hooks import HookSet
+from runtime.optimizer import OffloadAdamW
+from runtime.plan import MemoryPlan, check_plan, make_plan
+from runtime.weights import WeightSource
+from tierstore import StoreConfig, TierName, TierStore
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class OffloadSession:
+    """Everything ``offload`` built, for the caller that wants to inspect or shut it down."""
+
+    config: TierstoreConfig
+    blocks: list[Block]
+    store: TierStore
+    controller: Controller
+    hooks: HookSet
+    plan: MemoryPlan
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name (CPU tensors), after every committed update."""
+        self.controller.synchronize()
+        out: dict[str, torch.Tensor] = {}
+        for block in self.blocks:
+            flat = self.controller.master_tensor(block)
+            for slot in block.slots:
+                out[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        return out
+
+    def close(self) -> None:
+        """Finish updates, take the hooks off, free every tier and delete swap files."""
+        self.controller.close()
+        self.hooks.remove()
+        self.store.close()
+
+
+def resolve_device(config: TierstoreConfig) -> torch.device:
+    """The compute device the config asks for (auto: CUDA when available)."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda, but CUDA is not available here; use device: auto or cpu")
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_homes(config: TierstoreConfig, device: torch.device) -> tuple[dict[str, TierName], WeightSource]:
+    """Home tier of each kind of state, and where compute weights are fetched from."""
+    placement = config.placement
+    nvme = config.tiers.nvme.path is not None
+
+    def pick(value: str, kind: str) -> TierName:
+        if value == "auto":
+            return TierName.HOST
+        if value == "gpu":
+            raise ValueError(f"placement.{kind}: gpu is not supported for optimizer state yet; use host or nvme")
+        if value == "nvme" and not nvme:
+            raise ValueError(f"placement.{kind}: nvme needs tiers.nvme.path")
+        return TierName(value)
+
+    homes = {"master": pick(placement.master, "master"), "exp_avg": pick(placement.moments, "moments"),
+             "exp_avg_sq": pick(placement.moments, "moments"), "grad": TierName.HOST}
+    weights = placement.weights
+    if weights == "gpu":
+        source = WeightSource.RESIDENT
+    elif weights == "nvme":
+        raise ValueError("placement.weights: nvme is not supported yet; use host (bf16 weights in pinned memory) or gpu")
+    elif homes["master"] is TierName.HOST:
+        source = WeightSource.MASTER  # fetch the fp32 master itself and cast on the GPU: no extra host copy
+    else:
+        source = WeightSource.WEIGHTS
+    homes["weights"] = TierName.HOST
+    return homes, source
+
+
+def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+            record_intervals: bool = False) -> tuple[nn.Module, OffloadAdamW]:
+    """Offload model's training state to the tiers the config describes.
+
+    Returns the same model (hooked; its parameters now views into per-block buffers on the compute device)
+    and an AdamW optimizer whose state lives in the store. The session (store, controller, plan) is
+    ``optimizer.session``; call ``optimizer.session.close()`` when done.
+    """
+    cfg = config if isinstance(config, TierstoreConfig) else load_config(config)
+    device = resolve_device(cfg)
+    dtype = DTYPES[cfg.dtype]
+    if dtype is torch.float16 and device.type == "cpu":
+        log.warning("fp16 compute on the CPU is slow; it is meant for tests")
+    blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
+    if not blocks:
+        raise ValueError("the model has no trainable parameters to offload")
+    homes, source = resolve_homes(cfg, device)
+    plan = make_plan([b.numel for b in blocks], {k: v.value for k, v in homes.items()}, source.value,
+                     torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth, cfg.optimizer.accumulation_steps)
+    gpu_budget = _gpu_budget(cfg, device)
+    host_budget = plan.host_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
+    check_plan(plan, gpu_budget if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
+    if host_budget < plan.host_nbytes:
+        raise ValueError(f"tiers.host.budget is {host_budget:,} bytes but the plan needs {plan.host_nbytes:,}; "
+                         f"raise it or use auto\n{plan.table()}")
+    log.info("%s", plan.table())
+    # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
+    offloaded = {id(slot.param) for b in blocks for slot in b.slots}
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in offloaded:
+                p.data = p.data.to(device)
+    pin = None if cfg.tiers.host.pin == "auto" else bool(cfg.tiers.host.pin)
+    direct = cfg.tiers.nvme.direct_io
+    direct = {True: "on", False: "off"}.get(direct, direct)  # type: ignore[arg-type]
+    store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=gpu_budget, host_budget_nbytes=host_budget,
+                                  pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
+                                  nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
+                                  io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
+    try:
+        options = _options(cfg, dtype, source, homes, record_intervals)
+        controller = Controller(model, blocks, store, options)
+        hooks = HookSet(model, blocks, controller)
+    except BaseException:
+        store.close()
+        raise
+    optimizer = OffloadAdamW([slot.param for b in blocks for slot in b.slots], controller)
+    optimizer.session = OffloadSession(cfg, blocks, store, controller, hooks, plan)  # type: ignore[attr-defined]
+    return model, optimizer
+
+
+def _gpu_budget(cfg: TierstoreConfig, device: torch.device) -> int:
+    if cfg.tiers.gpu.budget != "auto":
+        return int(cfg.tiers.gpu.budget)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return 1 << 62  # the CPU stands in for the GPU: host memory is planned separately
+
+
+def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, homes: dict[str, TierName],
+             record_intervals: bool) -> RuntimeOptions:
+    opt = cfg.optimizer
+    threads = opt.cpu_threads
+    if threads == "auto":
+        threads = max(1, (os.cpu_count() or 2) - (1 if torch.cuda.is_available() else 0))
+    loss_scale = None
+    if cfg.dtype == "fp16":
+        ls = opt.loss_scale
+        loss_scale = {"initial": ls.initial, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
+                      "growth_interval": ls.growth_interval}
+    if opt.overlap != "exact":
+        raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
+    return RuntimeOptions(
+        compute_dtype=dtype, weight_source=source, homes=homes,
+        hyper=AdamWHyper(lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay),
+        grad_clip=opt.grad_clip, accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
+        prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=int(threads),
+        record_intervals=record_intervals)

@@ -1,0 +1,436 @@
+"""The tierstore config schema: frozen dataclasses whose fields carry their own validation spec.
+
+Every leaf field stores ``metadata={"doc": ..., "spec": <Spec>}``; every nested section stores
+``metadata={"doc": ..., "section": <dataclass>}``. :mod:`runtime.config` walks this metadata to
+validate user input, to dump a config and to generate ``docs/config.md``, so a field is declared
+exactly once, here. Nothing in this module reads YAML or touches the file system.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from runtime.units import (
+    BoolSpec,
+    ChoiceSpec,
+    FloatListSpec,
+    FloatSpec,
+    IntSpec,
+    PathSpec,
+    PatternListSpec,
+    SizeSpec,
+    Spec,
+    describe_value,
+)
+
+__all__ = [
+    "REFERENCE_INTRO",
+    "BlocksConfig",
+    "GpuTierConfig",
+    "HostTierConfig",
+    "LossScaleConfig",
+    "ModelConfig",
+    "NvmeTierConfig",
+    "OptimizerConfig",
+    "PlacementConfig",
+    "PrefetchConfig",
+    "ProfileConfig",
+    "TiersConfig",
+    "TierstoreConfig",
+    "TrainConfig",
+    "Problem",
+    "consistency_problems",
+    "join_path",
+    "reference_tables",
+    "schema_paths",
+    "unknown_key_message",
+]
+
+
+def _leaf(spec: Spec, default: object, doc: str, example: object = None) -> Any:
+    """Declare a leaf field: its spec, default and doc (and an example for error hints)."""
+    return field(default=default, metadata={"doc": doc, "spec": spec, "example": example})
+
+
+def _section(cls: type, doc: str) -> Any:
+    """Declare a nested section field whose default is the section with all its defaults."""
+    return field(default_factory=cls, metadata={"doc": doc, "section": cls})
+
+
+_TIER = ("gpu", "host", "nvme", "auto")
+
+
+@dataclass(frozen=True)
+class GpuTierConfig:
+    """The GPU tier: device memory the runtime may use for weights, gradients and states."""
+
+    budget: int | Literal["auto"] = _leaf(
+        SizeSpec(min_nbytes=1, auto=True), "auto",
+        "Bytes of device memory tierstore may hold. `auto`: 90% of the device memory free at "
+        "start.", "20GiB")
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    """The host tier: one pinned arena, allocated once at start."""
+
+    budget: int | Literal["auto"] = _leaf(
+        SizeSpec(min_nbytes=1, auto=True), "auto",
+        "Size of the pinned host arena. `auto`: sized by the memory plan.", "64GiB")
+    pin: bool | Literal["auto"] = _leaf(
+        BoolSpec(auto=True), "auto",
+        "Pin (page-lock) the arena so copies run at full PCIe speed. `auto`: pin when CUDA is "
+        "present.")
+
+
+@dataclass(frozen=True)
+class NvmeTierConfig:
+    """The NVMe tier: swap files in one directory, read and written in large blocks."""
+
+    path: str | None = _leaf(
+        PathSpec(nullable=True), None,
+        "Directory for swap files; null disables the NVMe tier. `tmp` means a fresh temporary "
+        "directory. Must exist, be writable, and not be world-writable without the sticky bit.",
+        "/mnt/nvme/tierstore")
+    budget: int = _leaf(SizeSpec(min_nbytes=1), 64 * 2**30,
+                        "Most bytes of swap files tierstore may write.")
+    io_threads: int = _leaf(IntSpec(min=1, max=64), 4, "Threads issuing file reads and writes.")
+    block_size: int = _leaf(
+        SizeSpec(min_nbytes=4096, max_nbytes=2**30, multiple_of=4096), 64 * 2**20,
+        "Largest single read or write. A multiple of 4096 so O_DIRECT can use it; at most 1GiB "
+        "because Linux moves at most about 2GiB per call.")
+    direct_io: str = _leaf(
+        ChoiceSpec(choices=("auto", "on", "off"), bool_aliases=("on", "off")), "auto",
+        "Bypass the page cache. `auto`: probe O_DIRECT and fall back to buffered IO where the "
+        "file system refuses it; `on`: fail if it is refused. true/false mean on/off.")
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """Budgets and settings of the three memory tiers."""
+
+    gpu: GpuTierConfig = _section(GpuTierConfig, "GPU memory.")
+    host: HostTierConfig = _section(HostTierConfig, "Pinned host memory.")
+    nvme: NvmeTierConfig = _section(NvmeTierConfig, "NVMe swap files.")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where each kind of training state lives between uses."""
+
+    weights: str = _leaf(ChoiceSpec(choices=_TIER), "host",
+                         "Compute-dtype weights. `auto`: the fastest tier with room.")
+    gradients: str = _leaf(
+        ChoiceSpec(choices=("gpu", "host"),
+                   note="Gradients are produced on the GPU and consumed by the CPU optimizer, "
+                        "so they never go to NVMe."), "host",
+        "Gradients, moved off the GPU block by block as backward completes them.")
+    master: str = _leaf(ChoiceSpec(choices=_TIER), "host", "fp32 master weights.")
+    moments: str = _leaf(ChoiceSpec(choices=_TIER), "host", "Adam first and second moments.")
+
+
+@dataclass(frozen=True)
+class BlocksConfig:
+    """How parameters are grouped into blocks, the unit of every transfer."""
+
+    min_block_size: int = _leaf(
+        SizeSpec(min_nbytes=1), 16 * 2**20,
+        "When no repeated layer is found, modules holding at least this many bytes of "
+        "parameters form a block.")
+    modules: tuple[str, ...] | None = _leaf(
+        PatternListSpec(nullable=True), None,
+        "Module-name glob patterns (e.g. `model.layers.*`), one block per match, overriding the "
+        "automatic grouping. null: automatic.", ["model.layers.*"])
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """How far ahead of the compute weights are fetched."""
+
+    budget: int = _leaf(SizeSpec(), 2 * 2**30,
+                        "Bytes of weights that may be in flight ahead of the compute.")
+    depth: int = _leaf(IntSpec(min=0, max=64), 2, "Blocks fetched ahead; 0 disables prefetch.")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling; used only when `dtype` is `fp16`."""
+
+    initial: float = _leaf(FloatSpec(min=0.0, min_open=True), 65536.0, "Starting loss scale.")
+    growth_factor: float = _leaf(FloatSpec(min=1.0, min_open=True), 2.0,
+                                 "Factor applied after `growth_interval` steps without overflow.")
+    backoff_factor: float = _leaf(FloatSpec(min=0.0, max=1.0, min_open=True, max_open=True), 0.5,
+                                  "Factor applied when a step overflows (the step is skipped).")
+    growth_interval: int = _leaf(IntSpec(min=1), 2000,
+                                 "Overflow-free steps before the scale grows.")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, run on the CPU over each block's fp32 shard while the GPU keeps computing."""
+
+    lr: float = _leaf(FloatSpec(min=0.0, min_open=True), 1e-3, "Learning rate.")
+    betas: tuple[float, float] = _leaf(
+        FloatListSpec(length=2, item=FloatSpec(min=0.0, max=1.0, max_open=True)), (0.9, 0.999),
+        "Adam coefficients for the running averages of the gradient and its square.",
+        [0.9, 0.999])
+    eps: float = _leaf(FloatSpec(min=0.0, min_open=True), 1e-8,
+                       "Added to the denominator for numerical stability.")
+    weight_decay: float = _leaf(FloatSpec(min=0.0), 0.01, "Decoupled weight decay.")
+    grad_clip: float | None = _leaf(FloatSpec(min=0.0, min_open=True, nullable=True), 1.0,
+                                    "Global gradient-norm clipping threshold; null: no clipping.")
+    accumulation_steps: int = _leaf(IntSpec(min=1), 1,
+                                    "Micro-batches whose gradients are summed per update.")
+    overlap: str = _leaf(
+        ChoiceSpec(choices=("exact", "delayed")), "exact",
+        "`exact`: results equal a plain PyTorch AdamW loop. `delayed`: opt-in one-step-delayed "
+        "update, which overlaps more but changes the training semantics.")
+    cpu_threads: int | Literal["auto"] = _leaf(
+        IntSpec(min=1, auto=True), "auto",
+        "Threads of the CPU optimizer. `auto`: all cores but the ones the GPU launcher needs.", 14)
+    gpu_update_fraction: float = _leaf(
+        FloatSpec(min=0.0, max=1.0), 0.0,
+        "Fraction of blocks (the first ones, whose updates the CPU cannot hide) updated on the "
+        "GPU when it has room.", 0.25)
+    loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Recording of transfers and timings."""
+
+    dir: str | None = _leaf(PathSpec(nullable=True), None,
+                            "Directory to write the profile to; null: no profile.", "profile")
+    trace: bool = _leaf(BoolSpec(), True, "Write a Chrome trace (chrome://tracing, Perfetto).")
+    plot: bool = _leaf(BoolSpec(), False, "Write plots (needs matplotlib).")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the bundled example model trained by `tierstore train`."""
+
+    vocab_size: int = _leaf(IntSpec(min=1), 256, "Vocabulary size (256: bytes).")
+    hidden_size: int = _leaf(IntSpec(min=1), 256, "Width; must be divisible by `num_heads`.")
+    num_layers: int = _leaf(IntSpec(min=1), 4, "Transformer layers.")
+    num_heads: int = _leaf(IntSpec(min=1), 4, "Attention heads.")
+    ffn_size: int = _leaf(IntSpec(min=1), 688, "Hidden size of the feed-forward layers.")
+    max_seq_len: int = _leaf(IntSpec(min=1), 1024,
+                             "Longest sequence; must be >= `train.seq_len`.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of the `tierstore train` command on the bundled example model."""
+
+    steps: int = _leaf(IntSpec(min=1), 50, "Optimizer steps to run.")
+    batch_size: int = _leaf(IntSpec(min=1), 8, "Sequences per micro-batch.")
+    seq_len: int = _leaf(IntSpec(min=8), 256, "Tokens per sequence.")
+    log_every: int = _leaf(IntSpec(min=1), 10, "Log the loss every this many steps.")
+    model: ModelConfig = _section(ModelConfig, "The example model's shape.")
+    checkpoint_dir: str | None = _leaf(
+        PathSpec(nullable=True), None,
+        "Directory for checkpoints; null: none. Must not contain, or lie inside, "
+        "`tiers.nvme.path`.", "checkpoints")
+    save_every: int = _leaf(IntSpec(min=0), 0,
+                            "Save a checkpoint every this many steps; 0: only at the end "
+                            "(if `checkpoint_dir` is set). Needs `checkpoint_dir` when > 0.", 100)
+    keep_last: int = _leaf(IntSpec(min=1), 3, "Checkpoints kept; older ones are deleted.")
+
+
+@dataclass(frozen=True)
+class TierstoreConfig:
+    """The whole tierstore configuration; build it with :func:`runtime.config.load_config`."""
+
+    device: str = _leaf(ChoiceSpec(choices=("auto", "cuda", "cpu")), "auto",
+                        "Compute device. `auto`: cuda if available, else cpu.")
+    dtype: str = _leaf(ChoiceSpec(choices=("bf16", "fp16", "fp32")), "bf16",
+                       "Compute dtype of weights and activations on the device.")
+    seed: int = _leaf(IntSpec(min=0, max=2**64 - 1), 0, "Random seed.")
+    tiers: TiersConfig = _section(TiersConfig, "Memory tiers.")
+    placement: PlacementConfig = _section(PlacementConfig, "Where each state lives.")
+    blocks: BlocksConfig = _section(BlocksConfig, "Grouping of parameters into blocks.")
+    prefetch: PrefetchConfig = _section(PrefetchConfig, "Prefetch of weights.")
+    optimizer: OptimizerConfig = _section(OptimizerConfig, "The CPU AdamW optimizer.")
+    profile: ProfileConfig = _section(ProfileConfig, "Profiling.")
+    train: TrainConfig = _section(TrainConfig, "The `tierstore train` command.")
+
+
+# --------------------------------------------------------------------------------------------
+# Schema-level rules and introspection (pure: no YAML, no file system).
+
+def join_path(path: str, key: str) -> str:
+    """Return the dotted YAML path of ``key`` inside the section at ``path`` ("" = top level).
+
+    A key that is empty or holds a dot or whitespace is shown quoted, so the path stays readable.
+    """
+    if not key or any(c == "." or c.isspace() for c in key):
+        key = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return key if path in ("", "<root>") else f"{path}.{key}"
+
+
+def schema_paths(cls: type = TierstoreConfig, prefix: str = "") -> list[str]:
+    """Return every dotted key path of the schema below ``cls``, sections included."""
+    paths = []
+    for f in fields(cls):
+        sub = join_path(prefix, f.name)
+        paths.append(sub)
+        if "section" in f.metadata:
+            paths.extend(schema_paths(f.metadata["section"], sub))
+    return paths
+
+
+def unknown_key_message(key: object, cls: type, path: str) -> str:
+    """Explain why ``key`` is not allowed in section ``cls`` at ``path``, with a suggestion."""
+    names = [f.name for f in fields(cls)]
+    allowed = f" Keys allowed {'here' if path else 'at the top level'}: {', '.join(names)}."
+    if not isinstance(key, str):
+        return f"keys must be names, got {describe_value(key)}.{allowed}"
+    if key == "<<":
+        return "YAML merge keys (`<<`) are not supported; write the keys out." + allowed
+    close = [n for n in names if n.lower() == key.lower()]
+    close = close or difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key `{key}`; did you mean `{close[0]}`?{allowed}"
+    # A key written in the wrong section is a common slip: point at where it lives.
+    elsewhere = [p for p in schema_paths() if p.rsplit(".", 1)[-1] == key]
+    if elsewhere:
+        return f"unknown key `{key}` here; it belongs at `{elsewhere[0]}`.{allowed}"
+    return f"unknown key `{key}`.{allowed}"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Settings that are valid one by one but contradict each other.
+
+    Attributes:
+        kind: the :class:`runtime.config.ConfigError` kind.
+        path: the YAML path the error is reported at.
+        message: what is wrong and what to change.
+        line_paths: other paths whose line locates the problem when ``path`` was not written.
+    """
+
+    kind: str
+    path: str
+    message: str
+    line_paths: tuple[str, ...] = ()
+
+
+def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
+    """Return the contradictions between settings of ``cfg``, in a fixed order (empty: none)."""
+    problems = []
+    nvme = cfg.tiers.nvme
+    for kind in ("weights", "master", "moments"):
+        if getattr(cfg.placement, kind) == "nvme" and nvme.path is None:
+            problems.append(Problem(
+                "missing_key", "tiers.nvme.path",
+                f"placement.{kind} is `nvme` but tiers.nvme.path is not set (null disables the "
+                "NVMe tier). Set `path:` under tiers.nvme to a directory (or `tmp` for a "
+                f"temporary one), or place {kind} on `host`.", (f"placement.{kind}",)))
+    if nvme.block_size > nvme.budget:
+        problems.append(Problem(
+            "bad_value", "tiers.nvme.block_size",
+            f"block_size ({nvme.block_size} bytes) is larger than the NVMe budget "
+            f"({nvme.budget} bytes); lower block_size or raise tiers.nvme.budget.",
+            ("tiers.nvme.budget",)))
+    model = cfg.train.model
+    if model.hidden_size % model.num_heads:
+        nearest = model.num_heads * max(1, round(model.hidden_size / model.num_heads))
+        problems.append(Problem(
+            "bad_value", "train.model.hidden_size",
+            f"hidden_size {model.hidden_size} is not divisible by num_heads {model.num_heads}; "
+            f"pick e.g. hidden_size {nearest}.", ("train.model.num_heads",)))
+    if cfg.train.seq_len > model.max_seq_len:
+        problems.append(Problem(
+            "out_of_range", "train.seq_len",
+            f"seq_len {cfg.train.seq_len} is longer than train.model.max_seq_len "
+            f"{model.max_seq_len}; lower seq_len or raise max_seq_len.",
+            ("train.model.max_seq_len",)))
+    if cfg.train.save_every > 0 and cfg.train.checkpoint_dir is None:
+        problems.append(Problem(
+            "missing_key", "train.checkpoint_dir",
+            f"train.save_every is {cfg.train.save_every} but train.checkpoint_dir is not set, "
+            "so no checkpoint would be saved. Set `checkpoint_dir:` or write `save_every: 0`.",
+            ("train.save_every",)))
+    return problems
+
+
+#: Opening of docs/config.md: how values are read, independent of any one field.
+REFERENCE_INTRO = """\
+# Configuration reference
+
+<!-- Generated from runtime/config_schema.py by runtime.config.config_reference_markdown();
+     do not edit by hand (a test checks that this file matches). -->
+
+A tierstore config is a YAML file read by `runtime.load_config(path)` (a dict is accepted too).
+Every key is optional; a missing key takes the default below. The loader is strict: an unknown
+or duplicate key, a value of the wrong type or out of range, or settings that contradict each
+other are refused with the file, line and key path, e.g.
+
+```
+tiers.yaml:12: tiers.nvme.io_threads: expected an integer in 1..64, got 0.
+  Write e.g. `io_threads: 4`.
+```
+
+How values are read:
+
+- YAML 1.2 rules: only `true` and `false` are booleans (`on`, `off`, `yes`, `no` are text);
+  `1e-3` is a number; `010` is ten.
+- Numbers: an integer is accepted where a number is wanted, never the other way round. `1e8` or
+  `100.0` in an integer field is refused with the exact integer to write instead.
+- Sizes: an integer of bytes or a number with a unit, e.g. `512MiB`, `1.5GB`, `64 KiB`, `1e9`.
+  Units: B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024), case
+  ignored. `K`, `M`, `G` alone are refused as ambiguous. Fractions of a byte are rounded.
+- Paths: a leading `~` is expanded; relative paths are relative to the working directory.
+  `tiers.nvme.path: tmp` means a fresh temporary directory (write `./tmp` for a directory
+  named tmp).
+- A section written with nothing under it (e.g. every line commented out) takes its defaults.
+  An empty file is refused; write `{}` for all defaults.
+- `null` is accepted only where the table says so.
+- Placing weights, master or moments on `nvme` requires `tiers.nvme.path`. When it names a
+  directory, the directory must exist, be writable, not be world-writable without the sticky
+  bit, and not overlap `train.checkpoint_dir`.
+"""
+
+
+def _md_cell(text: str) -> str:
+    # A "|" would end the table cell.
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _reference_sections(cls: type, path: str, out: list[str],
+                        render: Callable[[object], str]) -> None:
+    title = f"`{path}`" if path else "Top level"
+    out.append(f"\n## {title}\n\n{cls.__doc__}\n")
+    out.append("| key | accepts | default | meaning |\n|---|---|---|---|")
+    subsections = []
+    for f in fields(cls):
+        doc = f.metadata["doc"]
+        if "section" in f.metadata:
+            sub = join_path(path, f.name)
+            anchor = sub.replace(".", "")
+            out.append(f"| `{f.name}` | section | | {_md_cell(doc)} See [`{sub}`](#{anchor}). |")
+            subsections.append((f.metadata["section"], sub))
+            continue
+        spec: Spec = f.metadata["spec"]
+        accepts = spec.describe()
+        if spec.nullable and not accepts.endswith("or null"):
+            accepts += " or null"
+        default = "null" if f.default is None else render(spec.to_plain(f.default))
+        out.append(f"| `{f.name}` | {_md_cell(accepts)} | `{_md_cell(default)}` | "
+                   f"{_md_cell(doc)} |")
+    for section, sub in subsections:
+        _reference_sections(section, sub, out, render)
+
+
+def reference_tables(render: Callable[[object], str]) -> list[str]:
+    """Return the Markdown tables of every section, in schema order.
+
+    Args:
+        render: writes a default value (plain data) as it would appear in YAML.
+    """
+    out: list[str] = []
+    _reference_sections(TierstoreConfig, "", out, render)
+    return out

@@ -1,0 +1,323 @@
+"""The offload runtime's controller: what happens at each hook, in one place.
+
+It owns the store, the blocks, the weight manager, the prefetch schedule and the update worker, and keeps
+the step bookkeeping (micro-batches, committed optimizer steps, the fp16 loss scale, clipping norms).
+``runtime.hooks`` calls into it; ``runtime.optimizer`` drives ``step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from runtime.adam import AdamWHyper, split_views
+from runtime.blocks import Block
+from runtime.overlap import UpdateJob, UpdateWorker
+from runtime.schedule import PrefetchSchedule
+from runtime.weights import WeightManager, WeightSource
+from tierstore import CapacityError, TensorMeta, TierName, TierStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What the controller needs from the config, resolved (no 'auto' left)."""
+
+    compute_dtype: torch.dtype
+    weight_source: WeightSource
+    homes: dict[str, TierName]  # kind -> home tier: master, exp_avg, exp_avg_sq, grad, weights
+    hyper: AdamWHyper
+    grad_clip: float | None
+    accumulation_steps: int
+    prefetch_depth: int
+    prefetch_budget_nbytes: int
+    loss_scale: dict[str, float] | None  # initial, growth_factor, backoff_factor, growth_interval (fp16)
+    cpu_threads: int
+    record_intervals: bool = False
+
+
+@dataclass
+class StepStats:
+    """Counters of the step in progress / the last step, for logs and the profiler."""
+
+    wait_update_s: float = 0.0  # host time blocked on the worker (an update not yet done)
+    wait_fetch_s: float = 0.0  # host time blocked on weight fetches issued on demand
+    backward_end_s: float = 0.0  # perf_counter at the end of the last backward
+    skipped_steps: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+
+
+class Controller:
+    """Drives fetch / release / gradient offload / update for one model."""
+
+    def __init__(self, model: nn.Module, blocks: list[Block], store: TierStore, options: RuntimeOptions):
+        self.model = model
+        self.blocks = blocks
+        self.store = store
+        self.options = options
+        self.device = store.device
+        self._register_state(options)
+        self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source)
+        if options.weight_source is WeightSource.RESIDENT:
+            for block in blocks:
+                self.weights.load_resident(block.index)
+        self.schedule = PrefetchSchedule(options.prefetch_depth, options.prefetch_budget_nbytes, self.weights.nbytes)
+        torch.set_num_threads(options.cpu_threads)
+        self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals)
+        self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
+        self.lr_source: Callable[[], float] = lambda: options.hyper.lr  # the optimizer's param_groups[0]["lr"]
+        self.optimizer_step = 0  # committed optimizer steps
+        self.micro = 0  # backward passes since the last committed step
+        self._update_pending = False  # the last micro-batch's backward ran; step() not yet called
+        self._grad_counts = [0] * len(blocks)
+        self._in_backward_use = [False] * len(blocks)
+        self._backward_active = False
+        self._deferred_jobs: list[UpdateJob] = []
+        self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient norm (clipping)
+        self.stats = StepStats()
+        self.scaler: _LossScaler | None = None
+        if options.loss_scale is not None:
+            self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    def _register_state(self, options: RuntimeOptions) -> None:
+        """Register every block's master (from the model's current values), moments, host gradient and
+        compute-dtype weights copy (when that is the weight source) in the store."""
+        homes = options.homes
+        for block in self.blocks:
+            master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
+            f32 = TensorMeta(torch.float32, block.numel)
+            self.store.register(block.key("master"), f32, homes["master"], init=master)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                self._register_zeros(block.key(kind), f32, homes[kind])
+            self._register_zeros(block.key("grad"), f32, TierName.HOST)
+            if options.weight_source is WeightSource.WEIGHTS:
+                weights = master.to(options.compute_dtype)
+                self.store.register(block.key("weights"), TensorMeta(options.compute_dtype, block.numel), homes["weights"], init=weights)
+
+    def _register_zeros(self, key: str, meta: TensorMeta, home: TierName) -> None:
+        if home is TierName.NVME:
+            self.store.register(key, meta, home, init=torch.zeros(meta.numel, dtype=meta.dtype))
+        else:
+            self.store.register(key, meta, home)
+            self.store.tensor(key, home).zero_()
+
+    # ---- forward -------------------------------------------------------------------------------------
+    @property
+    def last_micro(self) -> bool:
+        """True when the backward in progress (or next) is the last before an optimizer step."""
+        return self.micro == self.options.accumulation_steps - 1
+
+    def on_step_begin(self) -> None:
+        """The model's forward starts: close the previous trace and open one for this signature."""
+        if self._update_pending:
+            raise RuntimeError(
+                "the model ran forward after the last micro-batch's backward without optimizer.step(): call "
+                f"optimizer.step() after every {self.options.accumulation_steps} backward pass(es) "
+                "(optimizer.accumulation_steps in the config)"
+            )
+        signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
+        self.schedule.begin(signature)
+
+    def acquire(self, indices: list[int], phase: str) -> None:
+        """Blocks are about to be used: record the use, wait for their update and weights, prefetch ahead."""
+        for index in indices:
+            self.schedule.observe(index, phase)
+            self._ready(index)
+            self.weights.states[index].users += 1
+        self._prefetch()
+
+    def release_after_forward(self, indices: list[int]) -> None:
+        """A module's forward ended: drop the weights unless the schedule needs them again soon."""
+        for index in indices:
+            state = self.weights.states[index]
+            state.users -= 1
+            if state.users == 0 and not self._in_backward_use[index] and not self.schedule.needed_within(index, self.options.prefetch_depth + 1):
+                self.weights.release(index)
+
+    def _ready(self, index: int) -> None:
+        t0 = time.perf_counter()
+        self.stats.wait_update_s += self.worker.wait_updated(index, self.optimizer_step)
+        if self.options.weight_source is WeightSource.RESIDENT:
+            self.weights.wait_refresh(index)
+            self.schedule.record_fetch(True)
+            return
+        t1 = time.perf_counter()
+        hit = self.weights.wait(index)
+        self.stats.wait_fetch_s += time.perf_counter() - t1 if not hit else 0.0
+        self.schedule.record_fetch(hit)
+        del t0
+
+    def _prefetch(self) -> None:
+        if self.options.weight_source is WeightSource.RESIDENT:
+            return
+        for index in self.schedule.upcoming():
+            if self.weights.is_fetched(index) or not self.worker.is_updated(index, self.optimizer_step):
+                continue
+            try:
+                self.weights.fetch(index, prefetch=True)
+            except CapacityError:
+                return  # the GPU budget is full: fetch on demand later
+
+    # ---- backward ------------------------------------------------------------------------------------
+    def on_backward_begin(self, indices: list[int]) -> None:
+        """Gradients w.r.t. a module's outputs are ready: its backward is next."""
+        self._backward_active = True
+        for index in indices:
+            self.schedule.observe(index, "bwd")
+            self._in_backward_use[index] = True
+            self._ready(index)
+        self._prefetch()
+
+    def on_param_grad(self, param: nn.Parameter) -> None:
+        """One parameter's gradient is fully accumulated for this backward."""
+        index = self.param_block.get(id(param))
+        if index is None:
+            return
+        self._grad_counts[index] += 1
+        if self._grad_counts[index] == len(self.blocks[index].slots):
+            self._block_grads_done(index)
+
+    def on_backward_end(self) -> None:
+        """The whole backward finished: handle blocks with missing gradients, then finish the micro-batch."""
+        for index, count in enumerate(self._grad_counts):
+            if 0 < count < len(self.blocks[index].slots) or (count == 0 and self.last_micro):
+                self._block_grads_done(index)
+        self._grad_counts = [0] * len(self.blocks)
+        self._in_backward_use = [False] * len(self.blocks)
+        self._backward_active = False
+        if self.last_micro:
+            self._finish_update_submission()
+            self._update_pending = True
+        self.micro += 1
+        self.stats.backward_end_s = time.perf_counter()
+
+    def _block_grads_done(self, index: int) -> None:
+        block = self.blocks[index]
+        self._grad_counts[index] = len(block.slots)  # a block is finished once per backward
+        self._in_backward_use[index] = False
+        if self.last_micro:
+            self._offload_grads(block)
+        state = self.weights.states[index]
+        if state.users == 0:
+            self.weights.release(index)
+
+    def _offload_grads(self, block: Block) -> None:
+        """Assemble the block's fp32 gradient on the device, check / unscale / take norms, copy it to host."""
+        has_grad = [slot.param.grad is not None for slot in block.slots]
+        step = self.optimizer_step + 1
+        if not any(has_grad):
+            job = UpdateJob(block, None, step, self.lr_source(), skip=True)
+        else:
+            flat = torch.empty(block.numel, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                for slot, present in zip(block.slots, has_grad):
+                    view = flat[slot.offset : slot.offset + slot.numel]
+                    if present:
+                        view.copy_(slot.param.grad.reshape(-1))
+                    else:
+                        view.zero_()  # such a parameter is excluded from the update below
+                    slot.param.grad = None
+                views = [v for v, present in zip(split_views(flat, [s.numel for s in block.slots]), has_grad) if present]
+                if self.scaler is not None:
+                    torch._amp_foreach_non_finite_check_and_unscale_(views, self.found_inf, self.scaler.inv_scale())
+                if self.options.grad_clip is not None:
+                    norms = torch._foreach_norm(views, 2.0)
+                    for slot, norm in zip([s for s, p in zip(block.slots, has_grad) if p], norms):
+                        self._norms[slot.index] = norm
+            handle = self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
+            job = UpdateJob(block, handle, step, self.lr_source(), mask=None if all(has_grad) else has_grad)
+        if self._deferred:
+            self._deferred_jobs.append(job)
+        else:
+            self.worker.submit(job)
+
+    @property
+    def _deferred(self) -> bool:
+        return self.options.grad_clip is not None or self.scaler is not None
+
+    def _finish_update_submission(self) -> None:
+        """Deferred mode: every gradient is on its way to host; decide clip and skip, then release the jobs
+        in forward order (the next forward needs the first blocks first)."""
+        if not self._deferred:
+            return
+        skip = False
+        if self.scaler is not None:
+            skip = bool(self.found_inf.item())
+        multiplier = None
+        if self.options.grad_clip is not None and self._norms and not skip:
+            norms = [self._norms[i] for i in sorted(self._norms)]
+            total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+            coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
+            multiplier = coef.to("cpu")
+            self.stats.grad_norms.append(float(total))
+        for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
+            job.grad_multiplier = multiplier
+            job.skip = job.skip or skip
+            self.worker.submit(job)
+        if skip:
+            self.stats.skipped_steps += 1
+            log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,
+                     float(self.scaler.scale), float(self.scaler.scale) * self.scaler.backoff_factor)  # type: ignore[union-attr]
+        if self.scaler is not None:
+            self.scaler.update(self.found_inf)
+            self.found_inf.zero_()
+        self._deferred_jobs = []
+        self._norms = {}
+
+    # ---- optimizer -----------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Commit the optimizer step whose updates the last backward started."""
+        if not self._update_pending:
+            raise RuntimeError(
+                f"optimizer.step() called after {self.micro} backward pass(es); the config's "
+                f"optimizer.accumulation_steps is {self.options.accumulation_steps}: call backward that many times per step"
+            )
+        self._update_pending = False
+        self.optimizer_step += 1
+        self.micro = 0
+
+    def synchronize(self) -> None:
+        """Block until every committed update has finished."""
+        self.worker.synchronize(self.optimizer_step)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss times the current fp16 loss scale (identity without loss scaling)."""
+        return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
+
+    def master_tensor(self, block: Block) -> torch.Tensor:
+        """A CPU copy of block's fp32 master (after synchronize())."""
+        key = block.key("master")
+        self.store.fetch(key, TierName.HOST).wait()
+        return self.store.tensor(key, TierName.HOST).clone()
+
+    def close(self) -> None:
+        """Stop the worker (finishing queued updates)."""
+        self.worker.close()
+
+
+class _LossScaler:
+    """Dynamic fp16 loss scaling with torch's own update rule (the one GradScaler uses)."""
+
+    def __init__(self, device: torch.device, initial: float, growth_factor: float, backoff_factor: float, growth_interval: int):
+        self.scale = torch.full((), float(initial), dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = int(growth_interval)
+
+    def inv_scale(self) -> torch.Tensor:
+        """1/scale computed as GradScaler computes it (in double, then float)."""
+        return self.scale.double().reciprocal().float()
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Back off on overflow, grow after growth_interval clean steps."""
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval)
+

@@ -1,0 +1,241 @@
+"""The update pipeline: block gradients on host -> CPU AdamW -> updated weights, on a worker thread.
+
+The autograd thread submits a job as soon as a block's gradient has been copied off the GPU (the job carries
+the copy's handle: the buffer and the event that guards it travel together). The worker waits for that copy,
+brings the block's fp32 master and moments to host memory (reading them from NVMe when they live there,
+issued ahead for queued jobs), runs fused AdamW, writes back what lives on NVMe, refreshes the block's
+compute weights where they come from, and marks the block updated at step t. The next forward waits for that
+mark for the blocks it needs, and for nothing else.
+
+Two orders: *streaming* (jobs run as gradients arrive, overlapping backward) and *deferred* (used when the
+update needs the whole gradient first: global-norm clipping or fp16 overflow checks; the jobs then run in
+forward order, so the next forward can start on the first blocks while the rest update).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.adam import AdamWHyper, adamw_update, split_views
+from runtime.blocks import Block
+from runtime.weights import WeightManager, WeightSource
+from tierstore import CapacityError, Handle, TierName, TierStore
+
+log = logging.getLogger(__name__)
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class UpdateJob:
+    """One block's update at one optimizer step."""
+
+    block: Block
+    grad_handle: Handle | None  # the D2H copy filling the block's host gradient
+    step: int  # the optimizer step this update makes (1-based)
+    lr: float
+    grad_multiplier: torch.Tensor | None = None  # clip coefficient (0-dim fp32, CPU), applied before Adam
+    skip: bool = False  # fp16 overflow: mark updated without changing anything
+    mask: list[bool] | None = None  # per parameter: got a gradient (None: all did); others are not updated
+
+
+@dataclass
+class WorkerStats:
+    """Timing of the worker: seconds in Adam, in waiting for its inputs, and per-job intervals."""
+
+    adam_s: float = 0.0
+    wait_inputs_s: float = 0.0
+    jobs: int = 0
+    intervals: list[tuple[int, int, float, float]] = field(default_factory=list)  # (block, step, start, end)
+
+
+class UpdateWorker:
+    """Runs block updates on one thread (AdamW itself uses torch's intra-op thread pool)."""
+
+    def __init__(self, blocks: list[Block], store: TierStore, hyper: AdamWHyper, weights: WeightManager,
+                 lookahead: int = 2, record_intervals: bool = False):
+        self.blocks = blocks
+        self.store = store
+        self.hyper = hyper
+        self.weights = weights
+        self.lookahead = lookahead
+        self.record_intervals = record_intervals
+        self.stats = WorkerStats()
+        # One fp32 step counter per parameter, exactly as torch.optim.AdamW keeps them.
+        self.param_steps: list[list[torch.Tensor]] = [[torch.zeros((), dtype=torch.float32) for _ in b.slots] for b in blocks]
+        self._updated_step = [0] * len(blocks)
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[UpdateJob | None] = queue.Queue()
+        self._pending: list[UpdateJob] = []  # taken from the queue, staging issued, not yet run
+        self._error: BaseException | None = None
+        self._refresh_staging: torch.Tensor | None = None
+        if weights.source is WeightSource.RESIDENT and store.device.type == "cuda":
+            largest = max((b.numel for b in blocks), default=0)
+            with torch.cuda.stream(store.engine.h2d_stream):
+                self._refresh_staging = torch.empty(largest, dtype=torch.float32, device=store.device)
+        self._thread = threading.Thread(target=self._run, name="tierstore-adam", daemon=True)
+        self._thread.start()
+
+    # ---- producer side -------------------------------------------------------------------------------
+    def submit(self, job: UpdateJob) -> None:
+        """Queue one block's update."""
+        self._raise_if_failed()
+        self._queue.put(job)
+
+    def stage(self, block: Block) -> None:
+        """Start bringing block's optimizer state to host early (e.g. when its backward begins)."""
+        self._issue_staging(block)
+
+    # ---- consumer side -------------------------------------------------------------------------------
+    def is_updated(self, index: int, step: int) -> bool:
+        """True when block index has been updated to optimizer step ``step``."""
+        return self._updated_step[index] >= step
+
+    def wait_updated(self, index: int, step: int) -> float:
+        """Block until block index is updated to ``step``; returns the seconds waited."""
+        if self._updated_step[index] >= step:
+            return 0.0
+        start = time.perf_counter()
+        with self._cond:
+            while self._updated_step[index] < step and self._error is None:
+                self._cond.wait(timeout=1.0)
+        self._raise_if_failed()
+        return time.perf_counter() - start
+
+    def synchronize(self, step: int) -> None:
+        """Block until every block is updated to ``step``."""
+        for index in range(len(self.blocks)):
+            self.wait_updated(index, step)
+
+    def updated_step(self, index: int) -> int:
+        """The last step block index was updated to."""
+        return self._updated_step[index]
+
+    def set_updated_step(self, step: int) -> None:
+        """Mark every block as updated to ``step`` (after loading a checkpoint)."""
+        with self._cond:
+            self._updated_step = [step] * len(self.blocks)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Finish queued jobs and stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    # ---- the thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._pending.pop(0) if self._pending else self._queue.get()
+            if job is None:
+                return
+            try:
+                self._fill_lookahead()
+                self._run_job(job)
+            except BaseException as exc:  # surfaced to the training thread at its next wait
+                log.exception("update of %s failed", job.block.name)
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+
+    def _fill_lookahead(self) -> None:
+        """Take up to ``lookahead`` queued jobs and start their state staging (NVMe reads) now."""
+        while len(self._pending) < self.lookahead:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._pending.append(nxt)  # type: ignore[arg-type]
+            if nxt is None:
+                return
+            self._issue_staging(nxt.block)
+
+    def _issue_staging(self, block: Block) -> None:
+        for kind in STATE_KINDS:
+            try:
+                self.store.fetch(block.key(kind), TierName.HOST)
+            except CapacityError:
+                return  # host staging room is full: the job fetches when it runs
+
+    def _run_job(self, job: UpdateJob) -> None:
+        block, index = job.block, job.block.index
+        start = time.perf_counter()
+        if job.grad_handle is not None:
+            job.grad_handle.wait()
+        host = {kind: self._host_tensor(block.key(kind)) for kind in STATE_KINDS}
+        grad = self.store.tensor(block.key("grad"), TierName.HOST)
+        adam_start = time.perf_counter()
+        self.stats.wait_inputs_s += adam_start - start
+        if not job.skip:
+            if job.grad_multiplier is not None:
+                grad.mul_(job.grad_multiplier)
+            sizes = [slot.numel for slot in block.slots]
+            keep = job.mask or [True] * len(sizes)
+
+            def views(flat: torch.Tensor) -> list[torch.Tensor]:
+                return [v for v, k in zip(split_views(flat, sizes), keep) if k]
+
+            adamw_update(
+                views(host["master"]),
+                views(grad),
+                views(host["exp_avg"]),
+                views(host["exp_avg_sq"]),
+                [s for s, k in zip(self.param_steps[index], keep) if k],
+                self.hyper,
+                lr=job.lr,
+            )
+            for kind in STATE_KINDS:
+                self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
+            refresh = self._refresh_weights(block, host["master"], job.step)
+            for kind in STATE_KINDS:
+                if self.store.record(block.key(kind)).home is TierName.NVME:
+                    if kind == "master" and refresh is not None:
+                        refresh.wait()  # the H2D still reads the host copy the eviction will free
+                    self.store.evict(block.key(kind), TierName.HOST)  # written back, then the host copy released
+        end = time.perf_counter()
+        self.stats.adam_s += end - adam_start
+        self.stats.jobs += 1
+        if self.record_intervals:
+            self.stats.intervals.append((index, job.step, adam_start, end))
+        with self._cond:
+            self._updated_step[index] = max(self._updated_step[index], job.step)
+            self._cond.notify_all()
+
+    def _host_tensor(self, key: str, timeout_s: float = 120.0) -> torch.Tensor:
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            try:
+                self.store.fetch(key, TierName.HOST).wait()
+                return self.store.tensor(key, TierName.HOST)
+            except CapacityError as exc:
+                # Staging room is taken by write-backs still in flight: they free it when they land.
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"no host room to stage {key} from NVMe for {timeout_s:.0f} s; raise tiers.host.budget") from exc
+                time.sleep(0.001)
+
+    def _refresh_weights(self, block: Block, master: torch.Tensor, step: int) -> Handle | None:
+        """Bring the block's compute weights up to date with its new master; returns a copy still reading it."""
+        source = self.weights.source
+        if source is WeightSource.WEIGHTS:
+            key = block.key("weights")
+            self.store.fetch(key, TierName.HOST).wait()
+            self.store.tensor(key, TierName.HOST).copy_(master)  # the one extra host pass of this mode
+            self.store.mark_dirty(key, TierName.HOST, step=step)
+            if self.store.record(key).home is TierName.NVME:
+                self.store.evict(key, TierName.HOST, release=False)
+        elif source is WeightSource.RESIDENT:
+            if self._refresh_staging is not None:
+                return self.weights.refresh_resident(block.index, self._refresh_staging)
+            self.weights.load_resident(block.index)
+        return None
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the optimizer worker failed: {self._error!r}") from self._error

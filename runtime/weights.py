@@ -1,0 +1,178 @@
+"""GPU residency of each block's compute weights.
+
+Each block has one flat buffer of the compute dtype on the device; the block's parameters are views into
+it, bound once. When the block is not resident its storage is resized to zero bytes (the views stay, so
+tensors saved by autograd in forward see the refetched bytes in backward). A fetch is one H2D copy from the
+block's host source (the fp32 master, cast on the GPU, or a separate host copy in the compute dtype); a
+release resizes the storage back to zero. GPU bytes are reserved against the GPU tier's budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from runtime.blocks import Block
+from tierstore import Handle, TierName, TierStore
+
+log = logging.getLogger(__name__)
+
+
+class WeightSource(str, Enum):
+    """Where a block's compute weights are fetched from."""
+
+    MASTER = "master"  # the fp32 master on host: H2D fp32, cast on the GPU (no extra pass over host memory)
+    WEIGHTS = "weights"  # a host copy in the compute dtype, written by the optimizer worker
+    RESIDENT = "resident"  # kept on the GPU; refreshed from the master after each update
+
+
+@dataclass
+class BlockWeights:
+    """The device-side state of one block's weights."""
+
+    block: Block
+    flat: torch.Tensor
+    resident: bool = False
+    handle: Handle | None = None  # the fetch in flight
+    staging: torch.Tensor | None = None  # fp32 bytes on the device awaiting the cast (MASTER source)
+    users: int = 0  # modules running forward / backward with these weights now
+    prefetched: bool = False  # the fetch was issued ahead of the need
+
+
+class WeightManager:
+    """Fetches, waits for and releases blocks' compute weights on the device."""
+
+    def __init__(self, blocks: list[Block], store: TierStore, compute_dtype: torch.dtype, source: WeightSource):
+        self.store = store
+        self.device = store.device
+        self.compute_dtype = compute_dtype
+        self.source = source
+        self._gpu_tier = store.tiers[TierName.GPU]
+        self.states: list[BlockWeights] = []
+        for block in blocks:
+            flat = torch.empty(block.numel, dtype=compute_dtype, device=self.device)
+            for slot in block.slots:
+                slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            flat.untyped_storage().resize_(0)
+            self.states.append(BlockWeights(block, flat))
+        self.wait_s = 0.0  # host time spent blocked on fetches
+
+    @property
+    def needs_cast(self) -> bool:
+        """True when fetched bytes are fp32 master and the compute dtype differs."""
+        return self.source is not WeightSource.WEIGHTS and self.compute_dtype != torch.float32
+
+    def source_key(self, block: Block) -> str:
+        """The store key fetched for block's weights."""
+        return block.key("weights" if self.source is WeightSource.WEIGHTS else "master")
+
+    def nbytes(self, index: int) -> int:
+        """Device bytes of a resident block (compute dtype)."""
+        state = self.states[index]
+        return state.block.numel * state.flat.element_size()
+
+    def is_fetched(self, index: int) -> bool:
+        """Resident or on its way."""
+        state = self.states[index]
+        return state.resident or state.handle is not None
+
+    # ---- fetch / wait / release ----------------------------------------------------------------------
+    def fetch(self, index: int, prefetch: bool = False) -> None:
+        """Issue the H2D copy of block index's weights (no-op when resident or in flight)."""
+        state = self.states[index]
+        if state.resident or state.handle is not None:
+            return
+        key = self.source_key(state.block)
+        host_handle = self.store.fetch(key, TierName.HOST)  # stages from NVMe when the source lives there
+        host_handle.wait()
+        src = self.store.tensor(key, TierName.HOST)
+        self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
+        try:
+            state.flat.untyped_storage().resize_(self.nbytes(index))
+        except BaseException:
+            self._gpu_tier.unreserve(self.nbytes(index))
+            raise
+        if self.needs_cast:
+            state.staging = torch.empty(state.block.numel, dtype=torch.float32, device=self.device)
+            state.handle = self.store.engine.h2d(key, src, state.staging)
+        elif src.dtype != state.flat.dtype:  # fp32 master, fp32 compute handled above; bf16 weights copy here
+            raise RuntimeError(f"{key} is {src.dtype}, compute weights are {state.flat.dtype}")
+        else:
+            state.handle = self.store.engine.h2d(key, src, state.flat)
+        state.prefetched = prefetch
+
+    def wait(self, index: int) -> bool:
+        """Make the current stream wait for block index's weights (fetching on demand); finish the cast.
+        Returns True when the weights were resident or prefetched (a schedule hit)."""
+        state = self.states[index]
+        if state.resident:
+            return True
+        hit = state.handle is not None and state.prefetched
+        if state.handle is None:
+            self.fetch(index)
+        handle = state.handle
+        assert handle is not None
+        handle.wait_stream()
+        if state.staging is not None:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
+                state.flat.copy_(state.staging)
+            state.staging = None
+        state.handle = None
+        state.resident = True
+        return hit
+
+    def release(self, index: int) -> None:
+        """Free block index's device bytes (its views remain, pointing at zero bytes)."""
+        state = self.states[index]
+        if self.source is WeightSource.RESIDENT or state.users > 0:
+            return
+        if state.handle is not None:  # prefetched but never used: the copy must end before the bytes go
+            state.handle.wait_stream()
+            state.handle = None
+            state.staging = None
+        if not state.resident and state.flat.untyped_storage().nbytes() == 0:
+            return
+        state.flat.untyped_storage().resize_(0)
+        state.resident = False
+        self._gpu_tier.unreserve(self.nbytes(index))
+
+    def load_resident(self, index: int) -> None:
+        """Fill a RESIDENT block from its master synchronously (at start, and after a checkpoint load)."""
+        state = self.states[index]
+        master = self.store.tensor(state.block.key("master"), TierName.HOST)
+        if not state.resident:
+            self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
+            state.flat.untyped_storage().resize_(self.nbytes(index))
+            state.resident = True
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
+            state.flat.copy_(master.to(self.device, non_blocking=False))
+
+    def refresh_resident(self, index: int, staging: torch.Tensor) -> Handle:
+        """After an update: H2D the new master into ``staging`` (fp32, device, used only on the copy stream)
+        and cast it into the resident weights on the copy stream. The next forward waits on the handle."""
+        state = self.states[index]
+        key = state.block.key("master")
+        master = self.store.tensor(key, TierName.HOST)
+        view = staging[: state.block.numel]
+
+        def cast(stream: torch.cuda.Stream | None) -> None:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
+                state.flat.copy_(view)
+
+        handle = self.store.engine.h2d_then(key, master, view, cast, order_after_current=False)
+        state.handle = handle
+        return handle
+
+    def wait_refresh(self, index: int) -> None:
+        """Make the current stream wait for a RESIDENT block's refresh, if one is pending."""
+        state = self.states[index]
+        if state.handle is not None:
+            state.handle.wait_stream()
+            state.handle = None
+
+    def resident_nbytes(self) -> int:
+        """Device bytes held by resident blocks now."""
+        return sum(self.nbytes(i) for i, s in enumerate(self.states) if s.resident)
