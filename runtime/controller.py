@@ -131,11 +131,18 @@ class Controller:
         for index in indices:
             self.schedule.observe(index, phase)
             self._ready(index)
-            self.weights.states[index].users += 1
+            if phase == "recompute":
+                # Activation checkpointing may stop a recomputation early (its forward hook never runs):
+                # the weights are held until the block's gradients are done instead of by a user count.
+                self._in_backward_use[index] = True
+            else:
+                self.weights.states[index].users += 1
         self._prefetch()
 
-    def release_after_forward(self, indices: list[int]) -> None:
+    def release_after_forward(self, indices: list[int], phase: str) -> None:
         """A module's forward ended: drop the weights unless the schedule needs them again soon."""
+        if phase == "recompute":
+            return  # held until the block's gradients are done (see acquire)
         for index in indices:
             state = self.weights.states[index]
             state.users -= 1

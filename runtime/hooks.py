@@ -68,8 +68,9 @@ class HookSet:
 
     def _make_post_forward(self, indices: list[int]):  # type: ignore[no-untyped-def]
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
-            self.controller.release_after_forward(indices)
-            if torch.is_grad_enabled() and not _in_backward():
+            recompute = _in_backward()
+            self.controller.release_after_forward(indices, "recompute" if recompute else "fwd")
+            if torch.is_grad_enabled() and not recompute:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(indices), mode="any")
