@@ -116,7 +116,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if host_budget < plan.host_nbytes:
         raise ValueError(f"tiers.host.budget is {host_budget:,} bytes but the plan needs {plan.host_nbytes:,}; "
                          f"raise it or use auto\n{plan.table()}")
-    log.info("%s", plan.table())
+    log.debug("%s", plan.table())
     # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
     offloaded = {id(slot.param) for b in blocks for slot in b.slots}
     for module in model.modules():

@@ -79,6 +79,7 @@ class Controller:
         self._in_backward_use = [False] * len(blocks)
         self._backward_active = False
         self._deferred_jobs: list[UpdateJob] = []
+        self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient norm (clipping)
         self.stats = StepStats()
         self.scaler: _LossScaler | None = None
@@ -123,6 +124,9 @@ class Controller:
                 f"optimizer.step() after every {self.options.accumulation_steps} backward pass(es) "
                 "(optimizer.accumulation_steps in the config)"
             )
+        for index, state in enumerate(self.weights.states):  # leftovers: prefetched for a path not taken
+            if state.users == 0 and not self._in_backward_use[index]:
+                self.weights.release(index)
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         self.schedule.begin(signature)
 
@@ -166,7 +170,8 @@ class Controller:
         if self.options.weight_source is WeightSource.RESIDENT:
             return
         for index in self.schedule.upcoming():
-            if self.weights.is_fetched(index) or not self.worker.is_updated(index, self.optimizer_step):
+            if (self.weights.is_fetched(index) or index in self._updating
+                    or not self.worker.is_updated(index, self.optimizer_step)):
                 continue
             try:
                 self.weights.fetch(index, prefetch=True)
@@ -218,6 +223,7 @@ class Controller:
 
     def _offload_grads(self, block: Block) -> None:
         """Assemble the block's fp32 gradient on the device, check / unscale / take norms, copy it to host."""
+        self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         has_grad = [slot.param.grad is not None for slot in block.slots]
         step = self.optimizer_step + 1
         if not any(has_grad):
@@ -288,6 +294,7 @@ class Controller:
                 f"optimizer.accumulation_steps is {self.options.accumulation_steps}: call backward that many times per step"
             )
         self._update_pending = False
+        self._updating.clear()
         self.optimizer_step += 1
         self.micro = 0
 

@@ -61,11 +61,11 @@ class MemoryPlan:
     def table(self) -> str:
         """A table for a person: one row per kind and tier, then totals."""
         lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {self.weight_source}",
-                 f"  {'state':<28}{'tier':<6}{'bytes':>14}"]
+                 f"  {'state':<32}{'tier':<6}{'bytes':>14}"]
         for kind, tier, nbytes in self.rows:
-            lines.append(f"  {kind:<28}{tier:<6}{_human(nbytes):>14}")
+            lines.append(f"  {kind:<32}{tier:<6}{_human(nbytes):>14}")
         for tier in ("gpu", "host", "nvme"):
-            lines.append(f"  {'total':<28}{tier:<6}{_human(self.tier_nbytes(tier)):>14}")
+            lines.append(f"  {'total':<32}{tier:<6}{_human(self.tier_nbytes(tier)):>14}")
         return "\n".join(lines)
 
 
@@ -159,3 +159,29 @@ def _tmp_root() -> str:
     import tempfile
 
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def main(args: "argparse.Namespace") -> int:  # noqa: F821
+    """``tierstore plan --config FILE``: the plan of the config's example model (built on the meta device,
+    so nothing is allocated), refused with the numbers when it does not fit."""
+    import torch
+
+    from runtime.api import DTYPES, _gpu_budget, resolve_device, resolve_homes
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.example_model import ExampleLM, ModelShape
+
+    cfg = load_config(args.config)
+    m = cfg.train.model
+    with torch.device("meta"):
+        model = ExampleLM(ModelShape(m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.ffn_size, m.max_seq_len))
+    blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
+    device = resolve_device(cfg)
+    homes, source = resolve_homes(cfg, device)
+    dtype = DTYPES[cfg.dtype]
+    plan = make_plan([b.numel for b in blocks], {k: v.value for k, v in homes.items()}, source.value,
+                     torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth, cfg.optimizer.accumulation_steps)
+    print(plan.table())
+    check_plan(plan, _gpu_budget(cfg, device) if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
+    print("the plan fits this machine")
+    return 0

@@ -1,0 +1,36 @@
+"""A small listener that totals the store's transfer events by path: the end-of-training swap summary."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from tierstore import TransferEvent
+
+PATH_NAMES = {"h2d": "pinned -> GPU", "d2h": "GPU -> pinned", "read": "NVMe -> pinned", "write": "pinned -> NVMe"}
+
+
+class TrafficCounter:
+    """Bytes, transfer count and busy seconds per kind of transfer."""
+
+    def __init__(self) -> None:
+        self.nbytes: dict[str, int] = defaultdict(int)
+        self.count: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    def __call__(self, event: TransferEvent) -> None:
+        with self._lock:
+            self.nbytes[event.kind] += event.nbytes
+            self.count[event.kind] += 1
+            self.seconds[event.kind] += event.duration_s
+
+    def summary(self) -> str:
+        """One line per path: total bytes, transfers, and the bandwidth while busy."""
+        lines = ["swap traffic:"]
+        for kind, name in PATH_NAMES.items():
+            nbytes = self.nbytes.get(kind, 0)
+            busy = self.seconds.get(kind, 0.0)
+            rate = f"{nbytes / busy / 1e9:6.2f} GB/s while busy" if busy > 0 else "-"
+            lines.append(f"  {name:<16}{nbytes / 2**30:9.2f} GiB in {self.count.get(kind, 0):6d} transfers  {rate}")
+        return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""``tierstore train``: train the bundled example model with offload, on the GPU when there is one.
+
+With no arguments it runs an embedded default: the small example decoder on the Python standard library's
+source (bytes), fp32 master on pinned host memory, Adam moments on NVMe swap files in a temporary directory,
+weights fetched to the GPU block by block -- every tier in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+
+from runtime.api import offload
+from runtime.config import TierstoreConfig, load_config
+from runtime.data import ByteBatches, stdlib_text_bytes
+from runtime.example_model import ExampleLM, ModelShape
+from runtime.traffic import TrafficCounter
+
+log = logging.getLogger(__name__)
+
+
+def default_config() -> dict[str, Any]:
+    """The embedded config: all three tiers; bf16 on a GPU, fp32 on the CPU."""
+    cuda = torch.cuda.is_available()
+    return {
+        "dtype": "bf16" if cuda else "fp32",
+        "tiers": {"nvme": {"path": "tmp", "budget": "4GiB"}},
+        "placement": {"weights": "host", "master": "host", "moments": "nvme"},
+        "train": {"steps": 30, "batch_size": 8, "seq_len": 128, "log_every": 10},
+    }
+
+
+def build_model(cfg: TierstoreConfig) -> ExampleLM:
+    """The example model with the config's shape, seeded."""
+    m = cfg.train.model
+    torch.manual_seed(cfg.seed)
+    return ExampleLM(ModelShape(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                                num_heads=m.num_heads, ffn_size=m.ffn_size, max_seq_len=m.max_seq_len))
+
+
+class Progress:
+    """A one-line progress bar on stderr (a log line per ``log_every`` steps when stderr is not a terminal)."""
+
+    def __init__(self, total: int, log_every: int):
+        self.total = total
+        self.log_every = log_every
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """Show step / total, the loss and the throughput."""
+        width = 30
+        filled = int(width * step / self.total)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s / 1e3:.1f}k tok/s"
+        if self.tty:
+            print("\r" + line, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
+        elif step % self.log_every == 0 or step == self.total:
+            print(line, file=sys.stderr, flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the training job the CLI asked for."""
+    if args.checkpoint_dir or args.resume or args.save_every:
+        raise ValueError("checkpointing (--checkpoint-dir / --save-every / --resume) is not available in this version yet")
+    overrides: dict[str, object] = {}
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    if args.profile is not None:
+        overrides["profile.dir"] = str(args.profile)
+    cfg = load_config(args.config if args.config else default_config(), overrides=overrides or None)
+    model = build_model(cfg)
+    steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
+    print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of "
+          f"{cfg.optimizer.accumulation_steps} x {batch} x {seq} tokens, dtype {cfg.dtype}", file=sys.stderr)
+    model, optimizer = offload(model, cfg)
+    session = optimizer.session  # type: ignore[attr-defined]
+    device = session.store.device
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no CUDA found)'}; "
+          f"NVMe IO: {session.store.nvme_io_mode or 'no NVMe tier'}", file=sys.stderr)
+    print(session.plan.table(), file=sys.stderr)
+    traffic = TrafficCounter()
+    session.store.bus.subscribe(traffic)
+    data = ByteBatches(stdlib_text_bytes(), batch, seq, seed=cfg.seed)
+    progress = Progress(steps, cfg.train.log_every)
+    first_loss = last_loss = float("nan")
+    try:
+        start = time.perf_counter()
+        for step in range(1, steps + 1):
+            step_start = time.perf_counter()
+            for _ in range(cfg.optimizer.accumulation_steps):
+                tokens, targets = data.next()
+                loss = model(tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+                optimizer.scale_loss(loss / cfg.optimizer.accumulation_steps).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            last_loss = loss.item()
+            first_loss = last_loss if step == 1 else first_loss
+            elapsed = time.perf_counter() - step_start
+            progress.update(step, last_loss, cfg.optimizer.accumulation_steps * batch * seq / elapsed)
+        optimizer.synchronize()  # type: ignore[attr-defined]
+        total_s = time.perf_counter() - start
+    finally:
+        session.close()
+    tokens = steps * cfg.optimizer.accumulation_steps * batch * seq
+    print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({tokens / total_s / 1e3:.1f}k tok/s)", file=sys.stderr)
+    print(traffic.summary(), file=sys.stderr)
+    stats = session.controller.schedule.stats
+    print(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "
+          f"on fetches {session.controller.stats.wait_fetch_s:.2f} s", file=sys.stderr)
+    return 0
