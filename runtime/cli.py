@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     btrain.add_argument("--preset", default="1.35b", help="model preset (1.35b, tiny)")
     btrain.add_argument("--rows", default="all", help="comma-separated rows to run")
     btrain.add_argument("--steps", type=int, default=6)
+    btrain.add_argument("--nvme-dir", help="directory for the NVMe row's swap files (default: a temporary one)")
     btrain.add_argument("--json", type=Path)
     return parser
 

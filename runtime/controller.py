@@ -48,7 +48,7 @@ class StepStats:
 
     wait_update_s: float = 0.0  # host time blocked on the worker (an update not yet done)
     wait_fetch_s: float = 0.0  # host time blocked on weight fetches issued on demand
-    backward_end_s: float = 0.0  # perf_counter at the end of the last backward
+    backward_end_s: list[float] = field(default_factory=list)  # perf_counter at the end of each backward
     skipped_steps: int = 0
     grad_norms: list[float] = field(default_factory=list)
 
@@ -209,7 +209,7 @@ class Controller:
             self._finish_update_submission()
             self._update_pending = True
         self.micro += 1
-        self.stats.backward_end_s = time.perf_counter()
+        self.stats.backward_end_s.append(time.perf_counter())
 
     def _block_grads_done(self, index: int) -> None:
         block = self.blocks[index]

@@ -89,20 +89,27 @@ class WeightManager:
         host_handle = self.store.fetch(key, TierName.HOST)  # stages from NVMe when the source lives there
         host_handle.wait()
         src = self.store.tensor(key, TierName.HOST)
-        self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
-        try:
-            state.flat.untyped_storage().resize_(self.nbytes(index))
-        except BaseException:
-            self._gpu_tier.unreserve(self.nbytes(index))
-            raise
-        if self.needs_cast:
-            state.staging = torch.empty(state.block.numel, dtype=torch.float32, device=self.device)
-            state.handle = self.store.engine.h2d(key, src, state.staging)
-        elif src.dtype != state.flat.dtype:  # fp32 master, fp32 compute handled above; bf16 weights copy here
+        if not self.needs_cast and src.dtype != state.flat.dtype:
             raise RuntimeError(f"{key} is {src.dtype}, compute weights are {state.flat.dtype}")
-        else:
-            state.handle = self.store.engine.h2d(key, src, state.flat)
+        self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
+        # Allocate on the copy stream: the copy then needs no ordering after the compute queued so far
+        # (memory the allocator hands out there is ordered by that stream), and prefetches run back to back.
+        # The compute stream's later use is recorded on the buffers before they are freed (see release).
+        with self._copy_stream_context():
+            try:
+                state.flat.untyped_storage().resize_(self.nbytes(index))
+            except BaseException:
+                self._gpu_tier.unreserve(self.nbytes(index))
+                raise
+            if self.needs_cast:
+                state.staging = torch.empty(state.block.numel, dtype=torch.float32, device=self.device)
+        dst = state.staging if self.needs_cast else state.flat
+        state.handle = self.store.engine.h2d(key, src, dst, order_after_current=False)
         state.prefetched = prefetch
+
+    def _copy_stream_context(self):  # type: ignore[no-untyped-def]
+        stream = self.store.engine.h2d_stream
+        return torch.cuda.stream(stream) if stream is not None else _NullContext()
 
     def wait(self, index: int) -> bool:
         """Make the current stream wait for block index's weights (fetching on demand); finish the cast.
@@ -119,6 +126,8 @@ class WeightManager:
         if state.staging is not None:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
                 state.flat.copy_(state.staging)
+            if state.staging.is_cuda:
+                state.staging.record_stream(torch.cuda.current_stream(self.device))
             state.staging = None
         state.handle = None
         state.resident = True
@@ -135,6 +144,9 @@ class WeightManager:
             state.staging = None
         if not state.resident and state.flat.untyped_storage().nbytes() == 0:
             return
+        if state.flat.is_cuda:
+            # The buffer came from the copy stream's pool; the compute stream used it since.
+            state.flat.record_stream(torch.cuda.current_stream(self.device))
         state.flat.untyped_storage().resize_(0)
         state.resident = False
         self._gpu_tier.unreserve(self.nbytes(index))
@@ -176,3 +188,11 @@ class WeightManager:
     def resident_nbytes(self) -> int:
         """Device bytes held by resident blocks now."""
         return sum(self.nbytes(i) for i, s in enumerate(self.states) if s.resident)
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,270 @@
+"""``tierstore bench train``: step time of the benchmark model, ours beside plain PyTorch and the bound.
+
+Each row runs in its own process (a fresh GPU and a fresh pinned arena), all rows in one call, and one
+table compares them. The bound of DESIGN.md, ``T_fwd + max(T_bwd, T_adam, T_pcie, T_nvme)``, is built from
+terms measured in the same call: forward and backward of the model resident on the GPU (the plain row),
+CPU fused AdamW over the same number of parameters with the runtime's thread count, and the PCIe and disk
+bytes of one step over the bandwidth a raw copy reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.example_model import PRESETS, ExampleLM, ModelShape
+
+log = logging.getLogger(__name__)
+
+ROWS = {
+    "torch": "plain PyTorch, all on GPU, fused AdamW (fp32 masters)",
+    "host": "tierstore: weights + optimizer on pinned host",
+    "gpu-weights": "tierstore: weights on GPU, optimizer on pinned host",
+    "nvme": "tierstore: weights + master on host, moments on NVMe",
+    "host-accum8": "tierstore: weights + optimizer on host, accumulation 8",
+    "torch-accum8": "plain PyTorch, accumulation 8",
+}
+SEQ_LEN = 1024
+MICRO_BATCH = 8
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _batch(shape: ModelShape, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, shape.vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def _torch_row(shape: ModelShape, steps: int, accumulation: int) -> dict[str, Any]:
+    """Plain PyTorch: bf16 model + fp32 master weights on the GPU, fused AdamW; times fwd and bwd apart."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = ExampleLM(shape).to(device)
+    params = list(model.parameters())
+    masters = [p.detach().clone().float() for p in params]
+    for m in masters:
+        m.requires_grad_(True)
+    model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
+    fwd_s, bwd_s, step_s = [], [], []
+    batch = _batch(shape, device, 0)
+    for step in range(steps):
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(accumulation):
+            ta = time.perf_counter()
+            loss = model(*batch)
+            _sync()
+            tb = time.perf_counter()
+            loss.backward()
+            _sync()
+            tc = time.perf_counter()
+            fwd_s.append(tb - ta)
+            bwd_s.append(tc - tb)
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)
+        _sync()
+        step_s.append(time.perf_counter() - t0)
+    warm = max(1, steps // 3)
+    return {"step_s": statistics.median(step_s[warm:]), "fwd_s": statistics.median(fwd_s[warm:]),
+            "bwd_s": statistics.median(bwd_s[warm:]), "loss": float(loss), "peak_gpu_nbytes": torch.cuda.max_memory_allocated()}
+
+
+def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumulation: int) -> dict[str, Any]:
+    from runtime import offload
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = ExampleLM(shape)
+    config.setdefault("optimizer", {})["accumulation_steps"] = accumulation
+    t_setup = time.perf_counter()
+    model, opt = offload(model, config, record_intervals=True)
+    setup_s = time.perf_counter() - t_setup
+    session = opt.session
+    batch = _batch(shape, device, 0)
+    step_s, wait_update, wait_fetch = [], [], []
+    losses = []
+    try:
+        for step in range(steps):
+            c = session.controller.stats
+            u0, f0 = c.wait_update_s, c.wait_fetch_s
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(accumulation):
+                loss = model(*batch)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())  # the loss of this step's forward: a host sync on the GPU work
+            step_s.append(time.perf_counter() - t0)
+            wait_update.append(c.wait_update_s - u0)
+            wait_fetch.append(c.wait_fetch_s - f0)
+        opt.synchronize()
+        stats = session.controller.schedule.stats
+        worker = session.controller.worker.stats
+        pinned = session.store.tiers[list(session.store.tiers)[1]].capacity_nbytes
+    finally:
+        session.close()
+    warm = max(1, steps // 3)
+    return {"step_s": statistics.median(step_s[warm:]), "setup_s": setup_s, "loss_first": losses[0], "loss_last": losses[-1],
+            "wait_update_s": statistics.median(wait_update[warm:]), "wait_fetch_s": statistics.median(wait_fetch[warm:]),
+            "hit_rate": stats.hit_rate, "adam_s_total": worker.adam_s, "jobs": worker.jobs,
+            "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+            "pinned_nbytes": pinned}
+
+
+def measure_adam_s(num_params: int, threads: int, sample: int = 1 << 27) -> float:
+    """Seconds for CPU fused AdamW over num_params, measured on ``sample`` params and scaled linearly."""
+    from runtime.adam import AdamWHyper, adamw_update
+
+    torch.set_num_threads(threads)
+    n = min(sample, num_params)
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    v.abs_()
+    steps = [torch.zeros(())]
+    adamw_update([p], [g], [m], [v], steps, AdamWHyper())
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        adamw_update([p], [g], [m], [v], steps, AdamWHyper())
+        times.append(time.perf_counter() - t0)
+    return min(times) * num_params / n
+
+
+def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
+    """Raw pinned copy bandwidth (H2D, D2H) in GB/s."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = []
+    for to_dev in (True, False):
+        best = float("inf")
+        for _ in range(3):
+            _sync()
+            t0 = time.perf_counter()
+            (dev.copy_(host, non_blocking=True) if to_dev else host.copy_(dev, non_blocking=True))
+            _sync()
+            best = min(best, time.perf_counter() - t0)
+        out.append(nbytes / best / 1e9)
+    return out[0], out[1]
+
+
+def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
+    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4}, "prefetch": {"depth": 2}}
+    if row in ("host", "host-accum8"):
+        base["placement"] = {"weights": "host", "master": "host", "moments": "host"}
+    elif row == "gpu-weights":
+        base["placement"] = {"weights": "gpu", "master": "host", "moments": "host"}
+    elif row == "nvme":
+        base["placement"] = {"weights": "host", "master": "host", "moments": "nvme"}
+        base["tiers"] = {"nvme": {"path": nvme_dir or "tmp", "budget": "48GiB", "io_threads": 8}}
+    return base
+
+
+def run_row(row: str, preset: str, steps: int, nvme_dir: str | None) -> dict[str, Any]:
+    """Run one row in this process."""
+    shape = PRESETS[preset]
+    accumulation = 8 if row.endswith("accum8") else 1
+    if row.startswith("torch"):
+        return _torch_row(shape, steps, accumulation)
+    return _tierstore_row(shape, steps, _row_config(row, nvme_dir), accumulation)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run every requested row in its own process, measure the bound's terms, print one table."""
+    rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    shape = PRESETS[args.preset]
+    results: dict[str, Any] = {}
+    for row in rows:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = [sys.executable, "-m", "runtime.bench.train_bench", "--row", row, "--preset", args.preset,
+                   "--steps", str(args.steps), "--out", out.name]
+            if args.nvme_dir:
+                cmd += ["--nvme-dir", args.nvme_dir]
+            log.info("running row %s", row)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"row {row} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                results[row] = {"error": proc.stderr[-500:]}
+                continue
+            results[row] = json.loads(Path(out.name).read_text())
+    threads = max(1, (os.cpu_count() or 2) - 1)
+    terms: dict[str, float] = {}
+    if "torch" in results and "error" not in results["torch"]:
+        terms["T_fwd"] = results["torch"]["fwd_s"]
+        terms["T_bwd"] = results["torch"]["bwd_s"]
+    terms["T_adam"] = measure_adam_s(shape.num_params, threads)
+    if torch.cuda.is_available():
+        h2d, d2h = measure_pcie_gbps()
+        # Per step: the fp32 master of every block goes H2D twice (forward and backward), fp32 grads D2H once.
+        terms["T_pcie"] = max(2 * 4 * shape.num_params / (h2d * 1e9), 4 * shape.num_params / (d2h * 1e9))
+        terms["h2d_gbps"], terms["d2h_gbps"] = h2d, d2h
+    print(format_table(rows, results, terms, shape), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                                         "preset": args.preset, "terms": terms, "rows": results}, indent=2))
+    return 0
+
+
+def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, float], shape: ModelShape) -> str:
+    """The comparison table: s/step, tokens/s, ratio to the plain row and to the bound."""
+    tokens = MICRO_BATCH * SEQ_LEN
+    bound = None
+    if {"T_fwd", "T_bwd", "T_adam"} <= terms.keys():
+        bound = terms["T_fwd"] + max(terms["T_bwd"], terms["T_adam"], terms.get("T_pcie", 0.0))
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    lines = [f"bench train on {name}: {shape.num_params / 1e9:.2f}B params, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}, bf16",
+             "terms: " + ", ".join(f"{k} {v:.3f}" for k, v in terms.items()),
+             f"bound T_fwd + max(T_bwd, T_adam, T_pcie) = {bound:.3f} s" if bound else "bound: needs the torch row",
+             f"{'row':<14}{'s/step':>8}{'tok/s':>9}{'vs torch':>10}{'vs bound':>10}{'peak GPU GiB':>14}  what"]
+    base = results.get("torch", {}).get("step_s")
+    for row in rows:
+        r = results.get(row, {})
+        if "error" in r or "step_s" not in r:
+            lines.append(f"{row:<14}{'failed':>8}")
+            continue
+        accum = 8 if row.endswith("accum8") else 1
+        tps = tokens * accum / r["step_s"]
+        vs_torch = f"{base * accum / r['step_s']:.2f}x" if base and not row.startswith("torch") else "-"
+        vs_bound = f"{r['step_s'] / bound:.2f}" if bound and accum == 1 and not row.startswith("torch") else "-"
+        lines.append(f"{row:<14}{r['step_s']:>8.3f}{tps:>9.0f}{vs_torch:>10}{vs_bound:>10}{r.get('peak_gpu_nbytes', 0) / 2**30:>14.1f}  {ROWS[row]}")
+    return "\n".join(lines)
+
+
+def _child() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--row", required=True)
+    parser.add_argument("--preset", default="1.35b")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--nvme-dir")
+    a = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    result = run_row(a.row, a.preset, a.steps, a.nvme_dir)
+    Path(a.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything that needs the lent GPU machine, in one call: GPU tests, store bandwidth (disk and tmpfs),
+# the training benchmark. Writes logs under $OUT (or ./out). Usage on the device:
+#   bash tests/gpu_session.sh [tests|store|train|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+what=${1:-all}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, os; print('torch', torch.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+fi
+if [[ $what == store || $what == all ]]; then
+  mkdir -p /var/tmp/tierstore-bench
+  python3 -m runtime.cli bench store --nvme-dir /var/tmp/tierstore-bench --total 4GiB --json "$OUT/store_disk.json" 2>&1 | tee "$OUT/store_disk.log" | grep -v INFO
+  python3 -m runtime.cli bench store --nvme-dir /dev/shm --total 4GiB --json "$OUT/store_tmpfs.json" 2>&1 | tee "$OUT/store_tmpfs.log" | grep -v INFO
+fi
+if [[ $what == train || $what == all ]]; then
+  mkdir -p /var/tmp/tierstore-train
+  python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,gpu-weights} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
+fi
