@@ -101,7 +101,7 @@ class NVMeDirectory:
         supported = direct_io != "off" and probe_direct_io(self.path)
         if direct_io == "on" and not supported:
             self._release_lock()
-            raise ValueError(f"direct_io: on, but {self.path} refuses O_DIRECT (tmpfs does); use direct_io: auto or off")
+            raise ValueError(f"direct_io: on, but {self.path} refuses O_DIRECT (some file systems do); use direct_io: auto or off")
         self.direct_io = supported
         self.io_mode = "direct" if supported else "buffered"
         log.info("NVMe tier at %s: %s IO, budget %.2f GiB", self.path, self.io_mode, budget_nbytes / 2**30)
@@ -149,13 +149,16 @@ class NVMeDirectory:
         the disk is full; in both cases nothing is left behind."""
         self._check_open()
         size = self.file_size(meta)
+        path = self.path / f"{key.file_stem()}{SUFFIX}"
         with self._state_lock:
             if key in self._files:
                 raise RuntimeError(f"swap file for {key} already exists")
+            clash = next((other for other in self._files.values() if other.path == path), None)
+            if clash is not None:  # '/' maps to '__', so 'a/b' and 'a__b' would share (and truncate) one file
+                raise ValueError(f"keys {key} and {clash.key} map to the same swap file {path}; rename one of them")
             if self._used_nbytes + size > self.budget_nbytes:
                 raise CapacityError("nvme", size, self._used_nbytes, self.budget_nbytes, str(key))
             self._used_nbytes += size  # reserve before the slow fallocate; undone on failure
-        path = self.path / f"{key.file_stem()}{SUFFIX}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:

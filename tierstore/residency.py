@@ -38,6 +38,7 @@ LEGAL_TRANSITIONS: frozenset[tuple[CopyState, CopyState]] = frozenset(
         (CopyState.LOADING, CopyState.CLEAN),  # the transfer in completed; home has the same value
         (CopyState.LOADING, CopyState.DIRTY),  # the transfer in completed; home is older
         (CopyState.LOADING, CopyState.ABSENT),  # the transfer in failed; reservation returned
+        (CopyState.LOADING, CopyState.STALE),  # a write back home failed; home keeps its file, not the value
         (CopyState.CLEAN, CopyState.DIRTY),  # the holder modified the copy (e.g. an optimizer step)
         (CopyState.CLEAN, CopyState.STALE),  # another copy was modified
         (CopyState.DIRTY, CopyState.STALE),  # another copy was modified after this one

@@ -14,6 +14,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,6 +52,7 @@ class Copy:
     state: CopyState = CopyState.ABSENT
     allocation: Allocation | None = None
     handle: Handle | None = None  # the transfer filling this copy, while LOADING
+    settle: Callable[[Handle], None] | None = None  # settles the state once handle completes (idempotent)
 
 
 @dataclass
@@ -99,6 +101,8 @@ class TierStore:
         key, home = _key(key), TierName(home)
         if home not in self.tiers:
             raise TierStoreError(f"cannot place {key} on {home.value}: that tier is not configured (set tiers.nvme.path)")
+        if init is not None and (init.numel() != meta.numel or init.dtype != meta.dtype):
+            raise ValueError(f"init for {key} is {init.dtype} x{init.numel()}, expected {meta.dtype} x{meta.numel}")
         with self._lock:
             if key in self._records:
                 raise KeyError(f"{key} is already registered")
@@ -106,17 +110,17 @@ class TierStore:
             home_copy = record.copies[home]
             home_copy.allocation = self.tiers[home].allocate(key, meta)
             self._records[key] = record
-        if init is None:
-            home_copy.state = CopyState.CLEAN
-            if home is TierName.NVME:
-                self._write_zeros(record)
-            return record
-        if init.numel() != meta.numel or init.dtype != meta.dtype:
-            raise ValueError(f"init for {key} is {init.dtype} x{init.numel()}, expected {meta.dtype} x{meta.numel}")
-        if home is TierName.NVME:
-            self._write_home_nvme(record, init.reshape(-1))
-        else:
-            home_copy.allocation.tensor.copy_(init.reshape(-1))
+        try:
+            if init is None:
+                if home is TierName.NVME:
+                    self._write_zeros(record)
+            elif home is TierName.NVME:
+                self._write_home_nvme(record, init.reshape(-1))
+            else:
+                home_copy.allocation.tensor.copy_(init.reshape(-1))
+        except BaseException:
+            self.unregister(key)  # nothing half-registered: the home reservation (and its file) goes too
+            raise
         home_copy.state = CopyState.CLEAN
         return record
 
@@ -124,11 +128,15 @@ class TierStore:
         """Drop every copy of key and return its bytes (waiting for transfers in flight)."""
         with self._lock:
             record = self._records.pop(_key(key))
-        for tier, copy in record.copies.items():
-            if copy.handle is not None:
-                copy.handle.done() or copy.handle.wait()
-            if copy.allocation is not None:
-                self.tiers[tier].free(copy.allocation)
+        for copy in record.copies.values():  # every transfer and its callbacks first, then free once
+            handle = copy.handle
+            if handle is not None:
+                handle._wait_complete()
+        with self._lock:
+            for tier, copy in record.copies.items():
+                if copy.allocation is not None:
+                    self.tiers[tier].free(copy.allocation)
+                    copy.allocation = None
 
     def record(self, key: TensorKey | str) -> Record:
         """The record of key."""
@@ -148,8 +156,9 @@ class TierStore:
         """A flat view of key's current copy on tier (GPU or host). Waits for a transfer filling it."""
         record, tier = self.record(key), TierName(tier)
         copy = record.copies[tier]
-        if copy.state is CopyState.LOADING:
-            copy.handle.wait()
+        handle = copy.handle
+        if handle is not None:
+            handle.wait()
             self._settle(copy)
         if not copy.state.is_current or copy.allocation is None or copy.allocation.tensor is None:
             raise RuntimeError(f"{record.key} has no current copy on {tier.value} (state {copy.state.value}); fetch it first")
@@ -174,6 +183,8 @@ class TierStore:
             if source_tier is TierName.NVME and to is TierName.GPU:
                 after = self.fetch(record.key, TierName.HOST)  # stage; the host copy stays as a cache
                 source_tier = TierName.HOST
+                if record.copies[TierName.HOST].allocation is None:  # the staging read failed at once
+                    return after  # its wait() raises the read's error; the GPU copy was never touched
             dirty = not record.copies[record.home].state.is_current
             return self._copy(record, source_tier, to, after, dirty)
 
@@ -187,11 +198,16 @@ class TierStore:
         to = record.home if to is None else TierName(to)
         if to.rank <= frm.rank:
             raise ValueError(f"evict moves away from the GPU: {frm.value} -> {to.value} is not toward a lower tier")
+        if (frm, to) == (TierName.GPU, TierName.NVME):
+            raise TierStoreError(f"{record.key}: GPU -> NVMe goes through host; evict to host first")
+        handle = record.copies[frm].handle
+        if handle is not None:
+            handle._wait_complete()  # outside the lock: the transfer's callbacks take it
         with self._lock:
             source = record.copies[frm]
+            self._settle(source)
             if source.state is CopyState.LOADING:
-                source.handle.wait()
-                self._settle(source)
+                raise RuntimeError(f"{record.key} on {frm.value} is loading again; wait for its handle first")
             if not source.state.is_current:
                 raise RuntimeError(f"{record.key} on {frm.value} is {source.state.value}: nothing to evict")
             if record.copies[to].state.is_current:
@@ -261,7 +277,6 @@ class TierStore:
             raise TierStoreError(f"{record.key}: GPU -> NVMe goes through host; evict to host first")
         else:
             raise RuntimeError(f"no path {frm.value} -> {to.value}")
-        target.handle = handle
         final = CopyState.DIRTY if dirty else CopyState.CLEAN
         source_copy = record.copies[frm]
 
@@ -280,6 +295,8 @@ class TierStore:
                 if to is record.home and source_copy.state is CopyState.DIRTY:
                     self._set_state(record, frm, CopyState.CLEAN)
 
+        target.settle = settle
+        target.handle = handle
         handle.add_done_callback(settle)
         return handle
 
@@ -292,16 +309,22 @@ class TierStore:
                 copy.allocation = None
 
     def _settle(self, copy: Copy) -> None:
-        if copy.handle is not None:
-            copy.handle.done()  # runs the settle callback when complete
+        handle = copy.handle
+        if handle is not None and handle.done():  # done() runs the settle callback unless another thread is
+            copy.settle(handle)  # no-op when that callback already ran
+
+    def _wait_settled(self, copy: Copy) -> None:
+        """Wait for the transfer filling copy and settle its state here; for callers holding the lock."""
+        handle = copy.handle
+        if handle is not None:
+            handle._wait_complete(callbacks=False)  # the settle callback may be blocked on our lock
+            copy.settle(handle)
 
     def _nearest_current(self, record: Record, below: TierName) -> TierName:
         for tier in TierName:
             if tier.rank > below.rank:
                 copy = record.copies[tier]
-                if copy.state is CopyState.LOADING:
-                    copy.handle.wait()
-                self._settle(copy)
+                self._wait_settled(copy)
                 if copy.state.is_current:
                     return tier
         raise RuntimeError(f"{record.key} has no current copy below {below.value}")

@@ -109,6 +109,21 @@ class GpuTier(Tier):
             self._used -= allocation.reserved_nbytes
         allocation.tensor = None
 
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Account nbytes of device memory that a caller allocates itself (e.g. block weights it resizes);
+        raises CapacityError, reserving nothing, over budget."""
+        with self._lock:
+            if self._used + nbytes > self._capacity:
+                raise CapacityError("gpu", nbytes, self._used, self._capacity, what)
+            self._used += nbytes
+
+    def unreserve(self, nbytes: int) -> None:
+        """Return bytes accounted with reserve()."""
+        with self._lock:
+            if nbytes > self._used:
+                raise RuntimeError(f"unreserve of {nbytes} bytes exceeds the {self._used} reserved on the gpu tier")
+            self._used -= nbytes
+
 
 class HostTier(Tier):
     """Sub-allocations of one pinned arena."""

@@ -36,6 +36,7 @@ class Handle:
         self._bus = bus
         self._lock = threading.Lock()
         self._issued = threading.Event()  # set once the work is enqueued (CUDA) or finished (IO)
+        self._completed = threading.Event()  # set once the event is published and every callback has run
         self._future: Future[None] | None = None
         self._start_event: torch.cuda.Event | None = None
         self._end_event: torch.cuda.Event | None = None
@@ -45,26 +46,35 @@ class Handle:
 
     # ---- completion --------------------------------------------------------------------------------
     def done(self) -> bool:
-        """True once the transfer has completed (successfully or not)."""
-        if self._finished:
+        """True once the transfer has completed (successfully or not) and its completion callbacks have run."""
+        if self._completed.is_set():
             return True
         if not self._issued.is_set():
             return False
         if self._error is None and self._end_event is not None and not self._end_event.query():
             return False
         self._finish()
-        return True
+        return self._completed.is_set()  # False while another thread is still running the callbacks
 
     def wait(self) -> "Handle":
-        """Block the calling thread until the transfer is complete; re-raises a transfer error."""
-        if not self._finished:
-            self._issued.wait()
-            if self._error is None and self._end_event is not None:
-                self._end_event.synchronize()
-            self._finish()
+        """Block the calling thread until the transfer is complete and its completion callbacks (state
+        changes of the store, event listeners) have run; re-raises a transfer error."""
+        self._wait_complete()
         if self._error is not None:
             raise self._error
         return self
+
+    def _wait_complete(self, callbacks: bool = True) -> None:
+        """Block until the bytes have moved and, with ``callbacks``, until the callbacks have run; never raises.
+        ``callbacks=False`` is for code holding a lock that a callback may need (it then settles itself)."""
+        if self._completed.is_set():
+            return
+        self._issued.wait()
+        if self._error is None and self._end_event is not None:
+            self._end_event.synchronize()
+        self._finish()
+        if callbacks:
+            self._completed.wait()
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Order ``stream`` (default: the current stream) after this transfer without blocking the host
@@ -80,8 +90,8 @@ class Handle:
     def add_done_callback(self, callback: Callable[["Handle"], None]) -> None:
         """Run callback(handle) once, at the first observation of completion (immediately if complete)."""
         with self._lock:
-            if not self._finished:
-                self._callbacks.append(callback)
+            if not self._completed.is_set():
+                self._callbacks.append(callback)  # run, in order, by the thread finishing the transfer
                 return
         callback(self)
 
@@ -105,20 +115,27 @@ class Handle:
             if self._finished:
                 return
             self._finished = True
-            callbacks, self._callbacks = self._callbacks, []
         end_s = time.perf_counter()
-        if self._error is None and self._bus is not None:
-            device_s = None
-            if self._start_event is not None and self._end_event is not None:
-                device_s = self._start_event.elapsed_time(self._end_event) / 1000.0
-            self._bus.publish(
-                TransferEvent(self.kind, self.key, self.src_tier, self.dst_tier, self.nbytes, self.start_s, end_s, device_s, threading.current_thread().name)
-            )
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception:
-                log.exception("transfer completion callback failed for %s", self.key)
+        try:
+            if self._error is None and self._bus is not None:
+                device_s = None
+                if self._start_event is not None and self._end_event is not None:
+                    device_s = self._start_event.elapsed_time(self._end_event) / 1000.0
+                self._bus.publish(
+                    TransferEvent(self.kind, self.key, self.src_tier, self.dst_tier, self.nbytes, self.start_s, end_s, device_s, threading.current_thread().name)
+                )
+        finally:
+            while True:  # callbacks added while these run are run here too, so none is lost or reordered
+                with self._lock:
+                    callbacks, self._callbacks = self._callbacks, []
+                    if not callbacks:
+                        self._completed.set()
+                        break
+                for callback in callbacks:
+                    try:
+                        callback(self)
+                    except Exception:
+                        log.exception("transfer completion callback failed for %s", self.key)
 
     def __repr__(self) -> str:
         state = "done" if self._finished else ("issued" if self._issued.is_set() else "pending")
@@ -148,22 +165,32 @@ class TransferEngine:
         self._closed = False
 
     # ---- host <-> device ----------------------------------------------------------------------------
-    def h2d(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None) -> Handle:
-        """Copy host src into device dst. ``after``: a transfer that must complete first (e.g. staging)."""
-        return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after)
+    def h2d(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None,
+            order_after_current: bool = True) -> Handle:
+        """Copy host src into device dst. ``after``: a transfer that must complete first (e.g. staging).
+        ``order_after_current``: wait for the work queued on the caller's stream first (needed when dst was
+        just allocated there); pass False for a dst used only on the copy stream."""
+        return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after, order_after_current)
 
     def d2h(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None) -> Handle:
         """Copy device src into host dst. The copy is ordered after the work queued so far on the current
         stream (which produced src); src's memory is kept alive until the copy ends."""
         return self._device_copy("d2h", key, "gpu", "host", src, dst, self.d2h_stream, after)
 
+    def h2d_then(self, key: str, src: torch.Tensor, dst: torch.Tensor, then: Callable[[torch.cuda.Stream | None], None],
+                 after: Handle | None = None, order_after_current: bool = True) -> Handle:
+        """h2d, then ``then(stream)`` enqueued on the copy stream before the handle's event (e.g. a dtype
+        cast of the staged bytes), so that waiting on the handle also waits for it."""
+        return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after, order_after_current, then)
+
     def _device_copy(self, kind: str, key: str, src_tier: str, dst_tier: str, src: torch.Tensor, dst: torch.Tensor,
-                     stream: torch.cuda.Stream | None, after: Handle | None) -> Handle:
+                     stream: torch.cuda.Stream | None, after: Handle | None, order_after_current: bool = True,
+                     then: Callable[[torch.cuda.Stream | None], None] | None = None) -> Handle:
         if src.numel() != dst.numel() or src.dtype != dst.dtype:
             raise ValueError(f"copy of {key}: src {src.dtype} x{src.numel()} does not match dst {dst.dtype} x{dst.numel()}")
         handle = Handle(kind, key, src_tier, dst_tier, src.numel() * src.element_size(), self.bus)
         producer = None
-        if stream is not None:
+        if stream is not None and order_after_current:
             # Order after whatever the caller's stream queued so far: it produced src, or it last used the
             # memory now handed to dst by the caching allocator.
             producer = torch.cuda.current_stream(self.device).record_event()
@@ -172,14 +199,19 @@ class TransferEngine:
             try:
                 if stream is None:
                     dst.copy_(src)
+                    if then is not None:
+                        then(None)
                     handle._set_issued()
                     handle._finish()
                     return
                 with torch.cuda.stream(stream):
-                    stream.wait_event(producer)
+                    if producer is not None:
+                        stream.wait_event(producer)
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record(stream)
                     dst.copy_(src, non_blocking=True)
+                    if then is not None:
+                        then(stream)
                     end.record(stream)
                     # Neither buffer may be reused by the allocator before the side stream is done with it.
                     for tensor in (src, dst):

@@ -1,0 +1,454 @@
+"""TierStore: bit-exact round trips through every path, budgets per tier, residency rules, lifetime."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import (
+    CapacityError,
+    CopyState,
+    DirectoryLockedError,
+    NVMeDirectory,
+    StoreConfig,
+    TensorKey,
+    TensorMeta,
+    TierStore,
+    TierStoreError,
+    TransferEvent,
+)
+from tierstore.nvme import HEADER_NBYTES, SUFFIX
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
+NUMELS = [0, 1, 4097, (3 << 20) // 4 + 3]
+S = CopyState
+
+
+def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def swap_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(SUFFIX))
+
+
+def file_payload(directory: Path, key: str, nbytes: int) -> bytes:
+    with open(directory / f"{TensorKey(key).file_stem()}{SUFFIX}", "rb") as f:
+        f.seek(HEADER_NBYTES)
+        return f.read(nbytes)
+
+
+class Moved:
+    """Sums the bytes of published transfer events per (kind, src, dst)."""
+
+    def __init__(self, store: TierStore) -> None:
+        self.bytes: Counter[tuple[str, str, str]] = Counter()
+        self.count = 0
+        self._lock = threading.Lock()
+        store.bus.subscribe(self)
+
+    def __call__(self, event: TransferEvent) -> None:
+        with self._lock:
+            self.bytes[(event.kind, event.src_tier, event.dst_tier)] += event.nbytes
+            self.count += 1
+
+    def take(self) -> dict[tuple[str, str, str], int]:
+        with self._lock:
+            out = {k: v for k, v in self.bytes.items() if v}
+            self.bytes.clear()
+            return out
+
+
+@pytest.fixture
+def make_store(device: torch.device):
+    stores: list[TierStore] = []
+
+    def make(**kwargs) -> TierStore:
+        kwargs.setdefault("device", str(device))
+        kwargs.setdefault("host_budget_nbytes", 32 << 20)
+        store = TierStore(StoreConfig(**kwargs))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+# ---- round trips through every path ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", NUMELS)
+def test_host_gpu_round_trip(make_store, dtype: torch.dtype, numel: int) -> None:
+    store = make_store()
+    moved = Moved(store)
+    data, update = random_tensor(dtype, numel, 1), random_tensor(dtype, numel, 2)
+    nbytes = data.numel() * data.element_size()
+    store.register("w", TensorMeta.of(data), "host", init=data)
+    assert same_bits(store.tensor("w", "host"), data)
+
+    store.fetch("w", "gpu").wait()  # host -> gpu
+    assert store.state("w", "gpu") is S.CLEAN
+    assert same_bits(store.tensor("w", "gpu"), data)
+    assert store.tensor("w", "gpu").device.type == store.device.type
+    assert moved.take() == ({("h2d", "host", "gpu"): nbytes} if nbytes else {})
+
+    store.tensor("w", "gpu").copy_(update.to(store.device))
+    store.mark_dirty("w", "gpu")
+    assert (store.state("w", "gpu"), store.state("w", "host")) == (S.DIRTY, S.STALE)
+    store.evict("w", "gpu").wait()  # gpu -> host, then the gpu copy is released
+    assert (store.state("w", "gpu"), store.state("w", "host")) == (S.ABSENT, S.CLEAN)
+    assert same_bits(store.tensor("w", "host"), update)
+    assert store.usage()["gpu"]["used_nbytes"] == 0
+    assert moved.take() == ({("d2h", "gpu", "host"): nbytes} if nbytes else {})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", NUMELS)
+def test_nvme_paths_round_trip(make_store, nvme_dir: Path, dtype: torch.dtype, numel: int) -> None:
+    """host -> nvme (init), nvme -> gpu (staged through host), gpu -> nvme (through host), nvme -> host:
+    bit-exact at each stop, the bytes in the file itself, and each hop's bytes seen on the event bus."""
+    store = make_store(nvme_path=str(nvme_dir), nvme_budget_nbytes=64 << 20)
+    moved = Moved(store)
+    data, update = random_tensor(dtype, numel, 3), random_tensor(dtype, numel, 4)
+    nbytes = data.numel() * data.element_size()
+    store.register("opt/m", TensorMeta.of(data), "nvme", init=data)
+    assert file_payload(nvme_dir, "opt/m", nbytes) == as_bytes(data).numpy().tobytes()
+    assert moved.take() == ({("write", "host", "nvme"): nbytes} if nbytes else {})
+    assert store.usage()["host"]["used_nbytes"] == 0  # the staging buffer was returned
+
+    store.fetch("opt/m", "gpu").wait()  # nvme -> host -> gpu
+    assert same_bits(store.tensor("opt/m", "gpu"), data)
+    assert (store.state("opt/m", "host"), store.state("opt/m", "gpu")) == (S.CLEAN, S.CLEAN)
+    assert moved.take() == ({("read", "nvme", "host"): nbytes, ("h2d", "host", "gpu"): nbytes} if nbytes else {})
+
+    store.tensor("opt/m", "gpu").copy_(update.to(store.device))
+    store.mark_dirty("opt/m", "gpu", step=7)
+    assert [store.state("opt/m", t) for t in ("gpu", "host", "nvme")] == [S.DIRTY, S.STALE, S.STALE]
+    store.evict("opt/m", "gpu", "host").wait()  # gpu -> host ...
+    assert [store.state("opt/m", t) for t in ("gpu", "host", "nvme")] == [S.ABSENT, S.DIRTY, S.STALE]
+    store.evict("opt/m", "host").wait()  # ... -> nvme, then the host copy goes
+    assert [store.state("opt/m", t) for t in ("gpu", "host", "nvme")] == [S.ABSENT, S.ABSENT, S.CLEAN]
+    assert file_payload(nvme_dir, "opt/m", nbytes) == as_bytes(update).numpy().tobytes()
+    assert moved.take() == ({("d2h", "gpu", "host"): nbytes, ("write", "host", "nvme"): nbytes} if nbytes else {})
+    assert store.usage()["host"]["used_nbytes"] == 0 and store.usage()["gpu"]["used_nbytes"] == 0
+    swap = store.record("opt/m").copies[store.record("opt/m").home].allocation.swap
+    assert store._nvme_dir.read_step(swap) == 7
+
+    store.fetch("opt/m", "host").wait()  # nvme -> host
+    assert same_bits(store.tensor("opt/m", "host"), update)
+    assert moved.take() == ({("read", "nvme", "host"): nbytes} if nbytes else {})
+
+
+def test_fetch_of_a_current_copy_moves_nothing(make_store, nvme_dir: Path) -> None:
+    store = make_store(nvme_path=str(nvme_dir))
+    moved = Moved(store)
+    store.register("k", TensorMeta(torch.float32, 1000), "nvme", init=torch.ones(1000))
+    store.fetch("k", "gpu").wait()
+    events = moved.count
+    handle = store.fetch("k", "gpu")
+    assert handle.done() and handle.nbytes == 0
+    store.fetch("k", "host").wait()
+    assert moved.count == events
+
+
+def test_register_without_init_on_nvme_reads_zeros(make_store, nvme_dir: Path) -> None:
+    store = make_store(nvme_path=str(nvme_dir))
+    store.register("z", TensorMeta(torch.float16, 3000), "nvme")
+    store.fetch("z", "host").wait()
+    assert bool((store.tensor("z", "host") == 0).all())
+
+
+def test_direct_gpu_to_nvme_evict_is_refused_without_changing_state(make_store, nvme_dir: Path) -> None:
+    store = make_store(nvme_path=str(nvme_dir))
+    data = random_tensor(torch.float32, 500, 5)
+    store.register("k", TensorMeta.of(data), "nvme", init=torch.zeros(500))
+    store.fetch("k", "gpu").wait()
+    store.tensor("k", "gpu").copy_(data.to(store.device))
+    store.mark_dirty("k", "gpu")
+    states = [store.state("k", t) for t in ("gpu", "host", "nvme")]
+    with pytest.raises(TierStoreError, match="through host"):
+        store.evict("k", "gpu")  # home is nvme
+    assert [store.state("k", t) for t in ("gpu", "host", "nvme")] == states
+    store.evict("k", "gpu", "host").wait()
+    store.evict("k", "host").wait()
+    store.fetch("k", "host").wait()
+    assert same_bits(store.tensor("k", "host"), data)
+
+
+# ---- budgets ---------------------------------------------------------------------------------------------
+def _usage(store: TierStore) -> dict:
+    return {tier: u["used_nbytes"] for tier, u in store.usage().items()}
+
+
+def test_gpu_budget(make_store) -> None:
+    store = make_store(gpu_budget_nbytes=6000)
+    store.register("a", TensorMeta(torch.float32, 1000), "host", init=torch.ones(1000))
+    store.register("b", TensorMeta(torch.float32, 1000), "host", init=torch.ones(1000))
+    store.fetch("a", "gpu").wait()
+    before = _usage(store)
+    with pytest.raises(CapacityError) as info:
+        store.fetch("b", "gpu")
+    message = str(info.value)
+    assert "gpu tier is full" in message and "b needs 4,000 bytes" in message and "2,000 of 6,000" in message
+    assert _usage(store) == before and store.state("b", "gpu") is S.ABSENT
+    store.release("a", "gpu")
+    store.fetch("b", "gpu").wait()  # fits once a is gone
+    assert _usage(store)["gpu"] == 4000
+
+
+def test_host_budget(make_store) -> None:
+    store = make_store(host_budget_nbytes=3 * 4096)
+    store.register("a", TensorMeta(torch.uint8, 8192), "host")
+    before = _usage(store)
+    with pytest.raises(CapacityError, match="host tier is full") as info:
+        store.register("b", TensorMeta(torch.uint8, 4097), "host")
+    assert "b needs 8,192 bytes" in str(info.value)
+    assert _usage(store) == before and store.keys() == [TensorKey("a")]
+    store.register("c", TensorMeta(torch.uint8, 4096), "host")
+
+
+def test_nvme_budget_leaves_no_file(make_store, nvme_dir: Path) -> None:
+    meta = TensorMeta(torch.float32, 2048)  # one 8 KiB payload + 4 KiB header
+    store = make_store(nvme_path=str(nvme_dir), nvme_budget_nbytes=2 * NVMeDirectory.file_size(meta))
+    store.register("a", meta, "nvme")
+    store.register("b", meta, "nvme")
+    before, files = _usage(store), swap_files(nvme_dir)
+    with pytest.raises(CapacityError, match="nvme tier is full"):
+        store.register("c", TensorMeta(torch.uint8, 1), "nvme")
+    assert _usage(store) == before and swap_files(nvme_dir) == files
+    assert TensorKey("c") not in store.keys()
+
+
+def test_nvme_register_rolls_back_when_staging_does_not_fit(make_store, nvme_dir: Path) -> None:
+    """Writing the initial value needs a host staging buffer; when that is over the host budget the NVMe
+    reservation and its file must go too (nothing half-registered)."""
+    store = make_store(nvme_path=str(nvme_dir), host_budget_nbytes=4096)
+    before = _usage(store)
+    with pytest.raises(CapacityError, match="host tier is full"):
+        store.register("big", TensorMeta(torch.uint8, 8192), "nvme", init=torch.zeros(8192, dtype=torch.uint8))
+    assert _usage(store) == before and swap_files(nvme_dir) == [] and store.keys() == []
+    store.register("big", TensorMeta(torch.uint8, 4096), "nvme")  # the key is free again
+
+
+def test_fetch_over_gpu_budget_keeps_the_staged_host_copy_whole(make_store, nvme_dir: Path) -> None:
+    store = make_store(nvme_path=str(nvme_dir), gpu_budget_nbytes=100)
+    data = random_tensor(torch.int64, 1000, 6)
+    store.register("k", TensorMeta.of(data), "nvme", init=data)
+    with pytest.raises(CapacityError, match="gpu"):
+        store.fetch("k", "gpu")
+    assert _usage(store)["gpu"] == 0 and store.state("k", "gpu") is S.ABSENT
+    assert same_bits(store.tensor("k", "host"), data)  # the staged copy is complete, not half-written
+
+
+def test_init_mismatch_reserves_nothing(make_store) -> None:
+    store = make_store()
+    with pytest.raises(ValueError, match="expected torch.float32 x10"):
+        store.register("k", TensorMeta(torch.float32, 10), "host", init=torch.zeros(11))
+    with pytest.raises(ValueError):
+        store.register("k", TensorMeta(torch.float32, 10), "host", init=torch.zeros(10, dtype=torch.float64))
+    assert _usage(store)["host"] == 0 and store.keys() == []
+
+
+# ---- residency rules --------------------------------------------------------------------------------------
+def test_release_rules(make_store) -> None:
+    store = make_store()
+    store.register("k", TensorMeta(torch.float32, 100), "host", init=torch.ones(100))
+    with pytest.raises(RuntimeError, match="home copy"):
+        store.release("k", "host")
+    store.fetch("k", "gpu").wait()
+    store.release("k", "gpu")  # clean: dropped without writing
+    assert store.state("k", "gpu") is S.ABSENT and _usage(store)["gpu"] == 0
+    store.release("k", "gpu")  # absent: nothing to do
+    store.fetch("k", "gpu").wait()
+    store.mark_dirty("k", "gpu")
+    with pytest.raises(RuntimeError, match="only current copy"):
+        store.release("k", "gpu")
+    assert store.state("k", "gpu") is S.DIRTY and _usage(store)["gpu"] == 400
+
+
+def test_dirty_copy_may_go_while_a_twin_is_current(make_store, nvme_dir: Path) -> None:
+    """A DIRTY gpu copy whose value was also written to host (DIRTY there too) is not the last current copy."""
+    store = make_store(nvme_path=str(nvme_dir))
+    store.register("k", TensorMeta(torch.float32, 100), "nvme", init=torch.zeros(100))
+    store.fetch("k", "gpu").wait()
+    store.tensor("k", "gpu").fill_(3)
+    store.mark_dirty("k", "gpu")
+    store.evict("k", "gpu", "host", release=False).wait()
+    assert (store.state("k", "gpu"), store.state("k", "host")) == (S.DIRTY, S.DIRTY)
+    store.release("k", "gpu")
+    with pytest.raises(RuntimeError, match="only current copy"):
+        store.release("k", "host")
+    assert bool((store.tensor("k", "host") == 3).all())
+
+
+def test_mark_dirty_and_evict_need_a_current_copy(make_store) -> None:
+    store = make_store()
+    store.register("k", TensorMeta(torch.float32, 10), "host", init=torch.ones(10))
+    with pytest.raises(RuntimeError, match="only a current copy"):
+        store.mark_dirty("k", "gpu")
+    with pytest.raises(RuntimeError, match="nothing to evict"):
+        store.evict("k", "gpu")
+    with pytest.raises(RuntimeError, match="fetch it first"):
+        store.tensor("k", "gpu")
+    store.fetch("k", "gpu").wait()
+    store.mark_dirty("k", "host")  # the host copy changed: the gpu copy is out of date
+    assert store.state("k", "gpu") is S.STALE
+    with pytest.raises(RuntimeError, match="fetch it first"):
+        store.tensor("k", "gpu")
+    with pytest.raises(ValueError, match="toward a lower tier"):
+        store.evict("k", "host", "gpu")
+    with pytest.raises(ValueError, match="use evict"):
+        store.fetch("k", "nvme")
+
+
+def test_evict_release_false_keeps_a_clean_copy(make_store) -> None:
+    store = make_store()
+    store.register("k", TensorMeta(torch.float32, 10), "host", init=torch.zeros(10))
+    store.fetch("k", "gpu").wait()
+    store.tensor("k", "gpu").fill_(2)
+    store.mark_dirty("k", "gpu")
+    store.evict("k", "gpu", release=False).wait()
+    assert (store.state("k", "gpu"), store.state("k", "host")) == (S.CLEAN, S.CLEAN)
+    assert bool((store.tensor("k", "host") == 2).all())
+    store.evict("k", "gpu").wait()  # clean: released without another copy
+    assert store.state("k", "gpu") is S.ABSENT
+
+
+def test_stale_copy_is_refreshed_by_fetch(make_store) -> None:
+    store = make_store()
+    store.register("k", TensorMeta(torch.float32, 10), "host", init=torch.zeros(10))
+    store.fetch("k", "gpu").wait()
+    store.tensor("k", "host").fill_(5)
+    store.mark_dirty("k", "host")
+    store.fetch("k", "gpu").wait()
+    assert store.state("k", "gpu") is S.CLEAN and bool((store.tensor("k", "gpu") == 5).all())
+
+
+def test_registry_errors(make_store) -> None:
+    store = make_store()
+    store.register("k", TensorMeta(torch.float32, 10), "host")
+    with pytest.raises(KeyError, match="already registered"):
+        store.register("k", TensorMeta(torch.float32, 10), "host")
+    with pytest.raises(TierStoreError, match="not configured"):
+        store.register("n", TensorMeta(torch.float32, 10), "nvme")
+    with pytest.raises(ValueError, match="not valid"):
+        store.register("bad key", TensorMeta(torch.float32, 10), "host")
+
+
+# ---- lifetime --------------------------------------------------------------------------------------------
+def test_unregister_and_close_return_everything(make_store, nvme_dir: Path) -> None:
+    store = make_store(nvme_path=str(nvme_dir))
+    for i, home in enumerate(["host", "nvme", "nvme"]):
+        store.register(f"k{i}", TensorMeta(torch.float32, 5000), home, init=torch.full((5000,), float(i)))
+        store.fetch(f"k{i}", "gpu").wait()
+    assert all(_usage(store).values())
+    store.unregister("k1")
+    assert swap_files(nvme_dir) == [f"k2{SUFFIX}"]
+    with pytest.raises(DirectoryLockedError):
+        NVMeDirectory(nvme_dir, 1 << 20)
+    store.close()
+    store.close()  # idempotent
+    assert swap_files(nvme_dir) == []
+    assert _usage(store) == {"gpu": 0, "host": 0, "nvme": 0}
+    NVMeDirectory(nvme_dir, 1 << 20).close()  # unlocked
+
+
+def test_second_store_on_the_same_directory_is_refused(make_store, nvme_dir: Path) -> None:
+    make_store(nvme_path=str(nvme_dir))
+    with pytest.raises(DirectoryLockedError, match="in use"):
+        TierStore(StoreConfig(nvme_path=str(nvme_dir), host_budget_nbytes=4096))
+
+
+def test_tmp_nvme_directory_is_created_and_removed(make_store) -> None:
+    store = make_store(nvme_path="tmp")
+    path = Path(store._nvme_dir.path)
+    store.register("k", TensorMeta(torch.uint8, 10), "nvme")
+    assert path.is_dir() and swap_files(path)
+    store.close()
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_io_mode_is_reported(make_store, nvme_dir: Path, direct_io: str) -> None:
+    store = make_store(nvme_path=str(nvme_dir), direct_io=direct_io)
+    assert store.nvme_io_mode in ("direct", "buffered")
+    if direct_io == "off":
+        assert store.nvme_io_mode == "buffered"
+    assert make_store().nvme_io_mode is None
+
+
+def test_slow_listener_does_not_race_the_state(make_store, nvme_dir: Path) -> None:
+    """A listener that takes its time (a profiler writing a trace) delays completion on the IO thread; the
+    caller's wait() must still see the settled states, the released copy and the freed bytes."""
+    store = make_store(nvme_path=str(nvme_dir))
+    store.bus.subscribe(lambda event: time.sleep(0.005))
+    for i in range(8):
+        key = f"k{i}"
+        store.register(key, TensorMeta(torch.float32, 1000), "nvme", init=torch.full((1000,), float(i)))
+        store.fetch(key, "gpu")
+        assert bool((store.tensor(key, "gpu") == i).all())
+        store.mark_dirty(key, "gpu")
+        store.evict(key, "gpu", "host").wait()
+        assert _usage(store)["gpu"] == 0
+        store.evict(key, "host").wait()
+        assert _usage(store)["host"] == 0 and store.state(key, "nvme") is S.CLEAN
+        store.unregister(key)
+    assert _usage(store) == {"gpu": 0, "host": 0, "nvme": 0}
+
+
+def test_concurrent_fetches_of_many_keys(make_store, nvme_dir: Path) -> None:
+    store = make_store(nvme_path=str(nvme_dir), io_threads=4)
+    moved = Moved(store)
+    values = {f"k{i}": random_tensor(torch.float32, 20_000 + i, i) for i in range(12)}
+    for key, value in values.items():
+        store.register(key, TensorMeta.of(value), "nvme", init=value)
+    moved.take()
+    handles = [store.fetch(key, "gpu") for key in values]  # all in flight at once
+    for handle in handles:
+        handle.wait()
+    for key, value in values.items():
+        assert same_bits(store.tensor(key, "gpu"), value)
+    total = sum(v.numel() * 4 for v in values.values())
+    assert moved.take() == {("read", "nvme", "host"): total, ("h2d", "host", "gpu"): total}
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_every_path_on_the_gpu_with_pinned_host(tmpfs_dir: Path) -> None:
+    with TierStore(StoreConfig(device="cuda", host_budget_nbytes=16 << 20, pin=True, nvme_path=str(tmpfs_dir))) as store:
+        assert store.tiers["host"].arena.pinned
+        moved: list[TransferEvent] = []
+        store.bus.subscribe(moved.append)
+        data = random_tensor(torch.bfloat16, (2 << 20) + 1, 8)
+        store.register("w", TensorMeta.of(data), "nvme", init=data)
+        store.fetch("w", "gpu").wait()
+        gpu = store.tensor("w", "gpu")
+        assert gpu.is_cuda and same_bits(gpu, data)
+        gpu.add_(1)  # a kernel on the current stream; the d2h below must be ordered after it
+        expected = gpu.cpu()
+        store.mark_dirty("w", "gpu")
+        store.evict("w", "gpu", "host").wait()
+        store.evict("w", "host").wait()
+        store.fetch("w", "host").wait()
+        assert same_bits(store.tensor("w", "host"), expected)
+        stream_events = [e for e in moved if e.kind in ("h2d", "d2h")]
+        assert {e.kind for e in stream_events} == {"h2d", "d2h"}
+        assert all(e.device_s is not None and e.nbytes == data.numel() * 2 for e in stream_events)

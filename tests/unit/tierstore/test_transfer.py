@@ -1,0 +1,294 @@
+"""TransferEngine and Handle: every copy bit-exact, one event per completed transfer, wait/done semantics."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import EventBus, NVMeDirectory, PinnedArena, TransferEngine, TransferEvent
+from tierstore.keys import TensorKey, TensorMeta
+from tierstore.transfer import Handle, done_handle
+
+
+def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+class Recorder:
+    def __init__(self, bus: EventBus) -> None:
+        self.events: list[TransferEvent] = []
+        self._lock = threading.Lock()
+        bus.subscribe(self)
+
+    def __call__(self, event: TransferEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def moved(self, kind: str) -> int:
+        return sum(e.nbytes for e in self.events if e.kind == kind)
+
+
+@pytest.fixture
+def engine(device: torch.device):
+    eng = TransferEngine(device, io_threads=2)
+    yield eng
+    eng.close()
+
+
+def manual_handle() -> Handle:
+    """A handle the test completes by hand, to hold a dependent transfer back."""
+    return Handle("copy", "gate", "host", "host", 0, None)
+
+
+# ---- host <-> device --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool], ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 4097, (1 << 20) + 1])
+def test_h2d_d2h_round_trip(engine: TransferEngine, device: torch.device, dtype: torch.dtype, numel: int) -> None:
+    recorder = Recorder(engine.bus)
+    data = random_tensor(dtype, numel, seed=numel)
+    on_device = torch.empty(numel, dtype=dtype, device=device)
+    back = torch.empty(numel, dtype=dtype)
+    up = engine.h2d("k", data, on_device)
+    down = engine.d2h("k", on_device, back, after=up)
+    assert down.wait() is down and up.done() and down.done()
+    assert torch.equal(as_bytes(back), as_bytes(data))
+    nbytes = numel * data.element_size()
+    assert [(e.kind, e.src_tier, e.dst_tier, e.nbytes) for e in recorder.events] == [
+        ("h2d", "host", "gpu", nbytes),
+        ("d2h", "gpu", "host", nbytes),
+    ]
+    assert all(e.end_s >= e.start_s and e.duration_s >= 0 for e in recorder.events)
+
+
+def test_copy_shape_or_dtype_mismatch_is_refused(engine: TransferEngine, device: torch.device) -> None:
+    with pytest.raises(ValueError, match="does not match"):
+        engine.h2d("k", torch.zeros(4), torch.zeros(5, device=device))
+    with pytest.raises(ValueError, match="does not match"):
+        engine.d2h("k", torch.zeros(4, device=device), torch.zeros(4, dtype=torch.float64))
+
+
+def test_dependent_copy_waits_for_its_predecessor(engine: TransferEngine, device: torch.device) -> None:
+    gate = manual_handle()
+    data = random_tensor(torch.float32, 1000)
+    dst = torch.zeros(1000, device=device)
+    handle = engine.h2d("k", data, dst, after=gate)
+    assert not handle.done()
+    assert bool((dst == 0).all())  # not issued yet
+    gate._set_issued()
+    gate._finish()
+    handle.wait()
+    assert torch.equal(as_bytes(dst), as_bytes(data))
+
+
+def test_failed_predecessor_fails_the_dependent_copy(engine: TransferEngine, device: torch.device) -> None:
+    recorder = Recorder(engine.bus)
+    gate = manual_handle()
+    dst = torch.zeros(10, device=device)
+    handle = engine.h2d("k", torch.ones(10), dst, after=gate)
+    gate._fail(OSError(5, "staging read failed"))
+    with pytest.raises(OSError, match="staging read failed"):
+        handle.wait()
+    assert handle.done() and isinstance(handle.error, OSError)
+    assert bool((dst == 0).all()) and recorder.events == []  # no copy, no event for a failed transfer
+    already_failed = engine.h2d("k", torch.ones(10), dst, after=gate)
+    with pytest.raises(OSError):
+        already_failed.wait()
+
+
+# ---- host <-> file ----------------------------------------------------------------------------------------
+def test_file_write_then_read(engine: TransferEngine, nvme_dir: Path) -> None:
+    recorder = Recorder(engine.bus)
+    data = random_tensor(torch.bfloat16, 12345, seed=1)
+    meta = TensorMeta.of(data)
+    directory = NVMeDirectory(nvme_dir, 1 << 20)
+    arena = PinnedArena(2 * 32768, pin=False)
+    try:
+        swap = directory.create(TensorKey("w"), meta)
+        src = arena.padded_view(arena.allocate(meta.nbytes), meta.nbytes)
+        dst = arena.padded_view(arena.allocate(meta.nbytes), meta.nbytes)
+        src[: meta.nbytes].copy_(as_bytes(data))
+        gate = manual_handle()
+        write = engine.write("w", directory, swap, src, step=3, after=gate)
+        assert not write.done()
+        gate._set_issued()
+        gate._finish()
+        write.wait()
+        read = engine.read("w", directory, swap, dst).wait()
+        assert torch.equal(dst[: meta.nbytes], as_bytes(data)) and read.done()
+        assert directory.read_step(swap) == 3
+        assert [(e.kind, e.src_tier, e.dst_tier, e.nbytes) for e in recorder.events] == [
+            ("write", "host", "nvme", meta.nbytes),
+            ("read", "nvme", "host", meta.nbytes),
+        ]
+        assert all(e.thread.startswith("tierstore-io") for e in recorder.events)
+    finally:
+        directory.close()
+        arena.close()
+
+
+def test_io_error_surfaces_through_wait(engine: TransferEngine, nvme_dir: Path) -> None:
+    recorder = Recorder(engine.bus)
+    directory = NVMeDirectory(nvme_dir, 1 << 20)
+    try:
+        swap = directory.create(TensorKey("never_written"), TensorMeta(torch.float32, 8))
+        handle = engine.read("never_written", directory, swap, torch.empty(32, dtype=torch.uint8))
+        with pytest.raises(Exception, match="corrupt"):
+            handle.wait()
+        assert handle.done() and recorder.events == []
+        gate = manual_handle()
+        write = engine.write("never_written", directory, swap, torch.zeros(32, dtype=torch.uint8), after=gate)
+        gate._fail(RuntimeError("upstream failed"))
+        with pytest.raises(RuntimeError, match="upstream failed"):
+            write.wait()
+    finally:
+        directory.close()
+
+
+def test_closed_engine_fails_new_io(device: torch.device, nvme_dir: Path) -> None:
+    eng = TransferEngine(device)
+    eng.close()
+    eng.close()  # idempotent
+    directory = NVMeDirectory(nvme_dir, 1 << 20)
+    try:
+        swap = directory.create(TensorKey("late"), TensorMeta(torch.uint8, 8))
+        with pytest.raises(RuntimeError, match="closed"):
+            eng.read("late", directory, swap, torch.empty(8, dtype=torch.uint8)).wait()
+    finally:
+        directory.close()
+
+
+def test_io_threads_must_be_positive(device: torch.device) -> None:
+    with pytest.raises(ValueError, match="io_threads"):
+        TransferEngine(device, io_threads=0)
+
+
+# ---- handle semantics -------------------------------------------------------------------------------------
+def test_done_handle() -> None:
+    handle = done_handle("k", "gpu")
+    assert handle.done() and handle.wait() is handle and handle.nbytes == 0 and handle.error is None
+    seen = []
+    handle.add_done_callback(seen.append)
+    assert seen == [handle]
+
+
+def test_callbacks_run_once_in_order() -> None:
+    handle = manual_handle()
+    seen: list[str] = []
+    handle.add_done_callback(lambda h: seen.append("a"))
+    handle.add_done_callback(lambda h: seen.append("b"))
+    assert not handle.done() and seen == []
+    handle._set_issued()
+    assert handle.done()
+    handle.wait()
+    handle.done()
+    assert seen == ["a", "b"]
+    handle.add_done_callback(lambda h: seen.append("late"))  # already complete: runs at once
+    assert seen == ["a", "b", "late"]
+
+
+def test_failing_callback_does_not_break_the_handle(caplog: pytest.LogCaptureFixture) -> None:
+    handle = manual_handle()
+    seen = []
+    handle.add_done_callback(lambda h: 1 / 0)
+    handle.add_done_callback(seen.append)
+    handle._set_issued()
+    handle.wait()
+    assert seen == [handle] and "callback failed" in caplog.text
+
+
+def test_wait_returns_only_after_events_and_callbacks_ran(engine: TransferEngine, nvme_dir: Path) -> None:
+    """Another thread finishes the transfer while a slow listener holds it up: done() must say False and
+    wait() must not return until the listener and every completion callback have run (the store settles
+    its states in those callbacks, so returning early lets a caller see LOADING or free memory twice)."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def slow_listener(event: TransferEvent) -> None:
+        entered.set()
+        release.wait(timeout=30)
+        calls.append("listener")
+
+    engine.bus.subscribe(slow_listener)
+    directory = NVMeDirectory(nvme_dir, 1 << 20)
+    try:
+        swap = directory.create(TensorKey("slow"), TensorMeta(torch.uint8, 64))
+        handle = engine.write("slow", directory, swap, torch.zeros(64, dtype=torch.uint8))
+        handle.add_done_callback(lambda h: calls.append("callback"))
+        assert entered.wait(timeout=30)  # the IO worker is now finishing the handle
+        assert not handle.done()
+        timer = threading.Timer(0.2, release.set)
+        timer.start()
+        handle.wait()
+        assert calls == ["listener", "callback"]
+        timer.join()
+    finally:
+        release.set()
+        directory.close()
+
+
+# ---- CUDA streams ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_stream_copies_from_pinned_arena_are_exact_and_timed() -> None:
+    device = torch.device("cuda")
+    engine = TransferEngine(device)
+    recorder = Recorder(engine.bus)
+    nbytes = 8 << 20
+    arena = PinnedArena(2 * nbytes, pin=True)
+    try:
+        assert arena.pinned
+        data = torch.randn(nbytes // 2, generator=torch.Generator().manual_seed(5)).bfloat16()  # finite: doubled below
+        host_in = arena.view(arena.allocate(nbytes), nbytes, torch.bfloat16)
+        host_out = arena.view(arena.allocate(nbytes), nbytes, torch.bfloat16)
+        host_in.copy_(data)
+        on_gpu = torch.empty_like(data, device=device)
+        up = engine.h2d("k", host_in, on_gpu)
+        up.wait_stream()  # the current stream now runs after the copy, without a host wait
+        doubled = on_gpu * 2  # produced on the current stream
+        down = engine.d2h("k", doubled, host_out)  # must be ordered after that kernel
+        del doubled  # record_stream keeps its memory until the copy is done
+        torch.cuda.empty_cache()
+        down.wait()
+        assert torch.equal(host_out, data * 2)
+        assert up.done()  # wait_stream() does not observe completion; done()/wait() publish the event
+        assert sorted((e.kind, e.nbytes) for e in recorder.events) == [("d2h", nbytes), ("h2d", nbytes)]
+        assert all(e.device_s is not None and e.device_s > 0 and e.duration_s == e.device_s for e in recorder.events)
+        engine.synchronize()
+    finally:
+        engine.close()
+        arena.close()
+
+
+@pytest.mark.gpu
+def test_device_copy_after_file_read_uses_the_staged_bytes(tmpfs_dir: Path) -> None:
+    device = torch.device("cuda")
+    engine = TransferEngine(device)
+    data = random_tensor(torch.float32, 300_001, seed=9)
+    meta = TensorMeta.of(data)
+    directory = NVMeDirectory(tmpfs_dir, 4 << 20)
+    arena = PinnedArena(2 << 20, pin=True)
+    try:
+        swap = directory.create(TensorKey("staged"), meta)
+        staging = arena.padded_view(arena.allocate(meta.nbytes), meta.nbytes)
+        staging[: meta.nbytes].copy_(as_bytes(data))
+        directory.write(swap, staging)
+        staging.zero_()
+        read = engine.read("staged", directory, swap, staging)
+        on_gpu = torch.empty(meta.numel, device=device)
+        up = engine.h2d("staged", staging[: meta.nbytes].view(torch.float32), on_gpu, after=read)
+        up.wait()
+        assert torch.equal(as_bytes(on_gpu), as_bytes(data))
+    finally:
+        engine.close()
+        directory.close()
+        arena.close()
