@@ -13,7 +13,7 @@ from torch import nn
 from runtime.adam import AdamWHyper
 from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
-from runtime.controller import Controller, RuntimeOptions
+from runtime.controller import Controller, RuntimeOptions, gpu_updated_blocks
 from runtime.hooks import HookSet
 from runtime.optimizer import OffloadAdamW
 from runtime.plan import MemoryPlan, check_plan, make_plan
@@ -108,8 +108,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if not blocks:
         raise ValueError("the model has no trainable parameters to offload")
     homes, source = resolve_homes(cfg, device)
-    plan = make_plan([b.numel for b in blocks], {k: v.value for k, v in homes.items()}, source.value,
-                     torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth, cfg.optimizer.accumulation_steps)
+    plan = plan_for(blocks, cfg, homes, source, dtype)
     gpu_budget = _gpu_budget(cfg, device)
     host_budget = plan.host_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
     check_plan(plan, gpu_budget if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
@@ -145,6 +144,15 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     return model, optimizer
 
 
+def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
+             dtype: torch.dtype) -> MemoryPlan:
+    """The memory plan of these blocks under this config (nothing allocated)."""
+    gpu_updated = gpu_updated_blocks(blocks, cfg.optimizer.gpu_update_fraction)
+    return make_plan([b.numel for b in blocks if b.index not in gpu_updated], {k: v.value for k, v in homes.items()},
+                     source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
+                     cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)])
+
+
 def _gpu_budget(cfg: TierstoreConfig, device: torch.device) -> int:
     if cfg.tiers.gpu.budget != "auto":
         return int(cfg.tiers.gpu.budget)
@@ -172,4 +180,4 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, hom
         hyper=AdamWHyper(lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay),
         grad_clip=opt.grad_clip, accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
         prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=int(threads),
-        record_intervals=record_intervals)
+        record_intervals=record_intervals, gpu_update_fraction=opt.gpu_update_fraction)

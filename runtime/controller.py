@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.adam import AdamWHyper, split_views
+from runtime.adam import AdamWHyper, adamw_update, split_views
 from runtime.blocks import Block
 from runtime.overlap import UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
@@ -40,6 +40,7 @@ class RuntimeOptions:
     loss_scale: dict[str, float] | None  # initial, growth_factor, backoff_factor, growth_interval (fp16)
     cpu_threads: int
     record_intervals: bool = False
+    gpu_update_fraction: float = 0.0  # share of parameters (first blocks) whose AdamW runs on the device
 
 
 @dataclass
@@ -62,11 +63,18 @@ class Controller:
         self.store = store
         self.options = options
         self.device = store.device
+        self.gpu_updated = gpu_updated_blocks(blocks, options.gpu_update_fraction)
         self._register_state(options)
-        self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source)
-        if options.weight_source is WeightSource.RESIDENT:
-            for block in blocks:
+        self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source, self.gpu_updated)
+        for block in blocks:
+            if block.index in self.gpu_updated:
+                self.weights.load_resident(block.index, store.tensor(block.key("master"), TierName.GPU))
+            elif options.weight_source is WeightSource.RESIDENT:
                 self.weights.load_resident(block.index)
+        # Per-parameter step counters of device-updated blocks live on the device, as fused AdamW wants.
+        self.gpu_param_steps = {i: [torch.zeros((), dtype=torch.float32, device=self.device) for _ in blocks[i].slots]
+                                for i in self.gpu_updated}
+        self._deferred_gpu: list[tuple[Block, torch.Tensor | None, list[bool], int]] = []
         self.schedule = PrefetchSchedule(options.prefetch_depth, options.prefetch_budget_nbytes, self.weights.nbytes)
         torch.set_num_threads(options.cpu_threads)
         self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals)
@@ -95,6 +103,11 @@ class Controller:
         for block in self.blocks:
             master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
             f32 = TensorMeta(torch.float32, block.numel)
+            if block.index in self.gpu_updated:
+                self.store.register(block.key("master"), f32, TierName.GPU, init=master.to(self.device))
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    self.store.register(block.key(kind), f32, TierName.GPU, init=torch.zeros(block.numel, device=self.device))
+                continue
             self.store.register(block.key("master"), f32, homes["master"], init=master)
             for kind in ("exp_avg", "exp_avg_sq"):
                 self._register_zeros(block.key(kind), f32, homes[kind])
@@ -132,6 +145,7 @@ class Controller:
 
     def acquire(self, indices: list[int], phase: str) -> None:
         """Blocks are about to be used: record the use, wait for their update and weights, prefetch ahead."""
+        self.store.engine.poll()
         for index in indices:
             self.schedule.observe(index, phase)
             self._ready(index)
@@ -226,6 +240,12 @@ class Controller:
         self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         has_grad = [slot.param.grad is not None for slot in block.slots]
         step = self.optimizer_step + 1
+        if not any(has_grad) and block.index in self.gpu_updated:
+            if self._deferred:
+                self._deferred_gpu.append((block, None, has_grad, step))
+            else:
+                self.worker.mark_updated(block.index, step)
+            return
         if not any(has_grad):
             job = UpdateJob(block, None, step, self.lr_source(), skip=True)
         else:
@@ -245,6 +265,12 @@ class Controller:
                     norms = torch._foreach_norm(views, 2.0)
                     for slot, norm in zip([s for s, p in zip(block.slots, has_grad) if p], norms):
                         self._norms[slot.index] = norm
+            if block.index in self.gpu_updated:
+                if self._deferred:
+                    self._deferred_gpu.append((block, flat, has_grad, step))
+                else:
+                    self._gpu_update(block, flat, has_grad, step, None, skip=False)
+                return
             handle = self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
             job = UpdateJob(block, handle, step, self.lr_source(), mask=None if all(has_grad) else has_grad)
         if self._deferred:
@@ -271,6 +297,10 @@ class Controller:
             coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
             multiplier = coef.to("cpu")
             self.stats.grad_norms.append(float(total))
+        coef_device = None if multiplier is None else coef
+        for block, flat, has_grad, step in sorted(self._deferred_gpu, key=lambda item: item[0].index):
+            self._gpu_update(block, flat, has_grad, step, coef_device, skip=skip or flat is None)
+        self._deferred_gpu = []
         for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
             job.grad_multiplier = multiplier
             job.skip = job.skip or skip
@@ -284,6 +314,26 @@ class Controller:
             self.found_inf.zero_()
         self._deferred_jobs = []
         self._norms = {}
+
+    def _gpu_update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int,
+                    multiplier: torch.Tensor | None, skip: bool) -> None:
+        """AdamW on the device for a block whose state lives there, then recast its compute weights.
+        Stream-ordered on the current stream, so the next forward needs no host-side wait."""
+        if not skip and grad is not None:
+            if multiplier is not None:
+                grad.mul_(multiplier)
+            sizes = [slot.numel for slot in block.slots]
+
+            def views(flat: torch.Tensor) -> list[torch.Tensor]:
+                return [v for v, keep in zip(split_views(flat, sizes), has_grad) if keep]
+
+            master = self.store.tensor(block.key("master"), TierName.GPU)
+            adamw_update(views(master), views(grad), views(self.store.tensor(block.key("exp_avg"), TierName.GPU)),
+                         views(self.store.tensor(block.key("exp_avg_sq"), TierName.GPU)),
+                         [s for s, keep in zip(self.gpu_param_steps[block.index], has_grad) if keep],
+                         self.options.hyper, lr=self.lr_source())
+            self.weights.load_resident(block.index, master)
+        self.worker.mark_updated(block.index, step)
 
     # ---- optimizer -----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -309,6 +359,8 @@ class Controller:
     def master_tensor(self, block: Block) -> torch.Tensor:
         """A CPU copy of block's fp32 master (after synchronize())."""
         key = block.key("master")
+        if block.index in self.gpu_updated:
+            return self.store.tensor(key, TierName.GPU).to("cpu", copy=True)
         self.store.fetch(key, TierName.HOST).wait()
         return self.store.tensor(key, TierName.HOST).clone()
 
@@ -335,3 +387,19 @@ class _LossScaler:
         """Back off on overflow, grow after growth_interval clean steps."""
         torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval)
 
+
+
+def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:
+    """The first blocks in forward order holding at most ``fraction`` of the parameters: their gradients
+    arrive last in backward and their weights are needed first in the next forward, so they are the
+    updates a CPU optimizer cannot hide."""
+    if fraction <= 0:
+        return frozenset()
+    total = sum(b.numel for b in blocks)
+    chosen, running = set(), 0
+    for block in sorted(blocks, key=lambda b: b.index):
+        if running + block.numel > fraction * total + 0.5:
+            break
+        chosen.add(block.index)
+        running += block.numel
+    return frozenset(chosen)

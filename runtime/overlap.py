@@ -117,6 +117,12 @@ class UpdateWorker:
         """The last step block index was updated to."""
         return self._updated_step[index]
 
+    def mark_updated(self, index: int, step: int) -> None:
+        """Record that block index was updated to ``step`` by someone else (the device-side optimizer)."""
+        with self._cond:
+            self._updated_step[index] = max(self._updated_step[index], step)
+            self._cond.notify_all()
+
     def set_updated_step(self, step: int) -> None:
         """Mark every block as updated to ``step`` (after loading a checkpoint)."""
         with self._cond:

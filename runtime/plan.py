@@ -74,11 +74,17 @@ def _human(nbytes: int) -> str:
 
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
-              prefetch_depth: int, accumulation_steps: int) -> MemoryPlan:
+              prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
-    (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights)."""
-    plan = MemoryPlan(num_params=sum(block_numels), homes=dict(homes), weight_source=weight_source)
-    largest = max(block_numels, default=0)
+    (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
+    blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction)."""
+    gpu_updated_numels = gpu_updated_numels or []
+    plan = MemoryPlan(num_params=sum(block_numels) + sum(gpu_updated_numels), homes=dict(homes), weight_source=weight_source)
+    largest = max(block_numels + gpu_updated_numels, default=0)
+    if gpu_updated_numels:
+        n = sum(gpu_updated_numels)
+        plan.rows.append(("device-updated master + moments", "gpu", 3 * 4 * n))
+        plan.rows.append(("device-updated weights", "gpu", n * compute_itemsize))
 
     def host_bytes(numel: int, itemsize: int) -> int:
         return align_up(max(numel * itemsize, 1), IO_ALIGNMENT)
@@ -94,10 +100,10 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     if weight_source == "weights":
         plan.rows.append(("weights (compute dtype)", "host", sum(host_bytes(n, compute_itemsize) for n in block_numels)))
     if weight_source == "resident":
-        plan.rows.append(("weights (resident)", "gpu", plan.num_params * compute_itemsize))
+        plan.rows.append(("weights (resident)", "gpu", sum(block_numels) * compute_itemsize))
         plan.rows.append(("refresh staging (fp32)", "gpu", largest * 4))
     else:
-        in_flight = min(len(block_numels), prefetch_depth + 2)
+        in_flight = min(len(block_numels), prefetch_depth + 2) if block_numels else 0
         plan.rows.append((f"weights ({in_flight} blocks in flight)", "gpu", in_flight * largest * compute_itemsize))
         if weight_source == "master" and compute_itemsize != 4:
             plan.rows.append(("fetch staging (fp32)", "gpu", in_flight * largest * 4))
@@ -166,7 +172,7 @@ def main(args: "argparse.Namespace") -> int:  # noqa: F821
     so nothing is allocated), refused with the numbers when it does not fit."""
     import torch
 
-    from runtime.api import DTYPES, _gpu_budget, resolve_device, resolve_homes
+    from runtime.api import DTYPES, _gpu_budget, plan_for, resolve_device, resolve_homes
     from runtime.blocks import build_blocks
     from runtime.config import load_config
     from runtime.example_model import ExampleLM, ModelShape
@@ -178,9 +184,7 @@ def main(args: "argparse.Namespace") -> int:  # noqa: F821
     blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
     device = resolve_device(cfg)
     homes, source = resolve_homes(cfg, device)
-    dtype = DTYPES[cfg.dtype]
-    plan = make_plan([b.numel for b in blocks], {k: v.value for k, v in homes.items()}, source.value,
-                     torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth, cfg.optimizer.accumulation_steps)
+    plan = plan_for(blocks, cfg, homes, source, DTYPES[cfg.dtype])
     print(plan.table())
     check_plan(plan, _gpu_budget(cfg, device) if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
     print("the plan fits this machine")

@@ -45,7 +45,9 @@ class BlockWeights:
 class WeightManager:
     """Fetches, waits for and releases blocks' compute weights on the device."""
 
-    def __init__(self, blocks: list[Block], store: TierStore, compute_dtype: torch.dtype, source: WeightSource):
+    def __init__(self, blocks: list[Block], store: TierStore, compute_dtype: torch.dtype, source: WeightSource,
+                 gpu_updated: frozenset[int] = frozenset()):
+        self.gpu_updated = gpu_updated  # blocks whose optimizer runs on the device: weights always resident
         self.store = store
         self.device = store.device
         self.compute_dtype = compute_dtype
@@ -136,7 +138,7 @@ class WeightManager:
     def release(self, index: int) -> None:
         """Free block index's device bytes (its views remain, pointing at zero bytes)."""
         state = self.states[index]
-        if self.source is WeightSource.RESIDENT or state.users > 0:
+        if self.source is WeightSource.RESIDENT or index in self.gpu_updated or state.users > 0:
             return
         if state.handle is not None:  # prefetched but never used: the copy must end before the bytes go
             state.handle.wait_stream()
@@ -151,10 +153,12 @@ class WeightManager:
         state.resident = False
         self._gpu_tier.unreserve(self.nbytes(index))
 
-    def load_resident(self, index: int) -> None:
-        """Fill a RESIDENT block from its master synchronously (at start, and after a checkpoint load)."""
+    def load_resident(self, index: int, master: torch.Tensor | None = None) -> None:
+        """Fill a resident block from its master (host copy, or the given device tensor): at start, after a
+        checkpoint load, and after each device-side update (stream-ordered on the current stream)."""
         state = self.states[index]
-        master = self.store.tensor(state.block.key("master"), TierName.HOST)
+        if master is None:
+            master = self.store.tensor(state.block.key("master"), TierName.HOST)
         if not state.resident:
             self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
             state.flat.untyped_storage().resize_(self.nbytes(index))

@@ -13,7 +13,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, os; print('torch', torch.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  python3 -m pytest -q -m gpu -s -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  python3 -m runtime.cli train 2>&1 | tee "$OUT/train_default.log" | tail -12
 fi
 if [[ $what == store || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-bench
@@ -22,5 +23,5 @@ if [[ $what == store || $what == all ]]; then
 fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
-  python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,gpu-weights} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
+  python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,host-f50,host-f60,gpu-weights-f50} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
 fi

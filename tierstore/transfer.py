@@ -8,6 +8,7 @@ Without CUDA, host<->"GPU" copies are plain synchronous ``copy_`` and their hand
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -162,6 +163,10 @@ class TransferEngine:
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self._io_pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierstore-io")
+        # Device copies whose completion nobody has observed yet: poll() publishes them, so copies that
+        # are only ever waited for on a stream (wait_stream) still reach the event bus.
+        self._unobserved: collections.deque[Handle] = collections.deque()
+        self._unobserved_lock = threading.Lock()
         self._closed = False
 
     # ---- host <-> device ----------------------------------------------------------------------------
@@ -218,6 +223,8 @@ class TransferEngine:
                         if tensor.is_cuda:
                             tensor.record_stream(stream)
                 handle._set_issued(end, start)
+                with self._unobserved_lock:
+                    self._unobserved.append(handle)
             except BaseException as exc:  # surfaces through wait()
                 handle._fail(exc)
 
@@ -269,11 +276,28 @@ class TransferEngine:
 
         handle._future = self._io_pool.submit(run)
 
+    def poll(self) -> None:
+        """Publish every device copy that has completed (non-blocking; copies complete in stream order)."""
+        while True:
+            with self._unobserved_lock:
+                if not self._unobserved:
+                    return
+                handle = self._unobserved[0]
+            # done() may run completion callbacks that take other locks: never call it holding ours.
+            # Copies on the two streams interleave; one not done yet may hide later done ones, which the
+            # next poll publishes.
+            if not handle.done():
+                return
+            with self._unobserved_lock:
+                if self._unobserved and self._unobserved[0] is handle:
+                    self._unobserved.popleft()
+
     def synchronize(self) -> None:
-        """Wait for every queued device copy (not file IO)."""
+        """Wait for every queued device copy (not file IO) and publish them."""
         for stream in (self.h2d_stream, self.d2h_stream):
             if stream is not None:
                 stream.synchronize()
+        self.poll()
 
     def close(self) -> None:
         """Finish queued IO and stop the workers."""

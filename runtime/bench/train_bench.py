@@ -35,6 +35,22 @@ ROWS = {
     "host-accum8": "tierstore: weights + optimizer on host, accumulation 8",
     "torch-accum8": "plain PyTorch, accumulation 8",
 }
+# Any tierstore row takes a suffix -fNN: NN% of the parameters (the first blocks) updated on the GPU.
+
+
+def describe_row(row: str) -> str:
+    """What a row runs, for the table."""
+    base, fraction = split_row(row)
+    text = ROWS[base]
+    return text + (f", {fraction:.0%} of the update on the GPU" if fraction else "")
+
+
+def split_row(row: str) -> tuple[str, float]:
+    """'host-f50' -> ('host', 0.5)."""
+    if "-f" in row and row.rsplit("-f", 1)[1].isdigit():
+        base, pct = row.rsplit("-f", 1)
+        return base, int(pct) / 100
+    return row, 0.0
 SEQ_LEN = 1024
 MICRO_BATCH = 8
 
@@ -169,7 +185,9 @@ def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
 
 
 def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
-    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4}, "prefetch": {"depth": 2}}
+    row, fraction = split_row(row)
+    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4, "gpu_update_fraction": fraction},
+                            "prefetch": {"depth": 2}}
     if row in ("host", "host-accum8"):
         base["placement"] = {"weights": "host", "master": "host", "moments": "host"}
     elif row == "gpu-weights":
@@ -192,7 +210,7 @@ def run_row(row: str, preset: str, steps: int, nvme_dir: str | None) -> dict[str
 def main(args: argparse.Namespace) -> int:
     """Run every requested row in its own process, measure the bound's terms, print one table."""
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in rows if split_row(r)[0] not in ROWS or (r.startswith("torch") and split_row(r)[1])]
     if unknown:
         raise ValueError(f"unknown rows {unknown}; choose from {list(ROWS)}")
     shape = PRESETS[args.preset]
@@ -235,21 +253,22 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
     if {"T_fwd", "T_bwd", "T_adam"} <= terms.keys():
         bound = terms["T_fwd"] + max(terms["T_bwd"], terms["T_adam"], terms.get("T_pcie", 0.0))
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    width = max([14] + [len(r) + 2 for r in rows])
     lines = [f"bench train on {name}: {shape.num_params / 1e9:.2f}B params, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}, bf16",
              "terms: " + ", ".join(f"{k} {v:.3f}" for k, v in terms.items()),
              f"bound T_fwd + max(T_bwd, T_adam, T_pcie) = {bound:.3f} s" if bound else "bound: needs the torch row",
-             f"{'row':<14}{'s/step':>8}{'tok/s':>9}{'vs torch':>10}{'vs bound':>10}{'peak GPU GiB':>14}  what"]
+             f"{'row':<{width}}{'s/step':>8}{'tok/s':>9}{'vs torch':>10}{'vs bound':>10}{'peak GPU GiB':>14}  what"]
     base = results.get("torch", {}).get("step_s")
     for row in rows:
         r = results.get(row, {})
         if "error" in r or "step_s" not in r:
-            lines.append(f"{row:<14}{'failed':>8}")
+            lines.append(f"{row:<{width}}{'failed':>8}")
             continue
         accum = 8 if row.endswith("accum8") else 1
         tps = tokens * accum / r["step_s"]
         vs_torch = f"{base * accum / r['step_s']:.2f}x" if base and not row.startswith("torch") else "-"
         vs_bound = f"{r['step_s'] / bound:.2f}" if bound and accum == 1 and not row.startswith("torch") else "-"
-        lines.append(f"{row:<14}{r['step_s']:>8.3f}{tps:>9.0f}{vs_torch:>10}{vs_bound:>10}{r.get('peak_gpu_nbytes', 0) / 2**30:>14.1f}  {ROWS[row]}")
+        lines.append(f"{row:<{width}}{r['step_s']:>8.3f}{tps:>9.0f}{vs_torch:>10}{vs_bound:>10}{r.get('peak_gpu_nbytes', 0) / 2**30:>14.1f}  {describe_row(row)}")
     return "\n".join(lines)
 
 

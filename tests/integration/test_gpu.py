@@ -19,12 +19,14 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("placement", [{"weights": "host"}, {"weights": "gpu"}, {"weights": "host", "moments": "nvme"}])
-def test_bf16_parity_on_gpu(placement, tmpfs_dir):
+@pytest.mark.parametrize("placement,fraction", [({"weights": "host"}, 0.0), ({"weights": "gpu"}, 0.0),
+                                                ({"weights": "host", "moments": "nvme"}, 0.0), ({"weights": "host"}, 0.5),
+                                                ({"weights": "gpu"}, 0.3)])
+def test_bf16_parity_on_gpu(placement, fraction, tmpfs_dir):
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda")
-    config = {"dtype": "bf16", "optimizer": {"grad_clip": None}, "placement": placement,
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": None, "gpu_update_fraction": fraction}, "placement": placement,
               "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
     model, optimizer = offload(model, config)
     session = optimizer.session
@@ -48,7 +50,8 @@ def test_bf16_clipping_and_accumulation_on_gpu():
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=0.1, accumulation_steps=2)
-    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 0.1, "accumulation_steps": 2}})
+    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 0.1, "accumulation_steps": 2,
+                                                                      "gpu_update_fraction": 0.3}})
     session = optimizer.session
     batches = make_batches(8)
     try:

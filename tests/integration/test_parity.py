@@ -137,3 +137,14 @@ def test_step_without_enough_backward_passes_is_refused():
             optimizer.step()
     finally:
         optimizer.session.close()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_fp32_part_of_the_update_on_the_device(clip):
+    config = {"dtype": "fp32", "optimizer": {"gpu_update_fraction": 0.5, "grad_clip": clip}}
+    ours, theirs, weights, reference, events, _ = run_both(config)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    # Only the CPU-updated blocks' gradients went to host: fewer bytes than the whole model's.
+    all_grads = 4 * sum(p.numel() for p in reference.masters)
+    assert 0 < nbytes_moved(events, "d2h") < all_grads * STEPS
