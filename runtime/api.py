@@ -162,12 +162,18 @@ def _gpu_budget(cfg: TierstoreConfig, device: torch.device) -> int:
     return 1 << 62  # the CPU stands in for the GPU: host memory is planned separately
 
 
+def default_cpu_threads() -> int:
+    """Threads for the CPU optimizer: every core but two when a GPU is fed (the Python thread launching
+    forward kernels and the autograd thread launching backward ones). One more OpenMP thread than there
+    are free cores stalls every parallel region on the descheduled one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, cores - (2 if torch.cuda.is_available() else 0))
+
+
 def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, homes: dict[str, TierName],
              record_intervals: bool) -> RuntimeOptions:
     opt = cfg.optimizer
-    threads = opt.cpu_threads
-    if threads == "auto":
-        threads = max(1, (os.cpu_count() or 2) - (1 if torch.cuda.is_available() else 0))
+    threads = default_cpu_threads() if opt.cpu_threads == "auto" else opt.cpu_threads
     loss_scale = None
     if cfg.dtype == "fp16":
         ls = opt.loss_scale

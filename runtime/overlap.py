@@ -7,15 +7,18 @@ issued ahead for queued jobs), runs fused AdamW, writes back what lives on NVMe,
 compute weights where they come from, and marks the block updated at step t. The next forward waits for that
 mark for the blocks it needs, and for nothing else.
 
-Two orders: *streaming* (jobs run as gradients arrive, overlapping backward) and *deferred* (used when the
-update needs the whole gradient first: global-norm clipping or fp16 overflow checks; the jobs then run in
-forward order, so the next forward can start on the first blocks while the rest update).
+Jobs are taken by priority: lowest step, then lowest block index -- the block the next forward needs first.
+In *streaming* mode jobs are submitted as gradients arrive and overlap backward; whatever is left when
+backward ends runs in forward order, so the next forward starts while later blocks still update. In
+*deferred* mode (the update needs the whole gradient first: global-norm clipping or fp16 overflow checks)
+every job is submitted at the end of backward, and runs in forward order.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import heapq
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,8 +74,9 @@ class UpdateWorker:
         self.param_steps: list[list[torch.Tensor]] = [[torch.zeros((), dtype=torch.float32) for _ in b.slots] for b in blocks]
         self._updated_step = [0] * len(blocks)
         self._cond = threading.Condition()
-        self._queue: queue.Queue[UpdateJob | None] = queue.Queue()
-        self._pending: list[UpdateJob] = []  # taken from the queue, staging issued, not yet run
+        self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
+        self._sequence = itertools.count()
+        self._stopping = False
         self._error: BaseException | None = None
         self._refresh_staging: torch.Tensor | None = None
         if weights.source is WeightSource.RESIDENT and store.device.type == "cuda":
@@ -86,7 +90,9 @@ class UpdateWorker:
     def submit(self, job: UpdateJob) -> None:
         """Queue one block's update."""
         self._raise_if_failed()
-        self._queue.put(job)
+        with self._cond:
+            heapq.heappush(self._jobs, (job.step, job.block.index, next(self._sequence), job))
+            self._cond.notify_all()
 
     def stage(self, block: Block) -> None:
         """Start bringing block's optimizer state to host early (e.g. when its backward begins)."""
@@ -132,13 +138,26 @@ class UpdateWorker:
     def close(self) -> None:
         """Finish queued jobs and stop the thread."""
         if self._thread.is_alive():
-            self._queue.put(None)
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
             self._thread.join()
 
     # ---- the thread ----------------------------------------------------------------------------------
+    def _next_job(self) -> UpdateJob | None:
+        """The queued job the next forward needs first: lowest step, then lowest block index. During
+        backward the newest arrival is usually that one; after it, the rest go in forward order, so the
+        next forward can start while the later blocks still update."""
+        with self._cond:
+            while not self._jobs and not self._stopping:
+                self._cond.wait()
+            if not self._jobs:
+                return None
+            return heapq.heappop(self._jobs)[-1]
+
     def _run(self) -> None:
         while True:
-            job = self._pending.pop(0) if self._pending else self._queue.get()
+            job = self._next_job()
             if job is None:
                 return
             try:
@@ -152,16 +171,11 @@ class UpdateWorker:
                 return
 
     def _fill_lookahead(self) -> None:
-        """Take up to ``lookahead`` queued jobs and start their state staging (NVMe reads) now."""
-        while len(self._pending) < self.lookahead:
-            try:
-                nxt = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            self._pending.append(nxt)  # type: ignore[arg-type]
-            if nxt is None:
-                return
-            self._issue_staging(nxt.block)
+        """Start staging (NVMe reads) of the next ``lookahead`` queued jobs' state."""
+        with self._cond:
+            upcoming = [item[-1] for item in heapq.nsmallest(self.lookahead, self._jobs)]
+        for job in upcoming:
+            self._issue_staging(job.block)
 
     def _issue_staging(self, block: Block) -> None:
         for kind in STATE_KINDS:

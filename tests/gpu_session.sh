@@ -23,5 +23,5 @@ if [[ $what == store || $what == all ]]; then
 fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
-  python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,host-f50,host-f60,gpu-weights-f50} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
+  python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
 fi

@@ -160,7 +160,7 @@ def measure_adam_s(num_params: int, threads: int, sample: int = 1 << 27) -> floa
     steps = [torch.zeros(())]
     adamw_update([p], [g], [m], [v], steps, AdamWHyper())
     times = []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         adamw_update([p], [g], [m], [v], steps, AdamWHyper())
         times.append(time.perf_counter() - t0)
@@ -228,7 +228,9 @@ def main(args: argparse.Namespace) -> int:
                 results[row] = {"error": proc.stderr[-500:]}
                 continue
             results[row] = json.loads(Path(out.name).read_text())
-    threads = max(1, (os.cpu_count() or 2) - 1)
+    from runtime.api import default_cpu_threads
+
+    threads = default_cpu_threads()
     terms: dict[str, float] = {}
     if "torch" in results and "error" not in results["torch"]:
         terms["T_fwd"] = results["torch"]["fwd_s"]
