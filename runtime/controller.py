@@ -88,6 +88,8 @@ class Controller:
         self._backward_active = False
         self._deferred_jobs: list[UpdateJob] = []
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
+        self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
+        self.worker.on_updated = self.on_block_updated
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient norm (clipping)
         self.stats = StepStats()
         self.scaler: _LossScaler | None = None
@@ -168,7 +170,8 @@ class Controller:
                 self.weights.release(index)
 
     def _ready(self, index: int) -> None:
-        t0 = time.perf_counter()
+        if not self.worker.is_updated(index, self.optimizer_step):
+            self._wanted.add(index)  # the worker fetches it the moment its update lands
         self.stats.wait_update_s += self.worker.wait_updated(index, self.optimizer_step)
         if self.options.weight_source is WeightSource.RESIDENT:
             self.weights.wait_refresh(index)
@@ -178,19 +181,30 @@ class Controller:
         hit = self.weights.wait(index)
         self.stats.wait_fetch_s += time.perf_counter() - t1 if not hit else 0.0
         self.schedule.record_fetch(hit)
-        del t0
 
     def _prefetch(self) -> None:
         if self.options.weight_source is WeightSource.RESIDENT:
             return
         for index in self.schedule.upcoming():
-            if (self.weights.is_fetched(index) or index in self._updating
-                    or not self.worker.is_updated(index, self.optimizer_step)):
+            if self.weights.is_fetched(index) or index in self._updating:
+                continue
+            if not self.worker.is_updated(index, self.optimizer_step):
+                self._wanted.add(index)
                 continue
             try:
                 self.weights.fetch(index, prefetch=True)
             except CapacityError:
                 return  # the GPU budget is full: fetch on demand later
+
+    def on_block_updated(self, index: int) -> None:
+        """Worker thread: block index's update just landed; fetch it now if the forward is waiting for it."""
+        if index not in self._wanted or self.options.weight_source is WeightSource.RESIDENT:
+            return
+        self._wanted.discard(index)
+        try:
+            self.weights.fetch(index, prefetch=True)
+        except CapacityError:
+            pass  # the GPU budget is full: the forward fetches on demand
 
     # ---- backward ------------------------------------------------------------------------------------
     def on_backward_begin(self, indices: list[int]) -> None:

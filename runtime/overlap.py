@@ -22,6 +22,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -77,6 +78,7 @@ class UpdateWorker:
         self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
         self._sequence = itertools.count()
         self._stopping = False
+        self.on_updated: Callable[[int], None] | None = None  # called in this thread after each update
         self._error: BaseException | None = None
         self._refresh_staging: torch.Tensor | None = None
         if weights.source is WeightSource.RESIDENT and store.device.type == "cuda":
@@ -227,6 +229,8 @@ class UpdateWorker:
         with self._cond:
             self._updated_step[index] = max(self._updated_step[index], job.step)
             self._cond.notify_all()
+        if self.on_updated is not None:
+            self.on_updated(index)
 
     def _host_tensor(self, key: str, timeout_s: float = 120.0) -> torch.Tensor:
         deadline = time.perf_counter() + timeout_s

@@ -10,6 +10,7 @@ release resizes the storage back to zero. GPU bytes are reserved against the GPU
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,7 +61,9 @@ class WeightManager:
                 slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
             flat.untyped_storage().resize_(0)
             self.states.append(BlockWeights(block, flat))
-        self.wait_s = 0.0  # host time spent blocked on fetches
+        # fetch / wait / release come from the training thread and the optimizer worker (a fetch issued
+        # the moment an update lands): one lock keeps a block's state changes whole.
+        self._lock = threading.RLock()
 
     @property
     def needs_cast(self) -> bool:
@@ -84,6 +87,10 @@ class WeightManager:
     # ---- fetch / wait / release ----------------------------------------------------------------------
     def fetch(self, index: int, prefetch: bool = False) -> None:
         """Issue the H2D copy of block index's weights (no-op when resident or in flight)."""
+        with self._lock:
+            self._fetch(index, prefetch)
+
+    def _fetch(self, index: int, prefetch: bool) -> None:
         state = self.states[index]
         if state.resident or state.handle is not None:
             return
@@ -116,12 +123,16 @@ class WeightManager:
     def wait(self, index: int) -> bool:
         """Make the current stream wait for block index's weights (fetching on demand); finish the cast.
         Returns True when the weights were resident or prefetched (a schedule hit)."""
+        with self._lock:
+            return self._wait(index)
+
+    def _wait(self, index: int) -> bool:
         state = self.states[index]
         if state.resident:
             return True
         hit = state.handle is not None and state.prefetched
         if state.handle is None:
-            self.fetch(index)
+            self._fetch(index, prefetch=False)
         handle = state.handle
         assert handle is not None
         handle.wait_stream()
@@ -137,6 +148,10 @@ class WeightManager:
 
     def release(self, index: int) -> None:
         """Free block index's device bytes (its views remain, pointing at zero bytes)."""
+        with self._lock:
+            self._release(index)
+
+    def _release(self, index: int) -> None:
         state = self.states[index]
         if self.source is WeightSource.RESIDENT or index in self.gpu_updated or state.users > 0:
             return

@@ -149,22 +149,21 @@ def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumu
             "pinned_nbytes": pinned}
 
 
-def measure_adam_s(num_params: int, threads: int, sample: int = 1 << 27) -> float:
-    """Seconds for CPU fused AdamW over num_params, measured on ``sample`` params and scaled linearly."""
+def measure_adam_s(num_params: int, threads: int) -> float:
+    """Seconds for one CPU fused AdamW step over num_params fp32 parameters (the whole model's worth of
+    memory, so caches and NUMA behave as in training), median of three after a warm-up."""
     from runtime.adam import AdamWHyper, adamw_update
 
     torch.set_num_threads(threads)
-    n = min(sample, num_params)
-    p, g, m, v = (torch.randn(n) for _ in range(4))
-    v.abs_()
+    p, g, m, v = (torch.empty(num_params).uniform_(0.5, 1.0) for _ in range(4))
     steps = [torch.zeros(())]
     adamw_update([p], [g], [m], [v], steps, AdamWHyper())
     times = []
-    for _ in range(5):
+    for _ in range(3):
         t0 = time.perf_counter()
         adamw_update([p], [g], [m], [v], steps, AdamWHyper())
         times.append(time.perf_counter() - t0)
-    return min(times) * num_params / n
+    return statistics.median(times)
 
 
 def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
@@ -201,7 +200,7 @@ def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
 def run_row(row: str, preset: str, steps: int, nvme_dir: str | None) -> dict[str, Any]:
     """Run one row in this process."""
     shape = PRESETS[preset]
-    accumulation = 8 if row.endswith("accum8") else 1
+    accumulation = 8 if split_row(row)[0].endswith("accum8") else 1
     if row.startswith("torch"):
         return _torch_row(shape, steps, accumulation)
     return _tierstore_row(shape, steps, _row_config(row, nvme_dir), accumulation)
@@ -266,7 +265,7 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
         if "error" in r or "step_s" not in r:
             lines.append(f"{row:<{width}}{'failed':>8}")
             continue
-        accum = 8 if row.endswith("accum8") else 1
+        accum = 8 if split_row(row)[0].endswith("accum8") else 1
         tps = tokens * accum / r["step_s"]
         vs_torch = f"{base * accum / r['step_s']:.2f}x" if base and not row.startswith("torch") else "-"
         vs_bound = f"{r['step_s'] / bound:.2f}" if bound and accum == 1 and not row.startswith("torch") else "-"
