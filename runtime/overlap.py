@@ -78,6 +78,7 @@ class UpdateWorker:
         self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
         self._sequence = itertools.count()
         self._stopping = False
+        self._writebacks: list[Handle] = []  # evictions to NVMe still in flight
         self.on_updated: Callable[[int], None] | None = None  # called in this thread after each update
         self._error: BaseException | None = None
         self._refresh_staging: torch.Tensor | None = None
@@ -117,9 +118,13 @@ class UpdateWorker:
         return time.perf_counter() - start
 
     def synchronize(self, step: int) -> None:
-        """Block until every block is updated to ``step``."""
+        """Block until every block is updated to ``step`` and every write-back to NVMe has landed."""
         for index in range(len(self.blocks)):
             self.wait_updated(index, step)
+        with self._cond:
+            writebacks, self._writebacks = self._writebacks, []
+        for handle in writebacks:
+            handle.wait()
 
     def updated_step(self, index: int) -> int:
         """The last step block index was updated to."""
@@ -220,7 +225,9 @@ class UpdateWorker:
                 if self.store.record(block.key(kind)).home is TierName.NVME:
                     if kind == "master" and refresh is not None:
                         refresh.wait()  # the H2D still reads the host copy the eviction will free
-                    self.store.evict(block.key(kind), TierName.HOST)  # written back, then the host copy released
+                    handle = self.store.evict(block.key(kind), TierName.HOST)  # written back, then released
+                    with self._cond:
+                        self._writebacks = [h for h in self._writebacks if not h.done()] + [handle]
         end = time.perf_counter()
         self.stats.adam_s += end - adam_start
         self.stats.jobs += 1

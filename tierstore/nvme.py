@@ -1,8 +1,9 @@
 """Swap files on an NVMe (or any) directory: layout, locking, O_DIRECT probe, header + checksum.
 
 Layout of one file: a 4096-byte header, then the payload padded to a multiple of 4096 so that every IO
-can be O_DIRECT. The header carries magic, version, key, dtype, numel, payload crc32 and the step that
-wrote it, plus a crc32 of the header itself. Files are created mode 0600 and preallocated. One process
+can be O_DIRECT. The header carries magic, version, key, dtype, numel, the payload's XXH3-64 checksum and
+the step that wrote it, plus a crc32 of the header itself. (XXH3 runs at ~9 GB/s a core, crc32 at ~2.5:
+on a two-core box crc32 alone held reads of a fast device to 78% of the raw ceiling.) Files are created mode 0600 and preallocated. One process
 holds the directory at a time (an flock on ``.tierstore.lock``). Where the file system refuses O_DIRECT
 (tmpfs), IO falls back to ordinary buffered pread/pwrite; the mode chosen is logged and exposed.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 
 from tierstore.allocator import align_up
 from tierstore.errors import CapacityError, CorruptFileError, DirectoryLockedError, StoreIOError
@@ -31,11 +33,11 @@ log = logging.getLogger(__name__)
 HEADER_NBYTES = 4096
 IO_ALIGNMENT = 4096
 MAGIC = b"TIERSWP1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LOCK_NAME = ".tierstore.lock"
 SUFFIX = ".tsw"
-# magic, version, dtype code, numel, nbytes, payload crc32, step, key length; then the key; then header crc32.
-_HEADER_STRUCT = struct.Struct("<8sIIQQIqH")
+# magic, version, dtype code, numel, nbytes, payload xxh3-64, step, key length; then the key; then header crc32.
+_HEADER_STRUCT = struct.Struct("<8sIIQQQqH")
 
 
 @dataclass
@@ -224,34 +226,40 @@ class NVMeDirectory:
             expected_crc, _step = _decode_header(swap, header)
             crc = self._transfer(swap, dst, nbytes, write=False)
         if crc != expected_crc:
-            raise CorruptFileError(str(swap.path), f"payload checksum {crc:#010x} != header's {expected_crc:#010x}")
+            raise CorruptFileError(str(swap.path), f"payload checksum {crc:#018x} != header's {expected_crc:#018x}")
         return nbytes
 
     def read_step(self, swap: SwapFile) -> int:
         """The step recorded in key's header (verifies the header)."""
         return _decode_header(swap, os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path))[1]
 
+    def read_payload_crc(self, swap: SwapFile) -> int:
+        """The payload crc32 recorded in key's header (verifies the header), for a reader that streams the
+        payload itself (a checkpoint copying ``HEADER_NBYTES`` onward) and must not copy a corrupt file."""
+        return _decode_header(swap, os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path))[0]
+
     def _transfer(self, swap: SwapFile, buf: torch.Tensor, nbytes: int, write: bool) -> int:
-        """Move the payload in block-sized chunks; returns the crc32 of the payload bytes."""
+        """Move the payload in block-sized chunks; returns the XXH3-64 of the payload bytes, computed chunk by
+        chunk while each chunk is hot in cache (one pass over memory for IO and checksum together)."""
         view = memoryview(buf.numpy())
         padded = align_up(nbytes, IO_ALIGNMENT)
         use_direct = swap.fd_direct is not None and buf.data_ptr() % IO_ALIGNMENT == 0 and buf.numel() >= padded
         fd = swap.fd_direct if use_direct else swap.fd_buffered
         end = padded if use_direct else nbytes
-        crc = 0
+        hasher = xxhash.xxh3_64()
         pos = 0
         while pos < end:
             chunk_end = min(pos + self.block_nbytes, end)
             chunk = view[pos:chunk_end]
             payload = chunk[: max(0, min(chunk_end, nbytes) - pos)]
             if write:
-                crc = zlib.crc32(payload, crc)
+                hasher.update(payload)
                 os_write_all(fd, chunk, HEADER_NBYTES + pos, swap.path)
             else:
                 os_read_all_into(fd, chunk, HEADER_NBYTES + pos, swap.path)
-                crc = zlib.crc32(payload, crc)
+                hasher.update(payload)
             pos = chunk_end
-        return crc
+        return hasher.intdigest()
 
     def sync(self) -> None:
         """fsync every swap file and the directory."""

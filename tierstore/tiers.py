@@ -82,6 +82,7 @@ class GpuTier(Tier):
         self._capacity = budget_nbytes
         self._used = 0
         self._lock = threading.Lock()
+        self._cpu_cache: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     @property
     def capacity_nbytes(self) -> int:
@@ -97,7 +98,9 @@ class GpuTier(Tier):
                 raise CapacityError("gpu", meta.nbytes, self._used, self._capacity, str(key))
             self._used += meta.nbytes
         try:
-            tensor = torch.empty(meta.numel, dtype=meta.dtype, device=self.device)
+            tensor = self._reuse(meta)
+            if tensor is None:
+                tensor = torch.empty(meta.numel, dtype=meta.dtype, device=self.device)
         except torch.OutOfMemoryError:
             with self._lock:
                 self._used -= meta.nbytes
@@ -107,7 +110,18 @@ class GpuTier(Tier):
     def free(self, allocation: Allocation) -> None:
         with self._lock:
             self._used -= allocation.reserved_nbytes
+            if self.device.type == "cpu" and allocation.tensor is not None:
+                self._cpu_cache.setdefault((allocation.meta.numel, allocation.meta.dtype), []).append(allocation.tensor)
         allocation.tensor = None
+
+    def _reuse(self, meta: TensorMeta) -> torch.Tensor | None:
+        """CPU stand-in only: a freed buffer of the same shape, as CUDA's caching allocator would hand back.
+        Fresh host memory costs a page fault per 4 KiB on first write, which no GPU allocation pays."""
+        if self.device.type != "cpu":
+            return None
+        with self._lock:
+            cached = self._cpu_cache.get((meta.numel, meta.dtype))
+            return cached.pop() if cached else None
 
     def reserve(self, nbytes: int, what: str) -> None:
         """Account nbytes of device memory that a caller allocates itself (e.g. block weights it resizes);

@@ -279,7 +279,7 @@ def test_corrupt_payload_byte_is_detected(nvme: NVMeDirectory, where: str, buffe
         arena.close()
 
 
-_FIELDS = {"magic": 0, "version": 8, "dtype": 12, "numel": 16, "nbytes": 24, "crc": 32, "step": 36, "keylen": 44}
+_FIELDS = {"magic": 0, "version": 8, "dtype": 12, "numel": 16, "nbytes": 24, "crc": 32, "step": 40, "keylen": 48}
 
 
 @pytest.mark.parametrize("field", [*_FIELDS, "key", "header_crc"])

@@ -1,0 +1,68 @@
+"""The memory plan matches what the store really allocates, tier by tier, and a plan that cannot fit is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import offload
+from runtime.example_model import ExampleLM, ModelShape
+from runtime.plan import PlanError, check_plan, make_plan
+
+SHAPE = ModelShape(vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, ffn_size=160)
+
+
+def _rest_nbytes(plan, tier: str) -> int:
+    """Planned bytes on a tier that are held at rest (staging rooms are transient)."""
+    return sum(n for kind, t, n in plan.rows if t == tier and "staging" not in kind and "in flight" not in kind
+               and "assembly" not in kind)
+
+
+@pytest.mark.parametrize("placement,fraction", [
+    ({"weights": "host", "master": "host", "moments": "host"}, 0.0),
+    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.0),
+    ({"weights": "host", "master": "nvme", "moments": "nvme"}, 0.0),
+    ({"weights": "gpu", "master": "host", "moments": "host"}, 0.0),
+    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.5),
+])
+def test_plan_matches_the_store_accounting(placement, fraction, tmpfs_dir):
+    torch.manual_seed(0)
+    config = {"dtype": "fp32", "placement": placement, "optimizer": {"gpu_update_fraction": fraction, "grad_clip": None},
+              "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
+    model, optimizer = offload(ExampleLM(SHAPE), config)
+    session = optimizer.session
+    plan = session.plan
+    try:
+        tokens = torch.randint(0, SHAPE.vocab_size, (2, 17))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.synchronize()
+        usage = session.store.usage()
+        # The pinned arena is exactly the plan's host total (it is sized from it, to the byte).
+        assert usage["host"]["capacity_nbytes"] == plan.host_nbytes
+        # At rest, what the store holds on host and NVMe is what the plan says, within 2%.
+        assert usage["host"]["used_nbytes"] == pytest.approx(_rest_nbytes(plan, "host"), rel=0.02)
+        on_nvme = "nvme" in (placement["master"], placement["moments"])
+        assert (plan.nvme_nbytes > 0) == on_nvme
+        assert usage["nvme"]["used_nbytes"] == pytest.approx(plan.nvme_nbytes, rel=0.02)
+        # On the device, the tier accounts resident weights and device-updated state: planned at rest too.
+        assert usage["gpu"]["used_nbytes"] == pytest.approx(_rest_nbytes(plan, "gpu"), rel=0.02)
+    finally:
+        session.close()
+
+
+def test_plan_that_does_not_fit_is_refused_with_numbers_and_a_suggestion():
+    plan = make_plan([10**9] * 4, {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"},
+                     "master", 2, 2, 1)
+    with pytest.raises(PlanError) as info:
+        check_plan(plan, gpu_budget_nbytes=1 << 40, nvme_path=None, nvme_budget_nbytes=0, host_available_nbytes=8 << 30)
+    message = str(info.value)
+    assert "host" in message and "GiB" in message
+    assert "placement." in message and "nvme" in message  # says what to change
+
+
+def test_gpu_budget_refusal():
+    plan = make_plan([10**8] * 4, {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"},
+                     "resident", 2, 2, 1)
+    with pytest.raises(PlanError, match="gpu"):
+        check_plan(plan, gpu_budget_nbytes=1 << 20, nvme_path=None, nvme_budget_nbytes=0, host_available_nbytes=1 << 50)
