@@ -10,6 +10,13 @@ what=${1:-all}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+if ls .whl/deepspeed-*.whl >/dev/null 2>&1; then  # DeepSpeed baselines: see ../shared/tools/deepspeed-wheels.sh
+  mkdir -p /tmp/aio && for f in .whl/*.deb; do dpkg-deb -x "$f" /tmp/aio; done
+  ln -sf /tmp/aio/usr/lib/x86_64-linux-gnu/libaio.so.1 /tmp/aio/usr/lib/x86_64-linux-gnu/libaio.so
+  export CPATH=/tmp/aio/usr/include LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu \
+         LD_LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-} \
+         TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, os; print('torch', torch.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
 if [[ $what == tests || $what == all ]]; then

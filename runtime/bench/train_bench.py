@@ -34,19 +34,25 @@ ROWS = {
     "nvme": "tierstore: weights + master on host, moments on NVMe",
     "host-accum8": "tierstore: weights + optimizer on host, accumulation 8",
     "torch-accum8": "plain PyTorch, accumulation 8",
+    "ds-zero2-cpu": "DeepSpeed ZeRO-2, optimizer offloaded to CPU",
+    "ds-zero3-cpu": "DeepSpeed ZeRO-3, params + optimizer offloaded to CPU",
+    "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (5 buffers, no pipelining)",
 }
-# Any tierstore row takes a suffix -fNN: NN% of the parameters (the first blocks) updated on the GPU.
+# Any tierstore row takes a suffix -fNN: NN% of the parameters (the first blocks) updated on the GPU, and
+# -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call.
 
 
 def describe_row(row: str) -> str:
     """What a row runs, for the table."""
     base, fraction = split_row(row)
     text = ROWS[base]
-    return text + (f", {fraction:.0%} of the update on the GPU" if fraction else "")
+    text += f", {fraction:.0%} of the update on the GPU" if fraction else ""
+    return text + (", GPU memory capped at DeepSpeed ZeRO-2's peak" if row.endswith("-cap") else "")
 
 
 def split_row(row: str) -> tuple[str, float]:
-    """'host-f50' -> ('host', 0.5)."""
+    """'host-f50' -> ('host', 0.5); a trailing -cap is dropped (see capped())."""
+    row = row.removesuffix("-cap")
     if "-f" in row and row.rsplit("-f", 1)[1].isdigit():
         base, pct = row.rsplit("-f", 1)
         return base, int(pct) / 100
@@ -197,13 +203,23 @@ def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
     return base
 
 
-def run_row(row: str, preset: str, steps: int, nvme_dir: str | None) -> dict[str, Any]:
+def run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None = None) -> dict[str, Any]:
     """Run one row in this process."""
     shape = PRESETS[preset]
     accumulation = 8 if split_row(row)[0].endswith("accum8") else 1
+    if gpu_cap_nbytes:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_cap_nbytes / total))
     if row.startswith("torch"):
         return _torch_row(shape, steps, accumulation)
-    return _tierstore_row(shape, steps, _row_config(row, nvme_dir), accumulation)
+    if row.startswith("ds-"):
+        from runtime.bench.deepspeed_rows import run_deepspeed_row
+
+        return run_deepspeed_row(row, shape, steps, _batch(shape, torch.device("cuda"), 0), MICRO_BATCH, nvme_dir)
+    config = _row_config(row, nvme_dir)
+    if gpu_cap_nbytes:
+        config.setdefault("tiers", {}).setdefault("gpu", {})["budget"] = gpu_cap_nbytes
+    return _tierstore_row(shape, steps, config, accumulation)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -220,6 +236,18 @@ def main(args: argparse.Namespace) -> int:
                    "--steps", str(args.steps), "--out", out.name]
             if args.nvme_dir:
                 cmd += ["--nvme-dir", args.nvme_dir]
+            if row.endswith("-cap"):
+                cap = results.get("ds-zero2-cpu", {}).get("peak_gpu_reserved_nbytes")
+                if not cap:
+                    results[row] = {"error": "needs the ds-zero2-cpu row earlier in the same call"}
+                    continue
+                cmd += ["--gpu-cap", str(cap)]
+            if row.startswith("ds-"):
+                from runtime.bench.deepspeed_rows import deepspeed_available
+
+                if not deepspeed_available():
+                    results[row] = {"error": "deepspeed is not importable"}
+                    continue
             log.info("running row %s", row)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -260,6 +288,7 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
              f"bound T_fwd + max(T_bwd, T_adam, T_pcie) = {bound:.3f} s" if bound else "bound: needs the torch row",
              f"{'row':<{width}}{'s/step':>8}{'tok/s':>9}{'vs torch':>10}{'vs bound':>10}{'peak GPU GiB':>14}  what"]
     base = results.get("torch", {}).get("step_s")
+    base_accum = results.get("torch-accum8", {}).get("step_s")
     for row in rows:
         r = results.get(row, {})
         if "error" in r or "step_s" not in r:
@@ -267,10 +296,24 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
             continue
         accum = 8 if split_row(row)[0].endswith("accum8") else 1
         tps = tokens * accum / r["step_s"]
-        vs_torch = f"{base * accum / r['step_s']:.2f}x" if base and not row.startswith("torch") else "-"
-        vs_bound = f"{r['step_s'] / bound:.2f}" if bound and accum == 1 and not row.startswith("torch") else "-"
+        reference = base_accum / accum if accum > 1 and base_accum else base
+        vs_torch = f"{reference * accum / r['step_s']:.2f}x" if reference and not row.startswith("torch") else "-"
+        vs_bound = f"{r['step_s'] / bound:.2f}" if bound and accum == 1 and not row.startswith(("torch", "ds-")) else "-"
         lines.append(f"{row:<{width}}{r['step_s']:>8.3f}{tps:>9.0f}{vs_torch:>10}{vs_bound:>10}{r.get('peak_gpu_nbytes', 0) / 2**30:>14.1f}  {describe_row(row)}")
+    lines += _versus_deepspeed(results)
     return "\n".join(lines)
+
+
+def _versus_deepspeed(results: dict[str, Any]) -> list[str]:
+    """Tokens/s ratios of our rows over each DeepSpeed row of the same call."""
+    out = []
+    ours = {r: v["step_s"] for r, v in results.items() if not r.startswith(("torch", "ds-")) and "step_s" in v
+            and not split_row(r)[0].endswith("accum8")}
+    for ds_row, ds in results.items():
+        if ds_row.startswith("ds-") and "step_s" in ds and ours:
+            pairs = ", ".join(f"{r} {ds['step_s'] / s:.2f}x" for r, s in ours.items())
+            out.append(f"tokens/s vs {ds_row} ({ds['step_s']:.3f} s/step): {pairs}")
+    return out
 
 
 def _child() -> None:
@@ -280,9 +323,10 @@ def _child() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", required=True)
     parser.add_argument("--nvme-dir")
+    parser.add_argument("--gpu-cap", type=int)
     a = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    result = run_row(a.row, a.preset, a.steps, a.nvme_dir)
+    result = run_row(a.row, a.preset, a.steps, a.nvme_dir, a.gpu_cap)
     Path(a.out).write_text(json.dumps(result))
 
 
