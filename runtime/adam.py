@@ -44,8 +44,7 @@ def adamw_update(
     """One AdamW step in place on parallel lists of views (all fp32, same device). Increments steps."""
     if not master:
         return
-    for step in steps:
-        step += 1  # the reference increments before the update
+    torch._foreach_add_(steps, 1)  # the reference increments before the update; one call, not one per tensor
     torch._fused_adamw_(
         master,
         grads,

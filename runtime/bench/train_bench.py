@@ -249,7 +249,10 @@ def main(args: argparse.Namespace) -> int:
                     results[row] = {"error": "deepspeed is not importable"}
                     continue
             log.info("running row %s", row)
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if not row.startswith(("torch", "ds-")):
+                env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 print(f"row {row} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 results[row] = {"error": proc.stderr[-500:]}
