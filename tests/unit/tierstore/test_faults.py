@@ -15,18 +15,9 @@ import torch
 
 from tierstore import CopyState, CorruptFileError, StoreConfig, StoreIOError, TensorKey, TensorMeta, TierStore
 from tierstore.nvme import HEADER_NBYTES, IO_ALIGNMENT, SUFFIX, NVMeDirectory
+from tests.unit.tierstore.tensors import as_bytes, random_tensor
 
 S = CopyState
-
-
-def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8).view(dtype)
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def swap_path(directory: Path, key: str) -> Path:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.tierstore.tensors import as_bytes, random_tensor
+
 from tierstore import CapacityError, CorruptFileError, DirectoryLockedError, NVMeDirectory, PinnedArena, StoreIOError
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.nvme import _HEADER_STRUCT, HEADER_NBYTES, IO_ALIGNMENT, LOCK_NAME, SUFFIX, probe_direct_io
@@ -21,17 +23,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8
 NUMELS = [0, 1, 4097, (3 << 20) // 4 + 3]
 
 
-def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
-    """Random bits of every pattern (NaN payloads, subnormals) for float types; 0/1 for bool."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype is torch.bool:
-        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).bool()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8).view(dtype)
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def file_payload(path: Path, nbytes: int) -> bytes:

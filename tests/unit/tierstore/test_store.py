@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.tierstore.tensors import as_bytes, random_tensor
+
 from tierstore import (
     CapacityError,
     CopyState,
@@ -30,16 +32,8 @@ NUMELS = [0, 1, 4097, (3 << 20) // 4 + 3]
 S = CopyState
 
 
-def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype is torch.bool:
-        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).bool()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8).view(dtype)
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

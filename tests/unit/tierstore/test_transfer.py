@@ -8,21 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.tierstore.tensors import as_bytes, random_tensor
+
 from tierstore import EventBus, NVMeDirectory, PinnedArena, TransferEngine, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.transfer import Handle, done_handle
 
 
-def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype is torch.bool:
-        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).bool()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8).view(dtype)
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 class Recorder:
