@@ -5,6 +5,8 @@
 """
 
 from runtime.api import OffloadSession, offload
+from runtime.checkpoint import CheckpointError, bench_checkpoint, load_checkpoint, save_checkpoint
 from runtime.config import ConfigError, TierstoreConfig, load_config
 
-__all__ = ["ConfigError", "OffloadSession", "TierstoreConfig", "load_config", "offload"]
+__all__ = ["CheckpointError", "ConfigError", "OffloadSession", "TierstoreConfig", "bench_checkpoint", "load_checkpoint",
+           "load_config", "offload", "save_checkpoint"]

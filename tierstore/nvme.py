@@ -233,9 +233,10 @@ class NVMeDirectory:
         """The step recorded in key's header (verifies the header)."""
         return _decode_header(swap, os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path))[1]
 
-    def read_payload_crc(self, swap: SwapFile) -> int:
-        """The payload crc32 recorded in key's header (verifies the header), for a reader that streams the
-        payload itself (a checkpoint copying ``HEADER_NBYTES`` onward) and must not copy a corrupt file."""
+    def read_payload_checksum(self, swap: SwapFile) -> int:
+        """The payload checksum recorded in key's header (verifies the header), for a reader that streams the
+        payload itself (a checkpoint copying ``HEADER_NBYTES`` onward) and must not copy a corrupt file;
+        compute the bytes' own with :func:`payload_hasher`."""
         return _decode_header(swap, os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path))[0]
 
     def _transfer(self, swap: SwapFile, buf: torch.Tensor, nbytes: int, write: bool) -> int:
@@ -287,6 +288,12 @@ class NVMeDirectory:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"NVMe directory {self.path} is closed")
+
+
+def payload_hasher() -> "xxhash.xxh3_64":
+    """A fresh hasher of the algorithm swap-file headers record for their payload (XXH3-64): ``update``
+    it with the payload bytes in order, then compare ``intdigest()`` with ``read_payload_checksum``."""
+    return xxhash.xxh3_64()
 
 
 def _check_buffer(buf: torch.Tensor, nbytes: int, swap: SwapFile) -> None:

@@ -1,0 +1,493 @@
+"""Crash-safe checkpoints of tiered training state, and exact resume.
+
+``save_checkpoint`` writes everything a resumed run needs to continue bit-identically: every block's fp32
+master and Adam moments (read from wherever they live now: host memory, the GPU, or streamed straight
+out of their NVMe swap files), the per-parameter step counters, the optimizer step, the fp16 loss
+scaler, the RNG states (torch CPU and CUDA, Python, NumPy), the data stream's position and generator,
+and the config. ``load_checkpoint`` verifies the whole checkpoint first, then writes each tensor into
+whatever home the *new* session gives it (the tier layout and the NVMe path may differ from the saving
+run's) and refreshes the compute weights.
+
+The swap directory is a cache and never the only copy: a checkpoint holds raw copies of the payloads, and
+the store deletes its swap files on close. File layout and atomic publication: ``runtime.checkpoint_io``.
+No pickle anywhere: tensors are raw little-endian bytes described in ``meta.json``; RNG and generator
+states are uint8 tensors stored as raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import numpy as np
+import torch
+import yaml
+
+from runtime.checkpoint_io import (
+    CheckpointError,
+    FileEntry,
+    PendingCheckpoint,
+    copy_range,
+    find_checkpoint,
+    json_bytes,
+    read_into,
+    remove_stale,
+    resolve_checkpoint,
+    verify_checkpoint,
+    write_buffer,
+)
+from runtime.config import dump_config
+from runtime.weights import WeightSource
+from tierstore import CorruptFileError, TierName, TierStore
+from tierstore.nvme import HEADER_NBYTES, payload_hasher
+from tierstore.store import Record
+
+if TYPE_CHECKING:
+    from runtime.api import OffloadSession
+    from runtime.blocks import Block
+    from runtime.controller import Controller
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "bench_checkpoint", "find_checkpoint", "load_checkpoint", "resume_training",
+           "save_checkpoint", "save_due", "verify_checkpoint"]
+
+META_NAME = "meta.json"
+CONFIG_NAME = "config.yaml"
+FORMAT = "tierstore-checkpoint"
+VERSION = 1
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                                   "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class ResumableData(Protocol):
+    """A data stream that can be resumed exactly: ``position`` (batches drawn) and a torch generator."""
+
+    position: int
+    generator: torch.Generator
+
+
+# ---- save ------------------------------------------------------------------------------------------
+def save_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None,
+                    keep_last: int = 3, *, threads: int = 4, progress: Callable[[str], None] | None = None) -> Path:
+    """Save the session's whole training state under ``directory/step-NNNNNN`` and point ``latest`` at it.
+
+    Call between steps (after ``optimizer.step()``, before the next forward). ``data``: the batch source
+    to resume (``position`` and ``generator``). ``keep_last``: checkpoints kept; older ones are deleted
+    only after the new one is in place. ``threads``: files written at once. ``progress`` is called with
+    each file name once it is durable, then with "manifest.json", "renamed" and "latest" (a progress bar,
+    or a test that needs time to pass inside a save). Returns the checkpoint directory."""
+    if sys.byteorder != "little":
+        raise NotImplementedError("checkpoints are little-endian raw files; big-endian hosts are not supported")
+    root = Path(directory)
+    controller = session.controller
+    _require_between_steps(controller, "save")
+    controller.synchronize()
+    _refuse_swap_overlap(session.store, root)
+    if session.store.device.type == "cuda":
+        torch.cuda.synchronize(session.store.device)  # device updates are stream-ordered; copies below run on other threads
+    step = controller.optimizer_step
+    start = time.perf_counter()
+    remove_stale(root)
+    pending = PendingCheckpoint(root, step)
+    try:
+        jobs: list[tuple[str, Callable[[Path], FileEntry]]] = []
+        tensors: dict[str, dict[str, Any]] = {}
+        for block in session.blocks:
+            for kind in STATE_KINDS:
+                key = block.key(kind)
+                record = session.store.record(key)
+                name = f"{key}.bin"
+                tensors[key] = {"file": name, "dtype": _DTYPE_NAMES[record.meta.dtype], "numel": record.meta.numel}
+                jobs.append((name, _tensor_writer(session.store, record)))
+
+        def run(job: tuple[str, Callable[[Path], FileEntry]]) -> None:
+            name, write = job
+            pending.add(name, write(pending.path(name)))
+            if progress is not None:
+                progress(name)
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            list(pool.map(run, jobs))  # list(): re-raise the first failure
+        meta = _scalar_state(session, controller, tensors, data, pending)
+        pending.write_bytes(CONFIG_NAME, dump_config(session.config).encode())
+        pending.write_bytes(META_NAME, json_bytes(meta))
+        if progress is not None:
+            progress(META_NAME)
+        final = pending.commit(keep_last, progress)
+    except BaseException:
+        pending.abort()
+        raise
+    log.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - start)
+    return final
+
+
+def _require_between_steps(controller: "Controller", what: str) -> None:
+    if controller._update_pending or controller.micro != 0:
+        raise RuntimeError(f"{what} a checkpoint between steps: call optimizer.step() after the last micro-batch's "
+                           f"backward first ({controller.micro} backward pass(es) since the last step)")
+
+
+def _refuse_swap_overlap(store: TierStore, root: Path) -> None:
+    """Checkpoints must not live in (or contain) the swap directory: that is a disposable cache."""
+    tier = store.tiers.get(TierName.NVME)
+    if tier is None:
+        return
+    swap = Path(os.path.realpath(tier.directory.path))  # type: ignore[attr-defined]
+    ckpt = Path(os.path.realpath(root))
+    if swap == ckpt or swap.is_relative_to(ckpt) or ckpt.is_relative_to(swap):
+        raise CheckpointError(f"{root}: overlaps the NVMe swap directory {swap}; swap files are a cache that the "
+                              "store deletes on close. Save checkpoints to a separate directory.")
+
+
+def _settle(record: Record) -> None:
+    """Wait for every transfer touching this key (e.g. the write-back of the last update to NVMe), with its
+    state changes; reading or overwriting a copy while one is in flight would race with it."""
+    for copy in record.copies.values():
+        handle = copy.handle
+        if handle is not None:
+            handle.wait()
+
+
+def _tensor_writer(store: TierStore, record: Record) -> Callable[[Path], FileEntry]:
+    """Decide (on this thread, where store state is consistent) where key's current value is read from;
+    return the function that writes it to a checkpoint file (run on a writer thread)."""
+    _settle(record)
+    key = record.key
+    if store.state(key, TierName.HOST).is_current:  # the home copy, or a fresh staging copy: no disk read
+        host = store.tensor(key, TierName.HOST)
+        return lambda path: write_buffer(path, _bytes_of(host))
+    if store.state(key, TierName.GPU).is_current:
+        gpu = store.tensor(key, TierName.GPU)  # one block at a time in host RAM, on the writer thread
+        return lambda path: write_buffer(path, _bytes_of(gpu.to("cpu")))
+    if TierName.NVME in store.tiers and store.state(key, TierName.NVME).is_current:
+        directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+        swap = directory.get(key)
+        expected = directory.read_payload_checksum(swap)
+
+        # Copy the payload, not a hard link: swap files are rewritten in place by the next update, and the
+        # checkpoint must stay a snapshot. The checksum keeps a corrupt swap file out of the checkpoint.
+        def stream(path: Path) -> FileEntry:
+            hasher = payload_hasher()
+            entry = copy_range(swap.path, HEADER_NBYTES, record.meta.nbytes, path, observe=hasher.update)
+            if hasher.intdigest() != expected:
+                raise CorruptFileError(str(swap.path), f"payload checksum {hasher.intdigest():#018x} != header's "
+                                       f"{expected:#018x} while checkpointing")
+            return entry
+
+        return stream
+    raise RuntimeError(f"{key} has no current copy on any tier; cannot checkpoint it")
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def _scalar_state(session: "OffloadSession", controller: "Controller", tensors: dict[str, dict[str, Any]],
+                  data: ResumableData | None, pending: PendingCheckpoint) -> dict[str, Any]:
+    """meta.json's content; writes the small raw files (RNG and generator states) on the way."""
+    blocks = []
+    for block in session.blocks:
+        steps = controller.gpu_param_steps.get(block.index) or controller.worker.param_steps[block.index]
+        blocks.append({"index": block.index, "name": block.name, "numel": block.numel,
+                       "params": [slot.name for slot in block.slots], "param_steps": [float(s.item()) for s in steps]})
+    scaler = None
+    if controller.scaler is not None:
+        scaler = {"scale": float(controller.scaler.scale.item()), "growth_tracker": int(controller.scaler.growth_tracker.item())}
+    pending.write_bytes("rng.torch_cpu.bin", _bytes_of(torch.get_rng_state()))
+    cuda_files = []
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            cuda_files.append(f"rng.cuda{i}.bin")
+            pending.write_bytes(cuda_files[-1], _bytes_of(state))
+    py_version, py_internal, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    data_meta = None
+    if data is not None:
+        pending.write_bytes("data.generator.bin", _bytes_of(data.generator.get_state()))
+        data_meta = {"position": int(data.position), "generator": "data.generator.bin",
+                     "batch_size": getattr(data, "batch_size", None), "seq_len": getattr(data, "seq_len", None)}
+    return {
+        "format": FORMAT, "version": VERSION, "byte_order": "little", "step": controller.optimizer_step,
+        "created_unix_s": time.time(), "torch_version": torch.__version__, "lr": controller.lr_source(),
+        "config": CONFIG_NAME, "blocks": blocks, "tensors": tensors, "scaler": scaler, "data": data_meta,
+        "rng": {"torch_cpu": "rng.torch_cpu.bin", "cuda": cuda_files,
+                "python": [py_version, list(py_internal), py_gauss],
+                "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_gauss)]},
+    }
+
+
+# ---- load ------------------------------------------------------------------------------------------
+def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None) -> int:
+    """Restore a checkpoint into ``session`` (and ``data``); returns the optimizer step it was taken after.
+
+    ``directory`` is a checkpoint root (its ``latest`` is loaded) or one ``step-NNNNNN`` directory. Every
+    file is verified against the manifest before anything is used. The session must hold the same model
+    (same blocks and parameters); its tier layout, NVMe path and device may differ. Call between steps."""
+    path = resolve_checkpoint(directory)
+    files = verify_checkpoint(path)
+    meta = _read_meta(path)
+    _check_compatible(session, meta, path, files)
+    controller = session.controller
+    _require_between_steps(controller, "load")
+    controller.synchronize()
+    _log_config_changes(session, path)
+    step = int(meta["step"])
+    try:
+        _release_fetched_weights(controller)
+        for block in session.blocks:
+            for kind in STATE_KINDS:
+                entry = meta["tensors"][block.key(kind)]
+                after = (lambda master, b=block: _refresh_weights(controller, b, master, step)) if kind == "master" else None
+                _load_tensor(session.store, block.key(kind), path / entry["file"], step, after)
+        _restore_counters(controller, session.blocks, meta["blocks"], step)
+        _restore_scaler(controller, meta.get("scaler"), path)
+        _restore_rng(meta["rng"], path)
+        if data is not None:
+            _restore_data(data, meta.get("data"), path)
+    except Exception as exc:
+        # The checkpoint verified, so this is the machine (disk, memory budget): say what state we are in.
+        raise RuntimeError(f"loading {path} failed part-way ({exc}); this session now holds a mix of old and "
+                           "loaded state: close it and load into a new one") from exc
+    log.info("resumed from %s (step %d)", path, step)
+    return step
+
+
+def _restore_counters(controller: "Controller", blocks: list["Block"], saved_blocks: list[dict[str, Any]], step: int) -> None:
+    """Per-parameter AdamW step counters (into the worker's and, for device-updated blocks, the device's),
+    the committed optimizer step, and every block's 'updated to' mark, so the next forward waits for nothing."""
+    for block, saved in zip(blocks, saved_blocks):
+        targets = [controller.worker.param_steps[block.index]]
+        if block.index in controller.gpu_param_steps:
+            targets.append(controller.gpu_param_steps[block.index])
+        for counters in targets:
+            for counter, value in zip(counters, saved["param_steps"]):
+                counter.fill_(float(value))
+    controller.optimizer_step = step
+    controller.worker.set_updated_step(step)
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_path = path / META_NAME
+    try:
+        meta = json.loads(meta_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{meta_path}: unreadable ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: not a tierstore checkpoint")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{meta_path}: checkpoint version {meta.get('version')!r}, this tierstore reads {VERSION}")
+    if meta.get("byte_order") != "little" or sys.byteorder != "little":
+        raise CheckpointError(f"{meta_path}: byte order {meta.get('byte_order')!r} on a {sys.byteorder}-endian host")
+    return meta
+
+
+def _check_compatible(session: "OffloadSession", meta: dict[str, Any], path: Path, files: dict[str, FileEntry]) -> None:
+    """The checkpoint holds this model's state (same blocks, parameters and sizes), and every file it refers
+    to is in the manifest with the size its dtype and numel imply."""
+    meta_path = path / META_NAME
+    saved_blocks = meta.get("blocks", [])
+    if len(saved_blocks) != len(session.blocks):
+        raise CheckpointError(f"{meta_path}: {len(saved_blocks)} blocks, this model has {len(session.blocks)}; "
+                              "resume needs the same model and blocks settings")
+    for block, saved in zip(session.blocks, saved_blocks):
+        ours = (block.name, block.numel, [s.name for s in block.slots])
+        theirs = (saved.get("name"), saved.get("numel"), saved.get("params"))
+        if ours != theirs:
+            raise CheckpointError(f"{meta_path}: block {block.index} is {theirs[0]} ({theirs[1]} elements) in the "
+                                  f"checkpoint but {ours[0]} ({ours[1]} elements) here, or its parameters differ")
+        if len(saved.get("param_steps", [])) != len(block.slots):
+            raise CheckpointError(f"{meta_path}: block {block.index} has {len(saved.get('param_steps', []))} step counters, expected {len(block.slots)}")
+        for kind in STATE_KINDS:
+            key = block.key(kind)
+            entry = meta.get("tensors", {}).get(key)
+            if entry is None:
+                raise CheckpointError(f"{meta_path}: no entry for {key}")
+            record = session.store.record(key)
+            name = entry.get("file")
+            if name not in files:
+                raise CheckpointError(f"{path / str(name)}: named by meta.json for {key} but not in the manifest")
+            if _DTYPES.get(entry.get("dtype")) != record.meta.dtype or entry.get("numel") != record.meta.numel:
+                raise CheckpointError(f"{path / name}: {entry.get('dtype')} x{entry.get('numel')}, this session's {key} is "
+                                      f"{_DTYPE_NAMES.get(record.meta.dtype)} x{record.meta.numel}")
+            if files[name].nbytes != record.meta.nbytes:
+                raise CheckpointError(f"{path / name}: {files[name].nbytes:,} bytes, {key} needs {record.meta.nbytes:,}")
+    rng = meta.get("rng", {})
+    names = [rng.get("torch_cpu"), *rng.get("cuda", [])] + ([meta["data"].get("generator")] if meta.get("data") else [])
+    for name in names:
+        if name not in files:
+            raise CheckpointError(f"{path / str(name)}: named by meta.json but not in the manifest")
+
+
+def _log_config_changes(session: "OffloadSession", path: Path) -> None:
+    """Say which settings differ from the saving run's (a different layout is fine; other changes are the
+    user's choice but break exact resume)."""
+    try:
+        saved = yaml.safe_load((path / CONFIG_NAME).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        log.warning("%s: unreadable (%s); not comparing configs", path / CONFIG_NAME, exc)
+        return
+    now = yaml.safe_load(dump_config(session.config))
+    for dotted, old, new in _diff(saved, now):
+        exact = dotted.split(".")[0] in ("tiers", "placement", "prefetch", "train", "profile")
+        (log.info if exact else log.warning)("resuming with %s changed: %r -> %r", dotted, old, new)
+
+
+def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
+
+
+def _release_fetched_weights(controller: "Controller") -> None:
+    """Drop compute weights fetched before the load: they hold the old values. Non-resident blocks are
+    fetched from the loaded master (or weights copy) on their next use."""
+    weights = controller.weights
+    for index, state in enumerate(weights.states):
+        if weights.source is WeightSource.RESIDENT or index in controller.gpu_updated:
+            continue  # refreshed from the loaded master below
+        if state.users:
+            raise RuntimeError(f"block {index}'s weights are in use by a forward; load a checkpoint between steps")
+        weights.release(index)
+
+
+def _load_tensor(store: TierStore, key: str, file: Path, step: int, after: Callable[[torch.Tensor], None] | None) -> None:
+    """Write one tensor file into key's home in this session; ``after`` sees the loaded values while a
+    copy of them is still in memory (the master's, to refresh the compute weights)."""
+    record = store.record(key)
+    _settle(record)
+    home = record.home
+    if home is TierName.GPU:
+        staging = torch.empty(record.meta.numel, dtype=record.meta.dtype)
+        read_into(file, _bytes_of(staging))
+        target = store.tensor(key, TierName.GPU)
+        target.copy_(staging)
+        store.mark_dirty(key, TierName.GPU, step=step)  # the home copy: clean; any cached copy is stale now
+    elif home is TierName.HOST:
+        target = store.tensor(key, TierName.HOST)
+        read_into(file, _bytes_of(target))  # straight into the (pinned) home bytes
+        store.mark_dirty(key, TierName.HOST, step=step)
+    else:
+        # No public way to write a swap file except through a host copy: stage, overwrite, write back.
+        store.fetch(key, TierName.HOST).wait()
+        target = store.tensor(key, TierName.HOST)
+        read_into(file, _bytes_of(target))
+        store.mark_dirty(key, TierName.HOST, step=step)  # host now newer than the swap file
+    if after is not None:
+        after(target)
+    if home is TierName.NVME:
+        store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
+
+
+def _refresh_weights(controller: "Controller", block: "Block", master: torch.Tensor, step: int) -> None:
+    """Bring block's compute weights in line with its loaded master, the way the update worker does."""
+    weights, store = controller.weights, controller.store
+    if block.index in controller.gpu_updated or weights.source is WeightSource.RESIDENT:
+        weights.load_resident(block.index, master)
+    elif weights.source is WeightSource.WEIGHTS:
+        key = block.key("weights")
+        _settle(store.record(key))
+        store.fetch(key, TierName.HOST).wait()
+        store.tensor(key, TierName.HOST).copy_(master)  # cast to the compute dtype
+        store.mark_dirty(key, TierName.HOST, step=step)
+        if store.record(key).home is TierName.NVME:
+            store.evict(key, TierName.HOST, release=False).wait()
+
+
+def _restore_scaler(controller: "Controller", saved: dict[str, Any] | None, path: Path) -> None:
+    scaler = controller.scaler
+    if scaler is None or saved is None:
+        if scaler is not None or saved is not None:
+            log.warning("%s: fp16 loss scaling %s in the checkpoint but %s now; the scale starts afresh",
+                        path, "on" if saved else "off", "on" if scaler else "off")
+        return
+    scaler.scale.fill_(float(saved["scale"]))
+    scaler.growth_tracker.fill_(int(saved["growth_tracker"]))
+
+
+def _raw_tensor(path: Path, name: str) -> torch.Tensor:
+    file = path / name
+    out = torch.empty(file.stat().st_size, dtype=torch.uint8)
+    read_into(file, _bytes_of(out))
+    return out
+
+
+def _restore_rng(rng: dict[str, Any], path: Path) -> None:
+    torch.set_rng_state(_raw_tensor(path, rng["torch_cpu"]))
+    cuda_files = rng.get("cuda", [])
+    if torch.cuda.is_available() and cuda_files:
+        if len(cuda_files) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([_raw_tensor(path, name) for name in cuda_files])
+        else:
+            log.warning("%s: %d CUDA RNG states saved, %d devices here; CUDA RNG not restored", path, len(cuda_files), torch.cuda.device_count())
+    elif cuda_files or torch.cuda.is_available():
+        log.warning("%s: CUDA RNG state %s; not restored", path, "saved without CUDA here" if cuda_files else "not in the checkpoint")
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _restore_data(data: ResumableData, saved: dict[str, Any] | None, path: Path) -> None:
+    if saved is None:
+        log.warning("%s: no data position in the checkpoint; the data stream starts afresh", path)
+        return
+    for attr in ("batch_size", "seq_len"):
+        if saved.get(attr) is not None and getattr(data, attr, saved[attr]) != saved[attr]:
+            log.warning("%s: data %s was %s, now %s; batches will differ from the original run", path, attr, saved[attr], getattr(data, attr))
+    data.generator.set_state(_raw_tensor(path, saved["generator"]))
+    data.position = int(saved["position"])
+
+
+# ---- training-loop helpers and benchmark ---------------------------------------------------------
+def save_due(step: int, total_steps: int, save_every: int) -> bool:
+    """True when ``tierstore train`` saves after ``step``: every ``save_every`` steps, and at the end."""
+    return step == total_steps or (save_every > 0 and step % save_every == 0)
+
+
+def resume_training(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None) -> int:
+    """Load the latest checkpoint in ``directory`` if there is one; returns its step (0: start afresh)."""
+    found = find_checkpoint(directory)
+    if found is None:
+        log.warning("no checkpoint in %s yet; starting from step 0", directory)
+        return 0
+    return load_checkpoint(session, found, data)
+
+
+def bench_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None,
+                     threads: int = 4) -> dict[str, Any]:
+    """Time one save, one verification and one load (which verifies again) of the session's state.
+
+    Returns seconds and bytes: ``save_s``, ``verify_s``, ``load_s``, ``nbytes`` (all files),
+    ``tensor_nbytes`` (master + moments) and GB/s of each, to compare against the disk's bandwidth. Reads
+    may be served from the page cache; drop caches between save and load to time the disk itself."""
+    start = time.perf_counter()
+    path = save_checkpoint(session, directory, data, keep_last=1, threads=threads)
+    save_s = time.perf_counter() - start
+    start = time.perf_counter()
+    files = verify_checkpoint(path, threads=threads)
+    verify_s = time.perf_counter() - start
+    start = time.perf_counter()
+    load_checkpoint(session, path, data)
+    load_s = time.perf_counter() - start
+    nbytes = sum(entry.nbytes for entry in files.values())
+    tensor_nbytes = sum(entry.nbytes for name, entry in files.items() if name.startswith("block") and name.endswith(".bin"))
+    return {"path": str(path), "nbytes": nbytes, "tensor_nbytes": tensor_nbytes, "save_s": save_s, "verify_s": verify_s,
+            "load_s": load_s, "save_GBps": nbytes / save_s / 1e9, "verify_GBps": nbytes / verify_s / 1e9,
+            "load_GBps": nbytes / load_s / 1e9}
