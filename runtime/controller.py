@@ -8,9 +8,10 @@ the step bookkeeping (micro-batches, committed optimizer steps, the fp16 loss sc
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -54,6 +55,34 @@ class StepStats:
     grad_norms: list[float] = field(default_factory=list)
 
 
+# Why the training thread waited (StallEvent.cause).
+STALL_FETCH_HOST = "fetch_host"  # an on-demand weight fetch from pinned host memory (a prefetch miss)
+STALL_FETCH_NVME = "fetch_nvme"  # an on-demand weight fetch whose bytes had to be staged from NVMe first
+STALL_UPDATE = "update"  # the block's CPU Adam update had not landed yet
+STALL_CAPACITY = "capacity"  # an on-demand fetch of a block whose prefetch the full GPU budget refused
+
+
+@dataclass(frozen=True)
+class StallEvent:
+    """Host time the training thread spent blocked on one block, and why (for listeners such as the profiler)."""
+
+    block: int
+    cause: str  # one of the STALL_* names
+    seconds: float
+    step: int  # committed optimizer steps when the wait happened (the step in progress is step + 1)
+    start_s: float = 0.0  # time.perf_counter() when the wait began
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """A step boundary: "begin" when a forward starts (on_step_begin), "commit" in step()."""
+
+    kind: str
+    step: int  # committed optimizer steps after the event
+    time_s: float  # time.perf_counter()
+    signature: str = ""  # begin: "train", "eval" or "grad-eval"
+
+
 class Controller:
     """Drives fetch / release / gradient offload / update for one model."""
 
@@ -77,6 +106,11 @@ class Controller:
         self._deferred_gpu: list[tuple[Block, torch.Tensor | None, list[bool], int]] = []
         self.schedule = PrefetchSchedule(options.prefetch_depth, options.prefetch_budget_nbytes, self.weights.nbytes)
         torch.set_num_threads(options.cpu_threads)
+        # The optimizer worker needs the GIL for a moment between its kernels while the training thread
+        # runs Python (hooks, kernel launches) almost without pause; at the default 5 ms switch interval
+        # every such moment can cost 5 ms. Restored at close().
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, 0.0005))
         self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals)
         self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
         self.lr_source: Callable[[], float] = lambda: options.hyper.lr  # the optimizer's param_groups[0]["lr"]
@@ -92,6 +126,10 @@ class Controller:
         self.worker.on_updated = self.on_block_updated
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient norm (clipping)
         self.stats = StepStats()
+        # Optional observers (the profiler). Empty lists cost one truth test per wait / step boundary.
+        self.stall_listeners: list[Callable[[StallEvent], None]] = []
+        self.step_listeners: list[Callable[[StepEvent], None]] = []
+        self._capacity_refused: set[int] = set()  # blocks whose prefetch the GPU budget refused (only with listeners)
         self.scaler: _LossScaler | None = None
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
@@ -144,6 +182,8 @@ class Controller:
                 self.weights.release(index)
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         self.schedule.begin(signature)
+        if self.step_listeners:
+            self._emit(self.step_listeners, StepEvent("begin", self.optimizer_step, time.perf_counter(), signature))
 
     def acquire(self, indices: list[int], phase: str) -> None:
         """Blocks are about to be used: record the use, wait for their update and weights, prefetch ahead."""
@@ -172,15 +212,44 @@ class Controller:
     def _ready(self, index: int) -> None:
         if not self.worker.is_updated(index, self.optimizer_step):
             self._wanted.add(index)  # the worker fetches it the moment its update lands
-        self.stats.wait_update_s += self.worker.wait_updated(index, self.optimizer_step)
+        waited = self.worker.wait_updated(index, self.optimizer_step)
+        self.stats.wait_update_s += waited
+        if waited > 0.0 and self.stall_listeners:
+            self._emit_stall(index, STALL_UPDATE, waited, time.perf_counter() - waited)
         if self.options.weight_source is WeightSource.RESIDENT:
             self.weights.wait_refresh(index)
             self.schedule.record_fetch(True)
             return
+        # Only a block not fetched yet can miss; its cause is read before the on-demand fetch stages it.
+        cause = self._fetch_stall_cause(index) if self.stall_listeners and not self.weights.is_fetched(index) else None
         t1 = time.perf_counter()
         hit = self.weights.wait(index)
-        self.stats.wait_fetch_s += time.perf_counter() - t1 if not hit else 0.0
+        waited = time.perf_counter() - t1 if not hit else 0.0
+        self.stats.wait_fetch_s += waited
+        if not hit and cause is not None:
+            self._emit_stall(index, cause, waited, t1)
         self.schedule.record_fetch(hit)
+
+    def _fetch_stall_cause(self, index: int) -> str:
+        """Why an on-demand fetch of block index would wait: a refused prefetch, NVMe staging, or a plain miss."""
+        if index in self._capacity_refused:
+            self._capacity_refused.discard(index)
+            return STALL_CAPACITY
+        key = self.weights.source_key(self.blocks[index])
+        if self.store.record(key).home is TierName.NVME and not self.store.state(key, TierName.HOST).is_current:
+            return STALL_FETCH_NVME
+        return STALL_FETCH_HOST
+
+    def _emit_stall(self, index: int, cause: str, seconds: float, start_s: float) -> None:
+        self._emit(self.stall_listeners, StallEvent(index, cause, seconds, self.optimizer_step, start_s))
+
+    @staticmethod
+    def _emit(listeners: list[Callable[[Any], None]], event: object) -> None:
+        for listener in list(listeners):
+            try:
+                listener(event)
+            except Exception:  # an observer's bug must never break training
+                log.exception("controller listener %r failed", listener)
 
     def _prefetch(self) -> None:
         if self.options.weight_source is WeightSource.RESIDENT:
@@ -194,6 +263,8 @@ class Controller:
             try:
                 self.weights.fetch(index, prefetch=True)
             except CapacityError:
+                if self.stall_listeners:
+                    self._capacity_refused.add(index)
                 return  # the GPU budget is full: fetch on demand later
 
     def on_block_updated(self, index: int) -> None:
@@ -204,7 +275,9 @@ class Controller:
         try:
             self.weights.fetch(index, prefetch=True)
         except CapacityError:
-            pass  # the GPU budget is full: the forward fetches on demand
+            if self.stall_listeners:
+                self._capacity_refused.add(index)  # set.add is atomic: safe from the worker thread
+            # the GPU budget is full: the forward fetches on demand
 
     # ---- backward ------------------------------------------------------------------------------------
     def on_backward_begin(self, indices: list[int]) -> None:
@@ -361,6 +434,8 @@ class Controller:
         self._updating.clear()
         self.optimizer_step += 1
         self.micro = 0
+        if self.step_listeners:
+            self._emit(self.step_listeners, StepEvent("commit", self.optimizer_step, time.perf_counter()))
 
     def synchronize(self) -> None:
         """Block until every committed update has finished."""
@@ -381,6 +456,7 @@ class Controller:
     def close(self) -> None:
         """Stop the worker (finishing queued updates)."""
         self.worker.close()
+        sys.setswitchinterval(self._switch_interval)
 
 
 class _LossScaler:

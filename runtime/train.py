@@ -16,10 +16,12 @@ from typing import Any
 import torch
 
 from runtime.api import offload
+from runtime.checkpoint import resume_training, save_checkpoint, save_due
 from runtime.config import TierstoreConfig, load_config
 from runtime.data import ByteBatches, stdlib_text_bytes
 from runtime.example_model import ExampleLM, ModelShape
 from runtime.traffic import TrafficCounter
+from runtime.profiler import Profiler, measure_ceilings
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,18 @@ class Progress:
 
 def main(args: argparse.Namespace) -> int:
     """Run the training job the CLI asked for."""
-    if args.checkpoint_dir or args.resume or args.save_every:
-        raise ValueError("checkpointing (--checkpoint-dir / --save-every / --resume) is not available in this version yet")
     overrides: dict[str, object] = {}
+    if args.checkpoint_dir is not None:
+        overrides["train.checkpoint_dir"] = str(args.checkpoint_dir)
+    if args.save_every is not None:
+        overrides["train.save_every"] = args.save_every
     if args.steps is not None:
         overrides["train.steps"] = args.steps
     if args.profile is not None:
         overrides["profile.dir"] = str(args.profile)
     cfg = load_config(args.config if args.config else default_config(), overrides=overrides or None)
+    if args.resume and cfg.train.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
     model = build_model(cfg)
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of "
@@ -84,12 +90,17 @@ def main(args: argparse.Namespace) -> int:
     print(session.plan.table(), file=sys.stderr)
     traffic = TrafficCounter()
     session.store.bus.subscribe(traffic)
+    # --profile DIR: ceilings measured now (a small copy per path), then listen until the session is closed.
+    profiler = Profiler(session, measure_ceilings(session.store)).start() if cfg.profile.dir else None
     data = ByteBatches(stdlib_text_bytes(), batch, seq, seed=cfg.seed)
     progress = Progress(steps, cfg.train.log_every)
     first_loss = last_loss = float("nan")
+    begin = 0  # steps already done (by the run a checkpoint was taken from)
     try:
+        if args.resume:
+            begin = resume_training(session, cfg.train.checkpoint_dir, data)
         start = time.perf_counter()
-        for step in range(1, steps + 1):
+        for step in range(begin + 1, steps + 1):
             step_start = time.perf_counter()
             for _ in range(cfg.optimizer.accumulation_steps):
                 tokens, targets = data.next()
@@ -98,17 +109,23 @@ def main(args: argparse.Namespace) -> int:
             optimizer.step()
             optimizer.zero_grad()
             last_loss = loss.item()
-            first_loss = last_loss if step == 1 else first_loss
+            first_loss = last_loss if step == begin + 1 else first_loss
             elapsed = time.perf_counter() - step_start
             progress.update(step, last_loss, cfg.optimizer.accumulation_steps * batch * seq / elapsed)
+            if cfg.train.checkpoint_dir is not None and save_due(step, steps, cfg.train.save_every):
+                save_checkpoint(session, cfg.train.checkpoint_dir, data, keep_last=cfg.train.keep_last)
         optimizer.synchronize()  # type: ignore[attr-defined]
         total_s = time.perf_counter() - start
     finally:
         session.close()
-    tokens = steps * cfg.optimizer.accumulation_steps * batch * seq
+    tokens = (steps - begin) * cfg.optimizer.accumulation_steps * batch * seq
     print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({tokens / total_s / 1e3:.1f}k tok/s)", file=sys.stderr)
     print(traffic.summary(), file=sys.stderr)
     stats = session.controller.schedule.stats
     print(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "
           f"on fetches {session.controller.stats.wait_fetch_s:.2f} s", file=sys.stderr)
+    if profiler is not None:
+        profiler.stop()  # after close(): the last write-backs are in the totals
+        saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=cfg.profile.plot)
+        print(f"profile written to {saved.directory}; read it with: tierstore profile {saved.directory}", file=sys.stderr)
     return 0

@@ -1,0 +1,38 @@
+"""Swap-traffic profiler: what moved where, how fast, and why the GPU waited.
+
+- :class:`Profiler` listens to an offload session (the store's transfer events, the controller's stall and step
+  events, the optimizer worker's intervals) and writes a profile directory with :meth:`Profiler.save`:
+  ``summary.json`` (machine-readable), ``report.txt`` (tables and advice), ``trace.json`` (Chrome Trace Event
+  format, for chrome://tracing or Perfetto) and ``plot.png`` (with the optional ``plot`` extra: matplotlib).
+- :func:`measure_ceilings` / :func:`ceilings_from_store_bench` give the bandwidth each path can reach.
+- :func:`main` is ``tierstore profile DIR``: the report and advice of a saved profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from runtime.profiler.ceilings import ceilings_from_store_bench, measure_ceilings
+from runtime.profiler.collect import Profiler, RawProfile, StepMark
+from runtime.profiler.outputs import SavedProfile, chrome_trace, save_profile
+from runtime.profiler.report import format_report
+
+__all__ = ["Profiler", "RawProfile", "SavedProfile", "StepMark", "ceilings_from_store_bench", "chrome_trace",
+           "format_report", "load_summary", "main", "measure_ceilings", "save_profile"]
+
+
+def load_summary(directory: str | Path) -> dict[str, Any]:
+    """The summary.json of a saved profile."""
+    path = Path(directory) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: write a profile first, e.g. tierstore train --profile {directory}")
+    return json.loads(path.read_text())
+
+
+def main(args: argparse.Namespace) -> int:
+    """``tierstore profile DIR``: print the report (tables and advice) of the profile saved in DIR."""
+    print(format_report(load_summary(args.dir)), end="")
+    return 0

@@ -1,0 +1,165 @@
+"""Advice: concrete config changes that would reduce the measured stalls, each with its predicted effect.
+
+Every prediction is an upper bound built from figures of the same profile (steady-state means per step):
+a change can at most remove the waiting it targets. The rules, by cause of the wait:
+
+- prefetch misses (fetch from host): fetch further ahead -- ``prefetch.depth``, and ``prefetch.budget``
+  when the deeper window's bytes would not fit in it;
+- fetches staged from NVMe: more ``tiers.nvme.io_threads`` while the disk is below its ceiling, else keep
+  the weights' source on host;
+- GPU budget full (a refused prefetch): more ``tiers.gpu.budget``;
+- Adam not done: take the worker's input waits away (moments from NVMe to host when RAM has room; more IO
+  threads while NVMe reads are below their ceiling), run the first blocks' update on the GPU (``optimizer.gpu_update_fraction``: those are the
+  updates the CPU cannot hide), and amortise Adam over more tokens (``optimizer.accumulation_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
+
+MIN_STALL_S = 1e-3  # waits below this per step are noise
+MIN_STALL_SHARE = 0.02  # ... and so are waits below this share of the step
+RAM_MARGIN = 1.25  # moving state to pinned memory wants this much more free RAM than it takes
+READ_SATURATED = 0.8  # NVMe reads at this share of the ceiling gain nothing from more threads
+
+
+def size_text(nbytes: float) -> str:
+    """A byte count for a person (binary units)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def advise(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The advice for a summary (see the module doc), largest predicted saving first. Each item has
+    ``change`` (the config edit), ``saves_s`` (the most it removes per step), ``measured_s`` (the wait it
+    targets), and ``text`` (one line for a person)."""
+    steady = summary.get("steady") or {}
+    if not steady.get("steps"):
+        return []
+    cfg = summary.get("config") or {}
+    step_s = steady["step_s"]
+    waits = {c: steady["stall_s"].get(c, 0.0) + steady["device_wait_s"].get(c, 0.0) for c in steady["stall_s"]}
+    total = sum(waits.values())
+    threshold = max(MIN_STALL_S, MIN_STALL_SHARE * step_s)
+    items: list[dict[str, Any]] = []
+
+    def add(change: str, saves: float, measured: float, why: str) -> None:
+        for item in items:  # two causes may ask for the same change: one item, the savings added
+            if item["change"] == change:
+                item["saves_s"] = min(total, item["saves_s"] + saves)
+                item["measured_s"] += measured
+                item["text"] = _text(change, item["saves_s"], total, item["why"] + "; " + why)
+                item["why"] += "; " + why
+                return
+        items.append({"change": change, "saves_s": saves, "measured_s": measured, "why": why,
+                      "text": _text(change, saves, total, why)})
+
+    if waits.get(STALL_FETCH_HOST, 0.0) >= threshold:
+        _prefetch_advice(summary, cfg, waits[STALL_FETCH_HOST], steady, add)
+    if waits.get(STALL_FETCH_NVME, 0.0) >= threshold:
+        _nvme_fetch_advice(summary, cfg, waits[STALL_FETCH_NVME], add)
+    if waits.get(STALL_CAPACITY, 0.0) >= threshold:
+        largest = max((b["weight_nbytes"] for b in summary.get("blocks") or []), default=0)
+        budget = cfg.get("gpu_budget_nbytes", 0)
+        need = largest * max(1, cfg.get("prefetch_depth", 1))
+        add(f"raise tiers.gpu.budget from {size_text(budget)} to {size_text(budget + need)} (or lower prefetch.depth "
+            "so prefetches fit)", waits[STALL_CAPACITY], waits[STALL_CAPACITY],
+            f"{waits[STALL_CAPACITY]:.3f} s/step waited on fetches whose prefetch the full GPU budget refused")
+    if waits.get(STALL_UPDATE, 0.0) >= threshold:
+        _update_advice(summary, cfg, waits[STALL_UPDATE], steady, threshold, add)
+    if not items:
+        share = total / step_s if step_s > 0 else 0.0
+        return [{"change": "none", "saves_s": 0.0, "measured_s": total, "why": "stalls are small",
+                 "text": f"no change needed: the training thread waited {total:.3f} s/step ({share:.0%} of the step)"}]
+    return sorted(items, key=lambda item: -item["saves_s"])
+
+
+def _text(change: str, saves: float, total: float, why: str) -> str:
+    return f"{change}: would remove up to {saves:.3f} s/step of the {total:.3f} s/step the training thread waited ({why})"
+
+
+def _prefetch_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], add: Any) -> None:
+    depth = int(cfg.get("prefetch_depth", 0))
+    new_depth = min(64, max(2, depth + 2, depth * 2))
+    weights = sorted((b["weight_nbytes"] for b in summary.get("blocks") or [] if not b.get("gpu_updated")), reverse=True)
+    need = sum(weights[:new_depth])
+    budget = int(cfg.get("prefetch_budget_nbytes", 0))
+    change = f"raise prefetch.depth from {depth} to {new_depth}"
+    if need > budget:
+        change += f" and prefetch.budget from {size_text(budget)} to {size_text(need)}"
+    add(change, wait, wait, f"prefetch misses: hit rate {steady['hit_rate']:.0%}, {wait:.3f} s/step fetching on demand")
+
+
+def _nvme_fetch_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, add: Any) -> None:
+    read = (summary.get("totals") or {}).get("paths", {}).get("read", {})
+    saturated = read.get("of_ceiling") is not None and read["of_ceiling"] >= READ_SATURATED
+    why = f"{wait:.3f} s/step waited on weights staged from NVMe"
+    if saturated:
+        add("keep the weights' source on host (placement.master: host, or placement.weights: host)", wait, wait,
+            why + f"; NVMe reads already at {read['of_ceiling']:.0%} of the ceiling")
+    else:
+        threads = int(cfg.get("io_threads", 4))
+        add(f"raise tiers.nvme.io_threads from {threads} to {min(64, threads * 2)}", wait, wait, why)
+
+
+def _update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], threshold: float,
+                   add: Any) -> None:
+    homes = cfg.get("homes") or {}
+    inputs = steady.get("adam_wait_inputs_s", 0.0)
+    if inputs >= threshold and "nvme" in (homes.get("exp_avg"), homes.get("master")):
+        memory = summary.get("memory") or {}
+        need = memory.get("moments_offloaded_nbytes", 0)
+        available = memory.get("host_available_nbytes", 0)
+        why = f"Adam waited {inputs:.3f} s/step for its inputs from NVMe"
+        if homes.get("exp_avg") == "nvme" and need and available >= RAM_MARGIN * need:
+            add(f"move placement.moments from nvme to host (needs {size_text(need)} more pinned memory; "
+                f"{size_text(available)} of RAM was free)", min(wait, inputs), wait, why)
+        of_ceiling = (summary.get("totals") or {}).get("paths", {}).get("read", {}).get("of_ceiling")
+        if of_ceiling is None or of_ceiling < READ_SATURATED:
+            # Reads at the ceiling would take of_ceiling of the time they take now.
+            saves = min(wait, inputs * (1.0 - of_ceiling)) if of_ceiling is not None else min(wait, inputs)
+            where = f"; NVMe reads at {of_ceiling:.0%} of the ceiling" if of_ceiling is not None else ""
+            threads = int(cfg.get("io_threads", 4))
+            add(f"raise tiers.nvme.io_threads from {threads} to {min(64, threads * 2)}", saves, wait, why + where)
+    _gpu_update_advice(summary, cfg, wait, steady, add)
+    adam_s, compute_s = steady.get("adam_s", 0.0), steady.get("compute_s", 0.0)
+    if adam_s > compute_s > 0:
+        accumulation = int(cfg.get("accumulation_steps", 1))
+        add(f"raise optimizer.accumulation_steps from {accumulation} to {2 * accumulation} (more tokens per update)",
+            wait / 2, wait, f"CPU Adam takes {adam_s:.3f} s per update against {compute_s:.3f} s of forward+backward; "
+            "per token the update wait halves")
+
+
+def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], add: Any) -> None:
+    """The smallest prefix of blocks (forward order) holding most of the update stall goes to the GPU."""
+    blocks = sorted(summary.get("blocks") or [], key=lambda b: b["index"])
+    by_block = {int(k): v for k, v in (steady.get("update_stall_by_block") or {}).items()}
+    stalled = sum(by_block.values())
+    if not blocks or stalled <= 0:
+        return
+    covered, last = 0.0, -1
+    for b in blocks:
+        covered += by_block.get(b["index"], 0.0)
+        last = b["index"]
+        if covered >= 0.8 * stalled:
+            break
+    total_numel = sum(b["numel"] for b in blocks)
+    prefix = [b for b in blocks if b["index"] <= last]
+    fraction = math.ceil(sum(b["numel"] for b in prefix) / total_numel * 20) / 20
+    current = float(cfg.get("gpu_update_fraction", 0.0))
+    if fraction <= current:
+        return
+    new_numel = sum(b["numel"] for b in prefix if not b.get("gpu_updated"))
+    # Device-side update keeps fp32 master + two moments and the resident weights on the GPU.
+    extra = new_numel * 12 + sum(b["weight_nbytes"] for b in prefix if not b.get("gpu_updated"))
+    saves = min(wait, covered)
+    note = "; on this CPU-only run the 'GPU' update also runs on the CPU" if summary.get("device_type") == "cpu" else ""
+    add(f"raise optimizer.gpu_update_fraction from {current:.2f} to {fraction:.2f} (needs about {size_text(extra)} "
+        "more GPU memory)", saves, wait,
+        f"blocks 0..{last} waited {covered:.3f} s/step for their CPU update: the first blocks' updates finish last and "
+        f"are needed first{note}")

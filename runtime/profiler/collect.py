@@ -1,0 +1,274 @@
+"""The profiler's listening side: subscribes to the store's transfer events and the controller's stall and step
+events, and keeps what they say with O(1) work per event. Everything that costs more (interval unions,
+per-step tables, advice) happens later, in ``analysis``, on a snapshot.
+
+Per step the profiler remembers a *mark* at each commit (``optimizer.step()``): how many transfers and stalls
+had been recorded by then, the cumulative byte counters, the schedule's hit / miss counters, the worker's
+input waits and the store's usage. A step's figures are the differences between two marks, so they add up
+exactly to the totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from runtime.controller import StallEvent, StepEvent
+from tierstore import TierName, TransferEvent
+
+if TYPE_CHECKING:
+    from runtime.api import OffloadSession
+    from runtime.profiler.outputs import SavedProfile
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_EVENTS = 500_000  # transfers (and stalls) kept for the trace; counters keep counting past it
+
+
+@dataclass
+class Counters:
+    """Cumulative bytes, transfer count and summed duration per transfer kind."""
+
+    nbytes: dict[str, int] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        """Count one transfer."""
+        self.nbytes[kind] = self.nbytes.get(kind, 0) + nbytes
+        self.count[kind] = self.count.get(kind, 0) + 1
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
+    def copy(self) -> "Counters":
+        """An independent snapshot."""
+        return Counters(dict(self.nbytes), dict(self.count), dict(self.seconds))
+
+
+@dataclass(frozen=True)
+class StepMark:
+    """What the profiler knew when step ``step`` was committed (cumulative figures; see the module doc)."""
+
+    step: int
+    begin_s: float  # the first training forward of the step (or the previous commit when none was seen)
+    backward_end_s: float  # the end of the step's last backward (the end of its GPU work window)
+    commit_s: float
+    num_transfers: int  # transfers recorded so far
+    num_stalls: int  # stalls recorded so far
+    counters: Counters
+    hits: int
+    misses: int
+    wait_inputs_s: float  # the worker's cumulative wait for its inputs (gradient copies, NVMe reads)
+    usage: dict[str, int]  # bytes in use per tier ("gpu", "host", "nvme")
+
+
+@dataclass
+class RawProfile:
+    """A snapshot of everything recorded; the input of ``analysis.summarize`` and of the trace writer."""
+
+    t0_s: float  # time.perf_counter() at start: every time in the outputs is relative to it
+    end_s: float
+    transfers: list[TransferEvent]
+    stalls: list[StallEvent]
+    adam: list[tuple[int, int, float, float]]  # (block, step, start_s, end_s) of each update
+    marks: list[StepMark]
+    counters: Counters
+    hits: int
+    misses: int
+    wait_inputs_s: float
+    dropped_events: int
+    meta: dict[str, Any]  # device, config, blocks, ceilings, memory: see Profiler._meta
+    ceilings_gbps: dict[str, float]
+
+
+class Profiler:
+    """Swap-traffic profiler of one offload session: what moved where, how fast, and why the GPU waited.
+
+    ``ceilings`` are the bandwidths (GB/s, 1e9 bytes) each path can reach -- keys "h2d", "d2h", "read",
+    "write" -- e.g. from :func:`runtime.profiler.measure_ceilings` or a ``tierstore bench store`` JSON through
+    :func:`runtime.profiler.ceilings_from_store_bench`; a path without one is reported without a ratio.
+
+    Use::
+
+        profiler = Profiler(optimizer.session, ceilings).start()
+        ...train...
+        profiler.stop(); profiler.save("profile/")
+    """
+
+    def __init__(self, session: "OffloadSession", ceilings: Mapping[str, float] | None = None,
+                 max_events: int = DEFAULT_MAX_EVENTS):
+        self.session = session
+        self.ceilings_gbps = {str(k): float(v) for k, v in (ceilings or {}).items()}
+        self.max_events = max_events
+        self._lock = threading.Lock()  # held only to append / count: never across a transfer or a wait
+        self._transfers: list[TransferEvent] = []
+        self._stalls: list[StallEvent] = []
+        self._marks: list[StepMark] = []
+        self._counters = Counters()
+        self._dropped = 0
+        self._t0_s = 0.0
+        self._end_s: float | None = None
+        self._window_begin_s: float | None = None
+        self._last_commit_s = 0.0
+        self._interval_start = 0  # worker intervals before start() belong to nobody's profile
+        self._hits0 = self._misses0 = 0
+        self._wait_inputs0 = 0.0
+        self._restore_intervals = False
+        self._unsubscribe: Any = None
+        self._meta: dict[str, Any] = {}
+
+    # ---- lifetime ------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """True between start() and stop()."""
+        return self._unsubscribe is not None
+
+    def start(self) -> "Profiler":
+        """Subscribe to the store's bus and the controller's hooks; turns on the worker's interval record."""
+        if self.running:
+            raise RuntimeError("the profiler is already running")
+        controller = self.session.controller
+        self._meta = session_meta(self.session)
+        schedule = controller.schedule.stats
+        self._hits0, self._misses0 = schedule.hits, schedule.misses
+        self._wait_inputs0 = controller.worker.stats.wait_inputs_s
+        self._restore_intervals = not controller.worker.record_intervals
+        controller.worker.record_intervals = True  # the worker reads the flag per job: no restart needed
+        self._interval_start = len(controller.worker.stats.intervals)
+        self._t0_s = self._last_commit_s = time.perf_counter()
+        self._end_s = None
+        controller.stall_listeners.append(self._on_stall)
+        controller.step_listeners.append(self._on_step)
+        self._unsubscribe = self.session.store.bus.subscribe(self._on_transfer)
+        log.info("profiler started")
+        return self
+
+    def stop(self) -> None:
+        """Unsubscribe everything (idempotent). Call after the last transfers of interest have completed
+        (e.g. after ``session.close()``), so the totals hold every byte the store moved."""
+        if not self.running:
+            return
+        self._unsubscribe()
+        self._unsubscribe = None
+        controller = self.session.controller
+        for listeners, listener in ((controller.stall_listeners, self._on_stall), (controller.step_listeners, self._on_step)):
+            if listener in listeners:
+                listeners.remove(listener)
+        if self._restore_intervals:
+            controller.worker.record_intervals = False
+        self._end_s = time.perf_counter()
+
+    def __enter__(self) -> "Profiler":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- listeners (any thread for transfers; the training thread for stalls and steps) --------------
+    def _on_transfer(self, event: TransferEvent) -> None:
+        with self._lock:
+            self._counters.add(event.kind, event.nbytes, event.duration_s)
+            if len(self._transfers) < self.max_events:
+                self._transfers.append(event)
+            else:
+                self._dropped += 1
+
+    def _on_stall(self, event: StallEvent) -> None:
+        with self._lock:
+            if len(self._stalls) < self.max_events:
+                self._stalls.append(event)
+            else:
+                self._dropped += 1
+
+    def _on_step(self, event: StepEvent) -> None:
+        if event.kind == "begin":
+            if event.signature == "train" and self._window_begin_s is None:
+                self._window_begin_s = event.time_s
+            return
+        if event.kind != "commit":
+            return
+        controller = self.session.controller
+        begin = self._window_begin_s if self._window_begin_s is not None else self._last_commit_s
+        ends = controller.stats.backward_end_s
+        backward_end = ends[-1] if ends and ends[-1] >= begin else event.time_s
+        usage = {tier: figures["used_nbytes"] for tier, figures in self.session.store.usage().items()}
+        stats = controller.schedule.stats
+        with self._lock:
+            mark = StepMark(event.step, begin, backward_end, event.time_s, len(self._transfers), len(self._stalls),
+                            self._counters.copy(), stats.hits - self._hits0, stats.misses - self._misses0,
+                            controller.worker.stats.wait_inputs_s - self._wait_inputs0, usage)
+            self._marks.append(mark)
+        self._window_begin_s = None
+        self._last_commit_s = event.time_s
+
+    # ---- results -------------------------------------------------------------------------------------
+    def raw(self) -> RawProfile:
+        """A consistent snapshot of what was recorded so far (copies of the lists; cheap)."""
+        controller = self.session.controller
+        stats = controller.schedule.stats
+        intervals = controller.worker.stats.intervals[self._interval_start :]  # slicing is atomic
+        with self._lock:
+            return RawProfile(
+                t0_s=self._t0_s, end_s=self._end_s if self._end_s is not None else time.perf_counter(),
+                transfers=list(self._transfers), stalls=list(self._stalls), adam=list(intervals), marks=list(self._marks),
+                counters=self._counters.copy(), hits=stats.hits - self._hits0, misses=stats.misses - self._misses0,
+                wait_inputs_s=controller.worker.stats.wait_inputs_s - self._wait_inputs0, dropped_events=self._dropped,
+                meta=dict(self._meta), ceilings_gbps=dict(self.ceilings_gbps))
+
+    def summary(self) -> dict[str, Any]:
+        """The machine-readable summary (what summary.json holds), advice included."""
+        from runtime.profiler.analysis import summarize
+
+        return summarize(self.raw())
+
+    def save(self, directory: str | Any, trace: bool = True, plot: bool = True) -> "SavedProfile":
+        """Write summary.json, report.txt, trace.json (``trace``) and plot.png (``plot``, when matplotlib is
+        importable; otherwise the skip is logged and listed) under directory."""
+        from runtime.profiler.outputs import save_profile
+
+        return save_profile(self.raw(), directory, trace=trace, plot=plot)
+
+
+def session_meta(session: "OffloadSession") -> dict[str, Any]:
+    """What advice needs to know about the session: device, the config's knobs, blocks, memory."""
+    import psutil
+
+    cfg = session.config
+    controller = session.controller
+    store = session.store
+    blocks = session.blocks
+    homes = {kind: tier.value for kind, tier in controller.options.homes.items()}
+    moment_nbytes = sum(store.record(b.key(kind)).meta.nbytes for b in blocks if b.index not in controller.gpu_updated
+                        for kind in ("exp_avg", "exp_avg_sq"))
+    device = store.device
+    if device.type == "cuda":
+        import torch
+
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = "CPU (no CUDA)"
+    usage = store.usage()
+    return {
+        "device": device_name,
+        "device_type": device.type,
+        "nvme_io_mode": store.nvme_io_mode,
+        "config": {
+            "prefetch_depth": cfg.prefetch.depth,
+            "prefetch_budget_nbytes": int(cfg.prefetch.budget),
+            "io_threads": cfg.tiers.nvme.io_threads,
+            "gpu_update_fraction": cfg.optimizer.gpu_update_fraction,
+            "accumulation_steps": cfg.optimizer.accumulation_steps,
+            "cpu_threads": controller.options.cpu_threads,
+            "weight_source": controller.options.weight_source.value,
+            "homes": homes,
+            "gpu_budget_nbytes": usage.get(TierName.GPU.value, {}).get("capacity_nbytes", 0),
+            "host_budget_nbytes": usage.get(TierName.HOST.value, {}).get("capacity_nbytes", 0),
+        },
+        "blocks": [{"index": b.index, "name": b.name, "numel": b.numel, "weight_nbytes": controller.weights.nbytes(b.index),
+                    "source_key": controller.weights.source_key(b), "gpu_updated": b.index in controller.gpu_updated}
+                   for b in blocks],
+        "memory": {"host_available_nbytes": int(psutil.virtual_memory().available),
+                   "moments_offloaded_nbytes": int(moment_nbytes)},
+    }

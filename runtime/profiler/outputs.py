@@ -1,0 +1,181 @@
+"""Writing a profile: summary.json, report.txt, trace.json (Chrome Trace Event format) and plot.png.
+
+The trace has one track (thread) per stream kind -- H2D, D2H, NVMe read, NVMe write, the Adam worker,
+training-thread stalls -- plus the training steps' forward+backward windows, as "X" (complete) events with
+microsecond timestamps relative to the profiler's start. Transfers of one kind that overlap in time (IO
+threads run several at once) go to numbered lanes of that kind, because trace viewers draw only nested slices
+on one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.controller import StallEvent
+from runtime.profiler.analysis import PATH_NAMES, placed_intervals, summarize
+from runtime.profiler.collect import RawProfile
+from runtime.profiler.report import CAUSE_NAMES, format_report
+
+log = logging.getLogger(__name__)
+
+PID = 1
+# kind -> (tid, track name); the order is the display order.
+TRACKS: dict[str, tuple[int, str]] = {
+    "h2d": (1, "h2d: pinned -> GPU"),
+    "d2h": (2, "d2h: GPU -> pinned"),
+    "read": (3, "NVMe read"),
+    "write": (4, "NVMe write"),
+    "adam": (5, "Adam worker"),
+    "stall": (6, "training-thread stalls"),
+    "step": (7, "training steps (forward + backward)"),
+}
+OTHER_TID = 8
+LANE_TID = 100  # lane n > 0 of track t is tid t * LANE_TID + n
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass
+class SavedProfile:
+    """Where a profile was written: file role -> path, and what was skipped (role -> why)."""
+
+    directory: Path
+    files: dict[str, Path] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+def _assign_lanes(intervals: list[tuple[float, float]]) -> list[int]:
+    """Greedy lane per interval (in the given order, sorted by start) so that no lane overlaps itself."""
+    lane_ends: list[float] = []
+    lanes: list[int] = []
+    for start, end in intervals:
+        for lane, lane_end in enumerate(lane_ends):
+            if lane_end <= start:
+                lane_ends[lane] = end
+                lanes.append(lane)
+                break
+        else:
+            lane_ends.append(end)
+            lanes.append(len(lane_ends) - 1)
+    return lanes
+
+
+def chrome_trace(raw: RawProfile) -> dict[str, Any]:
+    """The profile as a Chrome Trace Event document (``{"traceEvents": [...]}``)."""
+    t0 = raw.t0_s
+    names = {b["index"]: b["name"] for b in raw.meta.get("blocks", [])}
+    # (track kind, start_s, end_s, name, args)
+    slices: list[tuple[str, float, float, str, dict[str, Any]]] = []
+    for event, (start, end) in zip(raw.transfers, placed_intervals(raw.transfers)):
+        kind = event.kind if event.kind in TRACKS else "other"
+        rate = event.nbytes / (end - start) / 1e9 if end > start else None
+        slices.append((kind, start, end, f"{event.kind} {event.key}",
+                       {"key": event.key, "nbytes": event.nbytes, "gbps": rate, "thread": event.thread,
+                        "device_s": event.device_s}))
+    for block, step, start, end in raw.adam:
+        slices.append(("adam", start, end, f"Adam {names.get(block, block)} -> step {step}", {"block": block, "step": step}))
+    for stall in raw.stalls:
+        slices.append(("stall", stall.start_s, stall.start_s + stall.seconds, _stall_name(stall, names),
+                       {"block": stall.block, "cause": stall.cause, "step": stall.step + 1}))
+    for mark in raw.marks:
+        slices.append(("step", mark.begin_s, mark.backward_end_s, f"step {mark.step}", {"step": mark.step}))
+    by_track: dict[str, list[tuple[float, float, str, dict[str, Any]]]] = {}
+    for kind, start, end, name, args in slices:
+        by_track.setdefault(kind, []).append((start, end, name, args))
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": "tierstore"}}]
+    for kind, items in by_track.items():
+        base_tid, track_name = TRACKS.get(kind, (OTHER_TID, "other transfers"))
+        items.sort(key=lambda item: item[0])
+        lanes = _assign_lanes([(s, e) for s, e, _, _ in items])
+        for lane in range(max(lanes, default=0) + 1):
+            tid = base_tid if lane == 0 else base_tid * LANE_TID + lane
+            label = track_name if lane == 0 else f"{track_name} #{lane + 1}"
+            events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": label}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
+        for (start, end, name, args), lane in zip(items, lanes):
+            tid = base_tid if lane == 0 else base_tid * LANE_TID + lane
+            events.append({"name": name, "cat": kind, "ph": "X", "pid": PID, "tid": tid, "ts": _us(max(0.0, start - t0)),
+                           "dur": _us(max(0.0, end - start)), "args": args})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"producer": "tierstore profiler", "device": raw.meta.get("device")}}
+
+
+def _stall_name(stall: StallEvent, names: dict[int, str]) -> str:
+    return f"{CAUSE_NAMES.get(stall.cause, stall.cause)}: {names.get(stall.block, stall.block)}"
+
+
+def write_plot(summary: dict[str, Any], path: Path) -> bool:
+    """Bandwidth per path and stall seconds per step, as a PNG; False (logged) when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        log.info("plot skipped: matplotlib is not installed (pip install 'tierstore[plot]')")
+        return False
+    steps = summary["steps"]
+    x = [s["step"] for s in steps]
+    # The object-oriented API with the Agg canvas: no pyplot, no global backend switch in the caller's process.
+    figure = Figure(figsize=(10, 7), tight_layout=True)
+    FigureCanvasAgg(figure)
+    bandwidth, stalls = figure.subplots(2, 1, sharex=True)
+    for kind, name in PATH_NAMES.items():
+        values = [s["paths"].get(kind, {}).get("gbps") for s in steps]
+        if any(v is not None for v in values):
+            line = bandwidth.plot(x, [v if v is not None else float("nan") for v in values], marker="o", label=name)[0]
+            ceiling = (summary.get("ceilings_gbps") or {}).get(kind)
+            if ceiling:
+                bandwidth.axhline(ceiling, linestyle="--", color=line.get_color(), alpha=0.6)
+    bandwidth.set_ylabel("GB/s while busy (dashed: ceiling)")
+    bandwidth.set_title("bandwidth per path")
+    if bandwidth.lines:
+        bandwidth.legend(loc="best", fontsize="small")
+    bottom = [0.0] * len(steps)
+    for cause, name in CAUSE_NAMES.items():
+        values = [s["stall_s"].get(cause, 0.0) + s["device_wait_s"].get(cause, 0.0) for s in steps]
+        stalls.bar(x, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    stalls.plot(x, [s["step_s"] for s in steps], color="black", marker=".", label="step time")
+    stalls.xaxis.set_major_locator(MaxNLocator(integer=True))
+    stalls.set_xlabel("optimizer step")
+    stalls.set_ylabel("seconds")
+    stalls.set_title("training-thread stalls per step, by cause")
+    stalls.legend(loc="best", fontsize="small")
+    figure.savefig(path, format="png", dpi=100)
+    return True
+
+
+def save_profile(raw: RawProfile, directory: str | Path, trace: bool = True, plot: bool = True) -> SavedProfile:
+    """Write a raw profile's outputs under directory (created if needed)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    saved = SavedProfile(directory)
+    summary = summarize(raw)
+    if trace:
+        saved.files["trace"] = directory / "trace.json"
+        saved.files["trace"].write_text(json.dumps(chrome_trace(raw)))
+    else:
+        saved.skipped["trace"] = "disabled (profile.trace: false)"
+    if plot:
+        path = directory / "plot.png"
+        if write_plot(summary, path):
+            saved.files["plot"] = path
+        else:
+            saved.skipped["plot"] = "matplotlib is not installed (pip install 'tierstore[plot]')"
+    else:
+        saved.skipped["plot"] = "disabled (profile.plot: false)"
+    saved.files["report"] = directory / "report.txt"
+    saved.files["summary"] = directory / "summary.json"
+    summary["outputs"] = {role: path.name for role, path in saved.files.items()}
+    summary["skipped"] = dict(saved.skipped)
+    saved.files["report"].write_text(format_report(summary))
+    saved.files["summary"].write_text(json.dumps(summary, indent=1))
+    log.info("profile written to %s (%s)", directory, ", ".join(p.name for p in saved.files.values()))
+    return saved

@@ -1,0 +1,132 @@
+"""The profile as text: traffic per path against the ceilings, a table per step, the blocks that stalled most,
+and the advice. Built from the summary alone, so ``tierstore profile DIR`` prints the same report from
+summary.json that ``report.txt`` holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
+from runtime.profiler.advice import size_text
+from runtime.profiler.analysis import PATH_NAMES, PATHS
+
+CAUSE_NAMES = {STALL_FETCH_HOST: "fetch host", STALL_FETCH_NVME: "fetch NVMe", STALL_UPDATE: "Adam not done",
+               STALL_CAPACITY: "GPU full"}
+MAX_STEP_ROWS = 40  # longer runs show the first and last steps
+MIB = 2**20
+
+
+def _num(value: float | None, fmt: str = ".2f", none: str = "-") -> str:
+    return none if value is None else format(value, fmt)
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The whole report (see the module doc)."""
+    parts = [_header(summary), _paths_table(summary), _steps_table(summary), _stalls_table(summary),
+             _blocks_table(summary), _advice(summary)]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def _header(summary: dict[str, Any]) -> str:
+    cfg = summary.get("config") or {}
+    totals = summary["totals"]
+    homes = cfg.get("homes") or {}
+    lines = [f"tierstore profile: {totals['steps']} steps in {summary['duration_s']:.2f} s on {summary.get('device')}; "
+             f"NVMe IO {summary.get('nvme_io_mode') or 'none'}",
+             f"config: prefetch depth {cfg.get('prefetch_depth')}, budget {size_text(cfg.get('prefetch_budget_nbytes', 0))}; "
+             f"nvme io_threads {cfg.get('io_threads')}; master on {homes.get('master')}, moments on {homes.get('exp_avg')}, "
+             f"weights from {cfg.get('weight_source')}; gpu_update_fraction {cfg.get('gpu_update_fraction')}; "
+             f"accumulation {cfg.get('accumulation_steps')}"]
+    hits, misses = totals["hits"], totals["misses"]
+    adam, hidden = totals["adam_s"], totals["adam_hidden_s"]
+    lines.append(f"prefetch: {hits} hits, {misses} misses; CPU Adam {adam:.3f} s, {hidden:.3f} s of it "
+                 f"({hidden / adam if adam else 0:.0%}) overlapped GPU work; Adam waited {totals['adam_wait_inputs_s']:.3f} s for inputs")
+    for role, why in (summary.get("skipped") or {}).items():
+        lines.append(f"not written: {role}: {why}")
+    if summary.get("dropped_events"):
+        lines.append(f"note: {summary['dropped_events']} events beyond the recording cap were counted but not kept "
+                     "(busy times and the trace are partial)")
+    return "\n".join(lines)
+
+
+def _paths_table(summary: dict[str, Any]) -> str:
+    lines = ["traffic per path (all steps; GB/s while busy)",
+             f"{'path':<16}{'MiB':>11}{'transfers':>11}{'busy s':>9}{'GB/s':>8}{'ceiling':>9}{'of ceil':>9}"]
+    for kind, figures in summary["totals"]["paths"].items():
+        name = PATH_NAMES.get(kind, kind)
+        lines.append(f"{name:<16}{figures['nbytes'] / MIB:>11.1f}{figures['count']:>11d}{figures['busy_s']:>9.3f}"
+                     f"{_num(figures['gbps']):>8}{_num(figures['ceiling_gbps']):>9}{_num(figures['of_ceiling'], '.0%'):>9}")
+    return "\n".join(lines)
+
+
+def _rows(steps: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """The steps to show; None marks the elided middle of a long run."""
+    if len(steps) <= MAX_STEP_ROWS:
+        return list(steps)
+    half = MAX_STEP_ROWS // 2
+    return [*steps[:half], None, *steps[-half:]]
+
+
+def _steps_table(summary: dict[str, Any]) -> str:
+    steps = summary["steps"]
+    if not steps:
+        return "per step: no optimizer step was committed while profiling"
+    head = f"{'step':>5}{'step s':>8}{'fwd+bwd':>8}" + "".join(f"{k + ' MiB@GB/s':>17}" for k in PATHS)
+    head += f"{'hit/miss':>10}{'Adam s':>8}{'hidden':>8}{'pinned MiB':>11}{'NVMe MiB':>10}"
+    lines = ["per step (MiB moved @ GB/s while busy)", head]
+    for step in _rows(steps):
+        if step is None:
+            lines.append(f"{'...':>5}")
+            continue
+        cells = ""
+        for kind in PATHS:
+            p = step["paths"].get(kind, {"nbytes": 0, "gbps": None})
+            cells += f"{p['nbytes'] / MIB:>10.1f}@{_num(p['gbps'], '<6.2f', '-     ')}"
+        usage = step["usage_nbytes"]
+        hidden = step["adam_hidden_s"] / step["adam_s"] if step["adam_s"] else None
+        lines.append(f"{step['step']:>5}{step['step_s']:>8.3f}{step['compute_s']:>8.3f}{cells}"
+                     f"{str(step['hits']) + '/' + str(step['misses']):>10}{step['adam_s']:>8.3f}{_num(hidden, '.0%'):>8}"
+                     f"{usage.get('host', 0) / MIB:>11.1f}{usage.get('nvme', 0) / MIB:>10.1f}")
+    return "\n".join(lines)
+
+
+def _stalls_table(summary: dict[str, Any]) -> str:
+    steps = summary["steps"]
+    if not steps:
+        return ""
+    device = any(v for s in steps for v in s["device_wait_s"].values())
+    head = f"{'step':>5}" + "".join(f"{CAUSE_NAMES[c]:>15}" for c in CAUSE_NAMES) + f"{'total':>9}  blocks that waited most"
+    lines = ["training-thread stalls per step (host seconds by cause" + (" + estimated device waits of on-demand copies" if device else "") + ")",
+             head]
+    names = {b["index"]: b["name"] for b in summary.get("blocks") or []}
+    for step in _rows(steps):
+        if step is None:
+            lines.append(f"{'...':>5}")
+            continue
+        waits = {c: step["stall_s"].get(c, 0.0) + step["device_wait_s"].get(c, 0.0) for c in CAUSE_NAMES}
+        top = ", ".join(f"{names.get(b, b)} ({CAUSE_NAMES.get(c, c)} {s:.3f})" for b, c, s in step["top_blocks"])
+        lines.append(f"{step['step']:>5}" + "".join(f"{waits[c]:>15.3f}" for c in CAUSE_NAMES) + f"{sum(waits.values()):>9.3f}  {top}")
+    steady = summary.get("steady") or {}
+    if steady.get("steps"):
+        waits = {c: steady["stall_s"].get(c, 0.0) + steady["device_wait_s"].get(c, 0.0) for c in CAUSE_NAMES}
+        lines.append(f"{'mean':>5}" + "".join(f"{waits[c]:>15.3f}" for c in CAUSE_NAMES) + f"{sum(waits.values()):>9.3f}"
+                     f"  (steps {steady['first_step']}.., of {steady['step_s']:.3f} s/step)")
+    return "\n".join(lines)
+
+
+def _blocks_table(summary: dict[str, Any]) -> str:
+    top = summary.get("top_blocks") or []
+    if not top:
+        return "blocks that stalled: none"
+    lines = ["blocks that stalled most (seconds over the whole profile)"]
+    for entry in top:
+        causes = ", ".join(f"{CAUSE_NAMES.get(c, c)} {s:.3f}" for c, s in sorted(entry["by_cause"].items(), key=lambda i: -i[1]))
+        lines.append(f"  {entry['name']:<28}{entry['seconds']:>9.3f}  {causes}")
+    return "\n".join(lines)
+
+
+def _advice(summary: dict[str, Any]) -> str:
+    advice = summary.get("advice") or []
+    if not advice:
+        return "advice: none (no steady-state step was profiled)"
+    return "\n".join(["advice"] + [f"  {i}. {item['text']}" for i, item in enumerate(advice, 1)])
