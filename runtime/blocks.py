@@ -2,8 +2,9 @@
 
 Default grouping: one block per child of the model's largest container of repeated layers (a ModuleList
 or Sequential of same-class modules, e.g. ``model.layers``); among the remaining parameters, each module
-whose own parameters hold at least ``min_block_nbytes`` becomes a block; everything else forms one
-``rest`` block. ``modules`` (glob patterns over module names) overrides the layer search.
+whose own parameters hold at least ``min_block_nbytes`` becomes a block; everything else forms a
+``rest.before`` or ``rest.after`` block (by where it runs), so block indices follow the forward order.
+``modules`` (glob patterns over module names) overrides the layer search.
 Parameters shared between modules belong to one block; every module that uses them needs that block.
 """
 
@@ -108,26 +109,27 @@ def build_blocks(model: nn.Module, min_block_nbytes: int = 16 << 20, module_patt
             continue
         (after if seen_first else before).append((name, module))
 
-    rest: list[nn.Parameter] = []
-
-    def group_outer(modules: list[tuple[str, nn.Module]]) -> None:
+    def group_outer(modules: list[tuple[str, nn.Module]], rest_name: str) -> None:
+        """Modules outside the layers: large ones become blocks; small ones share one block, placed where
+        they run (before or after the layers) so that block indices follow the forward order."""
+        rest: list[nn.Parameter] = []
         for name, module in modules:
             own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in owner_block]
             if own and sum(p.numel() * p.element_size() for p in own) >= min_block_nbytes:
                 add_block(name or "<root>", own)
             else:
                 rest.extend(p for p in own if all(p is not r for r in rest))
+        if rest:
+            add_block(rest_name, rest)
 
-    group_outer(before)
+    group_outer(before, "rest.before")
     for name, module in layer_modules:
         block = add_block(name, list(module.parameters()))
         if block is not None:
             layer_block_ids.add(block.index)
             block.modules.append(module)
             block.is_layer = True
-    group_outer(after)
-    if rest:
-        add_block("rest", rest)
+    group_outer(after, "rest.after")
 
     # Slots in model.parameters() order within each block, so per-parameter state lines up with the reference.
     for p in model.parameters():

@@ -173,7 +173,9 @@ class WeightManager:
         checkpoint load, and after each device-side update (stream-ordered on the current stream)."""
         state = self.states[index]
         if master is None:
-            master = self.store.tensor(state.block.key("master"), TierName.HOST)
+            key = state.block.key("master")
+            self.store.fetch(key, TierName.HOST).wait()  # stages it when the master lives on NVMe
+            master = self.store.tensor(key, TierName.HOST)
         if not state.resident:
             self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
             state.flat.untyped_storage().resize_(self.nbytes(index))

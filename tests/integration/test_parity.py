@@ -148,3 +148,12 @@ def test_fp32_part_of_the_update_on_the_device(clip):
     # Only the CPU-updated blocks' gradients went to host: fewer bytes than the whole model's.
     all_grads = 4 * sum(p.numel() for p in reference.masters)
     assert 0 < nbytes_moved(events, "d2h") < all_grads * STEPS
+
+
+def test_fp32_weights_resident_with_master_on_nvme(tmpfs_dir):
+    config = {"dtype": "fp32", "placement": {"weights": "gpu", "master": "nvme", "moments": "nvme"},
+              "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
+    ours, theirs, weights, reference, events, _ = run_both(config)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert nbytes_moved(events, "read") > 0 and nbytes_moved(events, "write") > 0
