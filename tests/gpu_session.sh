@@ -32,3 +32,7 @@ if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
   python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
 fi
+if [[ $what == session || $what == all ]]; then
+  python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40
+  python3 -m runtime.bench.profiler_bench --preset 1.35b --steps 4 --rounds 2 --seq-len 1024 2>&1 | tee "$OUT/profiler_overhead.log" | tail -8
+fi

@@ -1,0 +1,98 @@
+"""One GPU-machine run of the benchmark model for the profiler and checkpoint figures.
+
+    python -m runtime.bench.session_bench --out DIR [--preset 1.35b] [--steps 6] [--checkpoint-dir DIR]
+
+1. Trains the benchmark model (weights and optimizer on pinned host) with the profiler listening and saves
+   the profile (report, Chrome trace, JSON summary, plot) under OUT/profile.
+2. Times one checkpoint save, verification and load of that session's state, beside the disk's own
+   sequential write and read (dd, O_DIRECT, fsync) of the same directory measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from runtime import offload
+from runtime.bench.train_bench import MICRO_BATCH, SEQ_LEN, _batch
+from runtime.checkpoint import bench_checkpoint
+from runtime.example_model import PRESETS, ExampleLM
+from runtime.profiler import Profiler, measure_ceilings
+
+log = logging.getLogger(__name__)
+
+
+def disk_ceiling(directory: Path, nbytes: int) -> dict[str, float]:
+    """dd write (O_DIRECT, fsync) then read (O_DIRECT) of nbytes in directory; GB/s each."""
+    target = directory / "ceiling.dd"
+    count = max(1, nbytes // (64 << 20))
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "oflag=direct", "conv=fsync"],
+                   check=True, capture_output=True)
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={target}", "of=/dev/null", "bs=64M", f"count={count}", "iflag=direct"], check=True, capture_output=True)
+    read_s = time.perf_counter() - start
+    target.unlink()
+    moved = count * (64 << 20)
+    return {"write_GBps": moved / write_s / 1e9, "read_GBps": moved / read_s / 1e9, "nbytes": moved}
+
+
+def main() -> None:
+    """Run the profile and checkpoint measurements, print a summary, write JSON under --out."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--preset", default="1.35b")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("/var/tmp/tierstore-ckpt"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    shape = PRESETS[args.preset]
+    torch.manual_seed(0)
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4},
+              "placement": {"weights": "host", "master": "host", "moments": "host"}}
+    model, optimizer = offload(ExampleLM(shape), config)
+    session = optimizer.session
+    device = session.store.device
+    batch = _batch(shape, device, 0)
+    results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    try:
+        profiler = Profiler(session, measure_ceilings(session.store)).start()
+        for _ in range(args.steps):
+            loss = model(*batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss.item()
+        optimizer.synchronize()
+        profiler.stop()
+        saved = profiler.save(args.out / "profile", trace=True, plot=True)
+        results["profile_files"] = [str(f) for f in saved.files]
+        results["profile_skipped"] = saved.skipped
+        print((args.out / "profile" / "report.txt").read_text())
+        if args.checkpoint_dir.exists():
+            shutil.rmtree(args.checkpoint_dir)
+        args.checkpoint_dir.mkdir(parents=True)
+        ckpt = bench_checkpoint(session, args.checkpoint_dir)
+        ceiling = disk_ceiling(args.checkpoint_dir, min(int(ckpt["nbytes"]), 8 << 30))
+        results["checkpoint"] = ckpt
+        results["disk"] = ceiling
+        print(f"checkpoint of {ckpt['nbytes'] / 1e9:.1f} GB: save {ckpt['save_s']:.1f} s ({ckpt['save_GBps']:.2f} GB/s, "
+              f"{ckpt['save_GBps'] / ceiling['write_GBps']:.2f} of dd write {ceiling['write_GBps']:.2f} GB/s), "
+              f"verify {ckpt['verify_s']:.1f} s, load {ckpt['load_s']:.1f} s ({ckpt['load_GBps']:.2f} GB/s, "
+              f"{ckpt['load_GBps'] / ceiling['read_GBps']:.2f} of dd read {ceiling['read_GBps']:.2f} GB/s; page cache may serve it)")
+        shutil.rmtree(args.checkpoint_dir)
+    finally:
+        session.close()
+    (args.out / "session_bench.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
