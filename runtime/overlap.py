@@ -152,15 +152,23 @@ class UpdateWorker:
 
     # ---- the thread ----------------------------------------------------------------------------------
     def _next_job(self) -> UpdateJob | None:
-        """The queued job the next forward needs first: lowest step, then lowest block index. During
-        backward the newest arrival is usually that one; after it, the rest go in forward order, so the
-        next forward can start while the later blocks still update."""
+        """The job to run next: among jobs whose gradient has landed on host, the one the next forward needs
+        first (lowest step, then lowest block index); when none has landed, the oldest, whose copy the
+        in-order D2H stream finishes first. So the worker never idles on one copy while another block's
+        gradient is ready, and whatever is left when backward ends runs in forward order."""
         with self._cond:
             while not self._jobs and not self._stopping:
                 self._cond.wait()
             if not self._jobs:
                 return None
-            return heapq.heappop(self._jobs)[-1]
+            candidates = sorted(self._jobs)
+        # done() may publish transfer events to listeners: never call it holding the lock.
+        ready = [item for item in candidates if item[-1].grad_handle is None or item[-1].grad_handle.done()]
+        chosen = ready[0] if ready else min(candidates, key=lambda item: item[2])
+        with self._cond:
+            self._jobs.remove(chosen)
+            heapq.heapify(self._jobs)
+        return chosen[-1]
 
     def _run(self) -> None:
         while True:
