@@ -137,11 +137,14 @@ def build_blocks(model: nn.Module, min_block_nbytes: int = 16 << 20, module_patt
             block = blocks[owner_block[id(p)]]
             block.slots.append(ParamSlot(param_names[id(p)], p, block.numel, p.numel(), p.shape, param_index[id(p)]))
 
-    # Every module that directly uses a non-layer block's parameter needs that block at forward time.
+    # Every module that directly uses a block's parameter needs that block at forward time, unless it lies
+    # inside the layer that owns it (the layer's own hooks cover it): e.g. a head tied to a layer's weight.
+    inside_layer = {b: {id(m) for m in blocks[b].modules[0].modules()} for b in layer_block_ids}
     for name, module in named_modules.items():
         for p in module.parameters(recurse=False):
             b = owner_block.get(id(p))
-            if b is not None and b not in layer_block_ids and module not in blocks[b].modules:
-                blocks[b].modules.append(module)
+            if b is None or module in blocks[b].modules or id(module) in inside_layer.get(b, ()):
+                continue
+            blocks[b].modules.append(module)
     log.info("grouped %d parameters into %d blocks (%d layer blocks)", len(owner_block), len(blocks), len(layer_block_ids))
     return blocks

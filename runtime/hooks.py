@@ -50,7 +50,7 @@ class HookSet:
         needed: dict[nn.Module, list[int]] = {}
         for block in blocks:
             for module in block.modules:
-                params = module.parameters(recurse=block.is_layer)
+                params = module.parameters(recurse=block.is_layer and module is block.modules[0])
                 indices = sorted({owner[id(p)] for p in params if id(p) in owner})
                 if indices:
                     needed[module] = indices
