@@ -64,38 +64,44 @@ def _best_of(repeats: int, run) -> float:  # type: ignore[no-untyped-def]
     return min(run() for _ in range(repeats))
 
 
+def _register_random(store: TierStore, prefix: str, num: int, nbytes: int, home: TierName) -> list[str]:
+    """num keys of nbytes random bytes with their home on ``home``."""
+    keys = [f"{prefix}.{i}" for i in range(num)]
+    for key in keys:
+        store.register(key, TensorMeta(torch.uint8, nbytes), home, init=torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
+    return keys
+
+
+def _time_fetch(store: TierStore, keys: list[str], to: TierName) -> float:
+    """Drop every copy on ``to``, then time fetching all keys there (all issued before the first wait)."""
+    for key in keys:
+        if store.state(key, to).value != "absent":
+            store.release(key, to)
+    _sync(store.device)
+    start = time.perf_counter()
+    for handle in [store.fetch(key, to) for key in keys]:
+        handle.wait()
+    return time.perf_counter() - start
+
+
+def _time_writeback(store: TierStore, keys: list[str], frm: TierName, to: TierName) -> float:
+    """Make every key's copy on ``frm`` dirty, then time writing all of them back to ``to``."""
+    for key in keys:
+        store.fetch(key, frm).wait()
+        store.mark_dirty(key, frm)
+    _sync(store.device)
+    start = time.perf_counter()
+    for handle in [store.evict(key, frm, to, release=False) for key in keys]:
+        handle.wait()
+    return time.perf_counter() - start
+
+
 def bench_pcie(store: TierStore, num_transfers: int, transfer_nbytes: int, repeats: int) -> list[PathResult]:
     """host->GPU and GPU->host through the store, and a raw pinned copy_ of the same bytes."""
     device = store.device
-    meta = TensorMeta(torch.uint8, transfer_nbytes)
-    keys = [f"bench.pcie.{i}" for i in range(num_transfers)]
-    for key in keys:
-        store.register(key, meta, TierName.HOST, init=torch.randint(0, 255, (transfer_nbytes,), dtype=torch.uint8))
-
-    def store_h2d() -> float:
-        for key in keys:
-            if store.state(key, TierName.GPU).value != "absent":
-                store.release(key, TierName.GPU)
-        _sync(device)
-        start = time.perf_counter()
-        handles = [store.fetch(key, TierName.GPU) for key in keys]
-        for handle in handles:
-            handle.wait()
-        return time.perf_counter() - start
-
-    def store_d2h() -> float:
-        for key in keys:
-            store.fetch(key, TierName.GPU).wait()
-            store.mark_dirty(key, TierName.GPU)
-        _sync(device)
-        start = time.perf_counter()
-        handles = [store.evict(key, TierName.GPU, TierName.HOST, release=False) for key in keys]
-        for handle in handles:
-            handle.wait()
-        return time.perf_counter() - start
-
-    h2d_s = _best_of(repeats, store_h2d)
-    d2h_s = _best_of(repeats, store_d2h)
+    keys = _register_random(store, "bench.pcie", num_transfers, transfer_nbytes, TierName.HOST)
+    h2d_s = _best_of(repeats, lambda: _time_fetch(store, keys, TierName.GPU))
+    d2h_s = _best_of(repeats, lambda: _time_writeback(store, keys, TierName.GPU, TierName.HOST))
     # Raw ceiling: the same host buffers, one plain copy_ each, on one side stream.
     hosts = [store.tensor(key, TierName.HOST) for key in keys]
     gpus = [torch.empty(transfer_nbytes, dtype=torch.uint8, device=device) for _ in keys]
@@ -132,31 +138,9 @@ class _null:
 
 def bench_nvme(store: TierStore, num_transfers: int, transfer_nbytes: int, repeats: int) -> list[PathResult]:
     """NVMe->host and host->NVMe through the store, and dd on the same directory."""
-    meta = TensorMeta(torch.uint8, transfer_nbytes)
-    keys = [f"bench.nvme.{i}" for i in range(num_transfers)]
-    for key in keys:
-        store.register(key, meta, TierName.NVME, init=torch.randint(0, 255, (transfer_nbytes,), dtype=torch.uint8))
-
-    def store_read() -> float:
-        for key in keys:
-            if store.state(key, TierName.HOST).value != "absent":
-                store.release(key, TierName.HOST)
-        start = time.perf_counter()
-        for handle in [store.fetch(key, TierName.HOST) for key in keys]:
-            handle.wait()
-        return time.perf_counter() - start
-
-    def store_write() -> float:
-        for key in keys:
-            store.fetch(key, TierName.HOST).wait()
-            store.mark_dirty(key, TierName.HOST)
-        start = time.perf_counter()
-        for handle in [store.evict(key, TierName.HOST, release=False) for key in keys]:
-            handle.wait()
-        return time.perf_counter() - start
-
-    read_s = _best_of(repeats, store_read)
-    write_s = _best_of(repeats, store_write)
+    keys = _register_random(store, "bench.nvme", num_transfers, transfer_nbytes, TierName.NVME)
+    read_s = _best_of(repeats, lambda: _time_fetch(store, keys, TierName.HOST))
+    write_s = _best_of(repeats, lambda: _time_writeback(store, keys, TierName.HOST, TierName.NVME))
     for key in keys:
         store.unregister(key)
     directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
