@@ -15,6 +15,7 @@ from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
 from runtime.controller import Controller, RuntimeOptions, gpu_updated_blocks
 from runtime.hooks import HookSet
+from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
 from runtime.optimizer import OffloadAdamW
 from runtime.plan import MemoryPlan, check_plan, make_plan
 from runtime.weights import WeightSource
@@ -92,18 +93,29 @@ def resolve_homes(config: TierstoreConfig, device: torch.device) -> tuple[dict[s
 
 
 def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-            record_intervals: bool = False) -> tuple[nn.Module, OffloadAdamW]:
+            record_intervals: bool = False, init: ParamInit | None = None) -> tuple[nn.Module, OffloadAdamW]:
     """Offload model's training state to the tiers the config describes.
 
     Returns the same model (hooked; its parameters now views into per-block buffers on the compute device)
     and an AdamW optimizer whose state lives in the store. The session (store, controller, plan) is
     ``optimizer.session``; call ``optimizer.session.close()`` when done.
+
+    A model built under ``torch.device("meta")`` (one too large to exist on the host) needs ``init``: a
+    function ``init(name, tensor)`` that fills one parameter in place; it is called block by block, just
+    before the block is copied into the store.
     """
     cfg = config if isinstance(config, TierstoreConfig) else load_config(config)
     device = resolve_device(cfg)
     dtype = DTYPES[cfg.dtype]
     if dtype is torch.float16 and device.type == "cpu":
         log.warning("fp16 compute on the CPU is slow; it is meant for tests")
+    has_meta = any(p.is_meta for p in model.parameters())
+    if has_meta and init is None:
+        raise ValueError("the model's parameters are on the meta device: pass init=fn, where fn(name, tensor) fills "
+                         "one parameter in place (it runs block by block while the store is filled)")
+    uninitialized = materialize_meta_parameters(model) if has_meta else set()
+    if uninitialized and init is not None:  # frozen parameters are not offloaded: fill them here
+        initialize([(n, p) for n, p in model.named_parameters() if id(p) in uninitialized and not p.requires_grad], init)
     blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
     if not blocks:
         raise ValueError("the model has no trainable parameters to offload")
@@ -134,7 +146,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                                   io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
     try:
         options = _options(cfg, dtype, source, homes, record_intervals)
-        controller = Controller(model, blocks, store, options)
+        controller = Controller(model, blocks, store, options, init=init, uninitialized=uninitialized)
         hooks = HookSet(model, blocks, controller)
     except BaseException:
         store.close()

@@ -18,6 +18,7 @@ from torch import nn
 
 from runtime.adam import AdamWHyper, adamw_update, split_views
 from runtime.blocks import Block
+from runtime.materialize import ParamInit, initialize
 from runtime.overlap import UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
@@ -86,14 +87,15 @@ class StepEvent:
 class Controller:
     """Drives fetch / release / gradient offload / update for one model."""
 
-    def __init__(self, model: nn.Module, blocks: list[Block], store: TierStore, options: RuntimeOptions):
+    def __init__(self, model: nn.Module, blocks: list[Block], store: TierStore, options: RuntimeOptions,
+                 init: ParamInit | None = None, uninitialized: set[int] | None = None):
         self.model = model
         self.blocks = blocks
         self.store = store
         self.options = options
         self.device = store.device
         self.gpu_updated = gpu_updated_blocks(blocks, options.gpu_update_fraction)
-        self._register_state(options)
+        self._register_state(options, init, uninitialized or set())
         self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source, self.gpu_updated)
         for block in blocks:
             if block.index in self.gpu_updated:
@@ -136,12 +138,19 @@ class Controller:
         self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
 
     # ---- setup ---------------------------------------------------------------------------------------
-    def _register_state(self, options: RuntimeOptions) -> None:
-        """Register every block's master (from the model's current values), moments, host gradient and
-        compute-dtype weights copy (when that is the weight source) in the store."""
+    def _register_state(self, options: RuntimeOptions, init: ParamInit | None, uninitialized: set[int]) -> None:
+        """Register every block's master (from the model's current values, or filled by ``init`` for
+        parameters materialised from the meta device), moments, host gradient and compute-dtype weights
+        copy (when that is the weight source) in the store. Each block's host parameters are freed as soon
+        as the block is in the store, so the model never exists twice on the host."""
         homes = options.homes
         for block in self.blocks:
+            fresh = [(slot.name, slot.param) for slot in block.slots if id(slot.param) in uninitialized]
+            if fresh and init is not None:
+                initialize(fresh, init)
             master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
+            for slot in block.slots:
+                slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
             f32 = TensorMeta(torch.float32, block.numel)
             if block.index in self.gpu_updated:
                 self.store.register(block.key("master"), f32, TierName.GPU, init=master.to(self.device))
