@@ -18,22 +18,14 @@ import logging
 import sys
 import tempfile
 import time
-import zlib
 
 import torch
 
 from runtime import offload
 from runtime.example_model import ExampleLM, ModelShape
+from runtime.materialize import seeded_normal_init
 from runtime.profiler import Profiler, measure_ceilings
 
-
-def seeded_init(name: str, tensor: torch.Tensor) -> None:
-    """Normal(0, 0.02) for matrices, ones for norm scales; seeded by name so it does not depend on order."""
-    if tensor.dim() < 2:
-        tensor.fill_(1.0)
-        return
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    tensor.normal_(0.0, 0.02, generator=g)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plan_for(build_blocks(model, cfg.blocks.min_block_size), cfg, homes, source, DTYPES[cfg.dtype]).table())
         return 0
     start = time.perf_counter()
-    model, optimizer = offload(model, config, init=seeded_init)
+    model, optimizer = offload(model, config, init=seeded_normal_init)
     session = optimizer.session
     print(session.plan.table(), file=sys.stderr)
     print(f"setup (init, pin, write moments) {time.perf_counter() - start:.1f} s", file=sys.stderr)

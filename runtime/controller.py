@@ -152,25 +152,16 @@ class Controller:
             for slot in block.slots:
                 slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
             f32 = TensorMeta(torch.float32, block.numel)
-            if block.index in self.gpu_updated:
-                self.store.register(block.key("master"), f32, TierName.GPU, init=master.to(self.device))
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    self.store.register(block.key(kind), f32, TierName.GPU, init=torch.zeros(block.numel, device=self.device))
-                continue
-            self.store.register(block.key("master"), f32, homes["master"], init=master)
-            for kind in ("exp_avg", "exp_avg_sq"):
-                self._register_zeros(block.key(kind), f32, homes[kind])
-            self._register_zeros(block.key("grad"), f32, TierName.HOST)
+            on_device = block.index in self.gpu_updated
+            self.store.register(block.key("master"), f32, TierName.GPU if on_device else homes["master"], init=master)
+            for kind in ("exp_avg", "exp_avg_sq"):  # zero-filled by the store
+                self.store.register(block.key(kind), f32, TierName.GPU if on_device else homes[kind])
+            if on_device:
+                continue  # updated on the device: no host gradient, no host weights copy
+            self.store.register(block.key("grad"), f32, TierName.HOST)
             if options.weight_source is WeightSource.WEIGHTS:
                 weights = master.to(options.compute_dtype)
                 self.store.register(block.key("weights"), TensorMeta(options.compute_dtype, block.numel), homes["weights"], init=weights)
-
-    def _register_zeros(self, key: str, meta: TensorMeta, home: TierName) -> None:
-        if home is TierName.NVME:
-            self.store.register(key, meta, home, init=torch.zeros(meta.numel, dtype=meta.dtype))
-        else:
-            self.store.register(key, meta, home)
-            self.store.tensor(key, home).zero_()
 
     # ---- forward -------------------------------------------------------------------------------------
     @property

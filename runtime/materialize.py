@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import zlib
+
 import torch
 from torch import nn
 
@@ -44,3 +46,12 @@ def initialize(named: list[tuple[str, torch.Tensor]], init: ParamInit) -> None:
     with torch.no_grad():
         for name, param in named:
             init(name, param.data)
+
+
+def seeded_normal_init(name: str, tensor: torch.Tensor, std: float = 0.02) -> None:
+    """A ready ``init``: Normal(0, std) for matrices, ones for vectors (norm scales), seeded by the parameter's
+    name so the result does not depend on the order blocks are filled in."""
+    if tensor.dim() < 2:
+        tensor.fill_(1.0)
+        return
+    tensor.normal_(0.0, std, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))

@@ -97,7 +97,7 @@ class TierStore:
     # ---- registry ------------------------------------------------------------------------------------
     def register(self, key: TensorKey | str, meta: TensorMeta, home: TierName | str, init: torch.Tensor | None = None) -> Record:
         """Reserve key's home copy. ``init`` (any tensor of meta's dtype and numel) is written into it;
-        without it the home copy's content is undefined until written through ``tensor()`` + ``mark_dirty``."""
+        without it the home copy is zero-filled on every tier (arena memory is reused, so never assume it)."""
         key, home = _key(key), TierName(home)
         if home not in self.tiers:
             raise TierStoreError(f"cannot place {key} on {home.value}: that tier is not configured (set tiers.nvme.path)")
@@ -114,6 +114,8 @@ class TierStore:
             if init is None:
                 if home is TierName.NVME:
                     self._write_zeros(record)
+                else:
+                    home_copy.allocation.tensor.zero_()
             elif home is TierName.NVME:
                 self._write_home_nvme(record, init.reshape(-1))
             else:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
 
 from runtime import offload
-from runtime.example_model import DecoderLayer, ExampleLM, ModelShape, rotary_tables
+from runtime.example_model import ExampleLM, ModelShape, rotary_tables
 from tests.integration.reference_loop import ReferenceTrainer
-from tests.integration.test_parity import SHAPE, assert_identical, make_batches
+from tests.integration.test_parity import assert_identical, make_batches, step_and_check
 
 
 class BranchyLM(ExampleLM):
@@ -51,11 +48,7 @@ def test_train_eval_alternation_and_branches_match_reference():
                 reference.model.train()
                 assert ours == theirs
                 continue
-            loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            assert loss.item() == reference.train_step([(x, y)])[0]
+            step_and_check(model, optimizer, reference, x, y)
         assert_identical(session.master_state_dict(), reference)
         stats = session.controller.schedule.stats
         traces = session.controller.schedule.traces()

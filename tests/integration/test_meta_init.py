@@ -3,49 +3,36 @@ model built on the host."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from runtime import offload
 from runtime.example_model import ExampleLM, ModelShape
+from runtime.materialize import seeded_normal_init
 from tests.integration.reference_loop import ReferenceTrainer
-from tests.integration.test_parity import assert_identical, make_batches
+from tests.integration.test_parity import assert_identical, make_batches, step_and_check
 
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, tie_embeddings=True)
 
-
-def seeded_init(name: str, tensor: torch.Tensor) -> None:
-    """Normal(0, 0.02) for matrices, ones for norms; seeded by the parameter's name, so any order agrees."""
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    if tensor.dim() >= 2:
-        tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.02)
-    else:
-        tensor.fill_(1.0)
 
 
 def test_meta_model_matches_host_model(tmpfs_dir):
     host_model = ExampleLM(SHAPE)
     with torch.no_grad():
         for name, p in host_model.named_parameters():
-            seeded_init(name, p)
+            seeded_normal_init(name, p)
     reference = ReferenceTrainer(host_model)
     with torch.device("meta"):
         meta_model = ExampleLM(SHAPE)
     assert all(p.is_meta for p in meta_model.parameters())
     config = {"dtype": "fp32", "optimizer": {"grad_clip": None}, "placement": {"moments": "nvme"},
               "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
-    model, optimizer = offload(meta_model, config, init=seeded_init)
+    model, optimizer = offload(meta_model, config, init=seeded_normal_init)
     session = optimizer.session
     try:
         assert model.head.weight is model.embed.weight  # tying survived materialisation
         for x, y in make_batches(3):
-            loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            assert loss.item() == reference.train_step([(x, y)])[0]
+            step_and_check(model, optimizer, reference, x, y)
         assert_identical(session.master_state_dict(), reference)
     finally:
         session.close()

@@ -53,6 +53,15 @@ def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkp
     return ours, theirs, weights, reference, events, stats
 
 
+def step_and_check(model, optimizer, reference: ReferenceTrainer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One offloaded training step and one reference step on the same batch; their losses must be equal."""
+    loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert loss.item() == reference.train_step([(x, y)])[0]
+
+
 def assert_identical(weights: dict[str, torch.Tensor], reference: ReferenceTrainer) -> None:
     expected = reference.master_state()
     assert weights.keys() == expected.keys()
