@@ -58,13 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):
         model = ExampleLM(shape)
     if args.plan_only:
-        from runtime.api import DTYPES, plan_for, resolve_device, resolve_homes
+        from runtime.api import resolve_device, resolve_plan
         from runtime.blocks import build_blocks
         from runtime.config import load_config
 
         cfg = load_config(config)
-        homes, source = resolve_homes(cfg, resolve_device(cfg))
-        print(plan_for(build_blocks(model, cfg.blocks.min_block_size), cfg, homes, source, DTYPES[cfg.dtype]).table())
+        print(resolve_plan(build_blocks(model, cfg.blocks.min_block_size), cfg, resolve_device(cfg)).plan.table())
         return 0
     start = time.perf_counter()
     model, optimizer = offload(model, config, init=seeded_normal_init)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import psutil
 import torch
 from torch import nn
 
@@ -17,7 +18,7 @@ from runtime.controller import Controller, RuntimeOptions, gpu_updated_blocks
 from runtime.hooks import HookSet
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
 from runtime.optimizer import OffloadAdamW
-from runtime.plan import MemoryPlan, check_plan, make_plan
+from runtime.plan import MemoryPlan, available_host_nbytes, check_plan, host_headroom_nbytes, make_plan, spill_moments
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
 
@@ -119,8 +120,8 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
     if not blocks:
         raise ValueError("the model has no trainable parameters to offload")
-    homes, source = resolve_homes(cfg, device)
-    plan = plan_for(blocks, cfg, homes, source, dtype)
+    resolved = resolve_plan(blocks, cfg, device)
+    homes, source, plan = resolved.homes, resolved.source, resolved.plan
     gpu_budget = _gpu_budget(cfg, device)
     host_budget = plan.host_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
     check_plan(plan, gpu_budget if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
@@ -145,7 +146,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                                   nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
                                   io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
     try:
-        options = _options(cfg, dtype, source, homes, record_intervals)
+        options = _options(cfg, dtype, source, homes, record_intervals, resolved.spilled_blocks)
         controller = Controller(model, blocks, store, options, init=init, uninitialized=uninitialized)
         hooks = HookSet(model, blocks, controller)
     except BaseException:
@@ -157,12 +158,46 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
 
 
 def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
-             dtype: torch.dtype) -> MemoryPlan:
-    """The memory plan of these blocks under this config (nothing allocated)."""
+             dtype: torch.dtype, spilled: int = 0) -> MemoryPlan:
+    """The memory plan of these blocks under this config (nothing allocated); ``spilled``: how many of the
+    last host-updated blocks keep their moments on NVMe (see ``resolve_plan``)."""
     gpu_updated = gpu_updated_blocks(blocks, cfg.optimizer.gpu_update_fraction)
     return make_plan([b.numel for b in blocks if b.index not in gpu_updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
-                     cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)])
+                     cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)],
+                     spilled=spilled)
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """The placement a config resolves to for given blocks, and its memory plan."""
+
+    homes: dict[str, TierName]  # kind -> home tier
+    source: WeightSource  # where compute weights are fetched from
+    spilled_blocks: frozenset[int]  # blocks whose moments live on NVMe although homes says host
+    plan: MemoryPlan
+
+
+def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device) -> ResolvedPlan:
+    """Homes, weight source and plan. ``placement.moments: auto`` with an NVMe path keeps the moments in
+    pinned host memory as far as ``tiers.host.budget`` allows (``auto``: the RAM available now, less
+    headroom) and spills the last blocks' moments to NVMe, only as many as needed."""
+    homes, source = resolve_homes(cfg, device)
+    dtype = DTYPES[cfg.dtype]
+    gpu_updated = gpu_updated_blocks(blocks, cfg.optimizer.gpu_update_fraction)
+    host_updated = [b.index for b in blocks if b.index not in gpu_updated]
+    spilled = 0
+    if cfg.placement.moments == "auto" and cfg.tiers.nvme.path is not None and homes["exp_avg"] is TierName.HOST:
+        if cfg.tiers.host.budget == "auto":
+            limit = available_host_nbytes() - host_headroom_nbytes(psutil.virtual_memory().total)
+        else:
+            limit = int(cfg.tiers.host.budget)
+        spilled = spill_moments(lambda k: plan_for(blocks, cfg, homes, source, dtype, k), len(host_updated), limit)
+        if spilled:
+            log.info("placement.moments: auto: the moments of the last %d of %d host-updated blocks go to NVMe",
+                     spilled, len(host_updated))
+    spilled_blocks = frozenset(host_updated[len(host_updated) - spilled:]) if spilled else frozenset()
+    return ResolvedPlan(homes, source, spilled_blocks, plan_for(blocks, cfg, homes, source, dtype, spilled))
 
 
 def _gpu_budget(cfg: TierstoreConfig, device: torch.device) -> int:
@@ -183,7 +218,7 @@ def default_cpu_threads() -> int:
 
 
 def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, homes: dict[str, TierName],
-             record_intervals: bool) -> RuntimeOptions:
+             record_intervals: bool, spilled_blocks: frozenset[int] = frozenset()) -> RuntimeOptions:
     opt = cfg.optimizer
     threads = default_cpu_threads() if opt.cpu_threads == "auto" else opt.cpu_threads
     loss_scale = None
@@ -198,4 +233,5 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, hom
         hyper=AdamWHyper(lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay),
         grad_clip=opt.grad_clip, accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
         prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=int(threads),
-        record_intervals=record_intervals, gpu_update_fraction=opt.gpu_update_fraction)
+        record_intervals=record_intervals, gpu_update_fraction=opt.gpu_update_fraction, spilled_blocks=spilled_blocks,
+        keep_for_backward_nbytes=int(cfg.prefetch.keep_for_backward))

@@ -128,8 +128,11 @@ class PlacementConfig:
                    note="Gradients are produced on the GPU and consumed by the CPU optimizer, "
                         "so they never go to NVMe."), "host",
         "Gradients, moved off the GPU block by block as backward completes them.")
-    master: str = _leaf(ChoiceSpec(choices=_TIER), "host", "fp32 master weights.")
-    moments: str = _leaf(ChoiceSpec(choices=_TIER), "host", "Adam first and second moments.")
+    master: str = _leaf(ChoiceSpec(choices=_TIER), "host", "fp32 master weights. `auto`: host.")
+    moments: str = _leaf(ChoiceSpec(choices=_TIER), "host",
+                         "Adam first and second moments. `auto`: pinned host memory as far as `tiers.host.budget` "
+                         "allows (`auto` budget: the RAM available at start, less headroom); the moments of the "
+                         "last blocks that do not fit go to NVMe (needs `tiers.nvme.path`; without one, host).")
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,11 @@ class PrefetchConfig:
     budget: int = _leaf(SizeSpec(), 2 * 2**30,
                         "Bytes of weights that may be in flight ahead of the compute.")
     depth: int = _leaf(IntSpec(min=0, max=64), 2, "Blocks fetched ahead; 0 disables prefetch.")
+    keep_for_backward: int = _leaf(
+        SizeSpec(), 0,
+        "Bytes of compute weights a training forward may leave on the GPU for the backward that follows (the "
+        "last blocks of the forward, which backward needs first), saving their second fetch. 0: every block "
+        "is released after its forward and fetched again for backward.", "4GiB")
 
 
 @dataclass(frozen=True)

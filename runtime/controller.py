@@ -43,6 +43,8 @@ class RuntimeOptions:
     cpu_threads: int
     record_intervals: bool = False
     gpu_update_fraction: float = 0.0  # share of parameters (first blocks) whose AdamW runs on the device
+    spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
+    keep_for_backward_nbytes: int = 0  # weights a training forward may leave on the device for its backward
 
 
 @dataclass
@@ -132,6 +134,7 @@ class Controller:
         self.stall_listeners: list[Callable[[StallEvent], None]] = []
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self._capacity_refused: set[int] = set()  # blocks whose prefetch the GPU budget refused (only with listeners)
+        self._kept: dict[int, int] = {}  # blocks a training forward left on the device for backward -> bytes, oldest first
         self.scaler: _LossScaler | None = None
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
@@ -155,7 +158,8 @@ class Controller:
             on_device = block.index in self.gpu_updated
             self.store.register(block.key("master"), f32, TierName.GPU if on_device else homes["master"], init=master)
             for kind in ("exp_avg", "exp_avg_sq"):  # zero-filled by the store
-                self.store.register(block.key(kind), f32, TierName.GPU if on_device else homes[kind])
+                home = TierName.NVME if block.index in options.spilled_blocks else homes[kind]
+                self.store.register(block.key(kind), f32, TierName.GPU if on_device else home)
             if on_device:
                 continue  # updated on the device: no host gradient, no host weights copy
             self.store.register(block.key("grad"), f32, TierName.HOST)
@@ -179,7 +183,7 @@ class Controller:
             )
         for index, state in enumerate(self.weights.states):  # leftovers: prefetched for a path not taken
             if state.users == 0 and not self._in_backward_use[index]:
-                self.weights.release(index)
+                self._release(index)
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         self.schedule.begin(signature)
         if self.step_listeners:
@@ -207,7 +211,29 @@ class Controller:
             state = self.weights.states[index]
             state.users -= 1
             if state.users == 0 and not self._in_backward_use[index] and not self.schedule.needed_within(index, self.options.prefetch_depth + 1):
-                self.weights.release(index)
+                if not self._keep_for_backward(index):
+                    self._release(index)
+
+    def _keep_for_backward(self, index: int) -> bool:
+        """Leave a block's weights on the device for the backward of this training forward, within
+        prefetch.keep_for_backward bytes: the newest blocks stay (backward needs them first); older kept
+        ones are released to make room."""
+        budget = self.options.keep_for_backward_nbytes
+        if not budget or not torch.is_grad_enabled() or index in self.gpu_updated \
+                or self.options.weight_source is WeightSource.RESIDENT:
+            return False
+        nbytes = self.weights.nbytes(index)
+        if nbytes > budget:
+            return False
+        self._kept[index] = nbytes
+        while sum(self._kept.values()) > budget:
+            oldest = next(iter(self._kept))
+            self._release(oldest)
+        return True
+
+    def _release(self, index: int) -> None:
+        self._kept.pop(index, None)
+        self.weights.release(index)
 
     def _ready(self, index: int) -> None:
         if not self.worker.is_updated(index, self.optimizer_step):
@@ -320,7 +346,7 @@ class Controller:
             self._offload_grads(block)
         state = self.weights.states[index]
         if state.users == 0:
-            self.weights.release(index)
+            self._release(index)
 
     def _offload_grads(self, block: Block) -> None:
         """Assemble the block's fp32 gradient on the device, check / unscale / take norms, copy it to host."""

@@ -12,6 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -74,12 +75,18 @@ def _human(nbytes: int) -> str:
 
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
-              prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None) -> MemoryPlan:
+              prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None,
+              spilled: int = 0) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
     (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
-    blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction)."""
+    blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction). ``spilled``:
+    the last that many of ``block_numels`` keep their moments on NVMe although ``homes`` says host
+    (``placement.moments: auto`` when host memory cannot hold them all; see ``spill_moments``)."""
     gpu_updated_numels = gpu_updated_numels or []
-    plan = MemoryPlan(num_params=sum(block_numels) + sum(gpu_updated_numels), homes=dict(homes), weight_source=weight_source)
+    plan_homes = dict(homes)
+    if spilled and homes["exp_avg"] == "host":
+        plan_homes["exp_avg"] = plan_homes["exp_avg_sq"] = "host+nvme"
+    plan = MemoryPlan(num_params=sum(block_numels) + sum(gpu_updated_numels), homes=plan_homes, weight_source=weight_source)
     largest = max(block_numels + gpu_updated_numels, default=0)
     if gpu_updated_numels:
         n = sum(gpu_updated_numels)
@@ -89,13 +96,19 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     def host_bytes(numel: int, itemsize: int) -> int:
         return align_up(max(numel * itemsize, 1), IO_ALIGNMENT)
 
+    kept = len(block_numels) - spilled
     for kind in STATE_KINDS:
         tier = homes[kind]
-        if tier == "host":
+        if tier == "host" and kind != "master" and spilled:
+            plan.rows.append((f"{kind} (fp32, first {kept} blocks)", "host", sum(host_bytes(n, 4) for n in block_numels[:kept])))
+            plan.rows.append((f"{kind} (fp32, last {spilled} blocks)", "nvme",
+                              sum(HEADER_NBYTES + host_bytes(n, 4) for n in block_numels[kept:])))
+            plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, spilled) * host_bytes(max(block_numels[kept:]), 4)))
+        elif tier == "host":
             plan.rows.append((f"{kind} (fp32)", "host", sum(host_bytes(n, 4) for n in block_numels)))
         elif tier == "nvme":
             plan.rows.append((f"{kind} (fp32)", "nvme", sum(HEADER_NBYTES + host_bytes(n, 4) for n in block_numels)))
-            plan.rows.append((f"{kind} staging", "host", STAGING_BLOCKS * host_bytes(largest, 4)))
+            plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * host_bytes(largest, 4)))
     plan.rows.append(("gradients (fp32, offloaded)", "host", sum(host_bytes(n, 4) for n in block_numels)))
     if weight_source == "weights":
         plan.rows.append(("weights (compute dtype)", "host", sum(host_bytes(n, compute_itemsize) for n in block_numels)))
@@ -111,6 +124,17 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     if accumulation_steps > 1:
         plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))
     return plan
+
+
+def spill_moments(make: Callable[[int], MemoryPlan], num_blocks: int, host_limit_nbytes: int) -> int:
+    """How many of the last blocks must keep their moments on NVMe for the plan's pinned memory to fit
+    ``host_limit_nbytes``: the fewest that fit, or all when even that does not. ``make(spilled)`` builds the
+    plan for a count. The last blocks spill first: their gradients arrive first in backward, so their
+    updates have the most time to hide the disk, and the next forward needs them last."""
+    for spilled in range(num_blocks + 1):
+        if make(spilled).host_nbytes <= host_limit_nbytes:
+            return spilled
+    return num_blocks
 
 
 def available_host_nbytes() -> int:
@@ -140,8 +164,9 @@ def check_plan(plan: MemoryPlan, gpu_budget_nbytes: int, nvme_path: str | None, 
     usable = available - host_headroom_nbytes(psutil.virtual_memory().total)
     problems = []
     if plan.host_nbytes > usable:
-        moveable = [k for k in STATE_KINDS if plan.homes[k] == "host"]
-        hint = f"move {' and '.join(moveable)} to nvme (placement.{moveable[-1]}: nvme)" if moveable else "use a machine with more RAM"
+        moveable = [k for k in STATE_KINDS if plan.homes[k].startswith("host")]
+        hint = (f"move {' and '.join(moveable)} to nvme (placement.{moveable[-1]}: nvme), or let the moments that do "
+                "not fit spill there (placement.moments: auto with tiers.nvme.path)") if moveable else "use a machine with more RAM"
         problems.append(f"host: the plan pins {format_size(plan.host_nbytes)} ({_human(plan.host_nbytes)}) but only "
                         f"{_human(max(usable, 0))} is available after headroom; {hint}")
     if plan.gpu_nbytes > gpu_budget_nbytes:
@@ -172,7 +197,7 @@ def main(args: "argparse.Namespace") -> int:  # noqa: F821
     so nothing is allocated), refused with the numbers when it does not fit."""
     import torch
 
-    from runtime.api import DTYPES, _gpu_budget, plan_for, resolve_device, resolve_homes
+    from runtime.api import _gpu_budget, resolve_device, resolve_plan
     from runtime.blocks import build_blocks
     from runtime.config import load_config
     from runtime.example_model import ExampleLM, ModelShape
@@ -183,8 +208,7 @@ def main(args: "argparse.Namespace") -> int:  # noqa: F821
         model = ExampleLM(ModelShape(m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.ffn_size, m.max_seq_len))
     blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
     device = resolve_device(cfg)
-    homes, source = resolve_homes(cfg, device)
-    plan = plan_for(blocks, cfg, homes, source, DTYPES[cfg.dtype])
+    plan = resolve_plan(blocks, cfg, device).plan
     print(plan.table())
     check_plan(plan, _gpu_budget(cfg, device) if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
     print("the plan fits this machine")

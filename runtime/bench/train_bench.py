@@ -32,14 +32,17 @@ ROWS = {
     "host": "tierstore: weights + optimizer on pinned host",
     "gpu-weights": "tierstore: weights on GPU, optimizer on pinned host",
     "nvme": "tierstore: weights + master on host, moments on NVMe",
+    "nvme-auto": "tierstore: weights + master on host, moments in pinned RAM up to ds-zero3-nvme's peak RSS, the rest on NVMe",
     "host-accum8": "tierstore: weights + optimizer on host, accumulation 8",
     "torch-accum8": "plain PyTorch, accumulation 8",
     "ds-zero2-cpu": "DeepSpeed ZeRO-2, optimizer offloaded to CPU",
     "ds-zero3-cpu": "DeepSpeed ZeRO-3, params + optimizer offloaded to CPU",
     "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (5 buffers, no pipelining)",
 }
-# Any tierstore row takes a suffix -fNN: NN% of the parameters (the first blocks) updated on the GPU, and
-# -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call.
+# Any tierstore row takes suffixes, in this order: -fNN: NN% of the parameters (the first blocks) updated on the GPU;
+# -tNN: NN CPU optimizer threads;
+# -keep: every block's weights kept on the GPU from its forward to its backward (prefetch.keep_for_backward),
+# and -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call.
 
 
 def describe_row(row: str) -> str:
@@ -47,16 +50,33 @@ def describe_row(row: str) -> str:
     base, fraction = split_row(row)
     text = ROWS[base]
     text += f", {fraction:.0%} of the update on the GPU" if fraction else ""
-    return text + (", GPU memory capped at DeepSpeed ZeRO-2's peak" if row.endswith("-cap") else "")
+    options = row_options(row)[1]
+    text += f", {options['t']} CPU optimizer threads" if "t" in options else ""
+    text += ", weights kept for backward" if options.get("keep") else ""
+    return text + (", GPU memory capped at DeepSpeed ZeRO-2's peak" if options.get("cap") else "")
+
+
+def row_options(row: str) -> tuple[str, dict[str, int | bool]]:
+    """'host-f30-t15-keep-cap' -> ('host', {'f': 30, 't': 15, 'keep': True, 'cap': True}): the base row and
+    its suffixes (-fNN GPU update share in percent, -tNN CPU optimizer threads, -keep, -cap)."""
+    parts = row.split("-")
+    options: dict[str, int | bool] = {}
+    while len(parts) > 1:
+        last = parts[-1]
+        if last in ("keep", "cap"):
+            options[last] = True
+        elif last[:1] in ("f", "t") and last[1:].isdigit():
+            options[last[0]] = int(last[1:])
+        else:
+            break
+        parts.pop()
+    return "-".join(parts), options
 
 
 def split_row(row: str) -> tuple[str, float]:
-    """'host-f50' -> ('host', 0.5); a trailing -cap is dropped (see capped())."""
-    row = row.removesuffix("-cap")
-    if "-f" in row and row.rsplit("-f", 1)[1].isdigit():
-        base, pct = row.rsplit("-f", 1)
-        return base, int(pct) / 100
-    return row, 0.0
+    """'host-f50' -> ('host', 0.5): the base row and its GPU update share (other suffixes dropped)."""
+    base, options = row_options(row)
+    return base, int(options.get("f", 0)) / 100
 SEQ_LEN = 1024
 MICRO_BATCH = 8
 
@@ -123,13 +143,22 @@ def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumu
     model, opt = offload(model, config, record_intervals=True)
     setup_s = time.perf_counter() - t_setup
     session = opt.session
+    disk = {"read": 0, "write": 0}
+
+    def count_disk(event: Any) -> None:
+        if event.kind in disk:
+            disk[event.kind] += event.nbytes
+
+    session.store.bus.subscribe(count_disk)
     batch = _batch(shape, device, 0)
     step_s, wait_update, wait_fetch = [], [], []
+    disk_read, disk_write = [], []
     losses = []
     try:
         for step in range(steps):
             c = session.controller.stats
             u0, f0 = c.wait_update_s, c.wait_fetch_s
+            r0, w0 = disk["read"], disk["write"]
             _sync()
             t0 = time.perf_counter()
             for _ in range(accumulation):
@@ -141,10 +170,13 @@ def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumu
             step_s.append(time.perf_counter() - t0)
             wait_update.append(c.wait_update_s - u0)
             wait_fetch.append(c.wait_fetch_s - f0)
+            disk_read.append(disk["read"] - r0)
+            disk_write.append(disk["write"] - w0)
         opt.synchronize()
         stats = session.controller.schedule.stats
         worker = session.controller.worker.stats
         pinned = session.store.tiers[list(session.store.tiers)[1]].capacity_nbytes
+        spilled = len(session.controller.options.spilled_blocks)
     finally:
         session.close()
     warm = max(1, steps // 3)
@@ -152,7 +184,22 @@ def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumu
             "wait_update_s": statistics.median(wait_update[warm:]), "wait_fetch_s": statistics.median(wait_fetch[warm:]),
             "hit_rate": stats.hit_rate, "adam_s_total": worker.adam_s, "jobs": worker.jobs,
             "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
-            "pinned_nbytes": pinned}
+            "pinned_nbytes": pinned, "disk_read_nbytes": statistics.median(disk_read[warm:]),
+            "disk_write_nbytes": statistics.median(disk_write[warm:]), "spilled_blocks": spilled}
+
+
+def peak_rss_nbytes() -> int:
+    """This process's peak resident set so far (ru_maxrss, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_nbytes() -> int:
+    """This process's resident set now."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def measure_adam_s(num_params: int, threads: int) -> float:
@@ -190,21 +237,32 @@ def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
 
 
 def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
+    options = row_options(row)[1]
     row, fraction = split_row(row)
-    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4, "gpu_update_fraction": fraction},
-                            "prefetch": {"depth": 2}}
+    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4, "gpu_update_fraction": fraction,
+                                                           "cpu_threads": options.get("t", "auto")},
+                            "prefetch": {"depth": 2, "keep_for_backward": "4GiB" if options.get("keep") else 0}}
     if row in ("host", "host-accum8"):
         base["placement"] = {"weights": "host", "master": "host", "moments": "host"}
     elif row == "gpu-weights":
         base["placement"] = {"weights": "gpu", "master": "host", "moments": "host"}
-    elif row == "nvme":
-        base["placement"] = {"weights": "host", "master": "host", "moments": "nvme"}
+    elif row in ("nvme", "nvme-auto"):
+        base["placement"] = {"weights": "host", "master": "host", "moments": "nvme" if row == "nvme" else "auto"}
         base["tiers"] = {"nvme": {"path": nvme_dir or "tmp", "budget": "48GiB", "io_threads": 8}}
     return base
 
 
-def run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None = None) -> dict[str, Any]:
-    """Run one row in this process."""
+def run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None = None,
+            host_cap_nbytes: int | None = None) -> dict[str, Any]:
+    """Run one row in this process. ``host_cap_nbytes``: the peak RSS this row's process may reach (the pinned
+    arena is what is left of it after what the process holds before offload, less 1 GiB of margin)."""
+    result = _run_row(row, preset, steps, nvme_dir, gpu_cap_nbytes, host_cap_nbytes)
+    result["peak_rss_nbytes"] = peak_rss_nbytes()
+    return result
+
+
+def _run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None,
+             host_cap_nbytes: int | None) -> dict[str, Any]:
     shape = PRESETS[preset]
     accumulation = 8 if split_row(row)[0].endswith("accum8") else 1
     if gpu_cap_nbytes:
@@ -219,6 +277,10 @@ def run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nby
     config = _row_config(row, nvme_dir)
     if gpu_cap_nbytes:
         config.setdefault("tiers", {}).setdefault("gpu", {})["budget"] = gpu_cap_nbytes
+    if host_cap_nbytes:
+        if torch.cuda.is_available():
+            torch.cuda.init()  # the CUDA context's host memory counts against the cap too
+        config.setdefault("tiers", {}).setdefault("host", {})["budget"] = host_cap_nbytes - current_rss_nbytes() - (1 << 30)
     return _tierstore_row(shape, steps, config, accumulation)
 
 
@@ -236,12 +298,18 @@ def main(args: argparse.Namespace) -> int:
                    "--steps", str(args.steps), "--out", out.name]
             if args.nvme_dir:
                 cmd += ["--nvme-dir", args.nvme_dir]
-            if row.endswith("-cap"):
+            if row_options(row)[1].get("cap"):
                 cap = results.get("ds-zero2-cpu", {}).get("peak_gpu_reserved_nbytes")
                 if not cap:
                     results[row] = {"error": "needs the ds-zero2-cpu row earlier in the same call"}
                     continue
                 cmd += ["--gpu-cap", str(cap)]
+            if row == "nvme-auto":
+                rss = results.get("ds-zero3-nvme", {}).get("peak_rss_nbytes")
+                if not rss:
+                    results[row] = {"error": "needs the ds-zero3-nvme row earlier in the same call"}
+                    continue
+                cmd += ["--host-cap", str(rss)]
             if row.startswith("ds-"):
                 from runtime.bench.deepspeed_rows import deepspeed_available
 
@@ -271,6 +339,12 @@ def main(args: argparse.Namespace) -> int:
         # Per step: the fp32 master of every block goes H2D twice (forward and backward), fp32 grads D2H once.
         terms["T_pcie"] = max(2 * 4 * shape.num_params / (h2d * 1e9), 4 * shape.num_params / (d2h * 1e9))
         terms["h2d_gbps"], terms["d2h_gbps"] = h2d, d2h
+    if args.nvme_dir and any(r.startswith("nvme") for r in rows):
+        from runtime.bench.store_bench import _dd_ceiling
+
+        block = 64 << 20
+        write_s, read_s, _ = _dd_ceiling(Path(args.nvme_dir), 32, block, direct=True, repeats=2)
+        terms["disk_read_gbps"], terms["disk_write_gbps"] = 32 * block / read_s / 1e9, 32 * block / write_s / 1e9
     print(format_table(rows, results, terms, shape), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -289,7 +363,8 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
     lines = [f"bench train on {name}: {shape.num_params / 1e9:.2f}B params, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}, bf16",
              "terms: " + ", ".join(f"{k} {v:.3f}" for k, v in terms.items()),
              f"bound T_fwd + max(T_bwd, T_adam, T_pcie) = {bound:.3f} s" if bound else "bound: needs the torch row",
-             f"{'row':<{width}}{'s/step':>8}{'tok/s':>9}{'vs torch':>10}{'vs bound':>10}{'peak GPU GiB':>14}  what"]
+             f"{'row':<{width}}{'s/step':>8}{'tok/s':>9}{'TFLOP/s':>9}{'vs torch':>10}{'vs bound':>10}{'GPU GiB':>9}"
+             f"{'RSS GiB':>9}{'pinned':>8}  what"]
     base = results.get("torch", {}).get("step_s")
     base_accum = results.get("torch-accum8", {}).get("step_s")
     for row in rows:
@@ -302,9 +377,28 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
         reference = base_accum / accum if accum > 1 and base_accum else base
         vs_torch = f"{reference * accum / r['step_s']:.2f}x" if reference and not row.startswith("torch") else "-"
         vs_bound = f"{r['step_s'] / bound:.2f}" if bound and accum == 1 and not row.startswith(("torch", "ds-")) else "-"
-        lines.append(f"{row:<{width}}{r['step_s']:>8.3f}{tps:>9.0f}{vs_torch:>10}{vs_bound:>10}{r.get('peak_gpu_nbytes', 0) / 2**30:>14.1f}  {describe_row(row)}")
+        tflops = 6 * shape.num_params * tps / 1e12  # model FLOPs: 6 per parameter per token (no attention term)
+        pinned = f"{r['pinned_nbytes'] / 2**30:.1f}" if r.get("pinned_nbytes") else "-"
+        lines.append(f"{row:<{width}}{r['step_s']:>8.3f}{tps:>9.0f}{tflops:>9.1f}{vs_torch:>10}{vs_bound:>10}"
+                     f"{r.get('peak_gpu_nbytes', 0) / 2**30:>9.1f}{r.get('peak_rss_nbytes', 0) / 2**30:>9.1f}{pinned:>8}  {describe_row(row)}")
     lines += _versus_deepspeed(results)
+    lines += _disk_efficiency(results, terms)
     return "\n".join(lines)
+
+
+def _disk_efficiency(results: dict[str, Any], terms: dict[str, float]) -> list[str]:
+    """For rows that touched the disk: the seconds the raw ceiling (dd, O_DIRECT, same directory, same call)
+    needs to read and then write one step's bytes, over the measured step time."""
+    if "disk_read_gbps" not in terms:
+        return []
+    out = []
+    for row, r in results.items():
+        if r.get("disk_read_nbytes") or r.get("disk_write_nbytes"):
+            t_nvme = r["disk_read_nbytes"] / (terms["disk_read_gbps"] * 1e9) + r["disk_write_nbytes"] / (terms["disk_write_gbps"] * 1e9)
+            out.append(f"disk {row}: {r['disk_read_nbytes'] / 1e9:.1f} GB read + {r['disk_write_nbytes'] / 1e9:.1f} GB written per step; "
+                       f"T_nvme at the raw ceiling {t_nvme:.2f} s = {t_nvme / r['step_s']:.0%} of the step"
+                       + (f"; moments of {r['spilled_blocks']} blocks spilled to NVMe" if r.get("spilled_blocks") else ""))
+    return out
 
 
 def _versus_deepspeed(results: dict[str, Any]) -> list[str]:
@@ -327,9 +421,10 @@ def _child() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--nvme-dir")
     parser.add_argument("--gpu-cap", type=int)
+    parser.add_argument("--host-cap", type=int)
     a = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    result = run_row(a.row, a.preset, a.steps, a.nvme_dir, a.gpu_cap)
+    result = run_row(a.row, a.preset, a.steps, a.nvme_dir, a.gpu_cap, a.host_cap)
     Path(a.out).write_text(json.dumps(result))
 
 

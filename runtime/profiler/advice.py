@@ -111,7 +111,7 @@ def _update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, st
                    add: Any) -> None:
     homes = cfg.get("homes") or {}
     inputs = steady.get("adam_wait_inputs_s", 0.0)
-    if inputs >= threshold and "nvme" in (homes.get("exp_avg"), homes.get("master")):
+    if inputs >= threshold and any("nvme" in str(homes.get(kind)) for kind in ("exp_avg", "master")):
         memory = summary.get("memory") or {}
         need = memory.get("moments_offloaded_nbytes", 0)
         available = memory.get("host_available_nbytes", 0)
@@ -119,6 +119,9 @@ def _update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, st
         if homes.get("exp_avg") == "nvme" and need and available >= RAM_MARGIN * need:
             add(f"move placement.moments from nvme to host (needs {size_text(need)} more pinned memory; "
                 f"{size_text(available)} of RAM was free)", min(wait, inputs), wait, why)
+        elif homes.get("exp_avg") == "host+nvme" and need and available >= RAM_MARGIN * need:
+            add(f"raise tiers.host.budget by {size_text(need)} (placement.moments: auto then keeps every block's "
+                f"moments in pinned memory; {size_text(available)} of RAM was free)", min(wait, inputs), wait, why)
         of_ceiling = (summary.get("totals") or {}).get("paths", {}).get("read", {}).get("of_ceiling")
         if of_ceiling is None or of_ceiling < READ_SATURATED:
             # Reads at the ceiling would take of_ceiling of the time they take now.

@@ -239,9 +239,9 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
     controller = session.controller
     store = session.store
     blocks = session.blocks
-    homes = {kind: tier.value for kind, tier in controller.options.homes.items()}
+    homes = dict(session.plan.homes)  # kind -> tier; "host+nvme" when placement.moments: auto spilled some
     moment_nbytes = sum(store.record(b.key(kind)).meta.nbytes for b in blocks if b.index not in controller.gpu_updated
-                        for kind in ("exp_avg", "exp_avg_sq"))
+                        for kind in ("exp_avg", "exp_avg_sq") if store.record(b.key(kind)).home is TierName.NVME)
     device = store.device
     if device.type == "cuda":
         import torch

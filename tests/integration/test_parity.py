@@ -166,3 +166,45 @@ def test_fp32_weights_resident_with_master_on_nvme(tmpfs_dir):
     assert ours == theirs
     assert_identical(weights, reference)
     assert nbytes_moved(events, "read") > 0 and nbytes_moved(events, "write") > 0
+
+
+def test_moments_spilled_past_the_host_budget_bit_identical(tmpfs_dir):
+    """placement.moments: auto with a host budget too small for every block's moments: the last blocks'
+    moments go to NVMe (bytes really move through it), the first stay pinned, and training is unchanged."""
+    torch.manual_seed(0)
+    from runtime.api import resolve_plan, resolve_device
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+
+    base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"}}
+    cfg = load_config(base)
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    blocks = build_blocks(ExampleLM(shape), cfg.blocks.min_block_size)  # 12 blocks: spilling 6+ saves host memory
+    everything_on_host = resolve_plan(blocks, cfg, resolve_device(cfg)).plan.host_nbytes
+    base["tiers"]["host"] = {"budget": everything_on_host - 8192}  # two pages short: at least one block spills
+    resolved = resolve_plan(blocks, load_config(base), resolve_device(cfg))
+    assert 0 < len(resolved.spilled_blocks) < len(blocks)
+    assert resolved.spilled_blocks == frozenset(range(len(blocks) - len(resolved.spilled_blocks), len(blocks)))
+    ours, theirs, weights, reference, events, _ = run_both(base, shape=shape)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    spilled_keys = {blocks[i].key(kind) for i in resolved.spilled_blocks for kind in ("exp_avg", "exp_avg_sq")}
+    written = {e.key for e in events if e.kind == "write"}
+    assert spilled_keys <= written  # the spilled moments were written to their swap files every step
+    assert not {e.key for e in events if e.kind in ("read", "write")} - spilled_keys  # nothing else touched the disk
+
+
+def test_weights_kept_for_backward_fetch_once_per_step_bit_identical():
+    """prefetch.keep_for_backward: blocks stay on the device from their forward to their backward, so each
+    is fetched once a step instead of twice, and training is unchanged."""
+    def fetched(keep: int) -> int:
+        config = {"dtype": "fp32", "prefetch": {"keep_for_backward": keep}}
+        ours, theirs, weights, reference, events, _ = run_both(config)
+        assert ours == theirs
+        assert_identical(weights, reference)
+        return sum(1 for e in events if e.kind == "h2d")
+
+    without, kept = fetched(0), fetched(1 << 30)
+    assert kept < without * 0.7, (kept, without)
+    partial = fetched(45_000)  # room for one layer block: the newest kept, the rest fetched again
+    assert kept < partial < without, (kept, partial, without)

@@ -66,3 +66,22 @@ def test_gpu_budget_refusal():
                      "resident", 2, 2, 1)
     with pytest.raises(PlanError, match="gpu"):
         check_plan(plan, gpu_budget_nbytes=1 << 20, nvme_path=None, nvme_budget_nbytes=0, host_available_nbytes=1 << 50)
+
+
+def test_spill_moments_keeps_on_host_what_fits_and_spills_the_last_blocks():
+    from runtime.plan import spill_moments
+
+    homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
+    numels = [10**6] * 20
+
+    def make(spilled: int):
+        return make_plan(numels, homes, "master", 2, 2, 1, spilled=spilled)
+
+    everything = make(0).host_nbytes
+    assert spill_moments(make, len(numels), everything) == 0  # it all fits: nothing goes to disk
+    k = spill_moments(make, len(numels), everything - 10 * 4 * 10**6)  # ten fp32 moment blocks short
+    plan = make(k)
+    assert plan.host_nbytes <= everything - 10 * 4 * 10**6 and 0 < k < len(numels)
+    assert make(k - 1).host_nbytes > everything - 10 * 4 * 10**6  # the fewest blocks that fit
+    assert plan.homes["exp_avg"] == "host+nvme" and plan.nvme_nbytes > 0
+    assert spill_moments(make, len(numels), 1) == len(numels)  # nothing fits: all spill (check_plan then refuses)
