@@ -14,7 +14,7 @@ from torch import nn
 from runtime.adam import AdamWHyper
 from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
-from runtime.controller import Controller, RuntimeOptions, gpu_updated_blocks
+from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
 from runtime.hooks import HookSet
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
 from runtime.optimizer import OffloadAdamW
@@ -161,11 +161,13 @@ def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierNam
              dtype: torch.dtype, spilled: int = 0) -> MemoryPlan:
     """The memory plan of these blocks under this config (nothing allocated); ``spilled``: how many of the
     last host-updated blocks keep their moments on NVMe (see ``resolve_plan``)."""
-    gpu_updated = gpu_updated_blocks(blocks, cfg.optimizer.gpu_update_fraction)
+    opt = cfg.optimizer
+    gpu_updated = gpu_updated_blocks(blocks, opt.gpu_update_fraction)
+    streamed = len(gpu_streamed_blocks(blocks, opt.gpu_update_fraction, opt.gpu_stream_fraction))
     return make_plan([b.numel for b in blocks if b.index not in gpu_updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
-                     cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)],
-                     spilled=spilled)
+                     opt.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)],
+                     spilled=spilled, streamed=streamed)
 
 
 @dataclass(frozen=True)
@@ -234,4 +236,5 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, hom
         grad_clip=opt.grad_clip, accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
         prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=int(threads),
         record_intervals=record_intervals, gpu_update_fraction=opt.gpu_update_fraction, spilled_blocks=spilled_blocks,
+        gpu_stream_fraction=opt.gpu_stream_fraction,
         keep_for_backward_nbytes=int(cfg.prefetch.keep_for_backward))

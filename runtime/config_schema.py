@@ -203,6 +203,13 @@ class OptimizerConfig:
         FloatSpec(min=0.0, max=1.0), 0.0,
         "Fraction of blocks (the first ones, whose updates the CPU cannot hide) updated on the "
         "GPU when it has room.", 0.25)
+    gpu_stream_fraction: float = _leaf(
+        FloatSpec(min=0.0, max=1.0), 0.0,
+        "Fraction of the parameters (the blocks right after the `gpu_update_fraction` ones) whose master "
+        "and moments stay in pinned host memory but are updated on the GPU: each step the state is copied "
+        "in while the block's backward runs, updated with the same fused AdamW, and written back. Costs "
+        "PCIe bandwidth and a few blocks of transient GPU memory instead of resident state; frees CPU time. "
+        "Needs master and moments on host.", 0.3)
     loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
 
 
@@ -343,6 +350,20 @@ def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
             f"block_size ({nvme.block_size} bytes) is larger than the NVMe budget "
             f"({nvme.budget} bytes); lower block_size or raise tiers.nvme.budget.",
             ("tiers.nvme.budget",)))
+    opt = cfg.optimizer
+    if opt.gpu_update_fraction + opt.gpu_stream_fraction > 1.0:
+        problems.append(Problem(
+            "out_of_range", "optimizer.gpu_stream_fraction",
+            f"optimizer.gpu_update_fraction ({opt.gpu_update_fraction}) and gpu_stream_fraction "
+            f"({opt.gpu_stream_fraction}) add up to more than 1; lower one of them.",
+            ("optimizer.gpu_update_fraction",)))
+    if opt.gpu_stream_fraction > 0 and "nvme" in (cfg.placement.master, cfg.placement.moments):
+        problems.append(Problem(
+            "bad_value", "optimizer.gpu_stream_fraction",
+            "optimizer.gpu_stream_fraction streams master and moments from pinned host memory, but "
+            f"placement puts {'master' if cfg.placement.master == 'nvme' else 'moments'} on nvme; "
+            "place them on host (or auto), or set gpu_stream_fraction: 0.",
+            ("placement.master", "placement.moments")))
     model = cfg.train.model
     if model.hidden_size % model.num_heads:
         nearest = model.num_heads * max(1, round(model.hidden_size / model.num_heads))

@@ -7,6 +7,7 @@ the step bookkeeping (micro-batches, committed optimizer steps, the fp16 loss sc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -19,10 +20,10 @@ from torch import nn
 from runtime.adam import AdamWHyper, adamw_update, split_views
 from runtime.blocks import Block
 from runtime.materialize import ParamInit, initialize
-from runtime.overlap import UpdateJob, UpdateWorker
+from runtime.overlap import STATE_KINDS, UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
-from tierstore import CapacityError, TensorMeta, TierName, TierStore
+from tierstore import CapacityError, CopyState, TensorMeta, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class RuntimeOptions:
     cpu_threads: int
     record_intervals: bool = False
     gpu_update_fraction: float = 0.0  # share of parameters (first blocks) whose AdamW runs on the device
+    gpu_stream_fraction: float = 0.0  # share (next blocks) updated on the device over state streamed from host
     spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
     keep_for_backward_nbytes: int = 0  # weights a training forward may leave on the device for its backward
 
@@ -97,6 +99,8 @@ class Controller:
         self.options = options
         self.device = store.device
         self.gpu_updated = gpu_updated_blocks(blocks, options.gpu_update_fraction)
+        self.gpu_streamed = gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction) \
+            - options.spilled_blocks
         self._register_state(options, init, uninitialized or set())
         self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source, self.gpu_updated)
         for block in blocks:
@@ -106,7 +110,7 @@ class Controller:
                 self.weights.load_resident(block.index)
         # Per-parameter step counters of device-updated blocks live on the device, as fused AdamW wants.
         self.gpu_param_steps = {i: [torch.zeros((), dtype=torch.float32, device=self.device) for _ in blocks[i].slots]
-                                for i in self.gpu_updated}
+                                for i in self.gpu_updated | self.gpu_streamed}
         self._deferred_gpu: list[tuple[Block, torch.Tensor | None, list[bool], int]] = []
         self.schedule = PrefetchSchedule(options.prefetch_depth, options.prefetch_budget_nbytes, self.weights.nbytes)
         torch.set_num_threads(options.cpu_threads)
@@ -162,7 +166,8 @@ class Controller:
                 self.store.register(block.key(kind), f32, TierName.GPU if on_device else home)
             if on_device:
                 continue  # updated on the device: no host gradient, no host weights copy
-            self.store.register(block.key("grad"), f32, TierName.HOST)
+            if block.index not in self.gpu_streamed:  # a streamed block's gradient never leaves the device
+                self.store.register(block.key("grad"), f32, TierName.HOST)
             if options.weight_source is WeightSource.WEIGHTS:
                 weights = master.to(options.compute_dtype)
                 self.store.register(block.key("weights"), TensorMeta(options.compute_dtype, block.numel), homes["weights"], init=weights)
@@ -313,7 +318,23 @@ class Controller:
             self.schedule.observe(index, "bwd")
             self._in_backward_use[index] = True
             self._ready(index)
+            if self.last_micro and not self._deferred:
+                for ahead in (index, index - 1):  # backward runs in descending block order
+                    self._stream_in(ahead)
         self._prefetch()
+
+    def _stream_in(self, index: int) -> None:
+        """Start copying a streamed block's master and moments to the device (no-op for other blocks, for
+        state already there or on its way, and when the GPU budget is full: the update then fetches)."""
+        if index not in self.gpu_streamed:
+            return
+        stream = self.store.engine.h2d_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for kind in STATE_KINDS:
+                try:
+                    self.store.fetch(self.blocks[index].key(kind), TierName.GPU)
+                except CapacityError:
+                    return
 
     def on_param_grad(self, param: nn.Parameter) -> None:
         """One parameter's gradient is fully accumulated for this backward."""
@@ -353,7 +374,8 @@ class Controller:
         self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         has_grad = [slot.param.grad is not None for slot in block.slots]
         step = self.optimizer_step + 1
-        if not any(has_grad) and block.index in self.gpu_updated:
+        on_device = block.index in self.gpu_updated or block.index in self.gpu_streamed
+        if not any(has_grad) and on_device:
             if self._deferred:
                 self._deferred_gpu.append((block, None, has_grad, step))
             else:
@@ -378,7 +400,7 @@ class Controller:
                     norms = torch._foreach_norm(views, 2.0)
                     for slot, norm in zip([s for s, p in zip(block.slots, has_grad) if p], norms):
                         self._norms[slot.index] = norm
-            if block.index in self.gpu_updated:
+            if on_device:
                 if self._deferred:
                     self._deferred_gpu.append((block, flat, has_grad, step))
                 else:
@@ -430,8 +452,16 @@ class Controller:
 
     def _gpu_update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int,
                     multiplier: torch.Tensor | None, skip: bool) -> None:
-        """AdamW on the device for a block whose state lives there, then recast its compute weights.
-        Stream-ordered on the current stream, so the next forward needs no host-side wait."""
+        """AdamW on the device, stream-ordered on the current stream. A block whose state lives there gets its
+        compute weights recast (the next forward needs no host-side wait); a streamed block's state is
+        written back to pinned host memory, and the next forward's fetch waits for that copy."""
+        streamed = block.index in self.gpu_streamed
+        if streamed and (skip or grad is None):
+            for kind in STATE_KINDS:  # brought in for nothing: drop the clean device copies
+                key = block.key(kind)
+                if self.store.state(key, TierName.GPU) is not CopyState.ABSENT:
+                    self.store.tensor(key, TierName.GPU)  # let a copy in flight land first
+                    self.store.release(key, TierName.GPU)
         if not skip and grad is not None:
             if multiplier is not None:
                 grad.mul_(multiplier)
@@ -440,12 +470,20 @@ class Controller:
             def views(flat: torch.Tensor) -> list[torch.Tensor]:
                 return [v for v, keep in zip(split_views(flat, sizes), has_grad) if keep]
 
-            master = self.store.tensor(block.key("master"), TierName.GPU)
-            adamw_update(views(master), views(grad), views(self.store.tensor(block.key("exp_avg"), TierName.GPU)),
-                         views(self.store.tensor(block.key("exp_avg_sq"), TierName.GPU)),
+            if streamed:
+                self._stream_in(block.index)
+                for kind in STATE_KINDS:
+                    self.store.fetch(block.key(kind), TierName.GPU)  # on demand when the budget refused earlier
+            state = {kind: self.store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
+            adamw_update(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
                          [s for s, keep in zip(self.gpu_param_steps[block.index], has_grad) if keep],
                          self.options.hyper, lr=self.lr_source())
-            self.weights.load_resident(block.index, master)
+            if streamed:
+                for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
+                    self.store.mark_dirty(block.key(kind), TierName.GPU, step=step)
+                    self.store.evict(block.key(kind), TierName.GPU)
+            else:
+                self.weights.load_resident(block.index, state["master"])
         self.worker.mark_updated(block.index, step)
 
     # ---- optimizer -----------------------------------------------------------------------------------
@@ -503,6 +541,15 @@ class _LossScaler:
         """Back off on overflow, grow after growth_interval clean steps."""
         torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval)
 
+
+
+def gpu_streamed_blocks(blocks: list[Block], update_fraction: float, stream_fraction: float) -> frozenset[int]:
+    """The blocks right after the device-updated ones (in forward order), holding at most ``stream_fraction``
+    of the parameters: their update is the next hardest for the CPU to hide."""
+    if stream_fraction <= 0:
+        return frozenset()
+    both = gpu_updated_blocks(blocks, update_fraction + stream_fraction)
+    return both - gpu_updated_blocks(blocks, update_fraction)
 
 
 def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:

@@ -40,6 +40,7 @@ ROWS = {
     "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (5 buffers, no pipelining)",
 }
 # Any tierstore row takes suffixes, in this order: -fNN: NN% of the parameters (the first blocks) updated on the GPU;
+# -sNN: NN% (the next blocks) updated on the GPU over state streamed from host (optimizer.gpu_stream_fraction);
 # -tNN: NN CPU optimizer threads;
 # -keep: every block's weights kept on the GPU from its forward to its backward (prefetch.keep_for_backward),
 # and -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call.
@@ -51,6 +52,7 @@ def describe_row(row: str) -> str:
     text = ROWS[base]
     text += f", {fraction:.0%} of the update on the GPU" if fraction else ""
     options = row_options(row)[1]
+    text += f", {options['s']}% updated on the GPU over state streamed from host" if "s" in options else ""
     text += f", {options['t']} CPU optimizer threads" if "t" in options else ""
     text += ", weights kept for backward" if options.get("keep") else ""
     return text + (", GPU memory capped at DeepSpeed ZeRO-2's peak" if options.get("cap") else "")
@@ -58,14 +60,15 @@ def describe_row(row: str) -> str:
 
 def row_options(row: str) -> tuple[str, dict[str, int | bool]]:
     """'host-f30-t15-keep-cap' -> ('host', {'f': 30, 't': 15, 'keep': True, 'cap': True}): the base row and
-    its suffixes (-fNN GPU update share in percent, -tNN CPU optimizer threads, -keep, -cap)."""
+    its suffixes (-fNN GPU update share in percent, -sNN streamed GPU update share, -tNN CPU optimizer
+    threads, -keep, -cap)."""
     parts = row.split("-")
     options: dict[str, int | bool] = {}
     while len(parts) > 1:
         last = parts[-1]
         if last in ("keep", "cap"):
             options[last] = True
-        elif last[:1] in ("f", "t") and last[1:].isdigit():
+        elif last[:1] in ("f", "s", "t") and last[1:].isdigit():
             options[last[0]] = int(last[1:])
         else:
             break
@@ -240,7 +243,8 @@ def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
     options = row_options(row)[1]
     row, fraction = split_row(row)
     base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4, "gpu_update_fraction": fraction,
-                                                           "cpu_threads": options.get("t", "auto")},
+                                                           "cpu_threads": options.get("t", "auto"),
+                                                           "gpu_stream_fraction": int(options.get("s", 0)) / 100},
                             "prefetch": {"depth": 2, "keep_for_backward": "4GiB" if options.get("keep") else 0}}
     if row in ("host", "host-accum8"):
         base["placement"] = {"weights": "host", "master": "host", "moments": "host"}

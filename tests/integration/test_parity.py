@@ -208,3 +208,18 @@ def test_weights_kept_for_backward_fetch_once_per_step_bit_identical():
     assert kept < without * 0.7, (kept, without)
     partial = fetched(45_000)  # room for one layer block: the newest kept, the rest fetched again
     assert kept < partial < without, (kept, partial, without)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_streamed_gpu_update_bit_identical(clip):
+    """optimizer.gpu_stream_fraction: the streamed blocks' master and moments stay home in host memory,
+    are copied to the device each step, updated there and written back; training is unchanged (on the
+    CPU the "device" is host memory, so this is bit-identical), and the streamed blocks have no host
+    gradient."""
+    config = {"dtype": "fp32", "optimizer": {"gpu_stream_fraction": 0.5, "gpu_update_fraction": 0.2, "grad_clip": clip}}
+    ours, theirs, weights, reference, events, _ = run_both(config)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    streamed_in = {e.key for e in events if e.kind == "h2d" and e.key.endswith(".exp_avg")}
+    written_back = {e.key for e in events if e.kind == "d2h" and e.key.endswith(".exp_avg")}
+    assert streamed_in and streamed_in == written_back  # the moments went to the device and came back

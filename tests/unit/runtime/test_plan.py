@@ -85,3 +85,24 @@ def test_spill_moments_keeps_on_host_what_fits_and_spills_the_last_blocks():
     assert make(k - 1).host_nbytes > everything - 10 * 4 * 10**6  # the fewest blocks that fit
     assert plan.homes["exp_avg"] == "host+nvme" and plan.nvme_nbytes > 0
     assert spill_moments(make, len(numels), 1) == len(numels)  # nothing fits: all spill (check_plan then refuses)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"optimizer": {"gpu_update_fraction": 0.7, "gpu_stream_fraction": 0.5}}, "gpu_stream_fraction"),
+    ({"optimizer": {"gpu_stream_fraction": 0.5}, "placement": {"moments": "nvme"}, "tiers": {"nvme": {"path": "tmp"}}},
+     "placement"),
+])
+def test_streamed_update_refuses_contradicting_settings(overrides, field):
+    from runtime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=field):
+        load_config(overrides)
+
+
+def test_streamed_blocks_have_no_host_gradient_in_the_plan():
+    homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
+    plain = make_plan([10**6] * 10, homes, "master", 2, 2, 1)
+    streamed = make_plan([10**6] * 10, homes, "master", 2, 2, 1, streamed=4)
+    grads = {k: n for k, t, n in streamed.rows if k.startswith("gradients")}
+    assert list(grads.values()) == [6 * (4 * 10**6 + (-4 * 10**6) % 4096)]
+    assert streamed.gpu_nbytes - plain.gpu_nbytes == 3 * 12 * 10**6
