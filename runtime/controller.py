@@ -478,12 +478,12 @@ class Controller:
             adamw_update(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
                          [s for s, keep in zip(self.gpu_param_steps[block.index], has_grad) if keep],
                          self.options.hyper, lr=self.lr_source())
+            if not streamed or self.options.weight_source is WeightSource.RESIDENT:
+                self.weights.load_resident(block.index, state["master"])  # recast from the device master
             if streamed:
                 for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
                     self.store.mark_dirty(block.key(kind), TierName.GPU, step=step)
                     self.store.evict(block.key(kind), TierName.GPU)
-            else:
-                self.weights.load_resident(block.index, state["master"])
         self.worker.mark_updated(block.index, step)
 
     # ---- optimizer -----------------------------------------------------------------------------------

@@ -210,13 +210,14 @@ def test_weights_kept_for_backward_fetch_once_per_step_bit_identical():
     assert kept < partial < without, (kept, partial, without)
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_streamed_gpu_update_bit_identical(clip):
+@pytest.mark.parametrize("clip,weights", [(None, "host"), (0.5, "host"), (None, "gpu")])
+def test_streamed_gpu_update_bit_identical(clip, weights):
     """optimizer.gpu_stream_fraction: the streamed blocks' master and moments stay home in host memory,
     are copied to the device each step, updated there and written back; training is unchanged (on the
     CPU the "device" is host memory, so this is bit-identical), and the streamed blocks have no host
     gradient."""
-    config = {"dtype": "fp32", "optimizer": {"gpu_stream_fraction": 0.5, "gpu_update_fraction": 0.2, "grad_clip": clip}}
+    config = {"dtype": "fp32", "optimizer": {"gpu_stream_fraction": 0.5, "gpu_update_fraction": 0.2, "grad_clip": clip},
+              "placement": {"weights": weights}}
     ours, theirs, weights, reference, events, _ = run_both(config)
     assert ours == theirs
     assert_identical(weights, reference)
