@@ -259,7 +259,7 @@ def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
 def run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None = None,
             host_cap_nbytes: int | None = None) -> dict[str, Any]:
     """Run one row in this process. ``host_cap_nbytes``: the peak RSS this row's process may reach (the pinned
-    arena is what is left of it after what the process holds before offload, less 1 GiB of margin)."""
+    arena is what is left of it after what the process holds before offload and the host-built model)."""
     result = _run_row(row, preset, steps, nvme_dir, gpu_cap_nbytes, host_cap_nbytes)
     result["peak_rss_nbytes"] = peak_rss_nbytes()
     return result
@@ -284,7 +284,10 @@ def _run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nb
     if host_cap_nbytes:
         if torch.cuda.is_available():
             torch.cuda.init()  # the CUDA context's host memory counts against the cap too
-        config.setdefault("tiers", {}).setdefault("host", {})["budget"] = host_cap_nbytes - current_rss_nbytes() - (1 << 30)
+        # Left for the arena: the cap less what the process holds now, the fp32 model the row builds on the
+        # host next (its pages are freed only as the arena fills), and 1 GiB of margin.
+        model_nbytes = 4 * shape.num_params
+        config.setdefault("tiers", {}).setdefault("host", {})["budget"] = host_cap_nbytes - current_rss_nbytes() - model_nbytes - (1 << 30)
     return _tierstore_row(shape, steps, config, accumulation)
 
 
