@@ -378,8 +378,8 @@ class Controller:
         if not any(has_grad) and on_device:
             if self._deferred:
                 self._deferred_gpu.append((block, None, has_grad, step))
-            else:
-                self.worker.mark_updated(block.index, step)
+            else:  # nothing to update; a streamed block's state brought in for it is dropped
+                self._gpu_update(block, None, has_grad, step, None, skip=True)
             return
         if not any(has_grad):
             job = UpdateJob(block, None, step, self.lr_source(), skip=True)

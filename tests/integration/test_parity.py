@@ -224,3 +224,55 @@ def test_streamed_gpu_update_bit_identical(clip, weights):
     streamed_in = {e.key for e in events if e.kind == "h2d" and e.key.endswith(".exp_avg")}
     written_back = {e.key for e in events if e.kind == "d2h" and e.key.endswith(".exp_avg")}
     assert streamed_in and streamed_in == written_back  # the moments went to the device and came back
+
+
+class _SkippingNet(torch.nn.Module):
+    """Four layers; layer 1 is skipped when asked, so its block gets no gradient that step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if not (i == 1 and skip):
+                x = torch.tanh(layer(x))
+        return self.head(x).pow(2).mean()
+
+
+def test_streamed_block_without_gradient_keeps_its_state_and_frees_the_device():
+    """A streamed block that gets no gradient in a step is not updated (as torch.optim.AdamW skips a
+    parameter without grad), and the state streamed in for it does not stay on the device."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _SkippingNet()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    config = {"dtype": "fp32", "blocks": {"modules": ["layers.*"]},
+              "optimizer": {"lr": 1e-2, "weight_decay": 0.01, "grad_clip": None, "gpu_stream_fraction": 0.6}}
+    model, optimizer = offload(model, config)
+    session = optimizer.session
+    try:
+        streamed = session.controller.gpu_streamed
+        assert 1 in streamed  # layer 1's block is among the streamed ones
+        for step in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            skip = step % 2 == 1
+            model(x, skip).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reference(x, skip).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        weights = session.master_state_dict()
+        for name, p in reference.named_parameters():
+            assert torch.equal(weights[name], p.detach()), name
+        from tierstore import CopyState, TierName
+
+        for index in streamed:  # nothing of a streamed block's state is left on the device between steps
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert session.store.state(session.blocks[index].key(kind), TierName.GPU) is CopyState.ABSENT
+    finally:
+        session.close()
