@@ -186,15 +186,18 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     headroom) and spills the last blocks' moments to NVMe, only as many as needed."""
     homes, source = resolve_homes(cfg, device)
     dtype = DTYPES[cfg.dtype]
-    gpu_updated = gpu_updated_blocks(blocks, cfg.optimizer.gpu_update_fraction)
+    opt = cfg.optimizer
+    gpu_updated = gpu_updated_blocks(blocks, opt.gpu_update_fraction)
     host_updated = [b.index for b in blocks if b.index not in gpu_updated]
+    # Streamed blocks (the first host-updated ones) copy their moments from pinned memory: never spilled.
+    spillable = len(host_updated) - len(gpu_streamed_blocks(blocks, opt.gpu_update_fraction, opt.gpu_stream_fraction))
     spilled = 0
     if cfg.placement.moments == "auto" and cfg.tiers.nvme.path is not None and homes["exp_avg"] is TierName.HOST:
         if cfg.tiers.host.budget == "auto":
             limit = available_host_nbytes() - host_headroom_nbytes(psutil.virtual_memory().total)
         else:
             limit = int(cfg.tiers.host.budget)
-        spilled = spill_moments(lambda k: plan_for(blocks, cfg, homes, source, dtype, k), len(host_updated), limit)
+        spilled = spill_moments(lambda k: plan_for(blocks, cfg, homes, source, dtype, k), spillable, limit)
         if spilled:
             log.info("placement.moments: auto: the moments of the last %d of %d host-updated blocks go to NVMe",
                      spilled, len(host_updated))

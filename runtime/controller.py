@@ -99,8 +99,7 @@ class Controller:
         self.options = options
         self.device = store.device
         self.gpu_updated = gpu_updated_blocks(blocks, options.gpu_update_fraction)
-        self.gpu_streamed = gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction) \
-            - options.spilled_blocks
+        self.gpu_streamed = gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction)
         self._register_state(options, init, uninitialized or set())
         self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source, self.gpu_updated)
         for block in blocks:
@@ -323,9 +322,10 @@ class Controller:
                     self._stream_in(ahead)
         self._prefetch()
 
-    def _stream_in(self, index: int) -> None:
-        """Start copying a streamed block's master and moments to the device (no-op for other blocks, for
-        state already there or on its way, and when the GPU budget is full: the update then fetches)."""
+    def _stream_in(self, index: int, required: bool = False) -> None:
+        """Start copying a streamed block's master and moments to the device (no-op for other blocks and for
+        state already there or on its way). A full GPU budget stops an early copy quietly (the update
+        fetches then); with ``required`` (the update itself) it raises."""
         if index not in self.gpu_streamed:
             return
         stream = self.store.engine.h2d_stream
@@ -334,6 +334,8 @@ class Controller:
                 try:
                     self.store.fetch(self.blocks[index].key(kind), TierName.GPU)
                 except CapacityError:
+                    if required:
+                        raise
                     return
 
     def on_param_grad(self, param: nn.Parameter) -> None:
@@ -471,9 +473,7 @@ class Controller:
                 return [v for v, keep in zip(split_views(flat, sizes), has_grad) if keep]
 
             if streamed:
-                self._stream_in(block.index)
-                for kind in STATE_KINDS:
-                    self.store.fetch(block.key(kind), TierName.GPU)  # on demand when the budget refused earlier
+                self._stream_in(block.index, required=True)  # on demand when the budget refused it earlier
             state = {kind: self.store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
             adamw_update(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
                          [s for s, keep in zip(self.gpu_param_steps[block.index], has_grad) if keep],

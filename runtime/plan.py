@@ -134,8 +134,8 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
 
 def spill_moments(make: Callable[[int], MemoryPlan], num_blocks: int, host_limit_nbytes: int) -> int:
     """How many of the last blocks must keep their moments on NVMe for the plan's pinned memory to fit
-    ``host_limit_nbytes``: the fewest that fit, or all when even that does not. ``make(spilled)`` builds the
-    plan for a count. The last blocks spill first: their gradients arrive first in backward, so their
+    ``host_limit_nbytes``: the fewest that fit, or ``num_blocks`` (all that may spill) when even that does
+    not. ``make(spilled)`` builds the plan for a count. The last blocks spill first: their gradients arrive first in backward, so their
     updates have the most time to hide the disk, and the next forward needs them last."""
     for spilled in range(num_blocks + 1):
         if make(spilled).host_nbytes <= host_limit_nbytes:

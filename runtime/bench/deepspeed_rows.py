@@ -92,5 +92,4 @@ def run_deepspeed_row(row: str, shape: ModelShape, steps: int, batch: tuple[torc
         step_s.append(time.perf_counter() - t0)
     warm = max(1, steps // 3)
     return {"step_s": statistics.median(step_s[warm:]), "loss_first": losses[0], "loss_last": losses[-1],
-            "peak_gpu_nbytes": torch.cuda.max_memory_allocated(), "peak_gpu_reserved_nbytes": torch.cuda.max_memory_reserved(),
-            "loss": losses[-1]}
+            "peak_gpu_nbytes": torch.cuda.max_memory_allocated(), "peak_gpu_reserved_nbytes": torch.cuda.max_memory_reserved()}

@@ -240,9 +240,9 @@ def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
 
 
 def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
-    options = row_options(row)[1]
-    row, fraction = split_row(row)
-    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4, "gpu_update_fraction": fraction,
+    row, options = row_options(row)
+    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4,
+                                                           "gpu_update_fraction": int(options.get("f", 0)) / 100,
                                                            "cpu_threads": options.get("t", "auto"),
                                                            "gpu_stream_fraction": int(options.get("s", 0)) / 100},
                             "prefetch": {"depth": 2, "keep_for_backward": "4GiB" if options.get("keep") else 0}}

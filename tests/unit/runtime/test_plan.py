@@ -106,3 +106,21 @@ def test_streamed_blocks_have_no_host_gradient_in_the_plan():
     grads = {k: n for k, t, n in streamed.rows if k.startswith("gradients")}
     assert list(grads.values()) == [6 * (4 * 10**6 + (-4 * 10**6) % 4096)]
     assert streamed.gpu_nbytes - plain.gpu_nbytes == 3 * 12 * 10**6
+
+
+def test_streamed_blocks_never_spill_their_moments(tmp_path):
+    """placement.moments: auto with a budget nothing fits: every block spills except the streamed ones,
+    whose moments the GPU copies from pinned memory each step."""
+    from runtime.api import resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.controller import gpu_streamed_blocks
+
+    cfg = load_config({"dtype": "fp32", "device": "cpu", "placement": {"moments": "auto"},
+                       "optimizer": {"gpu_stream_fraction": 0.4},
+                       "tiers": {"nvme": {"path": str(tmp_path)}, "host": {"budget": 4096}}})
+    blocks = build_blocks(ExampleLM(SHAPE), cfg.blocks.min_block_size)
+    streamed = gpu_streamed_blocks(blocks, 0.0, 0.4)
+    resolved = resolve_plan(blocks, cfg, torch.device("cpu"))
+    assert streamed and not streamed & resolved.spilled_blocks
+    assert resolved.spilled_blocks | streamed == frozenset(b.index for b in blocks)
