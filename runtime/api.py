@@ -167,7 +167,7 @@ def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierNam
     return make_plan([b.numel for b in blocks if b.index not in gpu_updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
                      opt.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)],
-                     spilled=spilled, streamed=streamed)
+                     spilled=spilled, streamed=streamed, stream_ahead=opt.gpu_stream_ahead)
 
 
 @dataclass(frozen=True)
@@ -239,5 +239,5 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, hom
         grad_clip=opt.grad_clip, accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
         prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=int(threads),
         record_intervals=record_intervals, gpu_update_fraction=opt.gpu_update_fraction, spilled_blocks=spilled_blocks,
-        gpu_stream_fraction=opt.gpu_stream_fraction,
+        gpu_stream_fraction=opt.gpu_stream_fraction, gpu_stream_ahead=opt.gpu_stream_ahead,
         keep_for_backward_nbytes=int(cfg.prefetch.keep_for_backward))

@@ -7,7 +7,6 @@ the step bookkeeping (micro-batches, committed optimizer steps, the fp16 loss sc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
@@ -45,6 +44,7 @@ class RuntimeOptions:
     record_intervals: bool = False
     gpu_update_fraction: float = 0.0  # share of parameters (first blocks) whose AdamW runs on the device
     gpu_stream_fraction: float = 0.0  # share (next blocks) updated on the device over state streamed from host
+    gpu_stream_ahead: int = 1  # streamed blocks whose state is brought in ahead of the block in backward
     spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
     keep_for_backward_nbytes: int = 0  # weights a training forward may leave on the device for its backward
 
@@ -318,25 +318,33 @@ class Controller:
             self._in_backward_use[index] = True
             self._ready(index)
             if self.last_micro and not self._deferred:
-                for ahead in (index, index - 1):  # backward runs in descending block order
-                    self._stream_in(ahead)
+                # Backward runs in descending block order: this block, then the ones it reaches next. The
+                # nearest go first and a refusal stops the rest, so a block further ahead never holds room
+                # the next update needs.
+                for ahead in range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1):
+                    if not self._stream_in(ahead):
+                        break
         self._prefetch()
 
-    def _stream_in(self, index: int, required: bool = False) -> None:
+    def _stream_in(self, index: int, required: bool = False) -> bool:
         """Start copying a streamed block's master and moments to the device (no-op for other blocks and for
-        state already there or on its way). A full GPU budget stops an early copy quietly (the update
-        fetches then); with ``required`` (the update itself) it raises."""
+        state already there or on its way). A full GPU budget stops an early copy quietly and returns False
+        (the update fetches then); with ``required`` (the update itself) it raises.
+
+        The device buffers are allocated on the caller's (compute) stream and the copy waits for the work
+        queued there so far: the state takes memory the backward has just freed, and no bytes are parked in
+        the copy stream's own allocator pool, which compute can't reuse. (Under a capped GPU memory
+        fraction such a side pool makes the allocator release its cache, synchronizing the device.)"""
         if index not in self.gpu_streamed:
-            return
-        stream = self.store.engine.h2d_stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for kind in STATE_KINDS:
-                try:
-                    self.store.fetch(self.blocks[index].key(kind), TierName.GPU)
-                except CapacityError:
-                    if required:
-                        raise
-                    return
+            return True
+        for kind in STATE_KINDS:
+            try:
+                self.store.fetch(self.blocks[index].key(kind), TierName.GPU)
+            except CapacityError:
+                if required:
+                    raise
+                return False
+        return True
 
     def on_param_grad(self, param: nn.Parameter) -> None:
         """One parameter's gradient is fully accumulated for this backward."""

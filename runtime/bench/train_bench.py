@@ -41,9 +41,12 @@ ROWS = {
 }
 # Any tierstore row takes suffixes, in this order: -fNN: NN% of the parameters (the first blocks) updated on the GPU;
 # -sNN: NN% (the next blocks) updated on the GPU over state streamed from host (optimizer.gpu_stream_fraction);
+# -aN: the state of N streamed blocks brought in ahead of the block in backward (optimizer.gpu_stream_ahead);
 # -tNN: NN CPU optimizer threads;
 # -keep: every block's weights kept on the GPU from its forward to its backward (prefetch.keep_for_backward),
-# and -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call.
+# -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call,
+# and -noseg: PyTorch's default allocator (our rows otherwise run with expandable_segments:True unless
+# PYTORCH_CUDA_ALLOC_CONF is set).
 
 
 def describe_row(row: str) -> str:
@@ -53,22 +56,24 @@ def describe_row(row: str) -> str:
     text += f", {fraction:.0%} of the update on the GPU" if fraction else ""
     options = row_options(row)[1]
     text += f", {options['s']}% updated on the GPU over state streamed from host" if "s" in options else ""
+    text += f", {options['a']} streamed blocks ahead" if "a" in options else ""
     text += f", {options['t']} CPU optimizer threads" if "t" in options else ""
     text += ", weights kept for backward" if options.get("keep") else ""
-    return text + (", GPU memory capped at DeepSpeed ZeRO-2's peak" if options.get("cap") else "")
+    text += ", GPU memory capped at DeepSpeed ZeRO-2's peak" if options.get("cap") else ""
+    return text + (", default CUDA allocator" if options.get("noseg") else "")
 
 
 def row_options(row: str) -> tuple[str, dict[str, int | bool]]:
     """'host-f30-t15-keep-cap' -> ('host', {'f': 30, 't': 15, 'keep': True, 'cap': True}): the base row and
-    its suffixes (-fNN GPU update share in percent, -sNN streamed GPU update share, -tNN CPU optimizer
-    threads, -keep, -cap)."""
+    its suffixes (-fNN GPU update share in percent, -sNN streamed GPU update share, -aN streamed blocks
+    ahead, -tNN CPU optimizer threads, -keep, -cap, -noseg)."""
     parts = row.split("-")
     options: dict[str, int | bool] = {}
     while len(parts) > 1:
         last = parts[-1]
-        if last in ("keep", "cap"):
+        if last in ("keep", "cap", "noseg"):
             options[last] = True
-        elif last[:1] in ("f", "s", "t") and last[1:].isdigit():
+        elif last[:1] in ("f", "s", "a", "t") and last[1:].isdigit():
             options[last[0]] = int(last[1:])
         else:
             break
@@ -244,7 +249,8 @@ def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
     base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4,
                                                            "gpu_update_fraction": int(options.get("f", 0)) / 100,
                                                            "cpu_threads": options.get("t", "auto"),
-                                                           "gpu_stream_fraction": int(options.get("s", 0)) / 100},
+                                                           "gpu_stream_fraction": int(options.get("s", 0)) / 100,
+                                                           "gpu_stream_ahead": int(options.get("a", 1))},
                             "prefetch": {"depth": 2, "keep_for_backward": "4GiB" if options.get("keep") else 0}}
     if row in ("host", "host-accum8"):
         base["placement"] = {"weights": "host", "master": "host", "moments": "host"}
@@ -262,7 +268,18 @@ def run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nby
     arena is what is left of it after what the process holds before offload and the host-built model)."""
     result = _run_row(row, preset, steps, nvme_dir, gpu_cap_nbytes, host_cap_nbytes)
     result["peak_rss_nbytes"] = peak_rss_nbytes()
+    result.update(allocator_counters())
     return result
+
+
+def allocator_counters() -> dict[str, int]:
+    """The CUDA caching allocator's counters for the whole row: how often it gave memory back to the driver
+    to satisfy a request (each time a device-wide synchronize), cudaMalloc / cudaFree calls, peak reserved."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": int(stats.get("num_alloc_retries", 0)), "device_allocs": int(stats.get("num_device_alloc", 0)),
+            "device_frees": int(stats.get("num_device_free", 0)), "peak_gpu_reserved_nbytes": torch.cuda.max_memory_reserved()}
 
 
 def _run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None,
@@ -325,7 +342,9 @@ def main(args: argparse.Namespace) -> int:
                     continue
             log.info("running row %s", row)
             env = dict(os.environ)
-            if not row.startswith(("torch", "ds-")):
+            if row_options(row)[1].get("noseg"):
+                env["PYTORCH_CUDA_ALLOC_CONF"] = ""
+            elif not row.startswith(("torch", "ds-")):
                 env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
@@ -388,6 +407,9 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
         pinned = f"{r['pinned_nbytes'] / 2**30:.1f}" if r.get("pinned_nbytes") else "-"
         lines.append(f"{row:<{width}}{r['step_s']:>8.3f}{tps:>9.0f}{tflops:>9.1f}{vs_torch:>10}{vs_bound:>10}"
                      f"{r.get('peak_gpu_nbytes', 0) / 2**30:>9.1f}{r.get('peak_rss_nbytes', 0) / 2**30:>9.1f}{pinned:>8}  {describe_row(row)}")
+    lines += [f"allocator {row}: {r['alloc_retries']} retries (cached memory given back under pressure), "
+              f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"
+              for row in rows if "alloc_retries" in (r := results.get(row, {}))]
     lines += _versus_deepspeed(results)
     lines += _disk_efficiency(results, terms)
     return "\n".join(lines)

@@ -27,15 +27,17 @@ def _assert_close(ours: dict[str, torch.Tensor], reference: ReferenceTrainer) ->
         assert _relative(ours[name], theirs[name]) < 1e-2, name
 
 
-@pytest.mark.parametrize("placement,fraction,keep,stream", [
-    ({"weights": "host"}, 0.0, 0, 0.0), ({"weights": "gpu"}, 0.0, 0, 0.0), ({"weights": "host", "moments": "nvme"}, 0.0, 0, 0.0),
-    ({"weights": "host"}, 0.5, 0, 0.0), ({"weights": "gpu"}, 0.3, 0, 0.0), ({"weights": "host"}, 0.0, 1 << 30, 0.0),
-    ({"weights": "host"}, 0.3, 1 << 30, 0.0), ({"weights": "host"}, 0.0, 0, 0.5), ({"weights": "gpu"}, 0.2, 1 << 30, 0.4)])
-def test_bf16_parity_on_gpu(placement, fraction, keep, stream, tmpfs_dir):
+@pytest.mark.parametrize("placement,fraction,keep,stream,ahead", [
+    ({"weights": "host"}, 0.0, 0, 0.0, 1), ({"weights": "gpu"}, 0.0, 0, 0.0, 1), ({"weights": "host", "moments": "nvme"}, 0.0, 0, 0.0, 1),
+    ({"weights": "host"}, 0.5, 0, 0.0, 1), ({"weights": "gpu"}, 0.3, 0, 0.0, 1), ({"weights": "host"}, 0.0, 1 << 30, 0.0, 1),
+    ({"weights": "host"}, 0.3, 1 << 30, 0.0, 1), ({"weights": "host"}, 0.0, 0, 0.5, 1), ({"weights": "gpu"}, 0.2, 1 << 30, 0.4, 1),
+    ({"weights": "gpu"}, 0.0, 0, 0.8, 3)])
+def test_bf16_parity_on_gpu(placement, fraction, keep, stream, ahead, tmpfs_dir):
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda")
-    config = {"dtype": "bf16", "optimizer": {"grad_clip": None, "gpu_update_fraction": fraction, "gpu_stream_fraction": stream},
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": None, "gpu_update_fraction": fraction, "gpu_stream_fraction": stream,
+                                             "gpu_stream_ahead": ahead},
               "placement": placement, "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "prefetch": {"keep_for_backward": keep}}
     model, optimizer = offload(model, config)
     session = optimizer.session

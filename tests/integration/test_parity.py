@@ -210,20 +210,27 @@ def test_weights_kept_for_backward_fetch_once_per_step_bit_identical():
     assert kept < partial < without, (kept, partial, without)
 
 
-@pytest.mark.parametrize("clip,weights", [(None, "host"), (0.5, "host"), (None, "gpu")])
-def test_streamed_gpu_update_bit_identical(clip, weights):
+@pytest.mark.parametrize("clip,weights,ahead", [(None, "host", 1), (0.5, "host", 1), (None, "gpu", 1), (None, "host", 2)])
+def test_streamed_gpu_update_bit_identical(clip, weights, ahead):
     """optimizer.gpu_stream_fraction: the streamed blocks' master and moments stay home in host memory,
     are copied to the device each step, updated there and written back; training is unchanged (on the
     CPU the "device" is host memory, so this is bit-identical), and the streamed blocks have no host
-    gradient."""
-    config = {"dtype": "fp32", "optimizer": {"gpu_stream_fraction": 0.5, "gpu_update_fraction": 0.2, "grad_clip": clip},
-              "placement": {"weights": weights}}
+    gradient. ``gpu_stream_ahead`` blocks' state is on its way before the first update writes back."""
+    config = {"dtype": "fp32", "placement": {"weights": weights},
+              "optimizer": {"gpu_stream_fraction": 0.5 if ahead == 1 else 0.8, "gpu_update_fraction": 0.2 if ahead == 1 else 0.0,
+                            "grad_clip": clip, "gpu_stream_ahead": ahead}}
     ours, theirs, weights, reference, events, _ = run_both(config)
     assert ours == theirs
     assert_identical(weights, reference)
-    streamed_in = {e.key for e in events if e.kind == "h2d" and e.key.endswith(".exp_avg")}
-    written_back = {e.key for e in events if e.kind == "d2h" and e.key.endswith(".exp_avg")}
+    moments = [e for e in events if e.key.endswith(".exp_avg") and e.kind in ("h2d", "d2h")]
+    streamed_in = {e.key for e in moments if e.kind == "h2d"}
+    written_back = {e.key for e in moments if e.kind == "d2h"}
     assert streamed_in and streamed_in == written_back  # the moments went to the device and came back
+    if clip is None:  # streaming starts in backward (with clipping the update fetches once the norm is known)
+        first_write = next(i for i, e in enumerate(moments) if e.kind == "d2h")
+        in_before_first_write = {e.key for e in moments[:first_write] if e.kind == "h2d"}
+        assert len(in_before_first_write) == min(len(streamed_in), ahead + 1), in_before_first_write
+        assert len(streamed_in) >= ahead + 1  # enough streamed blocks that a shallower start would show
 
 
 class _SkippingNet(torch.nn.Module):
