@@ -138,6 +138,7 @@ class Controller:
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self._capacity_refused: set[int] = set()  # blocks whose prefetch the GPU budget refused (only with listeners)
         self._kept: dict[int, int] = {}  # blocks a training forward left on the device for backward -> bytes, oldest first
+        self._stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
         self.scaler: _LossScaler | None = None
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
@@ -312,19 +313,47 @@ class Controller:
     # ---- backward ------------------------------------------------------------------------------------
     def on_backward_begin(self, indices: list[int]) -> None:
         """Gradients w.r.t. a module's outputs are ready: its backward is next."""
+        streaming = self.last_micro and not self._deferred and bool(self.gpu_streamed)
+        if streaming and not self._backward_active:
+            self._begin_streaming()
         self._backward_active = True
         for index in indices:
             self.schedule.observe(index, "bwd")
             self._in_backward_use[index] = True
             self._ready(index)
-            if self.last_micro and not self._deferred:
-                # Backward runs in descending block order: this block, then the ones it reaches next. The
-                # nearest go first and a refusal stops the rest, so a block further ahead never holds room
-                # the next update needs.
-                for ahead in range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1):
-                    if not self._stream_in(ahead):
-                        break
+            if streaming:
+                self._stream_ahead(index)
         self._prefetch()
+
+    def _begin_streaming(self) -> None:
+        """The backward that ends in an update starts: note the memory the forward peaked at (state streamed
+        ahead may use what the backward frees below it), and hold resident-weight refreshes until every
+        streamed block's state is on its way (they are needed only by the next forward)."""
+        self._stream_ceiling = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        if self.options.weight_source is WeightSource.RESIDENT:
+            self.weights.hold_refreshes()
+
+    def _stream_ahead(self, index: int) -> None:
+        """Backward runs in descending block order: bring in the state of this block and of the next one,
+        then of up to ``gpu_stream_ahead`` - 1 more while the memory in use stays below the forward's peak.
+        The nearest go first and a refusal stops the rest, so a block further ahead never holds room the
+        next update needs."""
+        last = max(index - 1 - self.options.gpu_stream_ahead, -1)
+        for ahead in range(index, last, -1):
+            if ahead < index - 1 and not self._room_to_stream(ahead):
+                return
+            if not self._stream_in(ahead):
+                return
+            if ahead == min(self.gpu_streamed):
+                self.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
+
+    def _room_to_stream(self, index: int) -> bool:
+        if index not in self.gpu_streamed or self._stream_ceiling is None:
+            return True
+        if self.store.state(self.blocks[index].key("master"), TierName.GPU) is not CopyState.ABSENT:
+            return True  # already there or on its way
+        state_nbytes = len(STATE_KINDS) * 4 * self.blocks[index].numel
+        return torch.cuda.memory_allocated(self.device) + state_nbytes <= self._stream_ceiling
 
     def _stream_in(self, index: int, required: bool = False) -> bool:
         """Start copying a streamed block's master and moments to the device (no-op for other blocks and for
@@ -363,6 +392,7 @@ class Controller:
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
         self._backward_active = False
+        self.weights.release_refreshes()  # no-op unless a backward held them
         if self.last_micro:
             self._finish_update_submission()
             self._update_pending = True

@@ -271,7 +271,9 @@ class UpdateWorker:
                 self.store.evict(key, TierName.HOST, release=False)
         elif source is WeightSource.RESIDENT:
             if self._refresh_staging is not None:
-                return self.weights.refresh_resident(block.index, self._refresh_staging)
+                # A master whose home is NVMe is evicted right after this: its copy may not wait in a queue.
+                may_hold = self.store.record(block.key("master")).home is not TierName.NVME
+                return self.weights.refresh_resident(block.index, self._refresh_staging, may_hold)
             self.weights.load_resident(block.index)
         return None
 

@@ -41,6 +41,7 @@ class BlockWeights:
     staging: torch.Tensor | None = None  # fp32 bytes on the device awaiting the cast (MASTER source)
     users: int = 0  # modules running forward / backward with these weights now
     prefetched: bool = False  # the fetch was issued ahead of the need
+    refresh_held: bool = False  # a RESIDENT refresh is queued behind hold_refreshes(), not issued yet
 
 
 class WeightManager:
@@ -64,6 +65,7 @@ class WeightManager:
         # fetch / wait / release come from the training thread and the optimizer worker (a fetch issued
         # the moment an update lands): one lock keeps a block's state changes whole.
         self._lock = threading.RLock()
+        self._held_refreshes: list[tuple[int, torch.Tensor]] | None = None  # None: refreshes go out at once
 
     @property
     def needs_cast(self) -> bool:
@@ -183,9 +185,35 @@ class WeightManager:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
             state.flat.copy_(master.to(self.device, non_blocking=False))
 
-    def refresh_resident(self, index: int, staging: torch.Tensor) -> Handle:
+    def refresh_resident(self, index: int, staging: torch.Tensor, may_hold: bool = True) -> Handle | None:
         """After an update: H2D the new master into ``staging`` (fp32, device, used only on the copy stream)
-        and cast it into the resident weights on the copy stream. The next forward waits on the handle."""
+        and cast it into the resident weights on the copy stream. The next forward waits on the handle.
+        While refreshes are held (``hold_refreshes``) and ``may_hold``, the copy is queued instead and None
+        is returned; ``wait_refresh`` or ``release_refreshes`` issues it."""
+        with self._lock:
+            if may_hold and self._held_refreshes is not None:
+                self._held_refreshes.append((index, staging))
+                self.states[index].refresh_held = True
+                return None
+            return self._issue_refresh(index, staging)
+
+    def hold_refreshes(self) -> None:
+        """Queue RESIDENT refreshes from now on instead of issuing them: copies that must land sooner (the
+        state of blocks updated on the device during this backward) get the host-to-device link first."""
+        with self._lock:
+            if self._held_refreshes is None:
+                self._held_refreshes = []
+
+    def release_refreshes(self) -> None:
+        """Issue the held refreshes in forward order (the next forward needs the first blocks first) and
+        stop holding."""
+        with self._lock:
+            held, self._held_refreshes = self._held_refreshes or [], None
+            for index, staging in sorted(held, key=lambda item: item[0]):
+                self.states[index].refresh_held = False
+                self._issue_refresh(index, staging)
+
+    def _issue_refresh(self, index: int, staging: torch.Tensor) -> Handle:
         state = self.states[index]
         key = state.block.key("master")
         master = self.store.tensor(key, TierName.HOST)
@@ -200,11 +228,15 @@ class WeightManager:
         return handle
 
     def wait_refresh(self, index: int) -> None:
-        """Make the current stream wait for a RESIDENT block's refresh, if one is pending."""
-        state = self.states[index]
-        if state.handle is not None:
-            state.handle.wait_stream()
-            state.handle = None
+        """Make the current stream wait for a RESIDENT block's refresh, if one is pending (issuing the held
+        ones first when this block's is among them)."""
+        with self._lock:
+            state = self.states[index]
+            if state.refresh_held:
+                self.release_refreshes()
+            if state.handle is not None:
+                state.handle.wait_stream()
+                state.handle = None
 
     def resident_nbytes(self) -> int:
         """Device bytes held by resident blocks now."""

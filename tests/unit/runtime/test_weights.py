@@ -328,3 +328,32 @@ def test_master_on_nvme_is_staged_for_fetch_and_for_load_resident(tmpfs_dir):
     with make_setup(compute_dtype=torch.bfloat16, source=WeightSource.RESIDENT, homes=homes, nvme_path=str(tmpfs_dir)) as s:
         for index in range(len(s.blocks)):
             assert_holds_master(s, index, torch.bfloat16)
+
+
+def test_held_refreshes_wait_until_released_or_needed():
+    """While refreshes are held a resident block keeps its old weights; waiting for one block issues every
+    held refresh (in block order), and release_refreshes issues the rest."""
+    with make_setup(compute_dtype=torch.bfloat16, source=WeightSource.RESIDENT) as s:
+        staging = torch.empty(max(b.numel for b in s.blocks), dtype=F32)
+        s.weights.hold_refreshes()
+        for index in (3, 1):
+            s.store.tensor(s.blocks[index].key("master"), TierName.HOST).mul_(2.0)
+            assert s.weights.refresh_resident(index, staging) is None  # queued
+            assert s.weights.states[index].refresh_held
+            assert not holds_host_master(s, index)  # the old weights until the refresh goes out
+        s.weights.wait_refresh(3)
+        for index in (1, 3):
+            assert not s.weights.states[index].refresh_held
+            assert holds_host_master(s, index)
+        s.store.tensor(s.blocks[2].key("master"), TierName.HOST).mul_(2.0)
+        assert s.weights.refresh_resident(2, staging) is not None  # no longer held: issued at once
+        assert holds_host_master(s, 2)
+        s.weights.hold_refreshes()
+        assert s.weights.refresh_resident(4, staging, may_hold=False) is not None  # e.g. an NVMe master
+        s.weights.release_refreshes()
+
+
+def holds_host_master(s: Setup, index: int) -> bool:
+    """The block's resident weights equal its host master (now) cast to their dtype."""
+    flat = s.weights.states[index].flat
+    return torch.equal(flat, s.store.tensor(s.blocks[index].key("master"), TierName.HOST).to(flat.dtype))
