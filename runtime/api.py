@@ -167,7 +167,7 @@ def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierNam
     return make_plan([b.numel for b in blocks if b.index not in gpu_updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
                      opt.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)],
-                     spilled=spilled, streamed=streamed, stream_ahead=opt.gpu_stream_ahead)
+                     spilled=spilled, streamed=streamed)
 
 
 @dataclass(frozen=True)

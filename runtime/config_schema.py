@@ -211,11 +211,12 @@ class OptimizerConfig:
         "PCIe bandwidth and a few blocks of transient GPU memory instead of resident state; frees CPU time. "
         "Needs master and moments on host.", 0.3)
     gpu_stream_ahead: int = _leaf(
-        IntSpec(min=0, max=64), 1,
-        "Streamed blocks (see `gpu_stream_fraction`) whose state starts moving to the GPU ahead of the block "
-        "whose backward is running. More overlaps the copies with more of the backward; each block ahead "
-        "holds its master and moments (12 bytes per parameter) on the GPU, taken from memory the backward "
-        "has just freed.", 4)
+        IntSpec(min=0, max=64), 8,
+        "Streamed blocks (see `gpu_stream_fraction`) whose state may start moving to the GPU ahead of the "
+        "block whose backward is running, so the copies overlap more of the backward. Each block ahead "
+        "holds its master and moments (12 bytes per parameter) on the GPU; beyond the next block, only "
+        "while the memory in use stays below what the forward peaked at (memory the backward has freed), "
+        "so streaming ahead never raises the step's peak.", 4)
     loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
 
 

@@ -44,7 +44,7 @@ class RuntimeOptions:
     record_intervals: bool = False
     gpu_update_fraction: float = 0.0  # share of parameters (first blocks) whose AdamW runs on the device
     gpu_stream_fraction: float = 0.0  # share (next blocks) updated on the device over state streamed from host
-    gpu_stream_ahead: int = 1  # streamed blocks whose state is brought in ahead of the block in backward
+    gpu_stream_ahead: int = 8  # streamed blocks whose state may be brought in ahead of the block in backward
     spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
     keep_for_backward_nbytes: int = 0  # weights a training forward may leave on the device for its backward
 

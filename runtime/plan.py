@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 IO_ALIGNMENT = 4096
 HEADER_NBYTES = 4096
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-# Streamed blocks' master + moments on the device at once, beyond those started ahead of the backward
-# (optimizer.gpu_stream_ahead): the one being updated and one being written back.
-STREAMED_IN_FLIGHT = 2
+# Streamed blocks' master + moments on the device at once outside the activations' memory: the one being
+# updated, the next, one being written back. Blocks further ahead (optimizer.gpu_stream_ahead) only use
+# memory the backward freed below the forward's peak, so they add nothing to the plan.
+STREAMED_IN_FLIGHT = 3
 STAGING_BLOCKS = 5  # NVMe-resident states staged in host memory at once: worker look-ahead + write-backs in flight
 
 
@@ -79,15 +80,14 @@ def _human(nbytes: int) -> str:
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
               prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None,
-              spilled: int = 0, streamed: int = 0, stream_ahead: int = 1) -> MemoryPlan:
+              spilled: int = 0, streamed: int = 0) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
     (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
     blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction). ``spilled``:
     the last that many of ``block_numels`` keep their moments on NVMe although ``homes`` says host
     (``placement.moments: auto`` when host memory cannot hold them all; see ``spill_moments``). ``streamed``:
     the first that many of ``block_numels`` are updated on the GPU over state streamed from host
-    (``optimizer.gpu_stream_fraction``): no host gradient, ``stream_ahead`` + 2 blocks of device state in flight
-    (``optimizer.gpu_stream_ahead``)."""
+    (``optimizer.gpu_stream_fraction``): no host gradient, a few blocks of device state in flight."""
     gpu_updated_numels = gpu_updated_numels or []
     plan_homes = dict(homes)
     if spilled and homes["exp_avg"] == "host":
@@ -117,7 +117,7 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
             plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * host_bytes(largest, 4)))
     plan.rows.append(("gradients (fp32, offloaded)", "host", sum(host_bytes(n, 4) for n in block_numels[streamed:])))
     if streamed:
-        in_flight = min(streamed, STREAMED_IN_FLIGHT + stream_ahead)
+        in_flight = min(streamed, STREAMED_IN_FLIGHT)
         plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu", in_flight * 3 * 4 * max(block_numels[:streamed])))
     if weight_source == "weights":
         plan.rows.append(("weights (compute dtype)", "host", sum(host_bytes(n, compute_itemsize) for n in block_numels)))

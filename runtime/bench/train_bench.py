@@ -249,9 +249,10 @@ def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
     base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4,
                                                            "gpu_update_fraction": int(options.get("f", 0)) / 100,
                                                            "cpu_threads": options.get("t", "auto"),
-                                                           "gpu_stream_fraction": int(options.get("s", 0)) / 100,
-                                                           "gpu_stream_ahead": int(options.get("a", 1))},
+                                                           "gpu_stream_fraction": int(options.get("s", 0)) / 100},
                             "prefetch": {"depth": 2, "keep_for_backward": "4GiB" if options.get("keep") else 0}}
+    if "a" in options:
+        base["optimizer"]["gpu_stream_ahead"] = int(options["a"])
     if row in ("host", "host-accum8"):
         base["placement"] = {"weights": "host", "master": "host", "moments": "host"}
     elif row == "gpu-weights":
