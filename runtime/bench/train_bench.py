@@ -163,19 +163,24 @@ def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumu
     disk_read, disk_write = [], []
     losses = []
     try:
+        # A step's time is the period between the ends of consecutive steps, as a training loop that logs its
+        # loss sees it: no device sync between steps, so copies still in flight at a step's end (state written
+        # back, weights refreshed) run into the next step and are charged wherever they delay it.
+        _sync()
+        t0 = time.perf_counter()
         for step in range(steps):
             c = session.controller.stats
             u0, f0 = c.wait_update_s, c.wait_fetch_s
             r0, w0 = disk["read"], disk["write"]
-            _sync()
-            t0 = time.perf_counter()
             for _ in range(accumulation):
                 loss = model(*batch)
                 loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())  # the loss of this step's forward: a host sync on the GPU work
-            step_s.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            step_s.append(t1 - t0)
+            t0 = t1
             wait_update.append(c.wait_update_s - u0)
             wait_fetch.append(c.wait_fetch_s - f0)
             disk_read.append(disk["read"] - r0)
