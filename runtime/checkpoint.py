@@ -359,9 +359,14 @@ def _release_fetched_weights(controller: "Controller") -> None:
     """Drop compute weights fetched before the load: they hold the old values. Non-resident blocks are
     fetched from the loaded master (or weights copy) on their next use."""
     weights = controller.weights
+    weights.release_refreshes()
+    if controller.device.type == "cuda":
+        # Refreshes of resident weights still copy from the host masters about to be overwritten.
+        torch.cuda.synchronize(controller.device)
     for index, state in enumerate(weights.states):
         if weights.source is WeightSource.RESIDENT or index in controller.gpu_updated:
-            continue  # refreshed from the loaded master below
+            weights.wait_refresh(index)  # refreshed from the loaded master below, after any refresh in flight
+            continue
         if state.users:
             raise RuntimeError(f"block {index}'s weights are in use by a forward; load a checkpoint between steps")
         weights.release(index)

@@ -215,8 +215,8 @@ class OptimizerConfig:
         "Streamed blocks (see `gpu_stream_fraction`) whose state may start moving to the GPU ahead of the "
         "block whose backward is running, so the copies overlap more of the backward. Each block ahead "
         "holds its master and moments (12 bytes per parameter) on the GPU; beyond the next block, only "
-        "while the memory in use stays below what the forward peaked at (memory the backward has freed), "
-        "so streaming ahead never raises the step's peak.", 4)
+        "while the memory in use stays below what it was when the backward began (memory the backward "
+        "has freed) and the GPU budget keeps room for the weight prefetch window.", 4)
     loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
 
 

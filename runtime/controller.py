@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
-from tierstore import CapacityError, CopyState, TensorMeta, TierName, TierStore
+from tierstore import CapacityError, CopyState, Handle, TensorMeta, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,10 @@ class Controller:
         self._capacity_refused: set[int] = set()  # blocks whose prefetch the GPU budget refused (only with listeners)
         self._kept: dict[int, int] = {}  # blocks a training forward left on the device for backward -> bytes, oldest first
         self._stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
+        self._gpu_writebacks: list[Handle] = []  # streamed state on its way back to host (device copy freed on landing)
+        # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
+        self._weights_window_nbytes = 0 if options.weight_source is WeightSource.RESIDENT else \
+            min(len(blocks), options.prefetch_depth + 2) * max((self.weights.nbytes(b.index) for b in blocks), default=0)
         self.scaler: _LossScaler | None = None
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
@@ -189,6 +193,7 @@ class Controller:
         for index, state in enumerate(self.weights.states):  # leftovers: prefetched for a path not taken
             if state.users == 0 and not self._in_backward_use[index]:
                 self._release(index)
+        self.weights.release_refreshes()  # no-op, unless a backward that held them raised before its end
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         self.schedule.begin(signature)
         if self.step_listeners:
@@ -313,47 +318,55 @@ class Controller:
     # ---- backward ------------------------------------------------------------------------------------
     def on_backward_begin(self, indices: list[int]) -> None:
         """Gradients w.r.t. a module's outputs are ready: its backward is next."""
-        streaming = self.last_micro and not self._deferred and bool(self.gpu_streamed)
-        if streaming and not self._backward_active:
-            self._begin_streaming()
+        if self.gpu_streamed and self.last_micro:
+            if not self._backward_active:
+                self._begin_streaming()
+            self._settle_writebacks()
         self._backward_active = True
         for index in indices:
             self.schedule.observe(index, "bwd")
             self._in_backward_use[index] = True
             self._ready(index)
-            if streaming:
-                self._stream_ahead(index)
+            if self.gpu_streamed and self.last_micro and not self._deferred:
+                # Backward runs in descending block order: this block, then the ones it reaches next.
+                self._stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1))
         self._prefetch()
 
     def _begin_streaming(self) -> None:
-        """The backward that ends in an update starts: note the memory the forward peaked at (state streamed
-        ahead may use what the backward frees below it), and hold resident-weight refreshes until every
-        streamed block's state is on its way (they are needed only by the next forward)."""
+        """The backward that ends in an update starts: note the memory in use now, at the end of the forward
+        (state streamed ahead may use what the backward frees below it), and, when the state streams during
+        the backward, hold resident-weight refreshes until every streamed block's state is on its way (they
+        are needed only by the next forward)."""
         self._stream_ceiling = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        if self.options.weight_source is WeightSource.RESIDENT:
+        if self.options.weight_source is WeightSource.RESIDENT and not self._deferred:
             self.weights.hold_refreshes()
 
-    def _stream_ahead(self, index: int) -> None:
-        """Backward runs in descending block order: bring in the state of this block and of the next one,
-        then of up to ``gpu_stream_ahead`` - 1 more while the memory in use stays below the forward's peak.
-        The nearest go first and a refusal stops the rest, so a block further ahead never holds room the
-        next update needs."""
-        last = max(index - 1 - self.options.gpu_stream_ahead, -1)
-        for ahead in range(index, last, -1):
-            if ahead < index - 1 and not self._room_to_stream(ahead):
+    def _settle_writebacks(self) -> None:
+        """Free the device copies of streamed state whose write-back has landed. Nothing else looks at those
+        copies during a backward, and their memory is what the next blocks' state is streamed into."""
+        self._gpu_writebacks = [h for h in self._gpu_writebacks if not h.done()]
+
+    def _stream_in_order(self, indices: Iterable[int]) -> None:
+        """Bring in the state of these blocks, nearest first: the first two at once, the rest while memory in
+        use stays below the ceiling (see _begin_streaming) and the GPU budget keeps room for weight fetches.
+        A refusal stops the rest, so a block further ahead never holds room a nearer update needs."""
+        for position, index in enumerate(indices):
+            if position >= 2 and not self._room_to_stream(index):
                 return
-            if not self._stream_in(ahead):
+            if not self._stream_in(index):
                 return
-            if ahead == min(self.gpu_streamed):
+            if index == min(self.gpu_streamed):
                 self.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
 
     def _room_to_stream(self, index: int) -> bool:
-        if index not in self.gpu_streamed or self._stream_ceiling is None:
+        if index not in self.gpu_streamed:
             return True
-        if self.store.state(self.blocks[index].key("master"), TierName.GPU) is not CopyState.ABSENT:
-            return True  # already there or on its way
-        state_nbytes = len(STATE_KINDS) * 4 * self.blocks[index].numel
-        return torch.cuda.memory_allocated(self.device) + state_nbytes <= self._stream_ceiling
+        block = self.blocks[index]
+        missing = sum(4 * block.numel for kind in STATE_KINDS
+                      if self.store.state(block.key(kind), TierName.GPU) is CopyState.ABSENT)
+        if self.store.tiers[TierName.GPU].free_nbytes - missing < self._weights_window_nbytes:
+            return False
+        return self._stream_ceiling is None or torch.cuda.memory_allocated(self.device) + missing <= self._stream_ceiling
 
     def _stream_in(self, index: int, required: bool = False) -> bool:
         """Start copying a streamed block's master and moments to the device (no-op for other blocks and for
@@ -369,7 +382,7 @@ class Controller:
         for kind in STATE_KINDS:
             try:
                 self.store.fetch(self.blocks[index].key(kind), TierName.GPU)
-            except CapacityError:
+            except (CapacityError, torch.OutOfMemoryError):  # an early copy is optional: the update fetches later
                 if required:
                     raise
                 return False
@@ -473,7 +486,13 @@ class Controller:
             multiplier = coef.to("cpu")
             self.stats.grad_norms.append(float(total))
         coef_device = None if multiplier is None else coef
-        for block, flat, has_grad, step in sorted(self._deferred_gpu, key=lambda item: item[0].index):
+        pending = sorted(self._deferred_gpu, key=lambda item: item[0].index)
+        updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
+        for block, flat, has_grad, step in pending:
+            if self.gpu_streamed:  # bring the next blocks' state in while this one updates
+                self._settle_writebacks()
+                later = updating[updating.index(block.index):] if block.index in updating else []
+                self._stream_in_order(later[: self.options.gpu_stream_ahead + 1])
             self._gpu_update(block, flat, has_grad, step, coef_device, skip=skip or flat is None)
         self._deferred_gpu = []
         for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
@@ -521,7 +540,7 @@ class Controller:
             if streamed:
                 for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
                     self.store.mark_dirty(block.key(kind), TierName.GPU, step=step)
-                    self.store.evict(block.key(kind), TierName.GPU)
+                    self._gpu_writebacks.append(self.store.evict(block.key(kind), TierName.GPU))
         self.worker.mark_updated(block.index, step)
 
     # ---- optimizer -----------------------------------------------------------------------------------

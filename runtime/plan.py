@@ -26,7 +26,7 @@ HEADER_NBYTES = 4096
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # Streamed blocks' master + moments on the device at once outside the activations' memory: the one being
 # updated, the next, one being written back. Blocks further ahead (optimizer.gpu_stream_ahead) only use
-# memory the backward freed below the forward's peak, so they add nothing to the plan.
+# memory the backward freed and within the GPU budget the plan leaves free, so they add nothing to it.
 STREAMED_IN_FLIGHT = 3
 STAGING_BLOCKS = 5  # NVMe-resident states staged in host memory at once: worker look-ahead + write-backs in flight
 

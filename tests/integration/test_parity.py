@@ -210,7 +210,7 @@ def test_weights_kept_for_backward_fetch_once_per_step_bit_identical():
     assert kept < partial < without, (kept, partial, without)
 
 
-@pytest.mark.parametrize("clip,weights,ahead", [(None, "host", 1), (0.5, "host", 1), (None, "gpu", 1), (None, "host", 2)])
+@pytest.mark.parametrize("clip,weights,ahead", [(None, "host", 1), (0.5, "host", 1), (None, "gpu", 1), (None, "host", 2), (0.5, "host", 2)])
 def test_streamed_gpu_update_bit_identical(clip, weights, ahead):
     """optimizer.gpu_stream_fraction: the streamed blocks' master and moments stay home in host memory,
     are copied to the device each step, updated there and written back; training is unchanged (on the
@@ -226,11 +226,11 @@ def test_streamed_gpu_update_bit_identical(clip, weights, ahead):
     streamed_in = {e.key for e in moments if e.kind == "h2d"}
     written_back = {e.key for e in moments if e.kind == "d2h"}
     assert streamed_in and streamed_in == written_back  # the moments went to the device and came back
-    if clip is None:  # streaming starts in backward (with clipping the update fetches once the norm is known)
-        first_write = next(i for i, e in enumerate(moments) if e.kind == "d2h")
-        in_before_first_write = {e.key for e in moments[:first_write] if e.kind == "h2d"}
-        assert len(in_before_first_write) == min(len(streamed_in), ahead + 1), in_before_first_write
-        assert len(streamed_in) >= ahead + 1  # enough streamed blocks that a shallower start would show
+    # In backward, or with clipping once the norm is known, the next blocks' state moves while one updates.
+    first_write = next(i for i, e in enumerate(moments) if e.kind == "d2h")
+    in_before_first_write = {e.key for e in moments[:first_write] if e.kind == "h2d"}
+    assert len(in_before_first_write) == min(len(streamed_in), ahead + 1), in_before_first_write
+    assert len(streamed_in) >= ahead + 1  # enough streamed blocks that a shallower start would show
 
 
 class _SkippingNet(torch.nn.Module):
@@ -283,3 +283,33 @@ def test_streamed_block_without_gradient_keeps_its_state_and_frees_the_device():
                 assert session.store.state(session.blocks[index].key(kind), TierName.GPU) is CopyState.ABSENT
     finally:
         session.close()
+
+
+def test_streaming_ahead_stays_within_the_planned_gpu_budget():
+    """optimizer.gpu_stream_ahead brings more streamed blocks in while the GPU budget allows, but never the
+    room the plan keeps for weight fetches: with tiers.gpu.budget set to exactly the plan's GPU bytes only
+    the blocks the plan counts are brought in early, and training is unchanged either way."""
+    from runtime.api import resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=8, num_heads=4, ffn_size=64, max_seq_len=64, tie_embeddings=False)
+    config = {"dtype": "fp32", "optimizer": {"gpu_stream_fraction": 0.8, "gpu_stream_ahead": 8, "grad_clip": None}}
+    planned = resolve_plan(build_blocks(ExampleLM(shape)), load_config(config), torch.device("cpu")).plan.gpu_nbytes
+
+    def early_and_all(events) -> tuple[int, int]:
+        moments = [e for e in events if e.key.endswith(".exp_avg") and e.kind in ("h2d", "d2h")]
+        first_write = next(i for i, e in enumerate(moments) if e.kind == "d2h")
+        return (len({e.key for e in moments[:first_write] if e.kind == "h2d"}),
+                len({e.key for e in moments if e.kind == "h2d"}))
+
+    counts = []
+    for budget in (None, planned):
+        run = {**config, "tiers": {"gpu": {"budget": budget}}} if budget else dict(config)
+        ours, theirs, weights, reference, events, _ = run_both(run, shape=shape)
+        assert ours == theirs
+        assert_identical(weights, reference)
+        counts.append(early_and_all(events))
+    (free_early, streamed), (capped_early, _) = counts
+    assert streamed > 4 and free_early == streamed  # unbounded: every streamed block before the first write-back
+    assert capped_early == 3, counts  # the plan's three: the next, the updated, the written back
