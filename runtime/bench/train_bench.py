@@ -5,6 +5,11 @@ table compares them. The bound of DESIGN.md, ``T_fwd + max(T_bwd, T_adam, T_pcie
 terms measured in the same call: forward and backward of the model resident on the GPU (the plain row),
 CPU fused AdamW over the same number of parameters with the runtime's thread count, and the PCIe and disk
 bytes of one step over the bandwidth a raw copy reaches.
+
+A tierstore row's step time is the median period between the ends of consecutive steps (no device sync in
+between, as a training loop logging its loss runs); the plain and DeepSpeed rows sync at both ends of each
+step, their work being synchronous with the step anyway. Each row also reports the CUDA allocator's
+retries, cudaMalloc / cudaFree counts and peak reservation.
 """
 
 from __future__ import annotations
