@@ -357,7 +357,8 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
 
 def _release_fetched_weights(controller: "Controller") -> None:
     """Drop compute weights fetched before the load: they hold the old values. Non-resident blocks are
-    fetched from the loaded master (or weights copy) on their next use."""
+    fetched from the loaded master (or weights copy) on their next use. Resident blocks are refilled by the
+    load; first every refresh still reading a host master (issued or held) has to finish."""
     weights = controller.weights
     weights.release_refreshes()
     if controller.device.type == "cuda":

@@ -362,7 +362,7 @@ class Controller:
         if index not in self.gpu_streamed:
             return True
         block = self.blocks[index]
-        missing = sum(4 * block.numel for kind in STATE_KINDS
+        missing = sum(self.store.record(block.key(kind)).meta.nbytes for kind in STATE_KINDS
                       if self.store.state(block.key(kind), TierName.GPU) is CopyState.ABSENT)
         if self.store.tiers[TierName.GPU].free_nbytes - missing < self._weights_window_nbytes:
             return False

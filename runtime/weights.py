@@ -41,7 +41,6 @@ class BlockWeights:
     staging: torch.Tensor | None = None  # fp32 bytes on the device awaiting the cast (MASTER source)
     users: int = 0  # modules running forward / backward with these weights now
     prefetched: bool = False  # the fetch was issued ahead of the need
-    refresh_held: bool = False  # a RESIDENT refresh is queued behind hold_refreshes(), not issued yet
 
 
 class WeightManager:
@@ -65,7 +64,8 @@ class WeightManager:
         # fetch / wait / release come from the training thread and the optimizer worker (a fetch issued
         # the moment an update lands): one lock keeps a block's state changes whole.
         self._lock = threading.RLock()
-        self._held_refreshes: list[tuple[int, torch.Tensor]] | None = None  # None: refreshes go out at once
+        # RESIDENT refreshes queued behind hold_refreshes(): block index -> staging. None: they go out at once.
+        self._held_refreshes: dict[int, torch.Tensor] | None = None
 
     @property
     def needs_cast(self) -> bool:
@@ -192,8 +192,7 @@ class WeightManager:
         is returned; ``wait_refresh`` or ``release_refreshes`` issues it."""
         with self._lock:
             if may_hold and self._held_refreshes is not None:
-                self._held_refreshes.append((index, staging))
-                self.states[index].refresh_held = True
+                self._held_refreshes[index] = staging
                 return None
             return self._issue_refresh(index, staging)
 
@@ -202,16 +201,19 @@ class WeightManager:
         state of blocks updated on the device during this backward) get the host-to-device link first."""
         with self._lock:
             if self._held_refreshes is None:
-                self._held_refreshes = []
+                self._held_refreshes = {}
 
     def release_refreshes(self) -> None:
         """Issue the held refreshes in forward order (the next forward needs the first blocks first) and
         stop holding."""
         with self._lock:
-            held, self._held_refreshes = self._held_refreshes or [], None
-            for index, staging in sorted(held, key=lambda item: item[0]):
-                self.states[index].refresh_held = False
-                self._issue_refresh(index, staging)
+            held, self._held_refreshes = self._held_refreshes or {}, None
+            for index in sorted(held):
+                self._issue_refresh(index, held[index])
+
+    def is_refresh_held(self, index: int) -> bool:
+        """True while block index's refresh is queued behind hold_refreshes()."""
+        return self._held_refreshes is not None and index in self._held_refreshes
 
     def _issue_refresh(self, index: int, staging: torch.Tensor) -> Handle:
         state = self.states[index]
@@ -232,7 +234,7 @@ class WeightManager:
         ones first when this block's is among them)."""
         with self._lock:
             state = self.states[index]
-            if state.refresh_held:
+            if self.is_refresh_held(index):
                 self.release_refreshes()
             if state.handle is not None:
                 state.handle.wait_stream()

@@ -339,11 +339,11 @@ def test_held_refreshes_wait_until_released_or_needed():
         for index in (3, 1):
             s.store.tensor(s.blocks[index].key("master"), TierName.HOST).mul_(2.0)
             assert s.weights.refresh_resident(index, staging) is None  # queued
-            assert s.weights.states[index].refresh_held
+            assert s.weights.is_refresh_held(index)
             assert not holds_host_master(s, index)  # the old weights until the refresh goes out
         s.weights.wait_refresh(3)
         for index in (1, 3):
-            assert not s.weights.states[index].refresh_held
+            assert not s.weights.is_refresh_held(index)
             assert holds_host_master(s, index)
         s.store.tensor(s.blocks[2].key("master"), TierName.HOST).mul_(2.0)
         assert s.weights.refresh_resident(2, staging) is not None  # no longer held: issued at once
