@@ -60,3 +60,24 @@ def adamw_update(
         amsgrad=False,
         maximize=False,
     )
+
+
+def adamw_update_grouped(
+    master: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: list[torch.Tensor],
+    exp_avg_sq: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hypers: list[AdamWHyper],
+) -> None:
+    """``adamw_update`` where each tensor has its own hyper-parameters (its parameter group's): one fused call
+    per distinct setting, as torch.optim.AdamW makes one per group. The update is elementwise, so grouping
+    does not change a bit of the result."""
+    groups: dict[AdamWHyper, list[int]] = {}
+    for position, hyper in enumerate(hypers):
+        groups.setdefault(hyper, []).append(position)
+    for hyper, positions in groups.items():
+        def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [tensors[p] for p in positions]
+
+        adamw_update(pick(master), pick(grads), pick(exp_avg), pick(exp_avg_sq), pick(steps), hyper)

@@ -15,9 +15,11 @@ from runtime.adam import AdamWHyper
 from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
 from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
-from runtime.hooks import HookSet
+from runtime.hooks import HookSet, StateDictHooks
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
-from runtime.optimizer import OffloadAdamW
+from runtime.optimizer import OffloadAdamW, param_groups_of
+from runtime.param_guard import ParamGuard
+from runtime.state_access import StateAccess
 from runtime.plan import MemoryPlan, available_host_nbytes, check_plan, host_headroom_nbytes, make_plan, spill_moments
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
@@ -29,7 +31,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass
 class OffloadSession:
-    """Everything ``offload`` built, for the caller that wants to inspect or shut it down."""
+    """Everything ``offload`` built, for the caller that wants to inspect, save or shut it down.
+
+    Usable as a context manager: ``with optimizer.session: ...`` closes it on the way out."""
 
     config: TierstoreConfig
     blocks: list[Block]
@@ -37,22 +41,77 @@ class OffloadSession:
     controller: Controller
     hooks: HookSet
     plan: MemoryPlan
+    model: nn.Module
+    access: StateAccess
+    guard: ParamGuard
+    state_dict_hooks: StateDictHooks
+    closed: bool = False
+
+    def __enter__(self) -> "OffloadSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (CPU tensors), after every committed update."""
-        self.controller.synchronize()
+        return self.access.slot_values("master")
+
+    def weights_of(self, block: Block) -> dict[str, torch.Tensor]:
+        """Block's current weights by parameter name: CPU tensors in the parameters' (compute) dtype."""
+        self.access.settle()
         out: dict[str, torch.Tensor] = {}
-        for block in self.blocks:
-            flat = self.controller.master_tensor(block)
+        dtype = self.controller.options.compute_dtype
+
+        def take(flat: torch.Tensor) -> None:
             for slot in block.slots:
-                out[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                out[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", dtype, copy=True)
+
+        self.access.read_state(block, "master", take)
         return out
 
     def close(self) -> None:
-        """Finish updates, take the hooks off, free every tier and delete swap files."""
-        self.controller.close()
-        self.hooks.remove()
-        self.store.close()
+        """Finish updates, free every tier and delete swap files. The model becomes a plain module again: its
+        parameters hold the trained weights on the CPU in their original dtype (from the fp32 masters). Where
+        they do not fit in host memory they are left on the meta device, with a warning: save them first
+        (``model.save_pretrained`` or ``runtime.integrations.safetensors_export.save_sharded``)."""
+        if self.closed:
+            return
+        values: dict[str, torch.Tensor] | None = None
+        try:
+            if not self.controller.step_pending:
+                values = self.access.slot_values("master", {s.name: s.dtype for b in self.blocks for s in b.slots})
+            else:
+                log.warning("close(): a backward ran since the last optimizer.step(); that step is dropped")
+                self.controller.discard_pending()
+                values = self.access.slot_values("master", {s.name: s.dtype for b in self.blocks for s in b.slots})
+        except MemoryError as exc:
+            log.warning("close(): the trained weights do not fit in host memory, the parameters are left on the meta "
+                        "device (%s)", exc)
+        finally:
+            self.closed = True
+            self.controller.close()
+            self.hooks.remove()
+            self.state_dict_hooks.remove()
+            self.guard.remove()
+            for block in self.blocks:
+                for slot in block.slots:
+                    value = values[slot.name] if values is not None else torch.empty(slot.shape, dtype=slot.dtype, device="meta")
+                    slot.param.data = value
+            _move_rest(self.model, torch.device("cpu"))
+            self.store.close()
+
+
+def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | None = None) -> None:
+    """Move buffers and the parameters tierstore does not offload to device."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+        for name, p in list(module._parameters.items()):
+            if p is not None and (offloaded is None or id(p) not in offloaded) and not p.is_meta:
+                if offloaded is not None or p.device != device:
+                    p.data = p.data.to(device)
 
 
 def resolve_device(config: TierstoreConfig) -> torch.device:
@@ -94,7 +153,8 @@ def resolve_homes(config: TierstoreConfig, device: torch.device) -> tuple[dict[s
 
 
 def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-            record_intervals: bool = False, init: ParamInit | None = None) -> tuple[nn.Module, OffloadAdamW]:
+            record_intervals: bool = False, init: ParamInit | None = None, *,
+            param_groups: list[dict[str, Any]] | None = None) -> tuple[nn.Module, OffloadAdamW]:
     """Offload model's training state to the tiers the config describes.
 
     Returns the same model (hooked; its parameters now views into per-block buffers on the compute device)
@@ -104,6 +164,11 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     A model built under ``torch.device("meta")`` (one too large to exist on the host) needs ``init``: a
     function ``init(name, tensor)`` that fills one parameter in place; it is called block by block, just
     before the block is copied into the store.
+
+    ``param_groups``: torch-style parameter groups (``[{"params": [...], "weight_decay": 0.0}, ...]``, parameters
+    given as tensors or names) with their own lr / betas / eps / weight_decay; default: one group.
+    The parameters stay ordinary to read and write between steps (``runtime.param_guard``), and
+    ``state_dict()`` / ``load_state_dict()`` read and write the tiers.
     """
     cfg = config if isinstance(config, TierstoreConfig) else load_config(config)
     device = resolve_device(cfg)
@@ -130,14 +195,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                          f"raise it or use auto\n{plan.table()}")
     log.debug("%s", plan.table())
     # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
-    offloaded = {id(slot.param) for b in blocks for slot in b.slots}
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None:
-                module._buffers[name] = buf.to(device)
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in offloaded:
-                p.data = p.data.to(device)
+    _move_rest(model, device, {id(slot.param) for b in blocks for slot in b.slots})
     pin = None if cfg.tiers.host.pin == "auto" else bool(cfg.tiers.host.pin)
     direct = cfg.tiers.nvme.direct_io
     direct = {True: "on", False: "off"}.get(direct, direct)  # type: ignore[arg-type]
@@ -145,15 +203,27 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                                   pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
                                   nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
                                   io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
+    hooks = guard = None
     try:
         options = _options(cfg, dtype, source, homes, record_intervals, resolved.spilled_blocks)
         controller = Controller(model, blocks, store, options, init=init, uninitialized=uninitialized)
+        access = StateAccess(controller)
+        offloaded = [slot.param for b in blocks for slot in b.slots]
+        groups = param_groups_of(model, param_groups, offloaded)
         hooks = HookSet(model, blocks, controller)
+        guard = ParamGuard(blocks, access, controller.clipper)
+        guard.install()
+        session = OffloadSession(cfg, blocks, store, controller, hooks, plan, model, access, guard,
+                                 StateDictHooks(model, blocks, lambda block: session.weights_of(block)))
+        optimizer = OffloadAdamW(groups, controller, access)
     except BaseException:
+        if guard is not None:
+            guard.remove()
+        if hooks is not None:
+            hooks.remove()
         store.close()
         raise
-    optimizer = OffloadAdamW([slot.param for b in blocks for slot in b.slots], controller)
-    optimizer.session = OffloadSession(cfg, blocks, store, controller, hooks, plan)  # type: ignore[attr-defined]
+    optimizer.session = session  # type: ignore[attr-defined]
     return model, optimizer
 
 
@@ -240,4 +310,4 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, hom
         prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=int(threads),
         record_intervals=record_intervals, gpu_update_fraction=opt.gpu_update_fraction, spilled_blocks=spilled_blocks,
         gpu_stream_fraction=opt.gpu_stream_fraction, gpu_stream_ahead=opt.gpu_stream_ahead,
-        keep_for_backward_nbytes=int(cfg.prefetch.keep_for_backward))
+        keep_for_backward_nbytes=int(cfg.prefetch.keep_for_backward), hold_updates=opt.user_grad_clip)

@@ -222,7 +222,7 @@ def _scalar_state(session: "OffloadSession", controller: "Controller", tensors: 
                      "batch_size": getattr(data, "batch_size", None), "seq_len": getattr(data, "seq_len", None)}
     return {
         "format": FORMAT, "version": VERSION, "byte_order": "little", "step": controller.optimizer_step,
-        "created_unix_s": time.time(), "torch_version": torch.__version__, "lr": controller.lr_source(),
+        "created_unix_s": time.time(), "torch_version": torch.__version__, "lr": controller.hyper_source()[0].lr,
         "config": CONFIG_NAME, "blocks": blocks, "tensors": tensors, "scaler": scaler, "data": data_meta,
         "rng": {"torch_cpu": "rng.torch_cpu.bin", "cuda": cuda_files,
                 "python": [py_version, list(py_internal), py_gauss],

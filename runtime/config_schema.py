@@ -190,6 +190,12 @@ class OptimizerConfig:
     weight_decay: float = _leaf(FloatSpec(min=0.0), 0.01, "Decoupled weight decay.")
     grad_clip: float | None = _leaf(FloatSpec(min=0.0, min_open=True, nullable=True), 1.0,
                                     "Global gradient-norm clipping threshold; null: no clipping.")
+    user_grad_clip: bool = _leaf(
+        BoolSpec(), False,
+        "Your training loop clips gradients itself (`torch.nn.utils.clip_grad_norm_`, HF Trainer's "
+        "`max_grad_norm`, `optimizer.clip_grad_norm_`): updates wait for `optimizer.step()` so the loop's clip "
+        "applies exactly, and `zero_grad()` before `step()` drops the step. Without it (and without `grad_clip` "
+        "or fp16) updates start as gradients land, and a clip in the loop raises an error instead of being ignored.")
     accumulation_steps: int = _leaf(IntSpec(min=1), 1,
                                     "Micro-batches whose gradients are summed per update.")
     overlap: str = _leaf(

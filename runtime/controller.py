@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from runtime.adam import AdamWHyper, adamw_update, split_views
+from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.blocks import Block
+from runtime.clipping import GradClipper, scale_slots
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
@@ -47,6 +48,7 @@ class RuntimeOptions:
     gpu_stream_ahead: int = 8  # streamed blocks whose state may be brought in ahead of the block in backward
     spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
     keep_for_backward_nbytes: int = 0  # weights a training forward may leave on the device for its backward
+    hold_updates: bool = False  # updates wait for optimizer.step() (the user's loop clips: optimizer.user_grad_clip)
 
 
 @dataclass
@@ -120,10 +122,16 @@ class Controller:
         sys.setswitchinterval(min(self._switch_interval, 0.0005))
         self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals)
         self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
-        self.lr_source: Callable[[], float] = lambda: options.hyper.lr  # the optimizer's param_groups[0]["lr"]
+        self.param_slot = {id(slot.param): (block.index, position) for block in blocks for position, slot in enumerate(block.slots)}
+        # AdamW hyper-parameters of each parameter group, read when a block's update is queued (the optimizer's
+        # param_groups), and the group of each block's parameters.
+        self.hyper_source: Callable[[], list[AdamWHyper]] = lambda: [options.hyper]
+        self.slot_groups: list[list[int]] = [[0] * len(block.slots) for block in blocks]
+        self.clipper = GradClipper(self)
         self.optimizer_step = 0  # committed optimizer steps
         self.micro = 0  # backward passes since the last committed step
         self._update_pending = False  # the last micro-batch's backward ran; step() not yet called
+        self._interrupted: str | None = None  # why the blocks are at different steps (an abandoned streaming step)
         self._grad_counts = [0] * len(blocks)
         self._in_backward_use = [False] * len(blocks)
         self._backward_active = False
@@ -131,7 +139,6 @@ class Controller:
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
-        self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient norm (clipping)
         self.stats = StepStats()
         # Optional observers (the profiler). Empty lists cost one truth test per wait / step boundary.
         self.stall_listeners: list[Callable[[StallEvent], None]] = []
@@ -184,6 +191,14 @@ class Controller:
 
     def on_step_begin(self) -> None:
         """The model's forward starts: close the previous trace and open one for this signature."""
+        self.check_not_interrupted()
+        if self._backward_active:  # the last backward raised and the user carried on: drop its step
+            log.warning("the previous backward did not finish (an exception?); its step is dropped")
+            self.discard_pending()
+        for index, state in enumerate(self.weights.states):
+            if state.users:  # a forward raised inside this block: nothing else holds it
+                state.users = 0
+                self._release(index)
         if self._update_pending:
             raise RuntimeError(
                 "the model ran forward after the last micro-batch's backward without optimizer.step(): call "
@@ -407,7 +422,6 @@ class Controller:
         self._backward_active = False
         self.weights.release_refreshes()  # no-op unless a backward held them
         if self.last_micro:
-            self._finish_update_submission()
             self._update_pending = True
         self.micro += 1
         self.stats.backward_end_s.append(time.perf_counter())
@@ -432,10 +446,10 @@ class Controller:
             if self._deferred:
                 self._deferred_gpu.append((block, None, has_grad, step))
             else:  # nothing to update; a streamed block's state brought in for it is dropped
-                self._gpu_update(block, None, has_grad, step, None, skip=True)
+                self._gpu_update(block, None, has_grad, step, skip=True)
             return
         if not any(has_grad):
-            job = UpdateJob(block, None, step, self.lr_source(), skip=True)
+            job = UpdateJob(block, None, step, self._block_hypers(block), skip=True)
         else:
             flat = torch.empty(block.numel, dtype=torch.float32, device=self.device)
             with torch.no_grad():
@@ -449,43 +463,47 @@ class Controller:
                 views = [v for v, present in zip(split_views(flat, [s.numel for s in block.slots]), has_grad) if present]
                 if self.scaler is not None:
                     torch._amp_foreach_non_finite_check_and_unscale_(views, self.found_inf, self.scaler.inv_scale())
-                if self.options.grad_clip is not None:
-                    norms = torch._foreach_norm(views, 2.0)
-                    for slot, norm in zip([s for s, p in zip(block.slots, has_grad) if p], norms):
-                        self._norms[slot.index] = norm
+                # Updates that wait for the commit keep each gradient's norm: clipping (ours or the user's).
+                self.clipper.record(block, has_grad, list(torch._foreach_norm(views, 2.0)) if self._deferred else None)
             if on_device:
                 if self._deferred:
                     self._deferred_gpu.append((block, flat, has_grad, step))
                 else:
-                    self._gpu_update(block, flat, has_grad, step, None, skip=False)
+                    self._gpu_update(block, flat, has_grad, step, skip=False)
                 return
             handle = self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
-            job = UpdateJob(block, handle, step, self.lr_source(), mask=None if all(has_grad) else has_grad)
+            job = UpdateJob(block, handle, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
         if self._deferred:
             self._deferred_jobs.append(job)
         else:
             self.worker.submit(job)
 
+    def _block_hypers(self, block: Block) -> list[AdamWHyper]:
+        """Each of block's parameters' AdamW hyper-parameters, as its parameter group holds them now."""
+        groups = self.hyper_source()
+        return [groups[g] for g in self.slot_groups[block.index]]
+
     @property
     def _deferred(self) -> bool:
-        return self.options.grad_clip is not None or self.scaler is not None
+        """Updates wait for the step's commit: the whole gradient decides them (clipping, fp16 overflow)."""
+        return self.options.grad_clip is not None or self.scaler is not None or self.options.hold_updates
 
     def _finish_update_submission(self) -> None:
-        """Deferred mode: every gradient is on its way to host; decide clip and skip, then release the jobs
-        in forward order (the next forward needs the first blocks first)."""
+        """Deferred mode, at the commit: every gradient is on its way to host; decide clip and skip, then release
+        the jobs in forward order (the next forward needs the first blocks first)."""
         if not self._deferred:
             return
         skip = False
         if self.scaler is not None:
             skip = bool(self.found_inf.item())
-        multiplier = None
-        if self.options.grad_clip is not None and self._norms and not skip:
-            norms = [self._norms[i] for i in sorted(self._norms)]
-            total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-            coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
-            multiplier = coef.to("cpu")
-            self.stats.grad_norms.append(float(total))
-        coef_device = None if multiplier is None else coef
+        coef = None
+        total = self.clipper.total_norm() if not skip else None
+        if total is not None:
+            self.clipper.last_grad_norm = float(self.clipper.total_norm(scaled=False))  # before any clip, as logged
+            if self.options.grad_clip is not None:
+                coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
+                self.stats.grad_norms.append(float(total))
+        multiplier = None if coef is None else coef.to("cpu")
         pending = sorted(self._deferred_gpu, key=lambda item: item[0].index)
         updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
         for block, flat, has_grad, step in pending:
@@ -493,10 +511,15 @@ class Controller:
                 self._settle_writebacks()
                 later = updating[updating.index(block.index):] if block.index in updating else []
                 self._stream_in_order(later[: self.options.gpu_stream_ahead + 1])
-            self._gpu_update(block, flat, has_grad, step, coef_device, skip=skip or flat is None)
+            if flat is not None and not skip:
+                scale_slots(flat, block, self.clipper.user_scales(block), coef)
+            self._gpu_update(block, flat, has_grad, step, skip=skip or flat is None)
         self._deferred_gpu = []
         for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
             job.grad_multiplier = multiplier
+            scales = self.clipper.user_scales(job.block)
+            job.slot_multipliers = None if scales is None else [s if s is None else s.to("cpu") for s in scales]
+            job.hypers = self._block_hypers(job.block)  # the param_groups as the commit finds them
             job.skip = job.skip or skip
             self.worker.submit(job)
         if skip:
@@ -507,13 +530,11 @@ class Controller:
             self.scaler.update(self.found_inf)
             self.found_inf.zero_()
         self._deferred_jobs = []
-        self._norms = {}
 
-    def _gpu_update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int,
-                    multiplier: torch.Tensor | None, skip: bool) -> None:
-        """AdamW on the device, stream-ordered on the current stream. A block whose state lives there gets its
-        compute weights recast (the next forward needs no host-side wait); a streamed block's state is
-        written back to pinned host memory, and the next forward's fetch waits for that copy."""
+    def _gpu_update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int, skip: bool) -> None:
+        """AdamW on the device, stream-ordered on the current stream (the gradient already scaled). A block whose
+        state lives there gets its compute weights recast (the next forward needs no host-side wait); a streamed
+        block's state is written back to pinned host memory, and the next forward's fetch waits for that copy."""
         streamed = block.index in self.gpu_streamed
         if streamed and (skip or grad is None):
             for kind in STATE_KINDS:  # brought in for nothing: drop the clean device copies
@@ -522,8 +543,6 @@ class Controller:
                     self.store.tensor(key, TierName.GPU)  # let a copy in flight land first
                     self.store.release(key, TierName.GPU)
         if not skip and grad is not None:
-            if multiplier is not None:
-                grad.mul_(multiplier)
             sizes = [slot.numel for slot in block.slots]
 
             def views(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -532,9 +551,9 @@ class Controller:
             if streamed:
                 self._stream_in(block.index, required=True)  # on demand when the budget refused it earlier
             state = {kind: self.store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
-            adamw_update(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
-                         [s for s, keep in zip(self.gpu_param_steps[block.index], has_grad) if keep],
-                         self.options.hyper, lr=self.lr_source())
+            adamw_update_grouped(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
+                                 [s for s, keep in zip(self.gpu_param_steps[block.index], has_grad) if keep],
+                                 [h for h, keep in zip(self._block_hypers(block), has_grad) if keep])
             if not streamed or self.options.weight_source is WeightSource.RESIDENT:
                 self.weights.load_resident(block.index, state["master"])  # recast from the device master
             if streamed:
@@ -546,11 +565,16 @@ class Controller:
     # ---- optimizer -----------------------------------------------------------------------------------
     def step(self) -> None:
         """Commit the optimizer step whose updates the last backward started."""
+        self.check_not_interrupted()
+        if not self._update_pending and self.micro == 0 and not self._backward_active:
+            return  # no backward since the last step (or its step was dropped): like torch, nothing to do
         if not self._update_pending:
             raise RuntimeError(
                 f"optimizer.step() called after {self.micro} backward pass(es); the config's "
                 f"optimizer.accumulation_steps is {self.options.accumulation_steps}: call backward that many times per step"
             )
+        self._finish_update_submission()
+        self.clipper.reset()
         self._update_pending = False
         self._updating.clear()
         self.optimizer_step += 1
@@ -561,6 +585,65 @@ class Controller:
     def synchronize(self) -> None:
         """Block until every committed update has finished."""
         self.worker.synchronize(self.optimizer_step)
+
+    # ---- between-step access (runtime.state_access) --------------------------------------------------
+    @property
+    def step_pending(self) -> bool:
+        """True from the first backward of a step until optimizer.step() commits it."""
+        return self._update_pending or self.micro > 0 or self._backward_active
+
+    def in_backward_use(self, index: int) -> bool:
+        """True while block index's weights are held for a backward (or its recomputation)."""
+        return self._in_backward_use[index]
+
+    def release_block(self, index: int) -> None:
+        """Free block index's fetched compute weights (no-op when in use or always resident)."""
+        self._release(index)
+
+    def wait_block_current(self, index: int) -> None:
+        """Wait until block index's master holds its newest update: the committed step's, or, with streaming
+        updates between backward and optimizer.step(), the pending one (already under way)."""
+        pending = index in self._updating and not self._deferred
+        self.worker.wait_updated(index, self.optimizer_step + (1 if pending else 0))
+
+    def discard_pending(self) -> None:
+        """Drop the step in progress (zero_grad() before step(), or a caught exception in forward / backward),
+        as plain PyTorch drops its gradients. Updates that wait for the commit never ran: nothing changes. With
+        streaming updates some blocks may already be updated; then the next step refuses (see _interrupted)."""
+        if any(index not in self.gpu_updated and index not in self.gpu_streamed for index in self._updating) \
+                and not self._deferred:
+            self._interrupted = (f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
+                                 "started their update (updates start as gradients land), so the blocks are at "
+                                 "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
+                                 "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
+                                 "and an abandoned step changes nothing")
+        self._deferred_jobs, self._deferred_gpu = [], []
+        self.found_inf.zero_()
+        self.clipper.reset()
+        self._update_pending = False
+        self._backward_active = False
+        self.micro = 0
+        self._grad_counts = [0] * len(self.blocks)
+        self._in_backward_use = [False] * len(self.blocks)
+        self._updating.clear()
+        for index, state in enumerate(self.weights.states):
+            state.users = 0
+            self._release(index)
+        self.weights.release_refreshes()
+        for block in self.blocks:  # gradients of non-final micro-batches still on the device
+            for slot in block.slots:
+                torch.Tensor.grad.__set__(slot.param, None)
+
+    def check_not_interrupted(self) -> None:
+        """Raise when an abandoned step left blocks at different steps."""
+        if self._interrupted is not None:
+            raise RuntimeError(self._interrupted)
+
+    def wait_device_writebacks(self) -> None:
+        """Wait for streamed state still on its way back to host memory."""
+        for handle in self._gpu_writebacks:
+            handle.wait()
+        self._gpu_writebacks = []
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss times the current fp16 loss scale (identity without loss scaling)."""
@@ -623,3 +706,4 @@ def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:
         chosen.add(block.index)
         running += block.numel
     return frozenset(chosen)
+

@@ -102,3 +102,65 @@ class HookSet:
             handle.remove()
         self._handles = []
 
+
+
+class StateDictHooks:
+    """``state_dict()`` of an offloaded model holds the current weights; ``load_state_dict`` writes into the tiers.
+
+    The entries of offloaded parameters are CPU tensors in the parameter's dtype (the compute dtype), read
+    from the fp32 master: equal to the weights the next forward computes with. A block is read once per
+    ``state_dict()`` call (tied parameters give the same tensor). With ``keep_vars=True`` the entries are
+    the parameters themselves, as in torch. Loading goes through each parameter's ``copy_``, which the
+    parameter guard applies to the fp32 master (``runtime.param_guard``).
+    """
+
+    def __init__(self, model: nn.Module, blocks: list[Block], read_block: Any):
+        self._read_block = read_block  # read_block(block) -> {name: tensor}
+        self._slots = {id(slot.param): (block, slot) for block in blocks for slot in block.slots}
+        self._cache: dict[int, dict[str, torch.Tensor]] | None = None  # block index -> values, during one call
+        self._opener: nn.Module | None = None
+        self._keep_vars = False
+        self._handles: list[Any] = []
+        # Plain functions, not bound methods: torch marks the post-hook function with an attribute.
+        def pre(*args: Any) -> None:
+            self._pre(*args)
+
+        def post(*args: Any) -> None:
+            self._post(*args)
+
+        def pre_load(*args: Any) -> None:
+            self._pre_load(*args)
+
+        for module in model.modules():  # every module: the outermost state_dict() call opens the cache
+            self._handles.append(module.register_state_dict_pre_hook(pre))
+            self._handles.append(module.register_state_dict_post_hook(post))
+            self._handles.append(module.register_load_state_dict_pre_hook(pre_load))
+
+    def _pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._opener is None:
+            self._opener, self._cache, self._keep_vars = module, {}, keep_vars
+
+    def _post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if not self._keep_vars and self._cache is not None:
+            for name, param in module._parameters.items():
+                found = self._slots.get(id(param)) if param is not None else None
+                key = prefix + name
+                if found is None or key not in state_dict:
+                    continue
+                block, slot = found
+                if block.index not in self._cache:
+                    self._cache[block.index] = self._read_block(block)
+                state_dict[key] = self._cache[block.index][slot.name]
+        if module is self._opener:
+            self._opener, self._cache = None, None
+
+    def _pre_load(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *args: Any) -> None:
+        if local_metadata.get("assign_to_params_buffers") and any(id(p) in self._slots for p in module._parameters.values()):
+            raise RuntimeError("load_state_dict(assign=True) would replace the offloaded parameters; call it without "
+                               "assign: the values are written into the tiers")
+
+    def remove(self) -> None:
+        """Take the hooks off."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,30 +1,77 @@
 """The optimizer object ``offload`` returns: a torch.optim.Optimizer whose step commits the offloaded update.
 
-It is a real ``torch.optim.Optimizer`` (one parameter group holding every offloaded parameter), so learning
--rate schedulers work: the group's ``lr`` is read when a step's updates start. The update itself runs on the
-CPU worker as gradients arrive; ``step()`` commits it and returns at once, and the next forward waits for
-the blocks it needs.
+It is a real ``torch.optim.Optimizer``: parameter groups with their own ``lr``, ``betas``, ``eps`` and
+``weight_decay`` (read when a block's update is queued, so schedulers and hand edits take effect at the next
+step), ``state_dict()`` / ``load_state_dict()`` carrying the real Adam moments and step counters (streamed
+from and to the tiers), ``zero_grad()`` that drops a pending step exactly as plain PyTorch does, and
+``clip_grad_norm_`` / ``last_grad_norm`` for clipping in the user's loop. The update itself runs on the CPU
+worker (or the GPU) as gradients arrive; ``step()`` commits it and returns at once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from runtime.adam import AdamWHyper
 from runtime.controller import Controller
+
+if TYPE_CHECKING:
+    from runtime.state_access import StateAccess
+
+log = logging.getLogger(__name__)
+
+GROUP_KEYS = frozenset({"params", "lr", "betas", "eps", "weight_decay", "initial_lr", "name"})
+UNSUPPORTED = {"amsgrad": False, "maximize": False}  # AdamW options the offloaded update does not implement
 
 
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW whose state lives in tierstore. Use like torch.optim.AdamW; see ``scale_loss`` for fp16."""
 
-    def __init__(self, params: list[nn.Parameter], controller: Controller):
+    def __init__(self, params: Iterable[Any], controller: Controller, access: "StateAccess"):
         hyper = controller.options.hyper
         defaults = dict(lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps, weight_decay=hyper.weight_decay)
         super().__init__(params, defaults)
         self.controller = controller
-        controller.lr_source = lambda: float(self.param_groups[0]["lr"])
+        self.access = access
+        self._bind_groups()
+        controller.hyper_source = self._hypers
+
+    def _bind_groups(self) -> None:
+        """Tell the controller which group each offloaded parameter is in; refuse what the update can't honour."""
+        group_of: dict[int, int] = {}
+        for number, group in enumerate(self.param_groups):
+            unknown = sorted(set(group) - GROUP_KEYS - set(UNSUPPORTED))
+            if unknown:
+                raise ValueError(f"param_groups[{number}] has {unknown}: the offloaded AdamW takes lr, betas, eps and weight_decay")
+            for p in group["params"]:
+                if id(p) in group_of:
+                    raise ValueError(f"a parameter appears in param_groups {group_of[id(p)]} and {number}; list each once")
+                group_of[id(p)] = number
+        offloaded = {id(slot.param) for block in self.controller.blocks for slot in block.slots}
+        if set(group_of) - offloaded:
+            raise ValueError("param_groups hold parameters that are not offloaded (frozen, or not of this model): "
+                             "give the optimizer only the model's trainable parameters")
+        missing = [slot.name for block in self.controller.blocks for slot in block.slots if id(slot.param) not in group_of]
+        if missing:
+            raise ValueError(f"param_groups must hold every offloaded parameter; missing: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+        self.controller.slot_groups = [[group_of[id(slot.param)] for slot in block.slots] for block in self.controller.blocks]
+
+    def _hypers(self) -> list[AdamWHyper]:
+        """Each group's AdamW hyper-parameters as they stand now."""
+        out = []
+        for number, group in enumerate(self.param_groups):
+            for key, allowed in UNSUPPORTED.items():
+                if group.get(key, allowed) != allowed:
+                    raise ValueError(f"param_groups[{number}]['{key}'] = {group[key]!r} is not supported by the offloaded AdamW")
+            beta1, beta2 = group["betas"]
+            out.append(AdamWHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                                  weight_decay=float(group["weight_decay"])))
+        return out
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -37,14 +84,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop gradients held on the device (they are usually already offloaded and dropped)."""
+        """Drop gradients. Called before ``step()`` after a backward, it drops that step's pending update (as
+        plain PyTorch does: a step with no gradients changes nothing)."""
+        if self.controller.step_pending:
+            self.controller.discard_pending()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                grad = torch.Tensor.grad.__get__(p)  # the real one, not the stand-in of an offloaded gradient
+                if grad is not None:
                     if set_to_none:
-                        p.grad = None
+                        torch.Tensor.grad.__set__(p, None)
                     else:
-                        p.grad.zero_()
+                        grad.zero_()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """fp16: multiply the loss by the dynamic loss scale before backward (identity otherwise)."""
@@ -53,3 +104,113 @@ class OffloadAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Block until every committed update has finished (e.g. before reading weights)."""
         self.controller.synchronize()
+
+    # ---- clipping -----------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the pending step's gradients to a global 2-norm of ``max_norm``, exactly as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` would; returns the total norm.
+        Needs updates that wait for the commit (``optimizer.user_grad_clip: true``, or ``optimizer.grad_clip``)."""
+        return self.controller.clipper.clip(max_norm)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last committed step (None when no norm was taken: streaming updates
+        without clipping)."""
+        return self.controller.clipper.last_grad_norm
+
+    # ---- state ----------------------------------------------------------------------------------------
+    def _slots(self) -> list[tuple[int, Any, Any]]:
+        """(torch's state index, block, slot) of every offloaded parameter, in param_groups order."""
+        where = {id(slot.param): (block, slot) for block in self.controller.blocks for slot in block.slots}
+        out = []
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                block, slot = where[id(p)]
+                out.append((index, block, slot))
+                index += 1
+        return out
+
+    def _step_counter(self, block_index: int, position: int) -> torch.Tensor:
+        steps = self.controller.gpu_param_steps.get(block_index)
+        return steps[position] if steps is not None else self.controller.worker.param_steps[block_index][position]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's layout: ``state`` (per parameter index: ``step``, ``exp_avg``, ``exp_avg_sq``, CPU
+        tensors read from the tiers) and ``param_groups``. A parameter that was never updated has no state,
+        as in torch. Refused, with the numbers, when the moments would not fit in host memory."""
+        slots = self._slots()
+        updated = any(float(self._step_counter(b.index, b.slots.index(s))) > 0 for _, b, s in slots)
+        by_name = {kind: self.access.slot_values(kind) if updated else {} for kind in ("exp_avg", "exp_avg_sq")}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for index, block, slot in slots:
+            position = block.slots.index(slot)
+            step = self._step_counter(block.index, position)
+            if float(step) == 0.0:
+                continue
+            state[index] = {"step": step.detach().to("cpu", copy=True), "exp_avg": by_name["exp_avg"][slot.name],
+                            "exp_avg_sq": by_name["exp_avg_sq"][slot.name]}
+        groups, start = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of this optimizer (or of torch.optim.AdamW over the same parameters): the groups'
+        hyper-parameters, and each parameter's moments and step counter, written into the tiers."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, self.param_groups)):
+            raise ValueError("the optimizer state_dict's param_groups do not match this optimizer's (number of groups "
+                             "or parameters per group); load the state of an optimizer built over the same parameters")
+        for group, saved in zip(self.param_groups, groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        self._hypers()  # refuse unsupported settings now, not at the next step
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        self.access.settle()
+        per_block: dict[int, list[tuple[int, Any, dict[str, torch.Tensor]]]] = {}
+        for index, block, slot in self._slots():
+            entry = saved_state.get(index, {})
+            position = block.slots.index(slot)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if kind in entry and tuple(entry[kind].shape) != tuple(slot.shape):
+                    raise ValueError(f"optimizer state of {slot.name}: {kind} has shape {tuple(entry[kind].shape)}, "
+                                     f"the parameter {tuple(slot.shape)}")
+            per_block.setdefault(block.index, []).append((position, slot, entry))
+            step = entry.get("step", 0.0)
+            self._step_counter(block.index, position).fill_(float(step))
+        for block in self.controller.blocks:
+            entries = per_block.get(block.index, [])
+            for kind in ("exp_avg", "exp_avg_sq"):
+                def write(flat: torch.Tensor, entries: list[Any] = entries, kind: str = kind) -> None:
+                    for _position, slot, entry in entries:
+                        view = flat[slot.offset : slot.offset + slot.numel]
+                        value = entry.get(kind)
+                        view.copy_(value.reshape(-1)) if value is not None else view.zero_()
+
+                self.access.write_state(block, kind, write)
+
+
+def param_groups_of(model: nn.Module, groups: list[dict[str, Any]] | None, offloaded: list[nn.Parameter]) -> list[dict[str, Any]]:
+    """The optimizer's param_groups: the user's (parameters given as tensors or as names of ``model``), or one
+    group of every offloaded parameter."""
+    if groups is None:
+        return [{"params": offloaded}]
+    named = dict(model.named_parameters())
+    out = []
+    for number, group in enumerate(groups):
+        if "params" not in group:
+            raise ValueError(f"param_groups[{number}] has no 'params'")
+        params = []
+        for p in group["params"]:
+            if isinstance(p, str):
+                if p not in named:
+                    raise ValueError(f"param_groups[{number}]: the model has no parameter named {p!r}")
+                p = named[p]
+            params.append(p)
+        out.append({**group, "params": params})
+    return out

@@ -26,8 +26,9 @@ from typing import Callable
 
 import torch
 
-from runtime.adam import AdamWHyper, adamw_update, split_views
+from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.blocks import Block
+from runtime.clipping import scale_slots
 from runtime.weights import WeightManager, WeightSource
 from tierstore import CapacityError, Handle, TierName, TierStore
 
@@ -43,8 +44,9 @@ class UpdateJob:
     block: Block
     grad_handle: Handle | None  # the D2H copy filling the block's host gradient
     step: int  # the optimizer step this update makes (1-based)
-    lr: float
+    hypers: list[AdamWHyper]  # per parameter of the block: its group's hyper-parameters
     grad_multiplier: torch.Tensor | None = None  # clip coefficient (0-dim fp32, CPU), applied before Adam
+    slot_multipliers: list[torch.Tensor | None] | None = None  # the user's clip factor per parameter (CPU)
     skip: bool = False  # fp16 overflow: mark updated without changing anything
     mask: list[bool] | None = None  # per parameter: got a gradient (None: all did); others are not updated
 
@@ -209,22 +211,20 @@ class UpdateWorker:
         adam_start = time.perf_counter()
         self.stats.wait_inputs_s += adam_start - start
         if not job.skip:
-            if job.grad_multiplier is not None:
-                grad.mul_(job.grad_multiplier)
+            scale_slots(grad, block, job.slot_multipliers, job.grad_multiplier)
             sizes = [slot.numel for slot in block.slots]
             keep = job.mask or [True] * len(sizes)
 
             def views(flat: torch.Tensor) -> list[torch.Tensor]:
                 return [v for v, k in zip(split_views(flat, sizes), keep) if k]
 
-            adamw_update(
+            adamw_update_grouped(
                 views(host["master"]),
                 views(grad),
                 views(host["exp_avg"]),
                 views(host["exp_avg_sq"]),
                 [s for s, k in zip(self.param_steps[index], keep) if k],
-                self.hyper,
-                lr=job.lr,
+                [h for h, k in zip(job.hypers, keep) if k],
             )
             for kind in STATE_KINDS:
                 self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)

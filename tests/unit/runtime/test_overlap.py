@@ -4,6 +4,7 @@ callbacks, and NVMe write-backs."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -18,7 +19,7 @@ from runtime.weights import WeightSource
 from tests.unit.runtime.test_weights import F32, Setup, make_setup
 from tierstore import CopyState, Handle, TierName
 
-HYPER = AdamWHyper(lr=1.0, beta1=0.85, beta2=0.99, eps=1e-7, weight_decay=0.05)  # job.lr overrides hyper.lr
+HYPER = AdamWHyper(lr=1.0, beta1=0.85, beta2=0.99, eps=1e-7, weight_decay=0.05)  # jobs carry lr=LR
 LR = 1e-2
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -97,7 +98,8 @@ def set_grads(s: Setup, seed: int) -> dict[int, torch.Tensor]:
 
 
 def job(s: Setup, index: int, step: int, **kwargs) -> UpdateJob:
-    return UpdateJob(s.blocks[index], kwargs.pop("grad_handle", None), step, LR, **kwargs)
+    hyper = dataclasses.replace(HYPER, lr=LR)
+    return UpdateJob(s.blocks[index], kwargs.pop("grad_handle", None), step, [hyper] * len(s.blocks[index].slots), **kwargs)
 
 
 def snapshot(s: Setup) -> dict[tuple[int, str], torch.Tensor]:

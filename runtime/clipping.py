@@ -1,0 +1,199 @@
+"""Gradient norms and clipping of the pending step, for tierstore's own clipping and for the user's loop.
+
+A block's gradient leaves the device as soon as its backward completes, so after ``backward()`` a plain
+``p.grad`` would be gone. When updates wait for the step to commit (``optimizer.grad_clip`` set, fp16 loss
+scaling, or ``optimizer.user_grad_clip: true``), each parameter's gradient norm is taken on the device
+before the gradient leaves, and ``p.grad`` returns an ``OffloadedGrad``: a tensor with the gradient's
+shape, dtype and device and no storage. The calls ``torch.nn.utils.clip_grad_norm_`` makes on it act on
+the offloaded gradient exactly: its norm is the stored one, and ``mul_`` by the clip coefficient scales the
+gradient before the update (applied at ``optimizer.step()``). Any other use raises an error that says what
+to call instead. With streaming updates (they start as gradients land) a norm or a scale asked for after
+backward raises, naming the config keys that make it exact.
+
+What it leaves out: when updates are submitted (``runtime.controller``), the per-block Adam
+(``runtime.overlap``, ``runtime.adam``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from runtime.blocks import Block
+
+if TYPE_CHECKING:
+    from runtime.controller import Controller
+
+log = logging.getLogger(__name__)
+
+_NORM_CALLS = frozenset({torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm})
+_SCALE_CALLS = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
+_GRAD_METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+                            torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.ndim.__get__,
+                            torch.Tensor.is_cuda.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
+                            torch.Tensor.requires_grad_, torch.Tensor.is_sparse.__get__, torch.Tensor.is_floating_point,
+                            torch.Tensor.element_size, torch.Tensor.__len__})
+
+
+class OffloadedGrad(torch.Tensor):
+    """Stands for a parameter's gradient that already left the device for the pending step (no storage)."""
+
+    clipper: "GradClipper"
+    slot: tuple[int, int]  # (block index, position in the block)
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, clipper: "GradClipper", slot: tuple[int, int]) -> "OffloadedGrad":
+        grad = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        grad.clipper = clipper
+        grad.slot = slot
+        return grad
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        grads = [a for a in _flat(args) if isinstance(a, OffloadedGrad)]
+        return grads[0].clipper.grad_call(func, args, kwargs, grads)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        raise RuntimeError(f"{func} reached an offloaded gradient's storage, which lives off the device")
+
+
+def _flat(args: tuple[Any, ...]) -> list[Any]:
+    out: list[Any] = []
+    for arg in args:
+        out.extend(arg) if isinstance(arg, (list, tuple)) else out.append(arg)
+    return out
+
+
+class GradClipper:
+    """Per-parameter gradient norms and user scale factors of the step in progress."""
+
+    def __init__(self, controller: "Controller"):
+        self.controller = controller
+        self._norms: dict[tuple[int, int], torch.Tensor] = {}  # slot -> its gradient's 2-norm (device, fp32)
+        self._scales: dict[tuple[int, int], torch.Tensor] = {}  # slot -> product of the user's scale factors
+        self._proxies: dict[tuple[int, int], OffloadedGrad] = {}
+        self.last_grad_norm: float | None = None  # the global gradient norm of the last committed step
+
+    # ---- filled by the controller during backward -----------------------------------------------------
+    def record(self, block: Block, has_grad: list[bool], norms: list[torch.Tensor] | None) -> None:
+        """Block's gradients left the device; ``norms`` (one per parameter that had a gradient) when updates
+        wait for the commit."""
+        present = [position for position, has in enumerate(has_grad) if has]
+        for n, position in enumerate(present):
+            slot = (block.index, position)
+            if norms is not None:
+                self._norms[slot] = norms[n]
+            self._proxies[slot] = OffloadedGrad(block.slots[position].param, self, slot)
+
+    def reset(self) -> None:
+        """Forget the pending step (committed or discarded)."""
+        self._norms, self._scales, self._proxies = {}, {}, {}
+
+    # ---- the user's side ------------------------------------------------------------------------------
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param.grad`` as the user sees it: the real one, or the stand-in of one that left the device."""
+        slot = self.controller.param_slot.get(id(param))
+        proxy = self._proxies.get(slot) if slot is not None else None
+        return proxy if proxy is not None else torch.Tensor.grad.__get__(param)
+
+    def on_grad_set(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
+        """``param.grad = value``: setting None drops nothing that already left (see OptimizerAdamW.zero_grad)."""
+        slot = self.controller.param_slot.get(id(param))
+        if slot is not None and value is not None and slot in self._proxies:
+            raise RuntimeError(f"{self.controller.blocks[slot[0]].slots[slot[1]].name}: its gradient of this step already "
+                               "left the device; a gradient can't be assigned before optimizer.step()")
+
+    def grad_call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grads: list[OffloadedGrad]) -> Any:
+        """A torch call on offloaded gradients: norms and scaling are served, everything else refused."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _GRAD_METADATA:
+                return func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        if func is torch._foreach_norm or func in _NORM_CALLS:
+            order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
+            if order not in (2, 2.0, "fro", None) or kwargs.get("dim") is not None:
+                raise RuntimeError(f"{name}: only the 2-norm of an offloaded gradient is known (asked: {order})")
+            norms = [self._norm(g).to(g.dtype) for g in grads]
+            return norms if func is torch._foreach_norm else norms[0]
+        if func is torch._foreach_mul_ or func in _SCALE_CALLS:
+            factor = args[1]
+            for g in grads:
+                self._scale(g, factor)
+            return args[0]
+        raise RuntimeError(
+            f"{name} on the gradient of {self._name(grads[0])}: that gradient already left the device for the "
+            "pending step. Its norm and clip_grad_norm_ work; for the last step's global norm read "
+            "optimizer.last_grad_norm")
+
+    def _norm(self, grad: OffloadedGrad) -> torch.Tensor:
+        norm = self._norms.get(grad.slot)
+        if norm is None:
+            raise RuntimeError(self._streaming_message(grad))
+        scale = self._scales.get(grad.slot)
+        return norm if scale is None else norm * scale.to(norm.device)
+
+    def _scale(self, grad: OffloadedGrad, factor: Any) -> None:
+        if grad.slot not in self._norms:
+            raise RuntimeError(self._streaming_message(grad))
+        factor = factor if isinstance(factor, torch.Tensor) else torch.tensor(float(factor))
+        previous = self._scales.get(grad.slot)
+        self._scales[grad.slot] = factor.detach() if previous is None else previous * factor.to(previous.device)
+
+    def _name(self, grad: OffloadedGrad) -> str:
+        return self.controller.blocks[grad.slot[0]].slots[grad.slot[1]].name
+
+    def _streaming_message(self, grad: OffloadedGrad) -> str:
+        return (f"the gradient of {self._name(grad)} left the device and its update has already started (updates "
+                "start as gradients land). To clip in your own loop (torch.nn.utils.clip_grad_norm_, HF Trainer's "
+                "max_grad_norm) set optimizer.user_grad_clip: true in the config: updates then wait for "
+                "optimizer.step() and the clip is exact. Or let tierstore clip, overlapped: optimizer.grad_clip: "
+                "<max_norm>")
+
+    # ---- read by the controller at the commit ---------------------------------------------------------
+    def total_norm(self, scaled: bool = True) -> torch.Tensor | None:
+        """The global 2-norm of the pending step's gradients, after the user's scaling or as backward left them
+        (None: no norms were taken)."""
+        if not self._norms:
+            return None
+        norms = [self._norm_of(slot, scaled) for slot in sorted(self._norms)]
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def _norm_of(self, slot: tuple[int, int], scaled: bool = True) -> torch.Tensor:
+        scale = self._scales.get(slot) if scaled else None
+        norm = self._norms[slot]
+        return norm if scale is None else norm * scale.to(norm.device)
+
+    def user_scales(self, block: Block) -> list[torch.Tensor | None] | None:
+        """The user's scale factor of each of block's parameters (None: none scaled)."""
+        scales = [self._scales.get((block.index, position)) for position in range(len(block.slots))]
+        return scales if any(s is not None for s in scales) else None
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """``optimizer.clip_grad_norm_``: scale every pending gradient as torch.nn.utils.clip_grad_norm_ would;
+        returns the total norm before clipping."""
+        if not self._norms:
+            if self._proxies:
+                raise RuntimeError(self._streaming_message(next(iter(self._proxies.values()))))
+            raise RuntimeError("optimizer.clip_grad_norm_ needs a backward first: no gradient of this step left the device yet")
+        total = self.total_norm()
+        assert total is not None  # _norms is not empty
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for slot in list(self._norms):
+            self._scale(self._proxies[slot], coef)
+        return total
+
+
+def scale_slots(flat: torch.Tensor, block: Block, scales: list[torch.Tensor | None] | None,
+                 multiplier: torch.Tensor | None) -> None:
+    """Multiply a block's flat gradient by the user's per-parameter factors, then by tierstore's clip
+    coefficient, in the order the plain loop applies them."""
+    if scales is not None:
+        for slot, scale in zip(block.slots, scales):
+            if scale is not None:
+                flat[slot.offset : slot.offset + slot.numel].mul_(scale.to(flat.device))
+    if multiplier is not None:
+        flat.mul_(multiplier.to(flat.device))

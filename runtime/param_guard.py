@@ -1,0 +1,222 @@
+"""Parameters of an offloaded model stay safe to read and write outside forward and backward.
+
+Between uses a block's compute weights occupy no device memory: its parameters are views of a zero-byte
+storage (autograd's saved tensors see the bytes fetched again for backward). Touching such a view directly
+would read freed memory -- a segfault on the CPU, an illegal memory access that kills the CUDA context.
+
+So each offloaded parameter's class becomes a subclass of its own class (still an ``nn.Parameter``) whose
+``__torch_function__`` routes every torch call on it:
+
+- inside the block's own forward or backward (the hooks acquired it): the call runs as is;
+- metadata (shape, dtype, device, ``.grad``, hooks, ``requires_grad``): as is, nothing fetched;
+- views: returned *guarded* as well, so a view taken now reads correctly later (it fetches the block again
+  if it was released meanwhile); ``detach()`` and ``.data`` fetch nothing;
+- in-place writes (``copy_``, ``fill_``, ``mul_``, ... -- what ``load_state_dict`` does): applied to the fp32
+  master in the same place, then the compute copies are refreshed; Adam's moments are untouched;
+- any other read (``norm``, ``clone``, ``repr``, ``.cpu()``): the block's current weights are fetched to
+  the device first and stay until the next forward.
+
+``p.grad`` of a parameter whose gradient has already left the device for the pending step returns an
+``OffloadedGrad``: a tensor with the gradient's metadata and no storage, on which the norm and scaling
+calls of ``torch.nn.utils.clip_grad_norm_`` act on the offloaded gradient exactly (see ``runtime.clipping``);
+any other use raises an error that says what to call instead.
+
+No attribute is added to a parameter: the guard finds a tensor's block by its storage.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from runtime.blocks import Block
+
+if TYPE_CHECKING:
+    from runtime.clipping import GradClipper
+    from runtime.state_access import StateAccess
+
+log = logging.getLogger(__name__)
+
+
+def _getters(*names: str) -> set[Any]:
+    return {getattr(torch.Tensor, name).__get__ for name in names if hasattr(torch.Tensor, name)}
+
+
+def _setters(*names: str) -> set[Any]:
+    return {getattr(torch.Tensor, name).__set__ for name in names if hasattr(torch.Tensor, name)}
+
+
+def _methods(*names: str) -> set[Any]:
+    found = set()
+    for name in names:
+        for owner in (torch.Tensor, torch):
+            fn = getattr(owner, name, None)
+            if fn is not None:
+                found.add(fn)
+    return found
+
+
+# Calls that read or set metadata only: they never touch the bytes.
+METADATA_CALLS = frozenset(
+    _getters("shape", "dtype", "device", "is_cuda", "is_cpu", "is_meta", "requires_grad", "is_leaf", "grad_fn",
+             "ndim", "layout", "names", "is_sparse", "is_quantized", "itemsize", "nbytes", "_base", "_version",
+             "output_nr", "name", "is_nested", "is_mkldnn", "is_xpu", "is_mps")
+    | _setters("requires_grad", "data", "name")
+    | _methods("size", "dim", "numel", "element_size", "stride", "storage_offset", "is_contiguous", "register_hook",
+               "register_post_accumulate_grad_hook", "retain_grad", "requires_grad_", "untyped_storage", "get_device",
+               "is_floating_point", "is_complex", "__len__", "nelement", "ndimension", "is_shared", "is_pinned",
+               "type", "is_signed", "__setstate__")
+)
+# Calls whose result aliases the whole parameter: made from metadata alone, so nothing is fetched (other
+# views check their bounds against the storage and are made after a fetch, like any read).
+ALIAS_CALLS = frozenset(_getters("data") | _methods("detach"))
+GRAD_GET = torch.Tensor.grad.__get__
+GRAD_SET = torch.Tensor.grad.__set__
+TO = torch.Tensor.to
+IN_PLACE_DUNDERS = frozenset(_methods("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__iand__", "__ior__"))
+
+
+def _tensors_in(args: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, (list, tuple)):
+            yield from (a for a in arg if isinstance(a, torch.Tensor))
+
+
+def _is_in_place(func: Callable[..., Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or func in IN_PLACE_DUNDERS
+
+
+class ParamGuard:
+    """Routes torch calls on one session's offloaded parameters, their views and their offloaded gradients."""
+
+    def __init__(self, blocks: list[Block], access: "StateAccess", clipper: "GradClipper"):
+        self.blocks = blocks
+        self.access = access
+        self.clipper = clipper
+        self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
+        self.param_slot = {id(slot.param): (block.index, position) for block in blocks for position, slot in enumerate(block.slots)}
+        self._storage_block: dict[int, int] = {}
+        self._original_classes: dict[int, type] = {}
+        guard = self
+
+        # One subclass per session and per parameter class, so the routing reaches this session's state
+        # without a global registry.
+        def routed(func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+            return guard.dispatch(func, args, kwargs or {})
+
+        self._routed = classmethod(lambda cls, func, types, args=(), kwargs=None: routed(func, types, args, kwargs))
+        self.view_class: type = type("OffloadedView", (torch.Tensor,), {"__torch_function__": self._routed,
+                                                                        "__module__": __name__})
+        self._param_classes: dict[type, type] = {}
+
+    # ---- install / remove ------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Route the calls of every offloaded parameter (after the weight manager bound them to their blocks)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for index, state in enumerate(self.access.weights.states):
+                self._storage_block[state.flat.untyped_storage()._cdata] = index
+        for block in self.blocks:
+            for slot in block.slots:
+                param = slot.param
+                base = type(param)
+                if base not in self._param_classes:
+                    self._param_classes[base] = type(f"Offloaded{base.__name__}", (base,),
+                                                     {"__torch_function__": self._routed, "__module__": __name__})
+                self._original_classes[id(param)] = base
+                param.__class__ = self._param_classes[base]
+
+    def remove(self) -> None:
+        """Give every parameter its own class back."""
+        for block in self.blocks:
+            for slot in block.slots:
+                original = self._original_classes.pop(id(slot.param), None)
+                if original is not None:
+                    slot.param.__class__ = original
+
+    # ---- routing ---------------------------------------------------------------------------------------
+    def block_of(self, tensor: torch.Tensor) -> int | None:
+        """The block whose compute storage tensor views, or None (call with torch functions disabled)."""
+        index = self.param_block.get(id(tensor))
+        if index is not None:
+            return index
+        if type(tensor) is self.view_class:
+            return self._storage_block.get(tensor.untyped_storage()._cdata)
+        return None
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one torch call that involves a guarded tensor (see the module docstring)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in METADATA_CALLS:
+                return func(*args, **kwargs)
+            if func == GRAD_GET:
+                return self.clipper.grad_of(args[0])
+            if func == GRAD_SET:
+                self.clipper.on_grad_set(args[0], args[1])
+                return func(*args, **kwargs)
+            guarded = [(t, self.block_of(t)) for t in _tensors_in((*args, *kwargs.values()))]
+            indices = {index for _, index in guarded if index is not None}
+            if all(self.access.in_pass(i) for i in indices):
+                return func(*args, **kwargs)
+            if _is_in_place(func) or "out" in kwargs:
+                return self._write(func, args, kwargs, guarded)
+            if func == TO and self._no_op_to(args, kwargs):
+                return args[0]
+            if func in ALIAS_CALLS:  # same sizes as the parameter: valid over the released storage
+                return self._guard_views(func(*args, **kwargs))
+            for index in sorted(indices):
+                self.access.prepare_read(index)
+            return self._guard_views(func(*args, **kwargs))
+
+    @staticmethod
+    def _no_op_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """``t.to(...)`` that returns t itself (same device and dtype, no copy), as ``model.to(device)`` calls it."""
+        tensor = args[0]
+        try:
+            device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+        except (TypeError, RuntimeError):
+            return False
+        same_device = device is None or (device.type == tensor.device.type and device.index in (None, tensor.device.index))
+        return same_device and dtype in (None, tensor.dtype) and not kwargs.get("copy", False)
+
+    def _guard_views(self, result: Any) -> Any:
+        """Results that alias an offloaded block's storage are returned guarded."""
+        if isinstance(result, torch.Tensor):
+            if type(result) is not self.view_class and result.untyped_storage()._cdata in self._storage_block:
+                return result.as_subclass(self.view_class)
+            return result
+        if isinstance(result, (tuple, list)):
+            return type(result)(self._guard_views(r) for r in result)
+        return result
+
+    def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               guarded: list[tuple[torch.Tensor, int | None]]) -> Any:
+        """An in-place write outside forward/backward: applied to the fp32 master at the same place."""
+        target = args[0] if args else None
+        index = self.block_of(target) if isinstance(target, torch.Tensor) else None
+        if index is None or "out" in kwargs:
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)} writes into an offloaded parameter through an output argument "
+                "or a list; write parameters with model.load_state_dict(...) or param.copy_(value)")
+        if torch.is_grad_enabled() and target.requires_grad:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        for other, other_index in guarded:
+            if other is not target and other_index is not None:
+                self.access.prepare_read(other_index)
+        self.access.settle()
+        block = self.blocks[index]
+        size, stride, offset = target.size(), target.stride(), target.storage_offset()
+
+        def apply(master: torch.Tensor) -> None:
+            # as_strided counts from the start of the storage: the master is a view into the store's arena.
+            place = master.as_strided(size, stride, master.storage_offset() + offset)
+            rest = [a.to(master.device) if isinstance(a, torch.Tensor) else a for a in args[1:]]
+            func(place, *rest, **kwargs)
+
+        self.access.write_state(block, "master", apply)
+        return target

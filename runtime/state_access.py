@@ -1,0 +1,153 @@
+"""Reading and writing a block's training state between steps, from the user's side of the model.
+
+The update pipeline owns every block's state while a step runs. Between steps the user may read weights
+(a parameter, ``state_dict()``), write them (``load_state_dict``, ``p.copy_(...)``) or read and load the
+optimizer's moments. This module is the one place that does so safely: it waits for the updates of the
+committed step (and the write-backs they started), brings the state to where it can be touched (staging it
+from NVMe when it lives there), and after a write refreshes the compute copies derived from the master.
+
+What it leaves out: deciding *when* a read is needed (``runtime.param_guard``) and the optimizer's torch
+surface (``runtime.optimizer``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from runtime.blocks import Block
+from runtime.plan import available_host_nbytes
+from runtime.weights import WeightSource
+from tierstore import CapacityError, TierName
+
+if TYPE_CHECKING:
+    from runtime.controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+class StateAccess:
+    """Between-step reads and writes of blocks' weights, masters and moments."""
+
+    def __init__(self, controller: "Controller"):
+        self.controller = controller
+        self.store = controller.store
+        self.weights = controller.weights
+        self.blocks = controller.blocks
+
+    # ---- compute weights -------------------------------------------------------------------------------
+    def in_pass(self, index: int) -> bool:
+        """True while block index is acquired by a forward or backward (its weights are current on the device)."""
+        return self.weights.states[index].users > 0 or self.controller.in_backward_use(index)
+
+    def prepare_read(self, index: int) -> None:
+        """Make block index's compute weights current on the device for a read outside forward/backward.
+
+        A fetched block stays until the next forward begins (views the user took stay valid until then);
+        when the GPU budget is full, blocks fetched for earlier reads are released first (views of them
+        are guarded too and fetch again when read)."""
+        controller = self.controller
+        controller.wait_block_current(index)
+        if self.weights.source is WeightSource.RESIDENT or index in controller.gpu_updated:
+            self.weights.wait_refresh(index)
+            return
+        try:
+            self.weights.wait(index)
+        except CapacityError:
+            for other, state in enumerate(self.weights.states):
+                if other != index and state.users == 0 and not self.in_pass(other):
+                    controller.release_block(other)
+            self.weights.wait(index)
+
+    # ---- fp32 state --------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for every committed update, its write-backs and its weight refreshes."""
+        controller = self.controller
+        if controller.step_pending:
+            raise RuntimeError(
+                "the training state is being updated: a backward ran since the last optimizer.step(). Read or "
+                "write parameters and optimizer state between steps (after optimizer.step(), or after "
+                "optimizer.zero_grad() to drop the pending step)")
+        controller.synchronize()
+        controller.wait_device_writebacks()
+        self.weights.release_refreshes()
+        if controller.device.type == "cuda":
+            torch.cuda.synchronize(controller.device)
+
+    def read_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None]) -> None:
+        """Call ``use`` with block's flat fp32 tensor of one kind (master, exp_avg, exp_avg_sq) where it can be
+        read (host, or the GPU for device-updated blocks); a copy staged from NVMe is released afterwards.
+        Call ``settle()`` first."""
+        self._with_state(block, kind, use, write=False)
+
+    def write_state(self, block: Block, kind: str, apply: Callable[[torch.Tensor], None]) -> None:
+        """Modify block's flat fp32 tensor of one kind in place through ``apply``; it is written back to its
+        home, and after a master write the compute weights derived from it are refreshed. Call ``settle()``
+        first."""
+        self._with_state(block, kind, apply, write=True)
+        if kind == "master":
+            self._refresh_compute(block)
+
+    def _with_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool) -> None:
+        store, key = self.store, block.key(kind)
+        record = store.record(key)
+        tier = TierName.GPU if record.home is TierName.GPU else TierName.HOST
+        staged = tier is TierName.HOST and not store.state(key, TierName.HOST).is_current
+        if tier is TierName.HOST:
+            store.fetch(key, TierName.HOST).wait()  # stages it when the home is NVMe
+        use(store.tensor(key, tier))
+        if write:
+            store.mark_dirty(key, tier, step=record.step)  # every other copy is stale now
+        if record.home is TierName.NVME and (write or staged):
+            if write:
+                store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
+            else:
+                store.release(key, TierName.HOST)
+
+    def _refresh_compute(self, block: Block) -> None:
+        """Bring block's compute weights in line with its master after a write."""
+        index, store = block.index, self.store
+        if self.weights.source is WeightSource.RESIDENT or index in self.controller.gpu_updated:
+            self.read_state(block, "master", lambda master: self.weights.load_resident(index, master))
+            return
+        if self.weights.source is WeightSource.WEIGHTS:
+            key = block.key("weights")
+            store.fetch(key, TierName.HOST).wait()
+
+            def cast(master: torch.Tensor) -> None:
+                store.tensor(key, TierName.HOST).copy_(master)  # cast to the compute dtype
+
+            self.read_state(block, "master", cast)
+            store.mark_dirty(key, TierName.HOST, step=store.record(key).step)
+            if store.record(key).home is TierName.NVME:
+                store.evict(key, TierName.HOST).wait()
+        # A fetched copy holds the old values: drop it (views of it fetch again when read).
+        if self.weights.states[index].users == 0:
+            self.controller.release_block(index)
+
+    # ---- whole-model reads -----------------------------------------------------------------------------
+    def slot_values(self, kind: str, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+        """Every offloaded parameter's tensor of one kind as CPU tensors by parameter name (cast to
+        ``dtypes[name]`` when given), one block at a time. Refuses, naming the numbers, when they would not
+        fit in the RAM available now."""
+        needed = sum(slot.numel * (dtypes[slot.name].itemsize if dtypes else 4) for b in self.blocks for slot in b.slots)
+        available = available_host_nbytes()
+        if needed > available:
+            raise MemoryError(
+                f"copying the model's {kind} to host memory needs {needed:,} bytes but {available:,} are available; "
+                "write it block by block instead: optimizer.session.save_pretrained(DIR) for weights, "
+                "runtime.checkpoint.save_checkpoint(session, DIR) for the whole training state")
+        self.settle()
+        out: dict[str, torch.Tensor] = {}
+        for block in self.blocks:
+            def take(flat: torch.Tensor, block: Block = block) -> None:
+                for slot in block.slots:
+                    view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    dtype = dtypes[slot.name] if dtypes else view.dtype
+                    out[slot.name] = view.to(device="cpu", dtype=dtype, copy=True)
+
+            self.read_state(block, kind, take)
+        return out
+

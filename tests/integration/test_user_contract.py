@@ -1,0 +1,244 @@
+"""The user's contract: an offloaded model is still an ordinary nn.Module, and its optimizer a torch optimizer.
+
+Each test runs an unchanged plain PyTorch loop next to the offloaded one (fp32 on the CPU, so equal means
+bit-identical) and touches the model the way a user does: reading parameters between steps, state_dict,
+load_state_dict, torch.save, clip_grad_norm_, param groups, optimizer state_dict, close().
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from runtime import offload
+from runtime.example_model import ExampleLM, ModelShape
+from tests.integration.test_parity import make_batches
+
+SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
+LR = 1e-3
+
+
+def config(tmp_path, **optimizer) -> dict:
+    opt = {"lr": LR, "weight_decay": 0.01, "grad_clip": None, **optimizer}
+    (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
+    return {"device": "cpu", "dtype": "fp32", "optimizer": opt,
+            "tiers": {"nvme": {"path": str(tmp_path / "swap")}},
+            "placement": {"master": "nvme", "moments": "nvme"}}
+
+
+def fresh_model(seed: int = 0) -> ExampleLM:
+    torch.manual_seed(seed)
+    return ExampleLM(SHAPE)
+
+
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer, batch, clip: float | None = None) -> torch.Tensor | None:
+    loss = model(*batch)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip is not None else None
+    opt.step()
+    opt.zero_grad()
+    return norm
+
+
+def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name].cpu(), theirs[name].detach().cpu()), name
+
+
+def test_parameters_read_between_steps_equal_the_plain_loop(tmp_path):
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    try:
+        for batch in make_batches(3):
+            plain_step(plain, plain_opt, batch)
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            # The reads a user makes: clone by name, norms, a view kept across a step, repr.
+            snapshot = {n: p.clone() for n, p in model.named_parameters()}
+            assert_same(snapshot, dict(plain.named_parameters()))
+            assert torch.equal(model.layers[1].gate_up.weight.norm(), plain.layers[1].gate_up.weight.norm())
+            assert "Parameter containing" in repr(model.layers[0].qkv.weight)
+        view = model.layers[2].down.weight.detach()
+        batch = make_batches(4)[3]
+        plain_step(plain, plain_opt, batch)
+        model(*batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.equal(view, plain.layers[2].down.weight.detach())  # a view follows the parameter
+        assert_same(model.state_dict(), plain.state_dict())
+    finally:
+        optimizer.session.close()
+    # After close() the model is a plain module holding the trained weights.
+    assert type(model.layers[0].qkv.weight) is nn.Parameter
+    assert_same(dict(model.named_parameters()), dict(plain.named_parameters()))
+    batch = make_batches(1, seed=3)[0]
+    assert torch.equal(model(*batch), plain(*batch))
+
+
+def test_state_dict_saves_into_a_fresh_model_and_pretrained_weights_load(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        for batch in make_batches(2):
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        expected = optimizer.session.master_state_dict()
+    buffer.seek(0)
+    restored = fresh_model(seed=1)
+    restored.load_state_dict(torch.load(buffer))
+    assert_same(dict(restored.named_parameters()), expected)
+
+    # offload first, then load pretrained weights: fine-tuning equals the plain loop started from them.
+    pretrained = fresh_model(seed=7).state_dict()
+    plain = fresh_model()
+    plain.load_state_dict(pretrained)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        model.load_state_dict(pretrained)
+        assert_same(model.state_dict(), pretrained)
+        for batch in make_batches(3):
+            plain_step(plain, plain_opt, batch)
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert_same(model.state_dict(), plain.state_dict())
+        with pytest.raises(RuntimeError, match="assign"):
+            model.load_state_dict(pretrained, assign=True)
+
+
+@pytest.mark.parametrize("how", ["torch", "optimizer"])
+def test_user_clipping_is_exact_and_returns_the_true_norm(tmp_path, how):
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    with optimizer.session:
+        for step, batch in enumerate(make_batches(4)):
+            clip = 0.05 if step % 2 else 100.0  # clips on odd steps, not on even ones
+            expected = plain_step(plain, plain_opt, batch, clip)
+            model(*batch).backward()
+            if how == "torch":
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            else:
+                norm = optimizer.clip_grad_norm_(clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            assert torch.equal(norm, expected)
+            assert optimizer.last_grad_norm == float(expected)
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_user_clipping_with_streaming_updates_is_refused_not_ignored(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        batch = make_batches(1)[0]
+        model(*batch).backward()
+        with pytest.raises(RuntimeError, match="optimizer.user_grad_clip: true"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(RuntimeError, match="optimizer.user_grad_clip: true"):
+            optimizer.clip_grad_norm_(1.0)
+
+
+def test_zero_grad_before_step_drops_the_step_like_plain_pytorch(tmp_path):
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    with optimizer.session:
+        for step, batch in enumerate(make_batches(4)):
+            for m, opt in ((plain, plain_opt), (model, optimizer)):
+                m(*batch).backward()
+                if step == 1:
+                    opt.zero_grad()  # the user drops this batch
+                opt.step()
+                opt.zero_grad()
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_param_groups_and_hyperparameter_changes_equal_torch_adamw(tmp_path):
+    def groups(model: nn.Module) -> list[dict]:
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2 * LR}]
+
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(groups(plain), lr=LR, fused=True)
+    plain_sched = torch.optim.lr_scheduler.StepLR(plain_opt, step_size=1, gamma=0.5)
+    model = fresh_model()
+    model, optimizer = offload(model, config(tmp_path), param_groups=groups(model))
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with optimizer.session:
+        for step, batch in enumerate(make_batches(4)):
+            if step == 2:  # hand edits take effect at the next step
+                for opt in (plain_opt, optimizer):
+                    opt.param_groups[0]["betas"] = (0.8, 0.95)
+                    opt.param_groups[1]["eps"] = 1e-6
+            plain_step(plain, plain_opt, batch)
+            plain_sched.step()
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sched.step()
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_optimizer_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    batches = make_batches(5)
+    model, optimizer = offload(fresh_model(), config(tmp_path / "a"))
+    with optimizer.session:
+        for batch in batches[:3]:
+            plain_step(plain, plain_opt, batch)
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        saved_opt = optimizer.state_dict()
+        saved_model = model.state_dict()
+        theirs = plain_opt.state_dict()
+        for index, state in theirs["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(saved_opt["state"][index][key], state[key])
+            assert float(saved_opt["state"][index]["step"]) == float(state["step"])
+    buffer = io.BytesIO()
+    torch.save(saved_opt, buffer)
+    buffer.seek(0)
+    # A new session (moments on NVMe again) resumes from the saved states and equals the plain loop.
+    model, optimizer = offload(fresh_model(seed=5), config(tmp_path / "b"))
+    with optimizer.session:
+        model.load_state_dict(saved_model)
+        optimizer.load_state_dict(torch.load(buffer))
+        for batch in batches[3:]:
+            plain_step(plain, plain_opt, batch)
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_in_place_writes_and_unsupported_settings(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        weight = model.layers[0].gate_up.weight
+        with torch.no_grad():
+            weight.mul_(0.5)
+            weight[0].fill_(2.0)
+        expected = fresh_model().layers[0].gate_up.weight.detach() * 0.5
+        expected[0] = 2.0
+        assert torch.equal(weight.detach().clone(), expected)
+        assert torch.equal(optimizer.session.master_state_dict()["layers.0.gate_up.weight"], expected)
+        with pytest.raises(RuntimeError, match="in-place"):
+            weight.mul_(2.0)  # grad mode on, as plain torch refuses it for a leaf
+        optimizer.param_groups[0]["amsgrad"] = True
+        batch = make_batches(1)[0]
+        with pytest.raises(ValueError, match="amsgrad"):  # refused when the update is queued, never ignored
+            model(*batch).backward()
+            optimizer.step()
