@@ -1,0 +1,55 @@
+"""Fine-tune with an unchanged HF Trainer, its optimizer state offloaded by tierstore.
+
+    pip install -e '.[hf]' && python examples/hf_trainer.py [--steps N] [--out DIR]
+
+Builds a small LlamaForCausalLM from a config (nothing downloaded), trains it on the Python standard
+library's source with the stock ``Trainer`` (default ``max_grad_norm=1.0``: the Trainer clips in its own loop,
+so the config sets ``optimizer.user_grad_clip: true``), saves it with ``trainer.save_model`` and loads it back
+with ``from_pretrained``. On a GPU the weights are fetched block by block and AdamW runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+
+import torch
+import transformers
+
+from runtime import offload
+from runtime.data import ByteBatches, stdlib_text_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default=None, help="where the trained model is saved (default: a temporary directory)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    out = args.out or tempfile.mkdtemp(prefix="tierstore-hf-")
+    cuda = torch.cuda.is_available()
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config)
+    training = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=args.steps,
+                                              learning_rate=3e-4, logging_steps=5, save_strategy="no", report_to=[],
+                                              bf16=cuda, use_cpu=not cuda)
+    model, optimizer = offload(model, {
+        "dtype": "bf16" if cuda else "fp32",
+        "optimizer": {"lr": training.learning_rate, "weight_decay": training.weight_decay, "grad_clip": None,
+                      "user_grad_clip": True}})
+    data = ByteBatches(stdlib_text_bytes(4 << 20), batch_size=1, seq_len=128, seed=0)
+    rows = [data.next()[0][0] for _ in range(8 * args.steps)]
+    dataset = [{"input_ids": row, "labels": row.clone()} for row in rows]
+    with optimizer.session:
+        trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset, optimizers=(optimizer, None))
+        trainer.train()
+        trainer.save_model(out)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out)
+    print(f"saved to {out}; reloaded {sum(p.numel() for p in loaded.parameters()):,} parameters")
+
+
+if __name__ == "__main__":
+    main()

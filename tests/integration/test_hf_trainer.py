@@ -1,0 +1,70 @@
+"""An unchanged HF Trainer given tierstore's optimizer trains exactly like the plain one, and saves.
+
+Tiny LlamaForCausalLM built from a config (nothing downloaded), fp32 on the CPU: equal means bit for bit.
+The plain side is the stock Trainer with ``optim="adamw_torch_fused"`` and the default ``max_grad_norm=1.0``;
+ours is the same Trainer given ``optimizers=(optimizer, None)`` after ``offload``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the HF integration is an optional extra: pip install -e '.[hf]'")
+
+from runtime import offload  # noqa: E402
+
+STEPS = 4
+
+
+def llama_config() -> "transformers.LlamaConfig":
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    initializer_range=0.2)  # large enough that the default clip at 1.0 acts
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 128, (16, 24), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+
+
+def train(tmp_path, offloaded: bool):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config())
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("ours" if offloaded else "plain")), per_device_train_batch_size=4, max_steps=STEPS,
+        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        optim="adamw_torch_fused", lr_scheduler_type="linear", warmup_steps=1)
+    optimizers = (None, None)
+    session = None
+    if offloaded:
+        (tmp_path / "swap").mkdir(exist_ok=True)
+        model, optimizer = offload(model, {
+            "device": "cpu", "dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path / "swap")}},
+            "placement": {"moments": "nvme"},
+            "optimizer": {"lr": args.learning_rate, "weight_decay": args.weight_decay, "grad_clip": None,
+                          "user_grad_clip": True, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}})
+        optimizers = (optimizer, None)
+        session = optimizer.session
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(), optimizers=optimizers)
+    trainer.train()
+    logs = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
+    trainer.save_model(str(tmp_path / ("saved-ours" if offloaded else "saved-plain")))
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    return logs, weights, session
+
+
+def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path):
+    plain_logs, plain_weights, _ = train(tmp_path, offloaded=False)
+    ours_logs, ours_weights, session = train(tmp_path, offloaded=True)
+    session.close()
+    assert len(ours_logs) == STEPS
+    assert ours_logs == plain_logs  # the same losses and the same logged grad_norm (the Trainer clips at 1.0)
+    assert any(norm > 1.0 for _, norm in plain_logs)  # the default clip did act
+    assert ours_weights.keys() == plain_weights.keys()
+    for name in plain_weights:
+        assert torch.equal(ours_weights[name], plain_weights[name]), name
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved-ours"))
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, plain_weights[name]), name
