@@ -104,3 +104,34 @@ def test_cpu_adam_overlaps_backward():
     print(f"updates finished before their backward ended: {overlapped}; GPU-side host waits per step: "
           + ", ".join(f"{w * 1e3:.1f} ms" for w in waits))
     assert overlapped >= 3
+
+
+@pytest.mark.parametrize("placement,fraction", [({"weights": "host"}, 0.0), ({"weights": "gpu"}, 0.0),
+                                                ({"weights": "host"}, 0.3), ({"weights": "host", "master": "nvme"}, 0.0)])
+def test_parameters_and_state_dict_readable_between_steps_on_gpu(placement, fraction, tmpfs_dir):
+    """The user's contract on CUDA: reads between steps of a bf16 run never touch freed memory (an illegal
+    access would kill the CUDA context and every later test), and equal the fp32 masters cast to bf16."""
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": None, "gpu_update_fraction": fraction},
+              "placement": placement, "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
+    model, optimizer = offload(model, config)
+    session = optimizer.session
+    try:
+        for x, y in make_batches(3):
+            model(x.cuda(), y.cuda()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            masters = session.master_state_dict()
+            read = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+            norms = {n: float(p.float().norm()) for n, p in model.named_parameters()}
+            state = model.state_dict()
+            for name, master in masters.items():
+                expected = master.to(torch.bfloat16)
+                assert torch.equal(read[name], expected.float()), name
+                assert torch.equal(state[name], expected), name
+                assert norms[name] == pytest.approx(float(expected.float().cuda().norm()), rel=1e-6), name
+        torch.cuda.synchronize()
+    finally:
+        session.close()
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
