@@ -138,6 +138,9 @@ class ParamGuard:
                 original = self._original_classes.pop(id(slot.param), None)
                 if original is not None:
                     slot.param.__class__ = original
+        # The classes refer back to this guard (and through it to the session): let it all go at once.
+        self._param_classes.clear()
+        self._storage_block.clear()
 
     # ---- routing ---------------------------------------------------------------------------------------
     def block_of(self, tensor: torch.Tensor) -> int | None:
