@@ -71,11 +71,18 @@ class OffloadSession:
         self.access.read_state(block, "master", take)
         return out
 
+    def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_nbytes: int = 5 << 30) -> None:
+        """Save the current weights as HF-style sharded safetensors (``from_pretrained`` reads them), one shard
+        of blocks in host memory at a time: the way to save a model too large for ``model.state_dict()``."""
+        from runtime.integrations.safetensors_export import save_sharded  # optional dependency: safetensors
+
+        save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
+
     def close(self) -> None:
         """Finish updates, free every tier and delete swap files. The model becomes a plain module again: its
         parameters hold the trained weights on the CPU in their original dtype (from the fp32 masters). Where
         they do not fit in host memory they are left on the meta device, with a warning: save them first
-        (``model.save_pretrained`` or ``runtime.integrations.safetensors_export.save_sharded``)."""
+        (``session.save_pretrained(DIR)`` writes them a shard at a time)."""
         if self.closed:
             return
         values: dict[str, torch.Tensor] | None = None

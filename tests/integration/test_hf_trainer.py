@@ -7,6 +7,8 @@ ours is the same Trainer given ``optimizers=(optimizer, None)`` after ``offload`
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -68,3 +70,23 @@ def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path):
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved-ours"))
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, plain_weights[name]), name
+
+
+def test_sharded_save_a_few_blocks_at_a_time_loads_with_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config())
+    (tmp_path / "swap").mkdir()
+    model, optimizer = offload(model, {"device": "cpu", "dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path / "swap")}},
+                                       "placement": {"master": "nvme", "moments": "nvme"}, "optimizer": {"grad_clip": None}})
+    with optimizer.session as session:
+        for row in dataset()[:2]:
+            model(input_ids=row["input_ids"][None], labels=row["labels"][None]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        expected = session.master_state_dict()
+        session.save_pretrained(tmp_path / "sharded", max_shard_nbytes=40_000)  # several shards
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "sharded"))
+    for name, tensor in expected.items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

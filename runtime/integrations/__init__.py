@@ -1,0 +1,1 @@
+"""Integrations with other libraries (safetensors, HF). The engine never imports this package."""
