@@ -58,6 +58,9 @@ class HookSet:
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
+            # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
+            # that raised (the engine drops its callbacks then).
+            self._end_queued = False
             self.controller.on_step_begin()
 
     def _make_pre_forward(self, indices: list[int]):  # type: ignore[no-untyped-def]

@@ -1,0 +1,122 @@
+"""A step is a transaction: an exception in forward or backward that the user catches drops that step exactly
+as plain PyTorch does when the user catches it and calls ``zero_grad()``; where a step can't be rolled back
+(streaming updates already under way), the next step refuses and says how to recover.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from runtime import offload
+from tests.integration.test_parity import make_batches
+from tests.integration.test_user_contract import LR, assert_same, config, fresh_model
+
+
+class Planted(Exception):
+    """The failure the tests plant."""
+
+
+def plant(model: nn.Module, layer: int, where: str) -> dict[str, bool]:
+    """Arm a failure in layer's forward or in its backward; returns the switch."""
+    armed = {"on": False}
+
+    def raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
+        raise Planted("backward")
+
+    def hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        if not armed["on"]:
+            return
+        if where == "forward":
+            raise Planted("forward")
+        if output.requires_grad:
+            output.register_hook(raise_in_backward)
+
+    model.layers[layer].register_forward_hook(hook)
+    return armed
+
+
+def run(model: nn.Module, optimizer: torch.optim.Optimizer, armed: dict[str, bool], batches, fail_at: set[int],
+        accumulation: int = 1, clip: float | None = None) -> None:
+    """The user's loop: a failing micro-batch is caught, its step dropped with zero_grad(), training goes on."""
+    for step in range(len(batches) // accumulation):
+        try:
+            for micro in range(accumulation):
+                armed["on"] = (step, micro) in fail_at
+                (model(*batches[step * accumulation + micro]) / accumulation).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+        except Planted:
+            pass
+        finally:
+            armed["on"] = False
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("where,layer", [("forward", 0), ("forward", 2), ("backward", 0), ("backward", 1), ("backward", 2)])
+@pytest.mark.parametrize("mode", ["user_clip", "config_clip", "accumulation"])
+def test_a_caught_failure_drops_the_step_exactly(tmp_path, where, layer, mode):
+    accumulation = 2 if mode == "accumulation" else 1
+    clip = 0.05 if mode == "user_clip" else None
+    fail_at = {(1, accumulation - 1), (3, 0)}
+    batches = make_batches(5 * accumulation)
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    armed = plant(plain, layer, where)
+    plain_clip = 0.05 if mode == "config_clip" else clip
+    run(plain, plain_opt, armed, batches, fail_at, accumulation, plain_clip)
+
+    opt_cfg = {"user_grad_clip": True, "accumulation_steps": accumulation}
+    if mode == "config_clip":
+        opt_cfg = {"grad_clip": 0.05}
+    model = fresh_model()
+    armed = plant(model, layer, where)
+    model, optimizer = offload(model, config(tmp_path, **opt_cfg))
+    with optimizer.session:
+        run(model, optimizer, armed, batches, fail_at, accumulation, clip)
+        assert_same(model.state_dict(), plain.state_dict())
+        assert all(state.users == 0 for state in optimizer.session.controller.weights.states)
+
+
+def test_without_zero_grad_the_next_forward_drops_the_failed_step(tmp_path):
+    batches = make_batches(4)
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    for index, batch in enumerate(batches):
+        if index != 1:  # the plain loop skips the failed batch
+            plain(*batch).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+    model = fresh_model()
+    armed = plant(model, 1, "backward")
+    model, optimizer = offload(model, config(tmp_path, grad_clip=100.0))
+    with optimizer.session:
+        for index, batch in enumerate(batches):
+            armed["on"] = index == 1
+            try:
+                model(*batch).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            except Planted:
+                pass  # no zero_grad: the next forward drops what the failed backward left
+        armed["on"] = False
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_streaming_updates_cut_by_a_failure_refuse_the_next_step(tmp_path):
+    model = fresh_model()
+    armed = plant(model, 0, "backward")  # the last layer of backward: every later block already updated
+    model, optimizer = offload(model, config(tmp_path))  # no clipping: updates start as gradients land
+    with optimizer.session:
+        batch = make_batches(1)[0]
+        armed["on"] = True
+        with pytest.raises(Planted):
+            model(*batch).backward()
+        armed["on"] = False
+        optimizer.zero_grad()
+        with pytest.raises(RuntimeError, match="Restore the last checkpoint"):
+            model(*batch)
+        with pytest.raises(RuntimeError, match="Restore the last checkpoint"):
+            optimizer.step()
