@@ -75,7 +75,7 @@ class GradClipper:
         self.controller = controller
         self._norms: dict[tuple[int, int], torch.Tensor] = {}  # slot -> its gradient's 2-norm (device, fp32)
         self._scales: dict[tuple[int, int], torch.Tensor] = {}  # slot -> product of the user's scale factors
-        self._proxies: dict[tuple[int, int], OffloadedGrad] = {}
+        self._proxies: dict[tuple[int, int], OffloadedGrad | None] = {}  # slots whose gradient left the device
         self.last_grad_norm: float | None = None  # the global gradient norm of the last committed step
 
     # ---- filled by the controller during backward -----------------------------------------------------
@@ -87,7 +87,7 @@ class GradClipper:
             slot = (block.index, position)
             if norms is not None:
                 self._norms[slot] = norms[n]
-            self._proxies[slot] = OffloadedGrad(block.slots[position].param, self, slot)
+            self._proxies[slot] = None  # made when the user reads p.grad (most steps nobody does)
 
     def reset(self) -> None:
         """Forget the pending step (committed or discarded)."""
@@ -97,8 +97,12 @@ class GradClipper:
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param.grad`` as the user sees it: the real one, or the stand-in of one that left the device."""
         slot = self.controller.param_slot.get(id(param))
-        proxy = self._proxies.get(slot) if slot is not None else None
-        return proxy if proxy is not None else torch.Tensor.grad.__get__(param)
+        if slot is None or slot not in self._proxies:
+            return torch.Tensor.grad.__get__(param)
+        proxy = self._proxies[slot]
+        if proxy is None:
+            proxy = self._proxies[slot] = OffloadedGrad(param, self, slot)
+        return proxy
 
     def on_grad_set(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         """``param.grad = value``: setting None drops nothing that already left (see OptimizerAdamW.zero_grad)."""
@@ -177,13 +181,14 @@ class GradClipper:
         returns the total norm before clipping."""
         if not self._norms:
             if self._proxies:
-                raise RuntimeError(self._streaming_message(next(iter(self._proxies.values()))))
+                block_index, position = next(iter(self._proxies))
+                raise RuntimeError(self._streaming_message(self.grad_of(self.controller.blocks[block_index].slots[position].param)))
             raise RuntimeError("optimizer.clip_grad_norm_ needs a backward first: no gradient of this step left the device yet")
         total = self.total_norm()
         assert total is not None  # _norms is not empty
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for slot in list(self._norms):
-            self._scale(self._proxies[slot], coef)
+        for block_index, position in list(self._norms):
+            self._scale(self.grad_of(self.controller.blocks[block_index].slots[position].param), coef)
         return total
 
 

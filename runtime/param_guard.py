@@ -64,7 +64,7 @@ METADATA_CALLS = frozenset(
     _getters("shape", "dtype", "device", "is_cuda", "is_cpu", "is_meta", "requires_grad", "is_leaf", "grad_fn",
              "ndim", "layout", "names", "is_sparse", "is_quantized", "itemsize", "nbytes", "_base", "_version",
              "output_nr", "name", "is_nested", "is_mkldnn", "is_xpu", "is_mps")
-    | _setters("requires_grad", "data", "name")
+    | _setters("requires_grad", "name")
     | _methods("size", "dim", "numel", "element_size", "stride", "storage_offset", "is_contiguous", "register_hook",
                "register_post_accumulate_grad_hook", "retain_grad", "requires_grad_", "untyped_storage", "get_device",
                "is_floating_point", "is_complex", "__len__", "nelement", "ndimension", "is_shared", "is_pinned",
@@ -75,6 +75,7 @@ METADATA_CALLS = frozenset(
 ALIAS_CALLS = frozenset(_getters("data") | _methods("detach"))
 GRAD_GET = torch.Tensor.grad.__get__
 GRAD_SET = torch.Tensor.grad.__set__
+DATA_SET = torch.Tensor.data.__set__
 TO = torch.Tensor.to
 IN_PLACE_DUNDERS = frozenset(_methods("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__iand__", "__ior__"))
 
@@ -159,6 +160,9 @@ class ParamGuard:
                 return func(*args, **kwargs)
             if func == GRAD_GET:
                 return self.clipper.grad_of(args[0])
+            if func == DATA_SET:
+                self._check_rebind(args[0], args[1])
+                return func(*args, **kwargs)
             if func == GRAD_SET:
                 self.clipper.on_grad_set(args[0], args[1])
                 return func(*args, **kwargs)
@@ -175,6 +179,19 @@ class ParamGuard:
             for index in sorted(indices):
                 self.access.prepare_read(index)
             return self._guard_views(func(*args, **kwargs))
+
+    def _check_rebind(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """``param.data = value``: only a no-op rebind (what ``model.to(device)`` does) keeps the parameter a view
+        of its block; anything else would silently cut it off from the tiers."""
+        same = value is param or (
+            value.untyped_storage()._cdata == param.untyped_storage()._cdata and value.dtype == param.dtype
+            and value.shape == param.shape and value.stride() == param.stride()
+            and value.storage_offset() == param.storage_offset())
+        if not same:
+            raise RuntimeError(
+                "replacing an offloaded parameter's data (param.data = ..., model.to(dtype), model.half()) would cut "
+                "it off from tierstore's tiers: convert or move the model before offload (the compute dtype is the "
+                "config's `dtype`), or write values with param.copy_(...) / load_state_dict")
 
     @staticmethod
     def _no_op_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

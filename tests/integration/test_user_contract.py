@@ -242,3 +242,13 @@ def test_in_place_writes_and_unsupported_settings(tmp_path):
         with pytest.raises(ValueError, match="amsgrad"):  # refused when the update is queued, never ignored
             model(*batch).backward()
             optimizer.step()
+
+
+def test_model_to_device_is_a_no_op_and_a_dtype_change_is_refused(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        before = model.state_dict()
+        assert model.to("cpu") is model  # what HF Trainer and accelerate call
+        assert_same(model.state_dict(), before)
+        with pytest.raises(RuntimeError, match="before offload"):
+            model.to(torch.float64)
