@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from runtime import load_checkpoint, offload, save_checkpoint
+from runtime import CheckpointRoot, load_checkpoint, offload, save_checkpoint
 from runtime.data import ByteBatches
 from runtime.example_model import ExampleLM, ModelShape
 
@@ -42,7 +42,8 @@ def train(config: dict[str, Any], corpus: bytes, total_steps: int, *, checkpoint
           after_save: Callable[[int, Path], None] | None = None, on_resume: Callable[[int], None] | None = None,
           progress: Callable[[str], None] | None = None, save_threads: int = 4) -> dict[int, float]:
     """Train (from a fresh seeded model, or resumed from checkpoint_dir) up to ``total_steps`` or
-    ``stop_after``; returns the loss of each step run here."""
+    ``stop_after``; returns the loss of each step run here. The checkpoint root is held (locked) for the
+    run, as ``tierstore train`` holds it."""
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
@@ -50,8 +51,9 @@ def train(config: dict[str, Any], corpus: bytes, total_steps: int, *, checkpoint
     session = optimizer.session
     data = ByteBatches(corpus, BATCH, SEQ, seed=0)
     losses: dict[int, float] = {}
+    root = CheckpointRoot(checkpoint_dir, resume=resume) if checkpoint_dir is not None else None
     try:
-        start = load_checkpoint(session, checkpoint_dir, data) if resume else 0
+        start = load_checkpoint(session, root, data) if resume else 0
         if on_resume is not None:
             on_resume(start)
         for step in range(start + 1, min(total_steps, stop_after or total_steps) + 1):
@@ -67,10 +69,12 @@ def train(config: dict[str, Any], corpus: bytes, total_steps: int, *, checkpoint
             if checkpoint_dir is not None and save_every and step % save_every == 0:
                 if before_save is not None:
                     before_save(step)
-                path = save_checkpoint(session, checkpoint_dir, data, keep_last=keep_last, progress=progress,
+                path = save_checkpoint(session, root, data, keep_last=keep_last, progress=progress,
                                        threads=save_threads)
                 if after_save is not None:
                     after_save(step, path)
     finally:
         session.close()
+        if root is not None:
+            root.close()
     return losses

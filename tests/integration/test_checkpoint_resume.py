@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.checkpoint_root import LOCK_NAME
 from runtime.cli import main as cli_main
 from runtime.data import stdlib_text_bytes
 from tests.integration.checkpoint_training import train, tiny_config
@@ -113,8 +114,8 @@ def test_cli_train_save_every_and_resume(tmp_path, capsys):
     assert (interrupted / "latest").read_text().strip() == "step-000004"
     assert cli_main(base + ["--steps", "6", "--checkpoint-dir", str(interrupted), "--save-every", "2", "--resume"]) == 0
     assert cli_main(base + ["--steps", "6", "--checkpoint-dir", str(straight)]) == 0  # save_every 0: at the end only
-    assert sorted(p.name for p in straight.iterdir()) == ["latest", "step-000006"]
-    assert sorted(p.name for p in interrupted.iterdir()) == ["latest", "step-000002", "step-000004", "step-000006"]
+    assert sorted(p.name for p in straight.iterdir() if p.name != LOCK_NAME) == ["latest", "step-000006"]
+    assert sorted(p.name for p in interrupted.iterdir() if p.name != LOCK_NAME) == ["latest", "step-000002", "step-000004", "step-000006"]
     assert block_digests(interrupted / "step-000006") == block_digests(straight / "step-000006")
     capsys.readouterr()
 
