@@ -93,7 +93,11 @@ def fsync_dir(path: Path) -> None:
 def _write_all(fd: int, data: memoryview, path: Path) -> None:
     done = 0
     while done < len(data):
-        n = os.write(fd, data[done:])
+        try:
+            n = os.write(fd, data[done:])
+        except OSError as exc:
+            exc.filename = str(path)  # "No space left on device: '<the file>'", not a bare errno
+            raise
         if n <= 0:
             raise OSError(f"write to {path} returned {n} with {len(data) - done:,} bytes left")
         done += n

@@ -72,10 +72,7 @@ class CheckpointRoot:
         self.path = Path(path)
         self._owned: set[str] = set()
         self._lock_fd: int | None = None
-        created = not os.path.lexists(self.path)
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if created:
-            fsync_dir(self.path.parent)
+        _make_private_dirs(self.path)
         self._lock_fd = lock_file(self.path / LOCK_NAME, f"checkpoint directory {self.path}",
                                   "Give each run its own --checkpoint-dir (train.checkpoint_dir).")
         try:
@@ -182,7 +179,8 @@ class CheckpointRoot:
         older = [(s, p) for s, p in mine if s < latest_step]
         for step, path in mine:
             if step > latest_step:
-                log.warning("deleting checkpoint %s: it is newer than latest (%s), from an earlier attempt of this run", path.name, latest)
+                log.warning("deleting checkpoint %s: it is newer than latest (%s) and this run's own (an abandoned "
+                            "attempt of its lineage, or taken over with --overwrite)", path.name, latest)
                 self._remove(path)
         for step, path in older[: max(0, len(older) - (keep_last - 1))]:
             log.debug("deleting old checkpoint %s (keep_last %d)", path.name, keep_last)
@@ -211,6 +209,18 @@ class CheckpointRoot:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Create path and any missing parents, each 0700 (not ``mkdir -p``'s umask default: a world-writable
+    parent would let another user swap our root for theirs), each made durable in its parent."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700, exist_ok=True)  # exist_ok: another run racing us to create it
+        fsync_dir(directory.parent)
 
 
 def _identity(checkpoint: Path) -> tuple[str | None, str | None]:

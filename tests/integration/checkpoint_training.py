@@ -36,6 +36,20 @@ def tiny_config(swap_dir: Path | None, master: str = "host", moments: str = "hos
     return config
 
 
+def tiny_cli_config(directory: Path, train_extra: str = "") -> Path:
+    """``directory/tiny.yaml``: the tiny model on the CPU for ``tierstore train``, master on host, moments in
+    swap files under ``directory/swap`` (created); ``train_extra``: more lines under ``train:``."""
+    (directory / "swap").mkdir(parents=True, exist_ok=True)
+    config = directory / "tiny.yaml"
+    config.write_text(
+        "device: cpu\ndtype: fp32\n"
+        f"tiers:\n  nvme:\n    path: {directory / 'swap'}\n"
+        "placement:\n  master: host\n  moments: nvme\n"
+        "train:\n  batch_size: 2\n  seq_len: 32\n  log_every: 1\n"
+        "  model: {hidden_size: 32, num_layers: 2, num_heads: 4, ffn_size: 64, max_seq_len: 64}\n" + train_extra)
+    return config
+
+
 def train(config: dict[str, Any], corpus: bytes, total_steps: int, *, checkpoint_dir: Path | None = None,
           save_every: int = 0, resume: bool = False, stop_after: int | None = None, keep_last: int = 3,
           on_step: Callable[[int, float], None] | None = None, before_save: Callable[[int], None] | None = None,

@@ -11,7 +11,7 @@ import pytest
 from runtime.checkpoint_root import LOCK_NAME
 from runtime.cli import main as cli_main
 from runtime.data import stdlib_text_bytes
-from tests.integration.checkpoint_training import train, tiny_config
+from tests.integration.checkpoint_training import tiny_cli_config, tiny_config, train
 
 TOTAL = 7
 
@@ -100,14 +100,7 @@ def block_digests(checkpoint: Path) -> dict[str, str]:
 def test_cli_train_save_every_and_resume(tmp_path, capsys):
     """`tierstore train --checkpoint-dir D --save-every N [--resume]`: 4 steps, then resume to 6, ends in the
     same master and moments (same sha256) as 6 uninterrupted steps."""
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        "device: cpu\ndtype: fp32\n"
-        f"tiers:\n  nvme:\n    path: {tmp_path / 'swap'}\n"
-        "placement:\n  master: host\n  moments: nvme\n"
-        "train:\n  batch_size: 2\n  seq_len: 32\n  log_every: 1\n"
-        "  model: {hidden_size: 32, num_layers: 2, num_heads: 4, ffn_size: 64, max_seq_len: 64}\n")
-    (tmp_path / "swap").mkdir()
+    config = tiny_cli_config(tmp_path)
     interrupted, straight = tmp_path / "ckpt-a", tmp_path / "ckpt-b"
     base = ["train", "--config", str(config)]
     assert cli_main(base + ["--steps", "4", "--checkpoint-dir", str(interrupted), "--save-every", "2"]) == 0
