@@ -213,12 +213,17 @@ def read_small(path: Path, limit: int = JSON_MAX_NBYTES) -> bytes:
     fd = _open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        data = os.read(fd, limit + 1) if size <= limit else b""
+        data = bytearray()
+        while size <= limit and len(data) <= limit:  # read to the end, a byte past the cap at most
+            chunk = os.read(fd, limit + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
     finally:
         os.close(fd)
     if size > limit or len(data) > limit:
         raise CheckpointError(f"{path}: {max(size, len(data)):,} bytes, more than the {limit:,} such a file may have")
-    return data
+    return bytes(data)
 
 
 def parse_json(data: bytes, path: Path) -> Any:

@@ -72,6 +72,12 @@ class CheckpointRoot:
         self.path = Path(path)
         self._owned: set[str] = set()
         self._lock_fd: int | None = None
+        if os.path.lexists(self.path) and not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is not a directory; --checkpoint-dir (train.checkpoint_dir) names the "
+                                  "directory that holds the checkpoints")
+        if os.path.lexists(self.path / MANIFEST_NAME):  # a lock file in it would make it fail verification
+            raise CheckpointError(f"{self.path} is one checkpoint, not a checkpoint root; pass its parent "
+                                  f"{self.path.parent} as --checkpoint-dir (train.checkpoint_dir)")
         _make_private_dirs(self.path)
         self._lock_fd = lock_file(self.path / LOCK_NAME, f"checkpoint directory {self.path}",
                                   "Give each run its own --checkpoint-dir (train.checkpoint_dir).")
@@ -86,16 +92,16 @@ class CheckpointRoot:
     def _claim(self, resume: bool, overwrite: bool, writer: str | None) -> str:
         """Decide what this run owns; returns its lineage. Refuses a root holding another run's work."""
         found = list_checkpoints(self.path)
-        if overwrite:
-            if found:
+        if resume or overwrite:
+            lineage = self._claim_lineage(found, refuse_foreign=not overwrite) if resume else uuid.uuid4().hex
+            if overwrite and found:
                 log.warning("checkpoint directory %s: --overwrite: this run may replace and prune its %d checkpoint(s)",
                             self.path, len(found))
-            self._owned = {p.name for _, p in found}
-            return uuid.uuid4().hex
-        if resume:
-            return self._claim_lineage(found)
+                self._owned = {p.name for _, p in found}
+            return lineage
         if writer is not None:  # one save of a session: accepted where this session's saves are the latest
-            mine = {p.name: _identity(p)[1] for _, p in found if _identity(p)[0] == writer}
+            identities = {p.name: _identity(p) for _, p in found}
+            mine = {name: lineage for name, (who, lineage) in identities.items() if who == writer}
             latest = read_latest(self.path)
             if (latest in mine) or (latest is None and mine):
                 self._owned = set(mine)
@@ -107,8 +113,9 @@ class CheckpointRoot:
                                   f"checkpoints or files, which a new run would mix with or prune. {_HOW_TO_CONTINUE}.")
         return writer or uuid.uuid4().hex
 
-    def _claim_lineage(self, found: list[tuple[int, Path]]) -> str:
-        """Resume: own the checkpoint resumed from, those before it, and newer ones of its lineage."""
+    def _claim_lineage(self, found: list[tuple[int, Path]], refuse_foreign: bool) -> str:
+        """Resume: own the checkpoint resumed from, those before it, and newer ones of its lineage; a newer
+        one of another lineage is refused when ``refuse_foreign``. Returns the lineage resumed."""
         if not found:
             return uuid.uuid4().hex
         resumed = find_checkpoint(self.path)
@@ -121,7 +128,7 @@ class CheckpointRoot:
                 self._owned.add(path.name)
             else:
                 foreign.append(path.name)
-        if foreign:
+        if foreign and refuse_foreign:
             raise CheckpointError(f"checkpoint directory {self.path}: {', '.join(foreign)} is newer than the checkpoint "
                                   f"to resume ({resumed.name}) and was not written by its run; resuming would replace "
                                   "it. Move it away, or pass --overwrite (overwrite=True) to let this run replace it.")

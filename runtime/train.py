@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from runtime.api import offload
+from runtime.api import OffloadSession, offload
 from runtime.checkpoint import CheckpointError, CheckpointRoot, resume_training, save_checkpoint, save_due
 from runtime.checkpoint_io import read_latest
 from runtime.config import TierstoreConfig, TrainConfig, load_config
@@ -67,7 +67,7 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def save_or_warn(session: Any, root: CheckpointRoot, data: ByteBatches, step: int, train: TrainConfig) -> Path | None:
+def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatches, step: int, train: TrainConfig) -> Path | None:
     """Save a checkpoint after ``step``; returns its directory, or None when the save failed.
 
     A failed save (disk full, an IO error, a refused checkpoint) does not lose the run: the partial save is
@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
     # Opened first, so a used or busy checkpoint root is refused before anything is allocated; held (locked)
     # for the whole run.
-    root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=getattr(args, "overwrite", False))
+    root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
             if cfg.train.checkpoint_dir is not None else None)
     try:
         return _run(cfg, args, root)

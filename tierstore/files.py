@@ -13,7 +13,6 @@ replace a leftover (only the lock holder may decide that a name is stale), and r
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import stat
@@ -91,7 +90,3 @@ def shared_directory_problem(st: os.stat_result) -> str | None:
         return f"is writable by {who} (mode {mode:04o})"
     return None
 
-
-def is_enospc(exc: BaseException) -> bool:
-    """True when exc is an OSError for a full disk (or quota)."""
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

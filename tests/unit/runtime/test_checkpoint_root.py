@@ -108,6 +108,15 @@ def test_resume_prunes_its_lineage_but_refuses_a_newer_foreign_checkpoint(earlie
         assert root.owns("step-000002") and root.owns("step-000004")
 
 
+def test_a_checkpoint_is_not_a_root(earlier_run: Path):
+    """--checkpoint-dir DIR/step-000004 --resume: a lock file inside would make that checkpoint unlisted-file
+    dirty (refused by verification), and saves would nest in it."""
+    before = tree_digest(earlier_run)
+    with pytest.raises(CheckpointError, match=r"step-000004 is one checkpoint, not a checkpoint root; pass its parent"):
+        CheckpointRoot(earlier_run / "step-000004", resume=True)
+    assert tree_digest(earlier_run) == before
+
+
 def test_path_saves_of_one_session_own_their_checkpoints_only(trained, tmp_path: Path):
     model, optimizer, session, data = trained
     root = tmp_path / "ckpt"
