@@ -13,6 +13,7 @@ replace a leftover (only the lock holder may decide that a name is stale), and r
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -55,7 +56,13 @@ def lock_file(name: str | os.PathLike[str], what: str, hint: str, *, dir_fd: int
     change) when another open file holds it -- another process, or another store in this one. A lock
     file that is not a plain file owned by us with exactly one link is refused: truncating it would
     damage the file it is linked to."""
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise DirectoryLockedError(f"{what}: its lock file {os.fsdecode(name)} is a symbolic link (planted by someone?); "
+                                   f"it is never opened through a link. Remove it. {hint}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():

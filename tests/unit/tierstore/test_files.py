@@ -47,7 +47,7 @@ def test_links_at_every_swap_name_are_never_written_through(nvme_dir: Path, tmp_
     planted = plant_links(nvme_dir, [PROBE_NAME] + [f"{k}{SUFFIX}" for k in keys], tmp_path / "victims")
     lock_link = plant_links(nvme_dir, [LOCK_NAME], tmp_path / "victims-lock")
     # The lock file is reopened by name (it outlives runs), so a link there is refused, not replaced.
-    with pytest.raises(OSError):
+    with pytest.raises(DirectoryLockedError, match=r"lock file \.tierstore\.lock is a symbolic link"):
         TierStore(StoreConfig(device="cpu", host_budget_nbytes=4 << 20, nvme_path=str(nvme_dir)))
     assert_victims_unchanged(lock_link)
     (nvme_dir / LOCK_NAME).unlink()
