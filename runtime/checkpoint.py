@@ -416,7 +416,11 @@ def _load_tensor(store: TierStore, key: str, file: Path, entry: FileEntry, step:
         # No public way to write a swap file except through a host copy: stage, overwrite, write back.
         store.fetch(key, TierName.HOST).wait()
         target = store.tensor(key, TierName.HOST)
-        read_verified_into(file, _bytes_of(target), entry)
+        try:
+            read_verified_into(file, _bytes_of(target), entry)
+        except BaseException:
+            store.release(key, TierName.HOST)  # partly the file's bytes now, yet marked clean: drop; the swap file is intact
+            raise
         store.mark_dirty(key, TierName.HOST, step=step)  # host now newer than the swap file
     if after is not None:
         after(target)

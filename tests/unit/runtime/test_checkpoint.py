@@ -246,6 +246,8 @@ def test_tensor_file_is_hashed_as_it_is_loaded(trained, saved, monkeypatch):
     with pytest.raises(CheckpointError, match=r"block1\.exp_avg\.bin: sha256 .* does not match .*mix of old and loaded state"):
         load_checkpoint(session, saved, data)
     assert reads.count("block1.exp_avg.bin") == 1  # read once: verified and loaded together
+    key = session.blocks[1].key("exp_avg")  # its home is a swap file: the half-read staging copy was dropped
+    assert session.store.record(key).home is TierName.NVME and session.store.state(key, TierName.HOST) is CopyState.ABSENT
 
 
 @pytest.mark.parametrize("name, content, message", [
