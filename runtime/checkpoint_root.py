@@ -3,8 +3,8 @@ work, and the record of which checkpoints this run may replace or delete.
 
 Rules (what they protect is someone else's work; ``runtime.checkpoint_io`` draws the directory layout):
 
-- One writer at a time. An flock on ``root/.lock`` is held from :class:`CheckpointRoot` to ``close``; a
-  second run on the same root is refused, naming the holder. The kernel drops the lock when its holder
+- One writer at a time. An flock on ``root/.tierstore.lock`` is held from :class:`CheckpointRoot` to
+  ``close``; a second run on the same root is refused, naming the holder. The kernel drops the lock when its holder
   dies, so a killed run never leaves the root locked. (On NFS, Linux turns flock into a POSIX lock that
   the server arbitrates, so two hosts exclude each other too.)
 - A save in progress is judged by that lock, never by a pid: whoever holds the lock is the only writer,
@@ -52,7 +52,7 @@ from tierstore.files import lock_file
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".lock"
+LOCK_NAME = ".tierstore.lock"  # the swap directory's lock has the same name; the two never overlap
 _SCRATCH_DIR = re.compile(r"^\.(tmp|old|del)-(step-\d{6,})-(\d+)$")
 _HOW_TO_CONTINUE = ("Resume from it (`tierstore train --resume`; CheckpointRoot(..., resume=True) in Python), choose "
                     "another directory (--checkpoint-dir / train.checkpoint_dir), or pass --overwrite (overwrite=True) "

@@ -1,8 +1,9 @@
 """Files in directories other people may write to: never write through a link, never trust a name blindly.
 
-Everything tierstore (and the runtime's checkpoint writer) creates goes through :func:`create_new`: the file
-is created with ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a symlink (or any file) planted at that name makes the
-open fail instead of sending our bytes into someone else's file. The only file reopened by name is a lock
+Every file tierstore (and the runtime's checkpoint writer) creates in a directory it was given goes through
+:func:`create_new`: the file is created with ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a symlink (or any file)
+planted at that name makes the open fail instead of sending our bytes into someone else's file.
+(Benchmark scratch files, which ``dd`` opens by name, live in private 0700 subdirectories instead.) The only file reopened by name is a lock
 file (:func:`lock_file`): opened with ``O_NOFOLLOW`` and checked to be a plain file of ours with one link,
 so neither a symlink nor a hard link to a victim can be truncated by it.
 
