@@ -74,13 +74,14 @@ def _list(meta_path: Path, key: str, value: Any, length: int | None = None) -> l
 def _check_values(meta: dict[str, Any], meta_path: Path) -> None:
     """Types, ranges and finiteness of every value the loader uses (shape agreement with the session is
     checked by the loader, which knows the model)."""
-    step = _int(meta_path, "step", meta.get("step"), 0, MAX_STEP)
+    _int(meta_path, "step", meta.get("step"), 0, MAX_STEP)
     if "lr" in meta and meta["lr"] is not None:
         _number(meta_path, "lr", meta["lr"], 0.0)
     for i, block in enumerate(_list(meta_path, "blocks", meta.get("blocks"))):
         block = _mapping(meta_path, f"blocks[{i}]", block)
         for j, value in enumerate(_list(meta_path, f"blocks[{i}].param_steps", block.get("param_steps"))):
-            _number(meta_path, f"blocks[{i}].param_steps[{j}]", value, 0, step, integral=True)
+            # Not bounded by ``step``: optimizer.load_state_dict brings counters from another run.
+            _number(meta_path, f"blocks[{i}].param_steps[{j}]", value, 0, MAX_STEP, integral=True)
     for key, entry in _mapping(meta_path, "tensors", meta.get("tensors")).items():
         entry = _mapping(meta_path, f"tensors.{key}", entry)
         _int(meta_path, f"tensors.{key}.numel", entry.get("numel"), 0, 1 << 48)
