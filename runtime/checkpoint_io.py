@@ -27,6 +27,7 @@ files have a size cap, and malformed JSON of any kind is a CheckpointError namin
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -164,7 +165,8 @@ def _open_regular(path: Path) -> int:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot open ({exc.strerror}; a link is refused)") from exc
+        reason = "a symbolic link, refused" if exc.errno == errno.ELOOP else exc.strerror
+        raise CheckpointError(f"{path}: cannot open ({reason})") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CheckpointError(f"{path}: not a regular file")
