@@ -5,8 +5,8 @@
 """
 
 from runtime.api import OffloadSession, offload
-from runtime.checkpoint import CheckpointError, bench_checkpoint, load_checkpoint, save_checkpoint
+from runtime.checkpoint import CheckpointError, CheckpointRoot, bench_checkpoint, load_checkpoint, save_checkpoint
 from runtime.config import ConfigError, TierstoreConfig, load_config
 
-__all__ = ["CheckpointError", "ConfigError", "OffloadSession", "TierstoreConfig", "bench_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointError", "CheckpointRoot", "ConfigError", "OffloadSession", "TierstoreConfig", "bench_checkpoint", "load_checkpoint",
            "load_config", "offload", "save_checkpoint"]

@@ -6,7 +6,9 @@ out of their NVMe swap files), the per-parameter step counters, the optimizer st
 scaler, the RNG states (torch CPU and CUDA, Python, NumPy), the data stream's position and generator,
 and the config. ``load_checkpoint`` verifies the whole checkpoint first, then writes each tensor into
 whatever home the *new* session gives it (the tier layout and the NVMe path may differ from the saving
-run's) and refreshes the compute weights.
+run's) and refreshes the compute weights. Each file is hashed as it is read into the tiers (one pass: the
+bytes loaded are the bytes verified); ``meta.json`` is range-checked first (``runtime.checkpoint_meta``).
+Which checkpoints a save may replace or prune, and the lock on the root: ``runtime.checkpoint_root``.
 
 The swap directory is a cache and never the only copy: a checkpoint holds raw copies of the payloads, and
 the store deletes its swap files on close. File layout and atomic publication: ``runtime.checkpoint_io``.
@@ -16,7 +18,6 @@ states are uint8 tensors stored as raw bytes.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -31,18 +32,21 @@ import torch
 import yaml
 
 from runtime.checkpoint_io import (
+    META_NAME,
     CheckpointError,
     FileEntry,
-    PendingCheckpoint,
+    check_listing,
     copy_range,
     find_checkpoint,
     json_bytes,
-    read_into,
-    remove_stale,
+    read_verified,
+    read_verified_into,
     resolve_checkpoint,
     verify_checkpoint,
     write_buffer,
 )
+from runtime.checkpoint_meta import FORMAT, VERSION, read_meta
+from runtime.checkpoint_root import CheckpointRoot
 from runtime.config import dump_config
 from runtime.weights import WeightSource
 from tierstore import CorruptFileError, TierName, TierStore
@@ -56,13 +60,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "bench_checkpoint", "find_checkpoint", "load_checkpoint", "resume_training",
-           "save_checkpoint", "save_due", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointRoot", "bench_checkpoint", "find_checkpoint", "load_checkpoint",
+           "resume_training", "save_checkpoint", "save_due", "verify_checkpoint"]
 
-META_NAME = "meta.json"
 CONFIG_NAME = "config.yaml"
-FORMAT = "tierstore-checkpoint"
-VERSION = 1
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                                    "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
@@ -77,28 +78,44 @@ class ResumableData(Protocol):
 
 
 # ---- save ------------------------------------------------------------------------------------------
-def save_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None,
-                    keep_last: int = 3, *, threads: int = 4, progress: Callable[[str], None] | None = None) -> Path:
+def save_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
+                    data: ResumableData | None = None, keep_last: int = 3, *, threads: int = 4,
+                    progress: Callable[[str], None] | None = None, overwrite: bool = False) -> Path:
     """Save the session's whole training state under ``directory/step-NNNNNN`` and point ``latest`` at it.
 
-    Call between steps (after ``optimizer.step()``, before the next forward). ``data``: the batch source
-    to resume (``position`` and ``generator``). ``keep_last``: checkpoints kept; older ones are deleted
-    only after the new one is in place. ``threads``: files written at once. ``progress`` is called with
-    each file name once it is durable, then with "manifest.json", "renamed" and "latest" (a progress bar,
-    or a test that needs time to pass inside a save). Returns the checkpoint directory."""
+    Call between steps (after ``optimizer.step()``, before the next forward). ``directory``: a
+    :class:`CheckpointRoot` the run holds (locked for the run; the CLI's way), or a path, locked for this
+    save only, where a root holding another run's checkpoints is refused unless ``overwrite``. Either way
+    only checkpoints this run owns are ever replaced or pruned. ``data``: the batch source to resume
+    (``position`` and ``generator``). ``keep_last``: checkpoints kept; older ones are deleted only after
+    the new one is in place. ``threads``: files written at once. ``progress`` is called with each file
+    name once it is durable, then with "manifest.json", "renamed" and "latest" (a progress bar, or a test
+    that needs time to pass inside a save). Returns the checkpoint directory."""
     if sys.byteorder != "little":
         raise NotImplementedError("checkpoints are little-endian raw files; big-endian hosts are not supported")
-    root = Path(directory)
+    if isinstance(directory, CheckpointRoot) and overwrite:
+        raise ValueError("overwrite is decided when the CheckpointRoot is opened: pass it to CheckpointRoot(...)")
     controller = session.controller
     _require_between_steps(controller, "save")
     controller.synchronize()
-    _refuse_swap_overlap(session.store, root)
+    _refuse_swap_overlap(session.store, directory.path if isinstance(directory, CheckpointRoot) else Path(directory))
+    root = directory if isinstance(directory, CheckpointRoot) else \
+        CheckpointRoot(directory, overwrite=overwrite, writer=session.store.instance_id)
+    try:
+        return _save(session, root, data, keep_last, threads, progress)
+    finally:
+        if root is not directory:
+            root.close()
+
+
+def _save(session: "OffloadSession", root: CheckpointRoot, data: ResumableData | None, keep_last: int, threads: int,
+          progress: Callable[[str], None] | None) -> Path:
+    controller = session.controller
     if session.store.device.type == "cuda":
         torch.cuda.synchronize(session.store.device)  # device updates are stream-ordered; copies below run on other threads
     step = controller.optimizer_step
     start = time.perf_counter()
-    remove_stale(root)
-    pending = PendingCheckpoint(root, step)
+    pending = root.begin(step)
     try:
         jobs: list[tuple[str, Callable[[Path], FileEntry]]] = []
         tensors: dict[str, dict[str, Any]] = {}
@@ -119,11 +136,12 @@ def save_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             list(pool.map(run, jobs))  # list(): re-raise the first failure
         meta = _scalar_state(session, controller, tensors, data, pending)
+        meta.update(lineage=root.lineage, writer=session.store.instance_id)  # which run may prune it (checkpoint_root)
         pending.write_bytes(CONFIG_NAME, dump_config(session.config).encode())
         pending.write_bytes(META_NAME, json_bytes(meta))
         if progress is not None:
             progress(META_NAME)
-        final = pending.commit(keep_last, progress)
+        final = root.publish(pending, keep_last, progress)
     except BaseException:
         pending.abort()
         raise
@@ -172,7 +190,7 @@ def _tensor_writer(store: TierStore, record: Record) -> Callable[[Path], FileEnt
     if TierName.NVME in store.tiers and store.state(key, TierName.NVME).is_current:
         directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
         swap = directory.get(key)
-        expected = directory.read_payload_checksum(swap)
+        expected = directory.read_payload_checksum(swap, record.step)  # a stale file must not become a checkpoint
 
         # Copy the payload, not a hard link: swap files are rewritten in place by the next update, and the
         # checkpoint must stay a snapshot. The checksum keeps a corrupt swap file out of the checkpoint.
@@ -231,20 +249,27 @@ def _scalar_state(session: "OffloadSession", controller: "Controller", tensors: 
 
 
 # ---- load ------------------------------------------------------------------------------------------
-def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None) -> int:
+def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
+                    data: ResumableData | None = None) -> int:
     """Restore a checkpoint into ``session`` (and ``data``); returns the optimizer step it was taken after.
 
-    ``directory`` is a checkpoint root (its ``latest`` is loaded) or one ``step-NNNNNN`` directory. Every
-    file is verified against the manifest before anything is used. The session must hold the same model
-    (same blocks and parameters); its tier layout, NVMe path and device may differ. Call between steps."""
-    path = resolve_checkpoint(directory)
-    files = verify_checkpoint(path)
-    meta = _read_meta(path)
+    ``directory`` is a checkpoint root (its ``latest`` is loaded; a :class:`CheckpointRoot` too) or one
+    ``step-NNNNNN`` directory. Before anything is restored: the listing (no unlisted files, no links, sizes)
+    and meta.json's values are checked, and the small files are read and hashed. Tensor files are hashed
+    as they stream into the tiers; a mismatch there (a file corrupted, or replaced since the listing was
+    checked) is refused naming the file, and the session is left part-loaded: close it. To keep a trained
+    session safe from a corrupt checkpoint, call ``verify_checkpoint`` first (it reads every file once
+    more). The session must hold the same model (same blocks and parameters); its tier layout, NVMe path
+    and device may differ. Call between steps."""
+    path = resolve_checkpoint(directory.path if isinstance(directory, CheckpointRoot) else directory)
+    files = check_listing(path)
+    meta = read_meta(path, files)
     _check_compatible(session, meta, path, files)
+    small = _read_small_files(meta, path, files)
     controller = session.controller
     _require_between_steps(controller, "load")
     controller.synchronize()
-    _log_config_changes(session, path)
+    _log_config_changes(session, small.get(CONFIG_NAME), path)
     step = int(meta["step"])
     try:
         _release_fetched_weights(controller)
@@ -252,12 +277,15 @@ def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
             for kind in STATE_KINDS:
                 entry = meta["tensors"][block.key(kind)]
                 after = (lambda master, b=block: _refresh_weights(controller, b, master, step)) if kind == "master" else None
-                _load_tensor(session.store, block.key(kind), path / entry["file"], step, after)
+                _load_tensor(session.store, block.key(kind), path / entry["file"], files[entry["file"]], step, after)
         _restore_counters(controller, session.blocks, meta["blocks"], step)
         _restore_scaler(controller, meta.get("scaler"), path)
-        _restore_rng(meta["rng"], path)
+        _restore_rng(meta["rng"], path, small)
         if data is not None:
-            _restore_data(data, meta.get("data"), path)
+            _restore_data(data, meta.get("data"), path, small)
+    except CheckpointError as exc:  # a tensor file failed its hash as it was read
+        raise CheckpointError(f"{exc}; this session now holds a mix of old and loaded state: close it and load a "
+                              "good checkpoint into a new one") from exc
     except Exception as exc:
         # The checkpoint verified, so this is the machine (disk, memory budget): say what state we are in.
         raise RuntimeError(f"loading {path} failed part-way ({exc}); this session now holds a mix of old and "
@@ -280,19 +308,15 @@ def _restore_counters(controller: "Controller", blocks: list["Block"], saved_blo
     controller.worker.set_updated_step(step)
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    meta_path = path / META_NAME
-    try:
-        meta = json.loads(meta_path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{meta_path}: unreadable ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: not a tierstore checkpoint")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{meta_path}: checkpoint version {meta.get('version')!r}, this tierstore reads {VERSION}")
-    if meta.get("byte_order") != "little" or sys.byteorder != "little":
-        raise CheckpointError(f"{meta_path}: byte order {meta.get('byte_order')!r} on a {sys.byteorder}-endian host")
-    return meta
+def _read_small_files(meta: dict[str, Any], path: Path, files: dict[str, FileEntry]) -> dict[str, bytes]:
+    """The config and the raw RNG / generator states, read and hashed before anything is restored."""
+    rng = meta["rng"]
+    names = [rng.get("torch_cpu"), *rng.get("cuda", [])] + ([meta["data"].get("generator")] if meta.get("data") else [])
+    for name in names:
+        if name not in files:
+            raise CheckpointError(f"{path / str(name)}: named by meta.json but not in the manifest")
+    names += [CONFIG_NAME] if CONFIG_NAME in files else []
+    return {name: read_verified(path / name, files[name]) for name in names}
 
 
 def _check_compatible(session: "OffloadSession", meta: dict[str, Any], path: Path, files: dict[str, FileEntry]) -> None:
@@ -325,19 +349,16 @@ def _check_compatible(session: "OffloadSession", meta: dict[str, Any], path: Pat
                                       f"{_DTYPE_NAMES.get(record.meta.dtype)} x{record.meta.numel}")
             if files[name].nbytes != record.meta.nbytes:
                 raise CheckpointError(f"{path / name}: {files[name].nbytes:,} bytes, {key} needs {record.meta.nbytes:,}")
-    rng = meta.get("rng", {})
-    names = [rng.get("torch_cpu"), *rng.get("cuda", [])] + ([meta["data"].get("generator")] if meta.get("data") else [])
-    for name in names:
-        if name not in files:
-            raise CheckpointError(f"{path / str(name)}: named by meta.json but not in the manifest")
 
 
-def _log_config_changes(session: "OffloadSession", path: Path) -> None:
+def _log_config_changes(session: "OffloadSession", text: bytes | None, path: Path) -> None:
     """Say which settings differ from the saving run's (a different layout is fine; other changes are the
-    user's choice but break exact resume)."""
+    user's choice but break exact resume). ``text``: the saved config.yaml, already verified."""
     try:
-        saved = yaml.safe_load((path / CONFIG_NAME).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        if text is None:
+            raise OSError("not in the checkpoint")
+        saved = yaml.safe_load(text.decode())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         log.warning("%s: unreadable (%s); not comparing configs", path / CONFIG_NAME, exc)
         return
     now = yaml.safe_load(dump_config(session.config))
@@ -373,27 +394,33 @@ def _release_fetched_weights(controller: "Controller") -> None:
         weights.release(index)
 
 
-def _load_tensor(store: TierStore, key: str, file: Path, step: int, after: Callable[[torch.Tensor], None] | None) -> None:
-    """Write one tensor file into key's home in this session; ``after`` sees the loaded values while a
-    copy of them is still in memory (the master's, to refresh the compute weights)."""
+def _load_tensor(store: TierStore, key: str, file: Path, entry: FileEntry, step: int,
+                 after: Callable[[torch.Tensor], None] | None) -> None:
+    """Write one tensor file into key's home in this session, hashing it on the way (``entry``: its size and
+    sha256); ``after`` sees the loaded values while a copy of them is still in memory (the master's, to
+    refresh the compute weights)."""
     record = store.record(key)
     _settle(record)
     home = record.home
     if home is TierName.GPU:
         staging = torch.empty(record.meta.numel, dtype=record.meta.dtype)
-        read_into(file, _bytes_of(staging))
+        read_verified_into(file, _bytes_of(staging), entry)
         target = store.tensor(key, TierName.GPU)
         target.copy_(staging)
         store.mark_dirty(key, TierName.GPU, step=step)  # the home copy: clean; any cached copy is stale now
     elif home is TierName.HOST:
         target = store.tensor(key, TierName.HOST)
-        read_into(file, _bytes_of(target))  # straight into the (pinned) home bytes
+        read_verified_into(file, _bytes_of(target), entry)  # straight into the (pinned) home bytes
         store.mark_dirty(key, TierName.HOST, step=step)
     else:
         # No public way to write a swap file except through a host copy: stage, overwrite, write back.
         store.fetch(key, TierName.HOST).wait()
         target = store.tensor(key, TierName.HOST)
-        read_into(file, _bytes_of(target))
+        try:
+            read_verified_into(file, _bytes_of(target), entry)
+        except BaseException:
+            store.release(key, TierName.HOST)  # partly the file's bytes now, yet marked clean: drop; the swap file is intact
+            raise
         store.mark_dirty(key, TierName.HOST, step=step)  # host now newer than the swap file
     if after is not None:
         after(target)
@@ -427,19 +454,16 @@ def _restore_scaler(controller: "Controller", saved: dict[str, Any] | None, path
     scaler.growth_tracker.fill_(int(saved["growth_tracker"]))
 
 
-def _raw_tensor(path: Path, name: str) -> torch.Tensor:
-    file = path / name
-    out = torch.empty(file.stat().st_size, dtype=torch.uint8)
-    read_into(file, _bytes_of(out))
-    return out
+def _raw_tensor(small: dict[str, bytes], name: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(small[name]), dtype=torch.uint8)
 
 
-def _restore_rng(rng: dict[str, Any], path: Path) -> None:
-    torch.set_rng_state(_raw_tensor(path, rng["torch_cpu"]))
+def _restore_rng(rng: dict[str, Any], path: Path, small: dict[str, bytes]) -> None:
+    torch.set_rng_state(_raw_tensor(small, rng["torch_cpu"]))
     cuda_files = rng.get("cuda", [])
     if torch.cuda.is_available() and cuda_files:
         if len(cuda_files) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([_raw_tensor(path, name) for name in cuda_files])
+            torch.cuda.set_rng_state_all([_raw_tensor(small, name) for name in cuda_files])
         else:
             log.warning("%s: %d CUDA RNG states saved, %d devices here; CUDA RNG not restored", path, len(cuda_files), torch.cuda.device_count())
     elif cuda_files or torch.cuda.is_available():
@@ -450,14 +474,14 @@ def _restore_rng(rng: dict[str, Any], path: Path) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def _restore_data(data: ResumableData, saved: dict[str, Any] | None, path: Path) -> None:
+def _restore_data(data: ResumableData, saved: dict[str, Any] | None, path: Path, small: dict[str, bytes]) -> None:
     if saved is None:
         log.warning("%s: no data position in the checkpoint; the data stream starts afresh", path)
         return
     for attr in ("batch_size", "seq_len"):
         if saved.get(attr) is not None and getattr(data, attr, saved[attr]) != saved[attr]:
             log.warning("%s: data %s was %s, now %s; batches will differ from the original run", path, attr, saved[attr], getattr(data, attr))
-    data.generator.set_state(_raw_tensor(path, saved["generator"]))
+    data.generator.set_state(_raw_tensor(small, saved["generator"]))
     data.position = int(saved["position"])
 
 
@@ -467,9 +491,10 @@ def save_due(step: int, total_steps: int, save_every: int) -> bool:
     return step == total_steps or (save_every > 0 and step % save_every == 0)
 
 
-def resume_training(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None) -> int:
+def resume_training(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
+                    data: ResumableData | None = None) -> int:
     """Load the latest checkpoint in ``directory`` if there is one; returns its step (0: start afresh)."""
-    found = find_checkpoint(directory)
+    found = find_checkpoint(directory.path if isinstance(directory, CheckpointRoot) else directory)
     if found is None:
         log.warning("no checkpoint in %s yet; starting from step 0", directory)
         return 0

@@ -7,42 +7,53 @@ A checkpoint root looks like this::
         meta.json             what the files mean (written by runtime.checkpoint)
         block3.master.bin     raw little-endian tensor bytes, one file per store key
     latest                    "step-000123\\n", replaced atomically after the directory is in place
-    .tmp-step-000124-<pid>/   a save in progress, or one killed: never read; removed by a later save once
-                              <pid> is gone
+    .tmp-step-000124-<pid>/   a save in progress, or one killed: never read; removed by the next run that
+                              holds the root's lock (runtime.checkpoint_root: locking, ownership, pruning)
 
 Durability order of a save: every file is written and fsynced, then the manifest, then the directory;
 the directory is renamed into place and its parent fsynced; only then is ``latest`` replaced (written to
 ``latest.tmp``, fsynced, renamed, parent fsynced). A crash at any point leaves ``latest`` naming a
 complete, earlier checkpoint. Nothing here deserializes code or objects: JSON and raw bytes only.
 
-Loading trusts nothing: :func:`verify_checkpoint` checks every listed file's size and sha256, refuses
-files the manifest does not list and manifest entries that are not plain names in the directory, and
-names the offending file in every error.
+Nothing is written through a link: every file (``latest.tmp`` included) is created new with
+``O_EXCL|O_NOFOLLOW``, mode 0600, in directories created 0700; a checkpoint is private to its user.
+
+Loading trusts nothing: :func:`check_listing` refuses files the manifest does not list, manifest entries
+that are not plain names in the directory, links and wrong sizes; :func:`read_verified_into` hashes each
+file as it is read into memory, so the bytes used are the bytes verified (a file replaced after the
+listing was checked is refused). :func:`verify_checkpoint` hashes every file without loading it. JSON
+files have a size cap, and malformed JSON of any kind is a CheckpointError naming the file.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import Any, Callable, Iterable, Iterator
 
+from tierstore.files import create_new
+
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+META_NAME = "meta.json"  # what the files mean; written and read by runtime.checkpoint
 LATEST_NAME = "latest"
 MANIFEST_FORMAT = "tierstore-checkpoint-manifest"
 MANIFEST_VERSION = 1
 CHUNK_NBYTES = 8 << 20  # hashing and copying granularity: large enough for disk speed, small in RAM
+JSON_MAX_NBYTES = 64 << 20  # manifest / meta: ~200 bytes per file or parameter; far above any real model's
+_LATEST_MAX_NBYTES = 256
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
-_SCRATCH_DIR = re.compile(r"^\.(tmp|old|del)-(step-\d{6,})-(\d+)$")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -83,17 +94,22 @@ def fsync_dir(path: Path) -> None:
 def _write_all(fd: int, data: memoryview, path: Path) -> None:
     done = 0
     while done < len(data):
-        n = os.write(fd, data[done:])
+        try:
+            n = os.write(fd, data[done:])
+        except OSError as exc:
+            exc.filename = str(path)  # "No space left on device: '<the file>'", not a bare errno
+            raise
         if n <= 0:
             raise OSError(f"write to {path} returned {n} with {len(data) - done:,} bytes left")
         done += n
 
 
 def write_chunks(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> FileEntry:
-    """Create ``path`` (it must not exist), write the chunks, fsync; returns its size and sha256."""
+    """Create ``path`` (it must not exist, not even as a link), mode 0600, write the chunks, fsync; returns
+    its size and sha256."""
     digest = hashlib.sha256()
     nbytes = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = create_new(path, flags=os.O_WRONLY)
     try:
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
@@ -116,7 +132,7 @@ def _read_chunks(src: Path, offset: int, nbytes: int) -> Iterator[memoryview]:
     """Exactly ``nbytes`` of ``src`` from ``offset``, in chunks of one reused buffer."""
     buf = bytearray(min(CHUNK_NBYTES, max(nbytes, 1)))
     view = memoryview(buf)
-    with open(src, "rb", buffering=0) as f:
+    with os.fdopen(_open_regular(src), "rb", buffering=0) as f:
         f.seek(offset)
         left = nbytes
         while left > 0:
@@ -142,19 +158,84 @@ def copy_range(src: Path, offset: int, nbytes: int, dst: Path, observe: Callable
     return write_chunks(dst, chunks())
 
 
-def read_into(path: Path, dst: memoryview) -> None:
-    """Fill ``dst`` with the whole of ``path``, whose size must equal len(dst)."""
+def _open_regular(path: Path) -> int:
+    """Open path for reading: never through a link, never a FIFO or device (which could block or never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        reason = "a symbolic link, refused" if exc.errno == errno.ELOOP else exc.strerror
+        raise CheckpointError(f"{path}: cannot open ({reason})") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd
+
+
+def read_verified_into(path: Path, dst: memoryview, expected: FileEntry) -> None:
+    """Fill ``dst`` with the whole of ``path``, hashing each chunk as it lands: what is loaded is what was
+    verified, in one pass. Refuses a link, another size, or bytes whose sha256 differs from the manifest's
+    -- naming the file. ``dst`` keeps whatever was read when it raises; the caller discards it."""
     dst = dst.cast("B")
-    size = path.stat().st_size
-    if size != len(dst):
-        raise CheckpointError(f"{path}: {size:,} bytes, expected {len(dst):,}")
-    with open(path, "rb", buffering=0) as f:
+    if expected.nbytes != len(dst):
+        raise CheckpointError(f"{path}: the manifest says {expected.nbytes:,} bytes, {len(dst):,} are expected here")
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != len(dst):
+            raise CheckpointError(f"{path}: {size:,} bytes, the manifest says {len(dst):,} (truncated or overwritten)")
+        digest = hashlib.sha256()
         pos = 0
         while pos < len(dst):
-            got = f.readinto(dst[pos : pos + CHUNK_NBYTES])
+            got = os.readv(fd, [dst[pos : pos + CHUNK_NBYTES]])
             if not got:
                 raise CheckpointError(f"{path}: ended at byte {pos:,} of {len(dst):,}")
+            digest.update(dst[pos : pos + got])
             pos += got
+    finally:
+        os.close(fd)
+    if digest.hexdigest() != expected.sha256:
+        raise CheckpointError(f"{path}: sha256 {digest.hexdigest()[:16]}... does not match the manifest's "
+                              f"{expected.sha256[:16]}... (corrupted or modified)")
+
+
+def read_verified(path: Path, expected: FileEntry) -> bytes:
+    """The whole of a small listed file (meta, config, RNG states), verified as :func:`read_verified_into` does."""
+    if expected.nbytes > JSON_MAX_NBYTES:
+        raise CheckpointError(f"{path}: {expected.nbytes:,} bytes, more than the {JSON_MAX_NBYTES:,} such a file may have")
+    buf = bytearray(expected.nbytes)
+    read_verified_into(path, memoryview(buf), expected)
+    return bytes(buf)
+
+
+def read_small(path: Path, limit: int = JSON_MAX_NBYTES) -> bytes:
+    """The whole of a small regular file read before anything vouches for it (the manifest, ``latest``):
+    no link, no FIFO, at most ``limit`` bytes."""
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        data = bytearray()
+        while size <= limit and len(data) <= limit:  # read to the end, a byte past the cap at most
+            chunk = os.read(fd, limit + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if size > limit or len(data) > limit:
+        raise CheckpointError(f"{path}: {max(size, len(data)):,} bytes, more than the {limit:,} such a file may have")
+    return bytes(data)
+
+
+def parse_json(data: bytes, path: Path) -> Any:
+    """JSON text of a checkpoint file; anything malformed (bad syntax, bad UTF-8, nesting too deep for the
+    parser) is a CheckpointError naming the file."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # a 200k-deep nesting raises RecursionError, not ValueError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise CheckpointError(f"{path}: unreadable ({reason})") from None
 
 
 def hash_file(path: Path) -> FileEntry:
@@ -177,19 +258,15 @@ class PendingCheckpoint:
     """A checkpoint being written in ``root/.tmp-step-NNNNNN-<pid>/``; ``commit`` publishes it atomically.
 
     Files are added by name (thread-safe, so several files can be written at once); each must already be
-    fsynced (the ``write_*`` helpers do that)."""
+    fsynced (the ``write_*`` helpers do that). The root must exist and the caller must hold its lock
+    (runtime.checkpoint_root), which makes anything already at the scratch name a dead leftover."""
 
     def __init__(self, root: Path, step: int):
         self.root = root
         self.name = step_dir_name(step)
-        created = not root.exists()
-        root.mkdir(parents=True, exist_ok=True)
-        if created:
-            fsync_dir(root.parent)
         self.tmp = root / f".tmp-{self.name}-{os.getpid()}"
-        if self.tmp.exists():  # our own leftover (an earlier save of this step in this process failed)
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
+        remove_path(self.tmp)
+        self.tmp.mkdir(mode=0o700)
         self._files: dict[str, FileEntry] = {}
         self._lock = threading.Lock()
 
@@ -211,8 +288,9 @@ class PendingCheckpoint:
         self.add(name, entry)
         return entry
 
-    def commit(self, keep_last: int, progress: Callable[[str], None] | None = None) -> Path:
-        """Write the manifest, make everything durable, rename into place, repoint ``latest``, prune."""
+    def commit(self, progress: Callable[[str], None] | None = None) -> Path:
+        """Write the manifest, make everything durable, rename into place, repoint ``latest``. A directory
+        already at the final name is replaced whole; the caller decided it may be (it is this run's)."""
         manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
                     "files": {name: {"nbytes": e.nbytes, "sha256": e.sha256} for name, e in sorted(self._files.items())}}
         write_buffer(self.tmp / MANIFEST_NAME, json_bytes(manifest))
@@ -220,7 +298,7 @@ class PendingCheckpoint:
         _notify(progress, MANIFEST_NAME)
         final = self.root / self.name
         old = None
-        if final.exists():
+        if os.path.lexists(final):
             # The same step saved again (e.g. resumed from an earlier checkpoint after a crash that left this
             # one in place but not yet named by latest): move the old one aside, never merge into it.
             old = self.root / f".old-{self.name}-{os.getpid()}"
@@ -233,12 +311,19 @@ class PendingCheckpoint:
         _notify(progress, LATEST_NAME)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        prune(self.root, keep_last)
         return final
 
     def abort(self) -> None:
         """Delete the partial directory (a failed save leaves the previous checkpoint as latest)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def remove_path(path: Path) -> None:
+    """Remove whatever is at path (a directory tree, a file, or a link -- never what a link points at)."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _notify(progress: Callable[[str], None] | None, what: str) -> None:
@@ -247,15 +332,21 @@ def _notify(progress: Callable[[str], None] | None, what: str) -> None:
 
 
 def write_latest(root: Path, name: str) -> None:
-    """Point ``root/latest`` at checkpoint directory ``name``, atomically and durably."""
+    """Point ``root/latest`` at checkpoint directory ``name``, atomically and durably. The caller holds the
+    root's lock, so a ``latest.tmp`` already there is a leftover (or a planted link): it is unlinked, never
+    written through; on failure the new one is removed and ``latest`` is unchanged."""
     tmp = root / (LATEST_NAME + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = create_new(tmp, flags=os.O_WRONLY, replace_stale=True)
     try:
-        _write_all(fd, memoryview((name + "\n").encode()), tmp)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, root / LATEST_NAME)
+        try:
+            _write_all(fd, memoryview((name + "\n").encode()), tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, root / LATEST_NAME)  # replaces the name (a link there too), never writes through it
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(root)
 
 
@@ -263,7 +354,7 @@ def read_latest(root: Path) -> str | None:
     """The directory name ``root/latest`` points at (validated), or None when there is no pointer."""
     pointer = root / LATEST_NAME
     try:
-        text = pointer.read_text(encoding="ascii", errors="strict").strip()
+        text = read_small(pointer, _LATEST_MAX_NBYTES).decode("ascii", errors="strict").strip()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
@@ -279,60 +370,6 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
         return []
     found = [(parse_step_dir(p.name), p) for p in root.iterdir() if p.is_dir() and not p.is_symlink()]
     return sorted((step, p) for step, p in found if step is not None)
-
-
-def prune(root: Path, keep_last: int) -> None:
-    """Keep the checkpoint ``latest`` names and the ``keep_last - 1`` newest before it; delete the rest.
-
-    Directories newer than ``latest`` belong to a run that was resumed from an earlier checkpoint (that
-    timeline was abandoned): they are deleted too, so the newest directory is always the latest."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    latest = read_latest(root)
-    if latest is None:
-        return
-    latest_step = parse_step_dir(latest)
-    assert latest_step is not None  # read_latest validated it
-    older = [(s, p) for s, p in list_checkpoints(root) if s < latest_step]
-    newer = [(s, p) for s, p in list_checkpoints(root) if s > latest_step]
-    for step, path in newer:
-        log.warning("deleting checkpoint %s: it is newer than latest (%s), from a run resumed earlier", path.name, latest)
-        _remove_dir(root, path)
-    for step, path in older[: max(0, len(older) - (keep_last - 1))]:
-        log.debug("deleting old checkpoint %s (keep_last %d)", path.name, keep_last)
-        _remove_dir(root, path)
-
-
-def _remove_dir(root: Path, path: Path) -> None:
-    """Rename first (atomic: a half-deleted step-* directory must never be visible), then delete."""
-    doomed = root / f".del-{path.name}-{os.getpid()}"
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def remove_stale(root: Path) -> None:
-    """Delete scratch directories (.tmp / .old / .del) left by saves whose process is gone (killed)."""
-    if not root.is_dir():
-        return
-    for path in root.iterdir():
-        match = _SCRATCH_DIR.match(path.name)
-        if match is None:
-            continue
-        pid = int(match.group(3))
-        if pid != os.getpid() and _alive(pid):
-            continue  # another live process is writing it: not ours to touch
-        log.info("removing %s, left by an interrupted save (pid %d)", path, pid)
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 # ---- finding and verifying -------------------------------------------------------------------------
@@ -383,10 +420,10 @@ def read_manifest(path: Path) -> dict[str, FileEntry]:
     """Parse and validate ``path/manifest.json`` (structure and names only; no file is read)."""
     manifest_path = path / MANIFEST_NAME
     try:
-        raw = json.loads(manifest_path.read_bytes())
+        raw = parse_json(read_small(manifest_path), manifest_path)
     except FileNotFoundError:
         raise CheckpointError(f"{manifest_path}: missing (not a checkpoint directory, or an incomplete one)") from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise CheckpointError(f"{manifest_path}: unreadable ({exc})") from exc
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
         raise CheckpointError(f"{manifest_path}: not a tierstore checkpoint manifest")
@@ -406,12 +443,10 @@ def read_manifest(path: Path) -> dict[str, FileEntry]:
     return out
 
 
-def verify_checkpoint(path: str | os.PathLike[str], threads: int = 4) -> dict[str, FileEntry]:
-    """Check a checkpoint directory against its manifest before anything in it is used.
-
-    Every listed file must exist as a regular file (no symlinks) with the listed size and sha256; a file
-    or directory the manifest does not list is refused too. Raises CheckpointError naming the file;
-    returns the manifest's entries."""
+def check_listing(path: str | os.PathLike[str]) -> dict[str, FileEntry]:
+    """The cheap half of verification, without reading any file: every listed file exists as a regular
+    file (no links) of the listed size, and nothing unlisted is there. Raises CheckpointError naming the
+    file; returns the manifest's entries (to check each file's sha256 as it is read)."""
     path = Path(path)
     files = read_manifest(path)
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
@@ -427,6 +462,17 @@ def verify_checkpoint(path: str | os.PathLike[str], threads: int = 4) -> dict[st
             raise CheckpointError(f"{target}: not a regular file")
         if st.st_size != expected.nbytes:
             raise CheckpointError(f"{target}: {st.st_size:,} bytes, the manifest says {expected.nbytes:,} (truncated or overwritten)")
+    return files
+
+
+def verify_checkpoint(path: str | os.PathLike[str], threads: int = 4) -> dict[str, FileEntry]:
+    """Check a checkpoint directory against its manifest: :func:`check_listing`, then every file's sha256.
+
+    Loading does not need this (it hashes each file as it reads it); call it to check a checkpoint
+    without loading it, or before loading into a session whose state must survive a refused checkpoint.
+    Raises CheckpointError naming the file; returns the manifest's entries."""
+    path = Path(path)
+    files = check_listing(path)
     names = sorted(files)
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:  # hashlib releases the GIL
         actual = dict(zip(names, pool.map(lambda n: hash_file(path / n), names)))

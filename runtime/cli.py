@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints under DIR")
     train.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N steps")
     train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --checkpoint-dir")
+    train.add_argument("--overwrite", action="store_true",
+                       help="let this run replace and prune checkpoints already in --checkpoint-dir (without it, "
+                            "a directory holding another run's checkpoints is refused)")
 
     plan = sub.add_parser("plan", help="show the memory plan of a config; refuses one that does not fit")
     plan.add_argument("--config", type=Path, required=True)

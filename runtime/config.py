@@ -43,6 +43,7 @@ from runtime.config_schema import (
     unknown_key_message,
 )
 from runtime.units import Spec, SpecError, describe_value, parse_size
+from tierstore.files import shared_directory_problem
 
 __all__ = [
     "BlocksConfig",
@@ -380,8 +381,8 @@ def check_environment(cfg: TierstoreConfig) -> None:
 
     Does nothing when the NVMe tier is disabled (null) or uses a fresh temporary directory
     (``tmp``). Otherwise the directory must exist, be a directory, be writable and searchable by
-    this process, not be world-writable without the sticky bit (another user could replace swap
-    files), and neither contain nor lie inside ``train.checkpoint_dir``.
+    this process, be ours and writable by nobody else (another user could plant links or replace
+    swap files; a sticky bit does not prevent that), and neither contain nor lie inside ``train.checkpoint_dir``.
 
     Raises:
         ConfigError: of kind ``environment`` at ``tiers.nvme.path``, saying what to do.
@@ -405,11 +406,11 @@ def check_environment(cfg: TierstoreConfig) -> None:
         raise _env_error(f"the NVMe directory {path!r} is not writable by this user (uid "
                          f"{os.getuid()}). Fix its permissions (`chmod u+wx {path}`) or choose "
                          "another directory.")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise _env_error(f"the NVMe directory {path!r} is writable by every user and has no "
-                         "sticky bit, so another user could delete or replace swap files. Run "
-                         f"`chmod o-w {path}` (or `chmod +t {path}`), or use a private "
-                         "subdirectory.")
+    problem = shared_directory_problem(st)  # a sticky bit does not stop planted links: refused too
+    if problem is not None:
+        raise _env_error(f"the NVMe directory {path!r} {problem}, so another user could plant links "
+                         f"or replace swap files there. Run `chmod go-w {path}`, or use a private "
+                         f"subdirectory (`mkdir -m 700 {path}/mine`), or write `path: tmp`.")
     checkpoint_dir = cfg.train.checkpoint_dir
     if checkpoint_dir is not None:
         swap = Path(os.path.realpath(path))

@@ -265,7 +265,13 @@ class TrainConfig:
     save_every: int = _leaf(IntSpec(min=0), 0,
                             "Save a checkpoint every this many steps; 0: only at the end "
                             "(if `checkpoint_dir` is set). Needs `checkpoint_dir` when > 0.", 100)
-    keep_last: int = _leaf(IntSpec(min=1), 3, "Checkpoints kept; older ones are deleted.")
+    keep_last: int = _leaf(IntSpec(min=1), 3, "Checkpoints kept; older ones are deleted (only this run's own: "
+                           "checkpoints of another run are never deleted).")
+    stop_on_save_failure: bool = _leaf(
+        BoolSpec(), False,
+        "What a failed checkpoint save (disk full, IO error) does. `false`: a warning; the previous "
+        "checkpoint stays `latest` and training goes on, trying again at the next save. `true`: the run "
+        "stops with the error.")
 
 
 @dataclass(frozen=True)

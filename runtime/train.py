@@ -11,17 +11,20 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from runtime.api import offload
-from runtime.checkpoint import resume_training, save_checkpoint, save_due
-from runtime.config import TierstoreConfig, load_config
+from runtime.api import OffloadSession, offload
+from runtime.checkpoint import CheckpointError, CheckpointRoot, resume_training, save_checkpoint, save_due
+from runtime.checkpoint_io import read_latest
+from runtime.config import TierstoreConfig, TrainConfig, load_config
 from runtime.data import ByteBatches, stdlib_text_bytes
 from runtime.example_model import ExampleLM, ModelShape
 from runtime.traffic import TrafficCounter
 from runtime.profiler import Profiler, measure_ceilings
+from tierstore import TierStoreError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,29 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
+def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatches, step: int, train: TrainConfig) -> Path | None:
+    """Save a checkpoint after ``step``; returns its directory, or None when the save failed.
+
+    A failed save (disk full, an IO error, a refused checkpoint) does not lose the run: the partial save is
+    removed, the previous checkpoint stays ``latest``, a warning says so and training goes on from memory,
+    to try again at the next save. With ``train.stop_on_save_failure`` the run stops instead, with one
+    clear error."""
+    try:
+        return save_checkpoint(session, root, data, keep_last=train.keep_last)
+    except (OSError, CheckpointError, TierStoreError) as exc:
+        try:
+            latest = read_latest(root.path)
+        except CheckpointError:
+            latest = None
+        kept = f"{latest} stays the latest checkpoint" if latest else "there is no checkpoint yet"
+        if train.stop_on_save_failure:
+            raise CheckpointError(f"checkpoint of step {step} failed: {exc}. {kept}; stopping "
+                                  "(train.stop_on_save_failure is true)") from exc
+        log.warning("checkpoint of step %d failed: %s. %s; training goes on and the next save tries again "
+                    "(set train.stop_on_save_failure: true to stop instead)", step, exc, kept)
+        return None
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the training job the CLI asked for."""
     overrides: dict[str, object] = {}
@@ -78,6 +104,19 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config if args.config else default_config(), overrides=overrides or None)
     if args.resume and cfg.train.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
+    # Opened first, so a used or busy checkpoint root is refused before anything is allocated; held (locked)
+    # for the whole run.
+    root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
+            if cfg.train.checkpoint_dir is not None else None)
+    try:
+        return _run(cfg, args, root)
+    finally:
+        if root is not None:
+            root.close()
+
+
+def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | None) -> int:
+    """Build the model and the offloaded session, train (resuming from ``root`` when asked), report."""
     model = build_model(cfg)
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of "
@@ -95,10 +134,11 @@ def main(args: argparse.Namespace) -> int:
     data = ByteBatches(stdlib_text_bytes(), batch, seq, seed=cfg.seed)
     progress = Progress(steps, cfg.train.log_every)
     first_loss = last_loss = float("nan")
+    failed_saves = 0
     begin = 0  # steps already done (by the run a checkpoint was taken from)
     try:
         if args.resume:
-            begin = resume_training(session, cfg.train.checkpoint_dir, data)
+            begin = resume_training(session, root, data)
         start = time.perf_counter()
         for step in range(begin + 1, steps + 1):
             step_start = time.perf_counter()
@@ -112,14 +152,17 @@ def main(args: argparse.Namespace) -> int:
             first_loss = last_loss if step == begin + 1 else first_loss
             elapsed = time.perf_counter() - step_start
             progress.update(step, last_loss, cfg.optimizer.accumulation_steps * batch * seq / elapsed)
-            if cfg.train.checkpoint_dir is not None and save_due(step, steps, cfg.train.save_every):
-                save_checkpoint(session, cfg.train.checkpoint_dir, data, keep_last=cfg.train.keep_last)
+            if root is not None and save_due(step, steps, cfg.train.save_every):
+                failed_saves += save_or_warn(session, root, data, step, cfg.train) is None
         optimizer.synchronize()  # type: ignore[attr-defined]
         total_s = time.perf_counter() - start
     finally:
         session.close()
     tokens = (steps - begin) * cfg.optimizer.accumulation_steps * batch * seq
     print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({tokens / total_s / 1e3:.1f}k tok/s)", file=sys.stderr)
+    if failed_saves:
+        latest = read_latest(root.path) if root is not None else None
+        print(f"warning: {failed_saves} checkpoint save(s) failed (see above); latest checkpoint: {latest or 'none'}", file=sys.stderr)
     print(traffic.summary(), file=sys.stderr)
     stats = session.controller.schedule.stats
     print(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "

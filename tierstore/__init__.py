@@ -14,6 +14,7 @@ from tierstore.errors import (
     DirectoryLockedError,
     StoreIOError,
     TierStoreError,
+    UnsafeDirectoryError,
 )
 from tierstore.events import EventBus, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
@@ -44,4 +45,5 @@ __all__ = [
     "TierStoreError",
     "TransferEngine",
     "TransferEvent",
+    "UnsafeDirectoryError",
 ]

@@ -48,6 +48,11 @@ class DirectoryLockedError(TierStoreError):
     """Another process (or another store in this process) holds the NVMe directory."""
 
 
+class UnsafeDirectoryError(TierStoreError):
+    """A directory tierstore would write into can be written by other users (or is not ours): refused, because
+    they could plant links at the names we create or replace our files."""
+
+
 def _errno_name(errno_: int | None) -> str:
     import errno as errno_module
 

@@ -6,6 +6,11 @@ the step that wrote it, plus a crc32 of the header itself. (XXH3 runs at ~9 GB/s
 on a two-core box crc32 alone held reads of a fast device to 78% of the raw ceiling.) Files are created mode 0600 and preallocated. One process
 holds the directory at a time (an flock on ``.tierstore.lock``). Where the file system refuses O_DIRECT
 (tmpfs), IO falls back to ordinary buffered pread/pwrite; the mode chosen is logged and exposed.
+
+Safety: the directory must be ours and writable by nobody else (tierstore.files); it is opened once and
+every file in it is created relative to that descriptor with ``O_EXCL|O_NOFOLLOW``, so a link planted at a
+swap file's name is removed, never written through. Every read checks the header's step against the step
+the caller expects, so a file rolled back to an older step reads as corrupt, never as current data.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 import xxhash
 
 from tierstore.allocator import align_up
-from tierstore.errors import CapacityError, CorruptFileError, DirectoryLockedError, StoreIOError
+from tierstore.errors import CapacityError, CorruptFileError, StoreIOError, UnsafeDirectoryError
+from tierstore.files import create_new, lock_file, shared_directory_problem
 from tierstore.keys import DTYPE_CODES, DTYPES_BY_CODE, TensorKey, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -35,6 +41,7 @@ IO_ALIGNMENT = 4096
 MAGIC = b"TIERSWP1"
 FORMAT_VERSION = 2
 LOCK_NAME = ".tierstore.lock"
+PROBE_NAME = ".tierstore.direct_probe"
 SUFFIX = ".tsw"
 # magic, version, dtype code, numel, nbytes, payload xxh3-64, step, key length; then the key; then header crc32.
 _HEADER_STRUCT = struct.Struct("<8sIIQQQqH")
@@ -58,24 +65,30 @@ class SwapFile:
         return align_up(self.meta.nbytes, IO_ALIGNMENT)
 
 
-def probe_direct_io(directory: Path) -> bool:
-    """True when files in directory accept O_DIRECT reads and writes of aligned 4096-byte buffers."""
+def probe_direct_io(directory: Path, *, dir_fd: int | None = None) -> bool:
+    """True when files in directory accept O_DIRECT reads and writes of aligned 4096-byte buffers.
+
+    The probe file is created new (``O_EXCL|O_NOFOLLOW``; a leftover or a planted link at its name is
+    unlinked first, so the caller must hold the directory's lock) and switched to O_DIRECT with fcntl, so
+    it is never reopened by name. ``dir_fd``: the directory's open descriptor, when the caller has one."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe = directory / ".tierstore.direct_probe"
+    name = PROBE_NAME if dir_fd is not None else directory / PROBE_NAME
     buf = mmap.mmap(-1, IO_ALIGNMENT)
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        fd = create_new(name, dir_fd=dir_fd, replace_stale=True)
     except OSError:
+        buf.close()
         return False
     try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         return os.pwrite(fd, buf, 0) == IO_ALIGNMENT and os.preadv(fd, [buf], 0) == IO_ALIGNMENT
     except OSError:
         return False
     finally:
         os.close(fd)
         buf.close()
-        probe.unlink(missing_ok=True)
+        os.unlink(name, dir_fd=dir_fd)
 
 
 class NVMeDirectory:
@@ -95,12 +108,18 @@ class NVMeDirectory:
             raise FileNotFoundError(f"NVMe directory {self.path} does not exist or is not a directory; create it or change tiers.nvme.path")
         self.budget_nbytes = budget_nbytes
         self.block_nbytes = block_nbytes
-        self._lock_fd = self._acquire_lock()
+        self._dir_fd = _open_private_dir(self.path)
+        try:
+            self._lock_fd = lock_file(LOCK_NAME, f"NVMe directory {self.path}",
+                                      "Give each training run its own tiers.nvme.path.", dir_fd=self._dir_fd)
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
         self._files: dict[TensorKey, SwapFile] = {}
         self._used_nbytes = 0
         self._state_lock = threading.Lock()
         self._closed = False
-        supported = direct_io != "off" and probe_direct_io(self.path)
+        supported = direct_io != "off" and probe_direct_io(self.path, dir_fd=self._dir_fd)
         if direct_io == "on" and not supported:
             self._release_lock()
             raise ValueError(f"direct_io: on, but {self.path} refuses O_DIRECT (some file systems do); use direct_io: auto or off")
@@ -109,25 +128,10 @@ class NVMeDirectory:
         log.info("NVMe tier at %s: %s IO, budget %.2f GiB", self.path, self.io_mode, budget_nbytes / 2**30)
 
     # ---- locking -------------------------------------------------------------------------------------
-    def _acquire_lock(self) -> int:
-        lock_path = self.path / LOCK_NAME
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DirectoryLockedError(
-                f"NVMe directory {self.path} is in use by another store (pid {holder}); "
-                f"give each training run its own tiers.nvme.path"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        return fd
-
     def _release_lock(self) -> None:
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         os.close(self._lock_fd)
+        os.close(self._dir_fd)
 
     # ---- accounting ----------------------------------------------------------------------------------
     @property
@@ -151,7 +155,8 @@ class NVMeDirectory:
         the disk is full; in both cases nothing is left behind."""
         self._check_open()
         size = self.file_size(meta)
-        path = self.path / f"{key.file_stem()}{SUFFIX}"
+        name = f"{key.file_stem()}{SUFFIX}"
+        path = self.path / name
         with self._state_lock:
             if key in self._files:
                 raise RuntimeError(f"swap file for {key} already exists")
@@ -162,18 +167,19 @@ class NVMeDirectory:
                 raise CapacityError("nvme", size, self._used_nbytes, self.budget_nbytes, str(key))
             self._used_nbytes += size  # reserve before the slow fallocate; undone on failure
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            # We hold the directory's lock, so a file already at this name is a leftover (or a planted link):
+            # it is unlinked, never opened, and the new file is created mode 0600 whatever the umask.
+            fd = create_new(name, dir_fd=self._dir_fd, replace_stale=True)
         except OSError as exc:
             with self._state_lock:
                 self._used_nbytes -= size
             raise StoreIOError(exc.errno, f"cannot create swap file: {exc.strerror}", str(path), 0) from exc
         try:
-            os.fchmod(fd, 0o600)  # the umask must not widen it
             os.posix_fallocate(fd, 0, size)
-            fd_direct = os.open(path, os.O_RDWR | os.O_DIRECT) if self.direct_io else None
+            fd_direct = self._reopen_direct(name, fd) if self.direct_io else None
         except OSError as exc:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            os.unlink(name, dir_fd=self._dir_fd)
             with self._state_lock:
                 self._used_nbytes -= size
             hint = " (disk full: free space or lower tiers.nvme.budget)" if exc.errno == errno.ENOSPC else ""
@@ -193,7 +199,19 @@ class NVMeDirectory:
             swap = self._files.pop(key)
             self._used_nbytes -= swap.file_nbytes
         self._close_file(swap)
-        swap.path.unlink(missing_ok=True)
+        try:
+            os.unlink(swap.path.name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+
+    def _reopen_direct(self, name: str, fd: int) -> int:
+        """A second, O_DIRECT descriptor of the file just created as ``fd`` (never through a link)."""
+        fd_direct = os.open(name, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=self._dir_fd)
+        first, second = os.fstat(fd), os.fstat(fd_direct)
+        if (first.st_dev, first.st_ino) != (second.st_dev, second.st_ino):
+            os.close(fd_direct)
+            raise RuntimeError(f"swap file {self.path / name} was replaced while this process held the directory's lock")
+        return fd_direct
 
     @staticmethod
     def _close_file(swap: SwapFile) -> None:
@@ -217,13 +235,16 @@ class NVMeDirectory:
                 os.fsync(swap.fd_buffered)
         return nbytes
 
-    def read(self, swap: SwapFile, dst: torch.Tensor) -> int:
-        """Read the payload into dst (a flat uint8 tensor) and verify header and checksum. Returns nbytes."""
+    def read(self, swap: SwapFile, dst: torch.Tensor, expected_step: int | None = None) -> int:
+        """Read the payload into dst (a flat uint8 tensor) and verify header and checksum. Returns nbytes.
+
+        ``expected_step``: the step the caller believes the file holds (the store's ``Record.step``); a
+        header recording another step (a file rolled back, or copied in from another run) is corrupt."""
         nbytes = swap.meta.nbytes
         _check_buffer(dst, nbytes, swap)
         with swap.lock:
             header = os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path)
-            expected_crc, _step = _decode_header(swap, header)
+            expected_crc, _step = _decode_header(swap, header, expected_step)
             crc = self._transfer(swap, dst, nbytes, write=False)
         if crc != expected_crc:
             raise CorruptFileError(str(swap.path), f"payload checksum {crc:#018x} != header's {expected_crc:#018x}")
@@ -233,11 +254,12 @@ class NVMeDirectory:
         """The step recorded in key's header (verifies the header)."""
         return _decode_header(swap, os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path))[1]
 
-    def read_payload_checksum(self, swap: SwapFile) -> int:
-        """The payload checksum recorded in key's header (verifies the header), for a reader that streams the
-        payload itself (a checkpoint copying ``HEADER_NBYTES`` onward) and must not copy a corrupt file;
-        compute the bytes' own with :func:`payload_hasher`."""
-        return _decode_header(swap, os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path))[0]
+    def read_payload_checksum(self, swap: SwapFile, expected_step: int | None = None) -> int:
+        """The payload checksum recorded in key's header (verifies the header, and its step against
+        ``expected_step`` as :meth:`read` does), for a reader that streams the payload itself (a checkpoint
+        copying ``HEADER_NBYTES`` onward) and must not copy a corrupt or stale file; compute the bytes' own
+        with :func:`payload_hasher`."""
+        return _decode_header(swap, os_read_all(swap.fd_buffered, HEADER_NBYTES, 0, swap.path), expected_step)[0]
 
     def _transfer(self, swap: SwapFile, buf: torch.Tensor, nbytes: int, write: bool) -> int:
         """Move the payload in block-sized chunks; returns the XXH3-64 of the payload bytes, computed chunk by
@@ -266,11 +288,7 @@ class NVMeDirectory:
         """fsync every swap file and the directory."""
         for swap in list(self._files.values()):
             os.fsync(swap.fd_buffered)
-        dir_fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        os.fsync(self._dir_fd)
 
     def close(self, remove_files: bool = True) -> None:
         """Close every file (deleting them unless remove_files is False), then release the lock."""
@@ -313,7 +331,21 @@ def _encode_header(swap: SwapFile, crc: int, step: int) -> memoryview:
     return memoryview(page)
 
 
-def _decode_header(swap: SwapFile, header: bytes) -> tuple[int, int]:
+def _open_private_dir(path: Path) -> int:
+    """Open the swap directory once (every file is then created relative to this descriptor, so renaming
+    the path afterwards cannot redirect us) and refuse one that other users can write to."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    problem = shared_directory_problem(os.fstat(fd))
+    if problem is not None:
+        os.close(fd)
+        raise UnsafeDirectoryError(
+            f"NVMe directory {path} {problem}: another user could plant links or replace swap files there. Point "
+            f"tiers.nvme.path at a directory only you can write (`chmod go-w {path}`, or `mkdir -m 700 {path}/mine` "
+            "and use that), or write tiers.nvme.path: tmp for a private temporary one")
+    return fd
+
+
+def _decode_header(swap: SwapFile, header: bytes, expected_step: int | None = None) -> tuple[int, int]:
     path = str(swap.path)
     fixed = _HEADER_STRUCT.size
     magic, version, dtype_code, numel, nbytes, crc, step, key_len = _HEADER_STRUCT.unpack_from(header, 0)
@@ -331,6 +363,9 @@ def _decode_header(swap: SwapFile, header: bytes) -> tuple[int, int]:
     dtype = DTYPES_BY_CODE.get(dtype_code)
     if key != swap.key.name or dtype != swap.meta.dtype or numel != swap.meta.numel or nbytes != swap.meta.nbytes:
         raise CorruptFileError(path, f"header describes {key} {dtype} x{numel}, expected {swap.key} {swap.meta.dtype} x{swap.meta.numel}")
+    if expected_step is not None and step != expected_step:
+        raise CorruptFileError(path, f"header records step {step}, but the store expects step {expected_step} "
+                                     "(a stale or rolled-back file)")
     return crc, step
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import tempfile
 import threading
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -63,7 +64,7 @@ class Record:
     meta: TensorMeta
     home: TierName
     copies: dict[TierName, Copy] = field(default_factory=lambda: {tier: Copy() for tier in TierName})
-    step: int = 0
+    step: int = 0  # the step of the newest value; written into swap headers and checked on every read back
 
 
 class TierStore:
@@ -72,6 +73,9 @@ class TierStore:
     def __init__(self, config: StoreConfig, bus: EventBus | None = None):
         self.config = config
         self.device = torch.device(config.device)
+        # Names this store (one per training session) in what is written on its behalf: a checkpoint records
+        # its writer, so a later save of the same session knows which checkpoints it may prune.
+        self.instance_id = uuid.uuid4().hex
         self.bus = bus or EventBus()
         self.engine = TransferEngine(self.device, config.io_threads, self.bus)
         self.tiers: dict[TierName, Tier] = {
@@ -272,7 +276,8 @@ class TierStore:
         elif (frm, to) == (TierName.GPU, TierName.HOST):
             handle = self.engine.d2h(name, src.tensor, dst.tensor, after)
         elif (frm, to) == (TierName.NVME, TierName.HOST):
-            handle = self.engine.read(name, self._nvme_dir, src.swap, host.io_buffer(dst))
+            # The file must hold the step the store last wrote there: a rolled-back file reads as corrupt.
+            handle = self.engine.read(name, self._nvme_dir, src.swap, host.io_buffer(dst), record.step)
         elif (frm, to) == (TierName.HOST, TierName.NVME):
             handle = self.engine.write(name, self._nvme_dir, dst.swap, host.io_buffer(src), record.step, after)
         elif (frm, to) == (TierName.GPU, TierName.NVME):

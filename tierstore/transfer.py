@@ -240,10 +240,12 @@ class TransferEngine:
         return handle
 
     # ---- host <-> file ------------------------------------------------------------------------------
-    def read(self, key: str, directory: NVMeDirectory, swap: SwapFile, dst: torch.Tensor) -> Handle:
-        """Read key's swap file into host dst (a uint8 buffer) on an IO worker; checksum verified."""
+    def read(self, key: str, directory: NVMeDirectory, swap: SwapFile, dst: torch.Tensor,
+             expected_step: int | None = None) -> Handle:
+        """Read key's swap file into host dst (a uint8 buffer) on an IO worker; checksum verified, and the
+        header's step against ``expected_step`` when given."""
         handle = Handle("read", key, "nvme", "host", swap.meta.nbytes, self.bus)
-        self._submit_io(handle, lambda: directory.read(swap, dst))
+        self._submit_io(handle, lambda: directory.read(swap, dst, expected_step))
         return handle
 
     def write(self, key: str, directory: NVMeDirectory, swap: SwapFile, src: torch.Tensor, step: int = 0,

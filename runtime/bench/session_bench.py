@@ -6,6 +6,10 @@
    the profile (report, Chrome trace, JSON summary, plot) under OUT/profile.
 2. Times one checkpoint save, verification and load of that session's state, beside the disk's own
    sequential write and read (dd, O_DIRECT, fsync) of the same directory measured in the same run.
+
+Everything it writes under --checkpoint-dir goes into one fresh private subdirectory it creates
+(``session-bench-XXXXXXXX``, mode 0700), and that subdirectory is all it removes: a directory the user
+named is never deleted, nor anything already in it.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import json
 import logging
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from runtime import offload
+from runtime import OffloadSession, offload
 from runtime.bench.train_bench import MICRO_BATCH, SEQ_LEN, _batch
 from runtime.checkpoint import bench_checkpoint
 from runtime.example_model import PRESETS, ExampleLM
@@ -30,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def disk_ceiling(directory: Path, nbytes: int) -> dict[str, float]:
-    """dd write (O_DIRECT, fsync) then read (O_DIRECT) of nbytes in directory; GB/s each."""
+    """dd write (O_DIRECT, fsync) then read (O_DIRECT) of nbytes in directory (a private one of ours: dd
+    opens its output by name); GB/s each."""
     target = directory / "ceiling.dd"
     count = max(1, nbytes // (64 << 20))
     start = time.perf_counter()
@@ -43,6 +50,18 @@ def disk_ceiling(directory: Path, nbytes: int) -> dict[str, float]:
     target.unlink()
     moved = count * (64 << 20)
     return {"write_GBps": moved / write_s / 1e9, "read_GBps": moved / read_s / 1e9, "nbytes": moved}
+
+
+def checkpoint_figures(session: OffloadSession, checkpoint_dir: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """One checkpoint save / verify / load of the session (``bench_checkpoint``) and the dd ceiling, both
+    in a fresh private subdirectory of ``checkpoint_dir``: created here, and the only thing removed."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="session-bench-", dir=checkpoint_dir))
+    try:
+        ckpt = bench_checkpoint(session, work / "ckpt")
+        return ckpt, disk_ceiling(work, min(int(ckpt["nbytes"]), 8 << 30))
+    finally:
+        shutil.rmtree(work)
 
 
 def main() -> None:
@@ -77,18 +96,13 @@ def main() -> None:
         results["profile_files"] = [str(f) for f in saved.files]
         results["profile_skipped"] = saved.skipped
         print((args.out / "profile" / "report.txt").read_text())
-        if args.checkpoint_dir.exists():
-            shutil.rmtree(args.checkpoint_dir)
-        args.checkpoint_dir.mkdir(parents=True)
-        ckpt = bench_checkpoint(session, args.checkpoint_dir)
-        ceiling = disk_ceiling(args.checkpoint_dir, min(int(ckpt["nbytes"]), 8 << 30))
+        ckpt, ceiling = checkpoint_figures(session, args.checkpoint_dir)
         results["checkpoint"] = ckpt
         results["disk"] = ceiling
         print(f"checkpoint of {ckpt['nbytes'] / 1e9:.1f} GB: save {ckpt['save_s']:.1f} s ({ckpt['save_GBps']:.2f} GB/s, "
               f"{ckpt['save_GBps'] / ceiling['write_GBps']:.2f} of dd write {ceiling['write_GBps']:.2f} GB/s), "
               f"verify {ckpt['verify_s']:.1f} s, load {ckpt['load_s']:.1f} s ({ckpt['load_GBps']:.2f} GB/s, "
               f"{ckpt['load_GBps'] / ceiling['read_GBps']:.2f} of dd read {ceiling['read_GBps']:.2f} GB/s; page cache may serve it)")
-        shutil.rmtree(args.checkpoint_dir)
     finally:
         session.close()
     (args.out / "session_bench.json").write_text(json.dumps(results, indent=2, default=str))

@@ -154,11 +154,15 @@ def bench_nvme(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
 
 
 def _dd_ceiling(directory: Path, count: int, block_nbytes: int, direct: bool, repeats: int) -> tuple[float, float, str]:
-    """Sequential write then read of count x block_nbytes with dd (the OS's own path) in directory."""
+    """Sequential write then read of count x block_nbytes with dd (the OS's own path) in directory.
+
+    dd opens its output by name, following links, so the file lives in a private 0700 subdirectory created
+    for it (a fresh random name): no link planted in ``directory`` is ever opened."""
     dd = shutil.which("dd")
     if dd is None:
         raise RuntimeError("dd is not on PATH; the raw disk ceiling needs it")
-    target = directory / "bench.dd.raw"
+    private = tempfile.TemporaryDirectory(prefix=".tierstore-bench-", dir=directory)
+    target = Path(private.name) / "bench.dd.raw"
     flag_w = ["oflag=direct"] if direct else []
     flag_r = ["iflag=direct"] if direct else []
     bs = f"bs={block_nbytes}"
@@ -177,7 +181,7 @@ def _dd_ceiling(directory: Path, count: int, block_nbytes: int, direct: bool, re
         write_s = _best_of(repeats, write)
         read_s = _best_of(repeats, read)
     finally:
-        target.unlink(missing_ok=True)
+        private.cleanup()
     return write_s, read_s, "dd " + ("O_DIRECT" if direct else "buffered")
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import mmap
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -77,12 +78,16 @@ def measure_ceilings(store: TierStore, nbytes: int = 32 << 20, repeats: int = 3)
 
 
 def _file_ceilings(directory: Path, nbytes: int, direct: bool, repeats: int) -> tuple[float, float]:
-    """Sequential write (with fsync) then read of one file, in IO_CHUNK pieces from a page-aligned buffer."""
+    """Sequential write (with fsync) then read of one file, in IO_CHUNK pieces from a page-aligned buffer.
+
+    The file lives in a private 0700 subdirectory created for it (mkdtemp: a fresh random name, never an
+    existing one), so no link planted in ``directory`` is ever opened; the subdirectory goes afterwards."""
     nbytes = max(4096, nbytes // 4096 * 4096)
     chunk = min(IO_CHUNK, nbytes)
     buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
     buf.write(b"\x5a" * chunk)
-    path = directory / ".tierstore-ceiling-probe"
+    private = tempfile.TemporaryDirectory(prefix=".tierstore-ceiling-", dir=directory)
+    path = Path(private.name) / "probe"
     flags = os.O_DIRECT if direct and hasattr(os, "O_DIRECT") else 0
 
     def write() -> float:
@@ -112,6 +117,6 @@ def _file_ceilings(directory: Path, nbytes: int, direct: bool, repeats: int) -> 
         write_s = _best_s(repeats, write)
         read_s = _best_s(repeats, read)
     finally:
-        path.unlink(missing_ok=True)
+        private.cleanup()
         buf.close()
     return nbytes / write_s / 1e9, nbytes / read_s / 1e9

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from runtime import load_checkpoint, offload, save_checkpoint
+from runtime import CheckpointRoot, load_checkpoint, offload, save_checkpoint
 from runtime.data import ByteBatches
 from runtime.example_model import ExampleLM, ModelShape
 
@@ -36,13 +36,28 @@ def tiny_config(swap_dir: Path | None, master: str = "host", moments: str = "hos
     return config
 
 
+def tiny_cli_config(directory: Path, train_extra: str = "") -> Path:
+    """``directory/tiny.yaml``: the tiny model on the CPU for ``tierstore train``, master on host, moments in
+    swap files under ``directory/swap`` (created); ``train_extra``: more lines under ``train:``."""
+    (directory / "swap").mkdir(parents=True, exist_ok=True)
+    config = directory / "tiny.yaml"
+    config.write_text(
+        "device: cpu\ndtype: fp32\n"
+        f"tiers:\n  nvme:\n    path: {directory / 'swap'}\n"
+        "placement:\n  master: host\n  moments: nvme\n"
+        "train:\n  batch_size: 2\n  seq_len: 32\n  log_every: 1\n"
+        "  model: {hidden_size: 32, num_layers: 2, num_heads: 4, ffn_size: 64, max_seq_len: 64}\n" + train_extra)
+    return config
+
+
 def train(config: dict[str, Any], corpus: bytes, total_steps: int, *, checkpoint_dir: Path | None = None,
           save_every: int = 0, resume: bool = False, stop_after: int | None = None, keep_last: int = 3,
           on_step: Callable[[int, float], None] | None = None, before_save: Callable[[int], None] | None = None,
           after_save: Callable[[int, Path], None] | None = None, on_resume: Callable[[int], None] | None = None,
           progress: Callable[[str], None] | None = None, save_threads: int = 4) -> dict[int, float]:
     """Train (from a fresh seeded model, or resumed from checkpoint_dir) up to ``total_steps`` or
-    ``stop_after``; returns the loss of each step run here."""
+    ``stop_after``; returns the loss of each step run here. The checkpoint root is held (locked) for the
+    run, as ``tierstore train`` holds it."""
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
@@ -50,8 +65,9 @@ def train(config: dict[str, Any], corpus: bytes, total_steps: int, *, checkpoint
     session = optimizer.session
     data = ByteBatches(corpus, BATCH, SEQ, seed=0)
     losses: dict[int, float] = {}
+    root = CheckpointRoot(checkpoint_dir, resume=resume) if checkpoint_dir is not None else None
     try:
-        start = load_checkpoint(session, checkpoint_dir, data) if resume else 0
+        start = load_checkpoint(session, root, data) if resume else 0
         if on_resume is not None:
             on_resume(start)
         for step in range(start + 1, min(total_steps, stop_after or total_steps) + 1):
@@ -67,10 +83,12 @@ def train(config: dict[str, Any], corpus: bytes, total_steps: int, *, checkpoint
             if checkpoint_dir is not None and save_every and step % save_every == 0:
                 if before_save is not None:
                     before_save(step)
-                path = save_checkpoint(session, checkpoint_dir, data, keep_last=keep_last, progress=progress,
+                path = save_checkpoint(session, root, data, keep_last=keep_last, progress=progress,
                                        threads=save_threads)
                 if after_save is not None:
                     after_save(step, path)
     finally:
         session.close()
+        if root is not None:
+            root.close()
     return losses

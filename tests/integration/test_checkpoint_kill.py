@@ -27,6 +27,7 @@ from typing import IO, Iterator
 
 import pytest
 
+from runtime.checkpoint_root import LOCK_NAME
 from runtime.checkpoint_io import find_checkpoint, list_checkpoints, parse_step_dir, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +158,7 @@ def test_sigkill_inside_saves_never_loses_a_checkpoint(launcher, tmp_path):
     final = run_child(launcher, losses, swap=str(tmp_path / "swap-final"), ckpt=str(ckpt), total=TOTAL, resume=True)
     assert final["status"] == 0 and final["resumed"] == latest_step
     assert losses == reference  # after all those crashes, the same run, bit for bit
-    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".")] == []  # leftovers of killed saves cleared
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".")] == [LOCK_NAME]  # leftovers of killed saves cleared
     assert [s for s, _ in list_checkpoints(ckpt)] == [TOTAL - 1, TOTAL]  # keep_last 2
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from runtime.checkpoint_root import LOCK_NAME
 from runtime.cli import main as cli_main
 from runtime.data import stdlib_text_bytes
-from tests.integration.checkpoint_training import train, tiny_config
+from tests.integration.checkpoint_training import tiny_cli_config, tiny_config, train
 
 TOTAL = 7
 
@@ -99,22 +100,15 @@ def block_digests(checkpoint: Path) -> dict[str, str]:
 def test_cli_train_save_every_and_resume(tmp_path, capsys):
     """`tierstore train --checkpoint-dir D --save-every N [--resume]`: 4 steps, then resume to 6, ends in the
     same master and moments (same sha256) as 6 uninterrupted steps."""
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        "device: cpu\ndtype: fp32\n"
-        f"tiers:\n  nvme:\n    path: {tmp_path / 'swap'}\n"
-        "placement:\n  master: host\n  moments: nvme\n"
-        "train:\n  batch_size: 2\n  seq_len: 32\n  log_every: 1\n"
-        "  model: {hidden_size: 32, num_layers: 2, num_heads: 4, ffn_size: 64, max_seq_len: 64}\n")
-    (tmp_path / "swap").mkdir()
+    config = tiny_cli_config(tmp_path)
     interrupted, straight = tmp_path / "ckpt-a", tmp_path / "ckpt-b"
     base = ["train", "--config", str(config)]
     assert cli_main(base + ["--steps", "4", "--checkpoint-dir", str(interrupted), "--save-every", "2"]) == 0
     assert (interrupted / "latest").read_text().strip() == "step-000004"
     assert cli_main(base + ["--steps", "6", "--checkpoint-dir", str(interrupted), "--save-every", "2", "--resume"]) == 0
     assert cli_main(base + ["--steps", "6", "--checkpoint-dir", str(straight)]) == 0  # save_every 0: at the end only
-    assert sorted(p.name for p in straight.iterdir()) == ["latest", "step-000006"]
-    assert sorted(p.name for p in interrupted.iterdir()) == ["latest", "step-000002", "step-000004", "step-000006"]
+    assert sorted(p.name for p in straight.iterdir() if p.name != LOCK_NAME) == ["latest", "step-000006"]
+    assert sorted(p.name for p in interrupted.iterdir() if p.name != LOCK_NAME) == ["latest", "step-000002", "step-000004", "step-000006"]
     assert block_digests(interrupted / "step-000006") == block_digests(straight / "step-000006")
     capsys.readouterr()
 

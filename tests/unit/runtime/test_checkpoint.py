@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.checkpoint_root import LOCK_NAME
 from runtime import CheckpointError, bench_checkpoint, load_checkpoint, offload, save_checkpoint
 from runtime.api import OffloadSession
 from runtime.checkpoint import save_due
@@ -121,7 +122,7 @@ def test_corrupt_swap_file_is_not_checkpointed(trained, saved, tmp_path):
         save_checkpoint(session, tmp_path / "ckpt", data)
     root = tmp_path / "ckpt"
     assert read_latest(root) == saved.name  # the previous checkpoint stays latest
-    assert sorted(p.name for p in root.iterdir()) == ["latest", saved.name]  # no partial directory left behind
+    assert sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME) == ["latest", saved.name]  # no partial directory left behind
 
 
 # ---- verification: tampering is refused, naming the file --------------------------------------------
@@ -192,16 +193,90 @@ def test_tampered_meta_and_garbled_manifest_are_refused(saved):
         verify_checkpoint(saved)
 
 
-def test_refused_checkpoint_leaves_the_session_untouched(trained, saved):
+@pytest.mark.parametrize("tamper", ["truncated tensor", "unlisted file", "rng state", "meta value"])
+def test_refused_checkpoint_leaves_the_session_untouched(trained, saved, tamper):
+    """Everything checked before the first tensor is restored: listing, sizes, meta.json's values and the
+    small files' hashes. A refusal there leaves the session exactly as it was."""
     model, optimizer, session, data = trained
     step(model, optimizer, data)
     before = session.master_state_dict()
-    (saved / "block2.master.bin").write_bytes(b"\0" * (saved / "block2.master.bin").stat().st_size)
-    with pytest.raises(CheckpointError, match=r"block2\.master\.bin"):
+    if tamper == "truncated tensor":
+        os.truncate(saved / "block2.master.bin", 8)
+    elif tamper == "unlisted file":
+        (saved / "extra.bin").write_bytes(b"x")
+    elif tamper == "rng state":
+        (saved / "rng.torch_cpu.bin").write_bytes(b"\1" * (saved / "rng.torch_cpu.bin").stat().st_size)
+    else:
+        rewrite_file_and_manifest(saved, "meta.json", lambda text: text.replace('"step": 2', '"step": -2'))
+    with pytest.raises(CheckpointError, match=r"(block2\.master\.bin|extra\.bin|rng\.torch_cpu\.bin|meta\.json: step)"):
         load_checkpoint(session, saved, data)
     after = session.master_state_dict()
     assert session.controller.optimizer_step == 3 and data.position == 3
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def rewrite_file_and_manifest(path: Path, name: str, edit) -> None:
+    """Change a file and give the manifest its new sha256: tampering that the hashes alone do not catch."""
+    content = edit((path / name).read_text()).encode()
+    (path / name).write_bytes(content)
+    rewrite_manifest(path, lambda files: files.__setitem__(name, {"nbytes": len(content),
+                                                                 "sha256": hashlib.sha256(content).hexdigest()}))
+
+
+def test_tensor_file_is_hashed_as_it_is_loaded(trained, saved, monkeypatch):
+    """A tensor file replaced after the listing was checked (same size, other bytes) is refused naming it:
+    the bytes loaded are the bytes hashed, in one read. The session is then part-loaded, and says so."""
+    import runtime.checkpoint as checkpoint_module
+
+    _, _, session, data = trained
+    target = saved / "block1.exp_avg.bin"
+    real_check = checkpoint_module.check_listing
+
+    def check_then_swap(path):
+        files = real_check(path)  # the listing passed; now the file is swapped for another of the same size
+        replacement = saved / "replacement"
+        replacement.write_bytes(np.full(target.stat().st_size // 4, np.nan, dtype="<f4").tobytes())
+        os.replace(replacement, target)
+        return files
+
+    monkeypatch.setattr(checkpoint_module, "check_listing", check_then_swap)
+    reads = []
+    real_read = checkpoint_module.read_verified_into
+    monkeypatch.setattr(checkpoint_module, "read_verified_into", lambda path, dst, entry: (reads.append(path.name), real_read(path, dst, entry)))
+    with pytest.raises(CheckpointError, match=r"block1\.exp_avg\.bin: sha256 .* does not match .*mix of old and loaded state"):
+        load_checkpoint(session, saved, data)
+    assert reads.count("block1.exp_avg.bin") == 1  # read once: verified and loaded together
+    key = session.blocks[1].key("exp_avg")  # its home is a swap file: the half-read staging copy was dropped
+    assert session.store.record(key).home is TierName.NVME and session.store.state(key, TierName.HOST) is CopyState.ABSENT
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("manifest.json", b"[" * 200_000 + b"]" * 200_000, r"manifest\.json: unreadable \(nested too deeply\)"),
+    ("manifest.json", b"{\"format\": " + b" " * (65 << 20) + b"1}", r"manifest\.json: .* bytes, more than"),
+    ("manifest.json", b"\xff\xfe{}", r"manifest\.json: unreadable"),
+    ("latest", b"step-000002" + b" " * 1000, r"latest: .* bytes, more than"),
+])
+def test_malformed_or_huge_json_is_a_checkpoint_error(saved, name, content, message):
+    target = saved / name if name != "latest" else saved.parent / name
+    target.write_bytes(content)
+    with pytest.raises(CheckpointError, match=message):
+        verify_checkpoint(saved) if name != "latest" else find_checkpoint(saved.parent)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace('"step": 2', '"step": NaN'), r"step is nan, expected an integer"),
+    (lambda t: t.replace('"step": 2', '"step": 1e300'), r"step is 1e\+300"),
+    (lambda t: t.replace('"position": 2', '"position": -1'), r"data\.position is -1"),
+    (lambda t: t.replace('"param_steps": [\n    2.0', '"param_steps": [\n    Infinity'), r"param_steps\[0\] is inf"),
+    (lambda t: t.replace('"MT19937"', '"PCG64"'), r"rng\.numpy\[0\] is 'PCG64'"),
+    (lambda t: "[" * 100_000 + "]" * 100_000, r"meta\.json: unreadable \(nested too deeply\)"),
+])
+def test_meta_values_are_range_checked(trained, saved, edit, message):
+    _, _, session, data = trained
+    rewrite_file_and_manifest(saved, "meta.json", edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(session, saved, data)
+    assert session.controller.optimizer_step == 2
 
 
 def test_other_model_is_refused(saved, tmp_path):
@@ -223,8 +298,8 @@ def test_keep_last_prunes_only_after_the_new_one_is_in_place(trained, tmp_path):
     for _ in range(4):
         step(model, optimizer, data)
         save_checkpoint(session, root, data, keep_last=2,
-                        progress=lambda what: seen.append((what, sorted(p.name for p in root.iterdir()))))
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000005", "step-000006"]
+                        progress=lambda what: seen.append((what, sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME))))
+    assert sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME) == ["latest", "step-000005", "step-000006"]
     # when latest was repointed to step 6, steps 4 and 5 were both still there
     at_latest = [names for what, names in seen if what == "latest"][-1]
     assert {"step-000004", "step-000005", "step-000006"} <= set(at_latest)
@@ -250,7 +325,7 @@ def test_resaving_a_step_replaces_it_whole(trained, tmp_path):
     root = tmp_path / "ckpt"
     save_checkpoint(session, root, data)
     again = save_checkpoint(session, root, data)
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"]
+    assert sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME) == ["latest", "step-000002"]
     verify_checkpoint(again)
 
 

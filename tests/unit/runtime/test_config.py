@@ -555,12 +555,26 @@ def _nvme_cfg(path: Path | str, checkpoint_dir: Path | str | None = None) -> dic
     return raw
 
 
-def test_environment_accepts_private_and_sticky_dirs(tmp_path: Path) -> None:
+def test_environment_accepts_private_dirs(tmp_path: Path) -> None:
     swap = tmp_path / "swap"
     swap.mkdir(mode=0o700)
     assert load_config(_nvme_cfg(swap)).tiers.nvme.path == str(swap)
-    swap.chmod(0o1777)  # world-writable like /tmp, but with the sticky bit
+    swap.chmod(0o755)  # readable by others is fine: nobody else can create names in it
     load_config(_nvme_cfg(swap, tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("mode", [0o2775, 0o1777, 0o1770], ids=["group-setgid", "sticky-world", "sticky-group"])
+def test_environment_refuses_dirs_others_can_write(tmp_path: Path, mode: int) -> None:
+    """A group's shared 2775 scratch directory, or /tmp-like 1777: another user could plant links at the swap
+    files' names (the sticky bit only stops them deleting ours)."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    swap.chmod(mode)
+    with pytest.raises(ConfigError) as info:
+        load_config(_nvme_cfg(swap))
+    err = info.value
+    assert (err.kind, err.yaml_path) == ("environment", "tiers.nvme.path")
+    assert f"mode {mode:04o}" in err.message and "chmod go-w" in err.message and "path: tmp" in err.message
 
 
 def test_environment_refuses_missing_dir(tmp_path: Path) -> None:
@@ -587,7 +601,7 @@ def test_environment_refuses_world_writable(tmp_path: Path) -> None:
         load_config(path)
     err = info.value
     assert (err.kind, err.yaml_path, err.line) == ("environment", "tiers.nvme.path", 4)
-    assert "sticky" in err.message and str(swap) in err.message
+    assert "writable by every user" in err.message and str(swap) in err.message
 
 
 def test_environment_refuses_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

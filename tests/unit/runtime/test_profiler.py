@@ -298,6 +298,17 @@ def test_ceilings_from_store_bench_and_measured(tmpfs_dir):
     assert not any(p.name.startswith(".tierstore-ceiling") for p in tmpfs_dir.iterdir())
 
 
+def test_ceiling_probe_never_writes_through_a_planted_link(nvme_dir, tmp_path_factory):
+    """The old probe name, linked to another file: the probe writes in a private directory of its own."""
+    victim = tmp_path_factory.mktemp("victims") / "victim"
+    victim.write_bytes(b"someone else's file\n")
+    (nvme_dir / ".tierstore-ceiling-probe").symlink_to(victim)
+    with TierStore(StoreConfig(nvme_path=str(nvme_dir), host_budget_nbytes=1 << 20)) as store:
+        assert measure_ceilings(store, nbytes=1 << 20, repeats=1)["write"] > 0
+    assert victim.read_bytes() == b"someone else's file\n"
+    assert sorted(p.name for p in nvme_dir.iterdir() if not p.name.endswith(".lock")) == [".tierstore-ceiling-probe"]
+
+
 def test_a_failing_controller_listener_is_logged_not_raised(caplog):
     def broken(event: object) -> None:
         raise ValueError("profiler bug")

@@ -25,3 +25,13 @@ def test_store_bench_cli_writes_json(tmpfs_dir, capsys):
     assert "store/raw" in printed and "nvme->host" in printed
     data = json.loads(out.read_text())
     assert {r["path"] for r in data["results"]} == {"host->gpu", "gpu->host", "nvme->host", "host->nvme"}
+
+
+def test_dd_file_never_written_through_a_planted_link(tmpfs_dir, tmp_path):
+    """dd opens its output by name, following links: it writes in a private directory of its own instead."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone else's file\n")
+    (tmpfs_dir / "bench.dd.raw").symlink_to(victim)
+    run_store_bench(str(tmpfs_dir), total_nbytes=2 << 20, transfer_nbytes=1 << 20, repeats=1)
+    assert victim.read_bytes() == b"someone else's file\n"
+    assert sorted(p.name for p in tmpfs_dir.iterdir() if not p.name.endswith(".lock")) == ["bench.dd.raw"]
