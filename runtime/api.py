@@ -46,6 +46,7 @@ class OffloadSession:
     access: StateAccess
     guard: ParamGuard
     state_dict_hooks: StateDictHooks
+    optimizer: Any = None  # the OffloadAdamW this session serves (set by offload)
     closed: bool = False
 
     def __enter__(self) -> "OffloadSession":
@@ -235,6 +236,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         store.close()
         raise
     optimizer.session = session  # type: ignore[attr-defined]
+    session.optimizer = optimizer
     return model, optimizer
 
 

@@ -80,14 +80,16 @@ class ResumableData(Protocol):
 # ---- save ------------------------------------------------------------------------------------------
 def save_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
                     data: ResumableData | None = None, keep_last: int = 3, *, threads: int = 4,
-                    progress: Callable[[str], None] | None = None, overwrite: bool = False) -> Path:
+                    progress: Callable[[str], None] | None = None, overwrite: bool = False,
+                    scheduler: Any = None) -> Path:
     """Save the session's whole training state under ``directory/step-NNNNNN`` and point ``latest`` at it.
 
     Call between steps (after ``optimizer.step()``, before the next forward). ``directory``: a
     :class:`CheckpointRoot` the run holds (locked for the run; the CLI's way), or a path, locked for this
     save only, where a root holding another run's checkpoints is refused unless ``overwrite``. Either way
     only checkpoints this run owns are ever replaced or pruned. ``data``: the batch source to resume
-    (``position`` and ``generator``). ``keep_last``: checkpoints kept; older ones are deleted only after
+    (``position`` and ``generator``). ``scheduler``: an LR scheduler whose ``state_dict()`` is saved too (the
+    optimizer's param_groups hyper-parameters always are). ``keep_last``: checkpoints kept; older ones are deleted only after
     the new one is in place. ``threads``: files written at once. ``progress`` is called with each file
     name once it is durable, then with "manifest.json", "renamed" and "latest" (a progress bar, or a test
     that needs time to pass inside a save). Returns the checkpoint directory."""
@@ -97,19 +99,20 @@ def save_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
         raise ValueError("overwrite is decided when the CheckpointRoot is opened: pass it to CheckpointRoot(...)")
     controller = session.controller
     _require_between_steps(controller, "save")
+    controller.check_not_interrupted()  # never a checkpoint whose blocks are at different steps
     controller.synchronize()
     _refuse_swap_overlap(session.store, directory.path if isinstance(directory, CheckpointRoot) else Path(directory))
     root = directory if isinstance(directory, CheckpointRoot) else \
         CheckpointRoot(directory, overwrite=overwrite, writer=session.store.instance_id)
     try:
-        return _save(session, root, data, keep_last, threads, progress)
+        return _save(session, root, data, keep_last, threads, progress, scheduler)
     finally:
         if root is not directory:
             root.close()
 
 
 def _save(session: "OffloadSession", root: CheckpointRoot, data: ResumableData | None, keep_last: int, threads: int,
-          progress: Callable[[str], None] | None) -> Path:
+          progress: Callable[[str], None] | None, scheduler: Any = None) -> Path:
     controller = session.controller
     if session.store.device.type == "cuda":
         torch.cuda.synchronize(session.store.device)  # device updates are stream-ordered; copies below run on other threads
@@ -137,6 +140,7 @@ def _save(session: "OffloadSession", root: CheckpointRoot, data: ResumableData |
             list(pool.map(run, jobs))  # list(): re-raise the first failure
         meta = _scalar_state(session, controller, tensors, data, pending)
         meta.update(lineage=root.lineage, writer=session.store.instance_id)  # which run may prune it (checkpoint_root)
+        meta.update(_optimizer_state(session, scheduler))
         pending.write_bytes(CONFIG_NAME, dump_config(session.config).encode())
         pending.write_bytes(META_NAME, json_bytes(meta))
         if progress is not None:
@@ -248,9 +252,36 @@ def _scalar_state(session: "OffloadSession", controller: "Controller", tensors: 
     }
 
 
+def _optimizer_state(session: "OffloadSession", scheduler: Any) -> dict[str, Any]:
+    """The optimizer's param_groups hyper-parameters and the LR scheduler's state, as JSON."""
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in session.optimizer.param_groups]
+    out: dict[str, Any] = {"param_groups": groups}
+    if scheduler is not None:
+        out["scheduler"] = scheduler.state_dict()
+    try:
+        json_bytes(out)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the optimizer's param_groups or the scheduler's state_dict() is not plain data ({exc}); "
+                         "checkpoints store them as JSON") from exc
+    return out
+
+
+def _restore_optimizer_state(session: "OffloadSession", meta: dict[str, Any], scheduler: Any, path: Path) -> None:
+    groups = meta.get("param_groups")
+    if groups is not None:
+        if len(groups) != len(session.optimizer.param_groups):
+            raise CheckpointError(f"{path}: it has {len(groups)} parameter groups, the optimizer {len(session.optimizer.param_groups)}")
+        for group, saved in zip(session.optimizer.param_groups, groups):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+    if scheduler is not None:
+        if meta.get("scheduler") is None:
+            raise CheckpointError(f"{path} holds no LR scheduler state; it was saved without scheduler=")
+        scheduler.load_state_dict(meta["scheduler"])
+
+
 # ---- load ------------------------------------------------------------------------------------------
 def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
-                    data: ResumableData | None = None) -> int:
+                    data: ResumableData | None = None, *, scheduler: Any = None) -> int:
     """Restore a checkpoint into ``session`` (and ``data``); returns the optimizer step it was taken after.
 
     ``directory`` is a checkpoint root (its ``latest`` is loaded; a :class:`CheckpointRoot` too) or one
@@ -259,7 +290,8 @@ def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
     as they stream into the tiers; a mismatch there (a file corrupted, or replaced since the listing was
     checked) is refused naming the file, and the session is left part-loaded: close it. To keep a trained
     session safe from a corrupt checkpoint, call ``verify_checkpoint`` first (it reads every file once
-    more). The session must hold the same model (same blocks and parameters); its tier layout, NVMe path
+    more). ``scheduler``: the LR scheduler to restore (saved with ``save_checkpoint(..., scheduler=)``); the
+    optimizer's param_groups hyper-parameters are restored either way. The session must hold the same model (same blocks and parameters); its tier layout, NVMe path
     and device may differ. Call between steps."""
     path = resolve_checkpoint(directory.path if isinstance(directory, CheckpointRoot) else directory)
     files = check_listing(path)
@@ -280,6 +312,7 @@ def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
                 _load_tensor(session.store, block.key(kind), path / entry["file"], files[entry["file"]], step, after)
         _restore_counters(controller, session.blocks, meta["blocks"], step)
         _restore_scaler(controller, meta.get("scaler"), path)
+        _restore_optimizer_state(session, meta, scheduler, path)
         _restore_rng(meta["rng"], path, small)
         if data is not None:
             _restore_data(data, meta.get("data"), path, small)
@@ -492,13 +525,13 @@ def save_due(step: int, total_steps: int, save_every: int) -> bool:
 
 
 def resume_training(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
-                    data: ResumableData | None = None) -> int:
+                    data: ResumableData | None = None, *, scheduler: Any = None) -> int:
     """Load the latest checkpoint in ``directory`` if there is one; returns its step (0: start afresh)."""
     found = find_checkpoint(directory.path if isinstance(directory, CheckpointRoot) else directory)
     if found is None:
         log.warning("no checkpoint in %s yet; starting from step 0", directory)
         return 0
-    return load_checkpoint(session, found, data)
+    return load_checkpoint(session, found, data, scheduler=scheduler)
 
 
 def bench_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None,

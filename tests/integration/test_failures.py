@@ -5,11 +5,14 @@ as plain PyTorch does when the user catches it and calls ``zero_grad()``; where 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from runtime import offload
+from runtime.checkpoint import save_checkpoint
 from tests.integration.test_parity import make_batches
 from tests.integration.test_user_contract import LR, assert_same, config, fresh_model
 
@@ -120,3 +123,17 @@ def test_streaming_updates_cut_by_a_failure_refuse_the_next_step(tmp_path):
             model(*batch)
         with pytest.raises(RuntimeError, match="Restore the last checkpoint"):
             optimizer.step()
+        with pytest.raises(RuntimeError, match="Restore the last checkpoint"):  # never a mixed-step checkpoint
+            save_checkpoint(optimizer.session, tmp_path / "ckpt")
+
+
+def test_the_checkpoint_after_a_caught_failure_holds_one_step_everywhere(tmp_path):
+    model = fresh_model()
+    armed = plant(model, 1, "backward")
+    model, optimizer = offload(model, config(tmp_path, user_grad_clip=True))
+    with optimizer.session as session:
+        run(model, optimizer, armed, make_batches(3), {(2, 0)})
+        saved = save_checkpoint(session, tmp_path / "ckpt")
+    meta = json.loads((saved / "meta.json").read_text())
+    assert meta["step"] == 2
+    assert {s for block in meta["blocks"] for s in block["param_steps"]} == {2.0}

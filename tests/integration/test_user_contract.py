@@ -252,3 +252,51 @@ def test_model_to_device_is_a_no_op_and_a_dtype_change_is_refused(tmp_path):
         assert_same(model.state_dict(), before)
         with pytest.raises(RuntimeError, match="before offload"):
             model.to(torch.float64)
+
+
+def test_checkpoints_carry_param_groups_and_the_lr_scheduler(tmp_path):
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    def build(model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+        return groups, (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3) * 0.9 ** step))
+
+    batches = make_batches(4)
+    plain = fresh_model()
+    groups, make_sched = build(plain)
+    plain_opt = torch.optim.AdamW(groups, lr=LR, fused=True)
+    plain_sched = make_sched(plain_opt)
+    for step, batch in enumerate(batches):
+        if step == 1:
+            plain_opt.param_groups[1]["betas"] = (0.8, 0.9)
+        plain_step(plain, plain_opt, batch)
+        plain_sched.step()
+
+    model = fresh_model()
+    groups, make_sched = build(model)
+    model, optimizer = offload(model, config(tmp_path / "a"), param_groups=groups)
+    sched = make_sched(optimizer)
+    with optimizer.session as session:
+        for step, batch in enumerate(batches[:2]):
+            if step == 1:
+                optimizer.param_groups[1]["betas"] = (0.8, 0.9)
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sched.step()
+        save_checkpoint(session, tmp_path / "ckpt", scheduler=sched)
+    model = fresh_model(seed=3)
+    groups, make_sched = build(model)
+    model, optimizer = offload(model, config(tmp_path / "b"), param_groups=groups)
+    sched = make_sched(optimizer)
+    with optimizer.session as session:
+        assert load_checkpoint(session, tmp_path / "ckpt", scheduler=sched) == 2
+        assert optimizer.param_groups[1]["betas"] == (0.8, 0.9)
+        for batch in batches[2:]:
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sched.step()
+        assert_same(model.state_dict(), plain.state_dict())
+        assert sched.get_last_lr() == plain_sched.get_last_lr()
