@@ -342,9 +342,12 @@ class Controller:
             self.schedule.observe(index, "bwd")
             self._in_backward_use[index] = True
             self._ready(index)
-            if self.gpu_streamed and self.last_micro and not self._deferred:
-                # Backward runs in descending block order: this block, then the ones it reaches next.
-                self._stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1))
+            if self.gpu_streamed and self.last_micro:
+                # Backward runs in descending block order: this block, then the ones it reaches next. When the
+                # updates wait for the commit (clipping, fp16) the state waits on the device too, so every copy
+                # must fit the memory the backward freed; at the commit only the update itself is left.
+                self._stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1),
+                                      always=0 if self._deferred else 2)
         self._prefetch()
 
     def _begin_streaming(self) -> None:
@@ -361,12 +364,12 @@ class Controller:
         copies during a backward, and their memory is what the next blocks' state is streamed into."""
         self._gpu_writebacks = [h for h in self._gpu_writebacks if not h.done()]
 
-    def _stream_in_order(self, indices: Iterable[int]) -> None:
-        """Bring in the state of these blocks, nearest first: the first two at once, the rest while memory in
-        use stays below the ceiling (see _begin_streaming) and the GPU budget keeps room for weight fetches.
+    def _stream_in_order(self, indices: Iterable[int], always: int = 2) -> None:
+        """Bring in the state of these blocks, nearest first: the first ``always`` at once, the rest while memory
+        in use stays below the ceiling (see _begin_streaming) and the GPU budget keeps room for weight fetches.
         A refusal stops the rest, so a block further ahead never holds room a nearer update needs."""
         for position, index in enumerate(indices):
-            if position >= 2 and not self._room_to_stream(index):
+            if position >= always and not self._room_to_stream(index):
                 return
             if not self._stream_in(index):
                 return
@@ -618,6 +621,13 @@ class Controller:
                                  "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
                                  "and an abandoned step changes nothing")
         self._deferred_jobs, self._deferred_gpu = [], []
+        self.wait_device_writebacks()  # updates of this step already written back stay (see _interrupted)
+        for index in self.gpu_streamed:  # state brought in for the dropped step: clean copies, let them go
+            for kind in STATE_KINDS:
+                key = self.blocks[index].key(kind)
+                if self.store.state(key, TierName.GPU) is not CopyState.ABSENT:
+                    self.store.tensor(key, TierName.GPU)  # a copy in flight lands first
+                    self.store.release(key, TierName.GPU)
         self.found_inf.zero_()
         self.clipper.reset()
         self._update_pending = False

@@ -50,6 +50,7 @@ ROWS = {
 # -tNN: NN CPU optimizer threads;
 # -keep: every block's weights kept on the GPU from its forward to its backward (prefetch.keep_for_backward),
 # -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call,
+# -clip: global-norm clipping at 1.0 (optimizer.grad_clip),
 # and -noseg: PyTorch's default allocator (our rows otherwise run with expandable_segments:True unless
 # PYTORCH_CUDA_ALLOC_CONF is set).
 
@@ -64,6 +65,7 @@ def describe_row(row: str) -> str:
     text += f", {options['a']} streamed blocks ahead" if "a" in options else ""
     text += f", {options['t']} CPU optimizer threads" if "t" in options else ""
     text += ", weights kept for backward" if options.get("keep") else ""
+    text += ", clipping at 1.0" if options.get("clip") else ""
     text += ", GPU memory capped at DeepSpeed ZeRO-2's peak" if options.get("cap") else ""
     return text + (", default CUDA allocator" if options.get("noseg") else "")
 
@@ -71,12 +73,12 @@ def describe_row(row: str) -> str:
 def row_options(row: str) -> tuple[str, dict[str, int | bool]]:
     """'host-f30-t15-keep-cap' -> ('host', {'f': 30, 't': 15, 'keep': True, 'cap': True}): the base row and
     its suffixes (-fNN GPU update share in percent, -sNN streamed GPU update share, -aN streamed blocks
-    ahead, -tNN CPU optimizer threads, -keep, -cap, -noseg)."""
+    ahead, -tNN CPU optimizer threads, -keep, -cap, -noseg, -clip)."""
     parts = row.split("-")
     options: dict[str, int | bool] = {}
     while len(parts) > 1:
         last = parts[-1]
-        if last in ("keep", "cap", "noseg"):
+        if last in ("keep", "cap", "noseg", "clip"):
             options[last] = True
         elif last[:1] in ("f", "s", "a", "t") and last[1:].isdigit():
             options[last[0]] = int(last[1:])
@@ -256,7 +258,7 @@ def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
 
 def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
     row, options = row_options(row)
-    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": None, "lr": 1e-4,
+    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": 1.0 if options.get("clip") else None, "lr": 1e-4,
                                                            "gpu_update_fraction": int(options.get("f", 0)) / 100,
                                                            "cpu_threads": options.get("t", "auto"),
                                                            "gpu_stream_fraction": int(options.get("s", 0)) / 100},

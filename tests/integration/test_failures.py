@@ -13,6 +13,7 @@ from torch import nn
 
 from runtime import offload
 from runtime.checkpoint import save_checkpoint
+from tierstore import CopyState, TierName
 from tests.integration.test_parity import make_batches
 from tests.integration.test_user_contract import LR, assert_same, config, fresh_model
 
@@ -137,3 +138,25 @@ def test_the_checkpoint_after_a_caught_failure_holds_one_step_everywhere(tmp_pat
     meta = json.loads((saved / "meta.json").read_text())
     assert meta["step"] == 2
     assert {s for block in meta["blocks"] for s in block["param_steps"]} == {2.0}
+
+
+def test_a_dropped_step_gives_back_streamed_state(tmp_path):
+    """Updates that wait for the commit bring streamed blocks' state in during backward; a dropped step
+    releases it, and training afterwards still equals the plain loop."""
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    armed = plant(plain, 0, "backward")
+    batches = make_batches(4)
+    run(plain, plain_opt, armed, batches, {(1, 0)}, clip=0.05)
+    model = fresh_model()
+    armed = plant(model, 0, "backward")
+    cfg = config(tmp_path, user_grad_clip=True, gpu_stream_fraction=0.6)
+    cfg["placement"] = {"master": "host", "moments": "host"}  # streamed state lives in pinned host memory
+    model, optimizer = offload(model, cfg)
+    with optimizer.session as session:
+        run(model, optimizer, armed, batches, {(1, 0)}, clip=0.05)
+        assert_same(model.state_dict(), plain.state_dict())
+        streamed = session.controller.gpu_streamed
+        assert streamed
+        assert all(session.store.state(session.blocks[i].key(kind), TierName.GPU) is CopyState.ABSENT
+                   for i in streamed for kind in ("master", "exp_avg", "exp_avg_sq"))
