@@ -5,10 +5,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
-import psutil
 import torch
 from torch import nn
 
@@ -21,7 +20,9 @@ from runtime.materialize import ParamInit, initialize, materialize_meta_paramete
 from runtime.optimizer import OffloadAdamW, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.state_access import StateAccess
-from runtime.plan import MemoryPlan, available_host_nbytes, check_plan, host_headroom_nbytes, make_plan, spill_moments
+from runtime.hostmem import host_memory
+from runtime.plan import Budgets, MemoryPlan, check_fits, make_plan, spill_moments
+from runtime.signals import stop_on_sigterm
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
 
@@ -48,6 +49,7 @@ class OffloadSession:
     state_dict_hooks: StateDictHooks
     optimizer: Any = None  # the OffloadAdamW this session serves (set by offload)
     closed: bool = False
+    on_close: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run by close(), last
 
     def __enter__(self) -> "OffloadSession":
         return self
@@ -109,6 +111,8 @@ class OffloadSession:
                     slot.param.data = value
             _move_rest(self.model, torch.device("cpu"))
             self.store.close()
+            while self.on_close:
+                self.on_close.pop()()
             # Hooks, guard classes and the worker refer to each other: collect the cycles now, so the pinned
             # arena and device memory are given back before the caller's next allocation, not at a later GC.
             gc.collect()
@@ -194,24 +198,15 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     uninitialized = materialize_meta_parameters(model) if has_meta else set()
     if uninitialized and init is not None:  # frozen parameters are not offloaded: fill them here
         initialize([(n, p) for n, p in model.named_parameters() if id(p) in uninitialized and not p.requires_grad], init)
-    blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
-    if not blocks:
-        raise ValueError("the model has no trainable parameters to offload")
-    resolved = resolve_plan(blocks, cfg, device)
+    blocks, resolved, budgets = plan_model(model, cfg, device)
     homes, source, plan = resolved.homes, resolved.source, resolved.plan
-    gpu_budget = _gpu_budget(cfg, device)
-    host_budget = plan.host_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
-    check_plan(plan, gpu_budget if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
-    if host_budget < plan.host_nbytes:
-        raise ValueError(f"tiers.host.budget is {host_budget:,} bytes but the plan needs {plan.host_nbytes:,}; "
-                         f"raise it or use auto\n{plan.table()}")
-    log.debug("%s", plan.table())
+    log.info("%s", plan.table())
     # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
     _move_rest(model, device, {id(slot.param) for b in blocks for slot in b.slots})
     pin = None if cfg.tiers.host.pin == "auto" else bool(cfg.tiers.host.pin)
     direct = cfg.tiers.nvme.direct_io
     direct = {True: "on", False: "off"}.get(direct, direct)  # type: ignore[arg-type]
-    store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=gpu_budget, host_budget_nbytes=host_budget,
+    store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes, host_budget_nbytes=budgets.host_nbytes,
                                   pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
                                   nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
                                   io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
@@ -237,6 +232,10 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         raise
     optimizer.session = session  # type: ignore[attr-defined]
     session.optimizer = optimizer
+    # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
+    # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
+    # every weight back into the model first.
+    session.on_close.append(stop_on_sigterm())
     return model, optimizer
 
 
@@ -270,6 +269,8 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     homes, source = resolve_homes(cfg, device)
     dtype = DTYPES[cfg.dtype]
     opt = cfg.optimizer
+    if opt.overlap != "exact":
+        raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
     gpu_updated = gpu_updated_blocks(blocks, opt.gpu_update_fraction)
     host_updated = [b.index for b in blocks if b.index not in gpu_updated]
     # Streamed blocks (the first host-updated ones) copy their moments from pinned memory: never spilled.
@@ -277,7 +278,7 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     spilled = 0
     if cfg.placement.moments == "auto" and cfg.tiers.nvme.path is not None and homes["exp_avg"] is TierName.HOST:
         if cfg.tiers.host.budget == "auto":
-            limit = available_host_nbytes() - host_headroom_nbytes(psutil.virtual_memory().total)
+            limit = host_memory().usable_nbytes
         else:
             limit = int(cfg.tiers.host.budget)
         spilled = spill_moments(lambda k: plan_for(blocks, cfg, homes, source, dtype, k), spillable, limit)
@@ -288,21 +289,23 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     return ResolvedPlan(homes, source, spilled_blocks, plan_for(blocks, cfg, homes, source, dtype, spilled))
 
 
-def _gpu_budget(cfg: TierstoreConfig, device: torch.device) -> int:
-    if cfg.tiers.gpu.budget != "auto":
-        return int(cfg.tiers.gpu.budget)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    return 1 << 62  # the CPU stands in for the GPU: host memory is planned separately
-
-
 def default_cpu_threads() -> int:
     """Threads for the CPU optimizer: every core but two when a GPU is fed (the Python thread launching
     forward kernels and the autograd thread launching backward ones). One more OpenMP thread than there
     are free cores stalls every parallel region on the descheduled one."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     return max(1, cores - (2 if torch.cuda.is_available() else 0))
+
+
+def plan_model(model: nn.Module, cfg: TierstoreConfig, device: torch.device) -> tuple[list[Block], ResolvedPlan, Budgets]:
+    """Blocks, placement and memory plan of ``model`` under ``cfg``, put through every check that can refuse
+    them before anything is allocated. ``offload()`` and ``tierstore plan`` both call this (the latter on a
+    meta-device model), so the two refuse the same configs with the same message."""
+    blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
+    if not blocks:
+        raise ValueError("the model has no trainable parameters to offload")
+    resolved = resolve_plan(blocks, cfg, device)
+    return blocks, resolved, check_fits(resolved.plan, cfg, device)
 
 
 def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, homes: dict[str, TierName],
@@ -314,8 +317,6 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, hom
         ls = opt.loss_scale
         loss_scale = {"initial": ls.initial, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
                       "growth_interval": ls.growth_interval}
-    if opt.overlap != "exact":
-        raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
     return RuntimeOptions(
         compute_dtype=dtype, weight_source=source, homes=homes,
         hyper=AdamWHyper(lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay),

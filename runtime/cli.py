@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return train_main(args)
         if args.command == "plan":
-            from runtime.plan import main as plan_main
-
-            return plan_main(args)
+            return _plan(args)
         if args.command == "profile":
             from runtime.profiler import main as profile_main
 
@@ -98,6 +96,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``tierstore plan --config FILE``: the plan of the config's example model (built on the meta device, so
+    nothing is allocated), put through the same checks ``offload()`` runs before training allocates."""
+    import torch
+
+    from runtime.api import plan_model, resolve_device
+    from runtime.config import load_config
+    from runtime.train import build_model
+
+    cfg = load_config(args.config)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    _, resolved, _ = plan_model(model, cfg, resolve_device(cfg))  # a refusal carries the table
+    print(resolved.plan.table())
+    print("the plan fits this machine")
+    return 0
 
 
 def _bench_store(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.blocks import Block
 from runtime.clipping import scale_slots
 from runtime.weights import WeightManager, WeightSource
-from tierstore import CapacityError, Handle, TierName, TierStore
+from tierstore import CapacityError, Handle, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class UpdateWorker:
                 self._refresh_staging = torch.empty(largest, dtype=torch.float32, device=store.device)
         self._thread = threading.Thread(target=self._run, name="tierstore-adam", daemon=True)
         self._thread.start()
+        close_at_exit(self, UpdateWorker.close)  # stopped before the store it writes to (registered earlier)
 
     # ---- producer side -------------------------------------------------------------------------------
     def submit(self, job: UpdateJob) -> None:

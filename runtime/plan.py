@@ -11,12 +11,14 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-import psutil
+import torch
 
-from runtime.units import format_size
+from runtime.config import TierstoreConfig
+from runtime.hostmem import HostMemory, host_memory, ram_backed
+from runtime.units import approx_size
+from tierstore import swap_tmp_root
 from tierstore.allocator import align_up
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # memory the backward freed and within the GPU budget the plan leaves free, so they add nothing to it.
 STREAMED_IN_FLIGHT = 3
 STAGING_BLOCKS = 5  # NVMe-resident states staged in host memory at once: worker look-ahead + write-backs in flight
+UNBOUNDED = 1 << 62  # the GPU budget on the CPU when none is set
 
 
 class PlanError(ValueError):
@@ -68,14 +71,10 @@ class MemoryPlan:
         lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {self.weight_source}",
                  f"  {'state':<32}{'tier':<6}{'bytes':>14}"]
         for kind, tier, nbytes in self.rows:
-            lines.append(f"  {kind:<32}{tier:<6}{_human(nbytes):>14}")
+            lines.append(f"  {kind:<32}{tier:<6}{approx_size(nbytes):>14}")
         for tier in ("gpu", "host", "nvme"):
-            lines.append(f"  {'total':<32}{tier:<6}{_human(self.tier_nbytes(tier)):>14}")
+            lines.append(f"  {'total':<32}{tier:<6}{approx_size(self.tier_nbytes(tier)):>14}")
         return "\n".join(lines)
-
-
-def _human(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
@@ -146,79 +145,90 @@ def spill_moments(make: Callable[[int], MemoryPlan], num_blocks: int, host_limit
     return num_blocks
 
 
-def available_host_nbytes() -> int:
-    """Host memory this process may still use: psutil's available, capped by a cgroup v2/v1 limit."""
-    available = psutil.virtual_memory().available
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit_text = Path(limit_path).read_text().strip()
-            if limit_text != "max" and int(limit_text) < 1 << 60:
-                available = min(available, int(limit_text) - int(Path(usage_path).read_text().strip()))
-            break
-        except (OSError, ValueError):
-            continue
-    return max(available, 0)
+@dataclass(frozen=True)
+class Budgets:
+    """The byte budgets a store is built with, as ``check_fits`` checked them."""
+
+    gpu_nbytes: int  # the GPU tier's budget (on the CPU: the explicit one, else unbounded)
+    host_nbytes: int  # the pinned arena's size: the explicit budget, or exactly the plan's host bytes
 
 
-def host_headroom_nbytes(total: int) -> int:
-    """Memory left to the rest of the process and the OS: 10% or 2 GiB, whichever is more."""
-    return max(total // 10, 2 << 30)
+def gpu_budget_nbytes(cfg: TierstoreConfig, device: torch.device) -> int:
+    """``tiers.gpu.budget``; ``auto``: 90% of the device memory free now (unbounded on the CPU, where host memory
+    is planned separately). The store enforces it on the CPU too, so an explicit budget is checked there."""
+    if cfg.tiers.gpu.budget != "auto":
+        return int(cfg.tiers.gpu.budget)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return UNBOUNDED
 
 
-def check_plan(plan: MemoryPlan, gpu_budget_nbytes: int, nvme_path: str | None, nvme_budget_nbytes: int,
-               host_available_nbytes: int | None = None) -> None:
-    """Refuse a plan that does not fit the host RAM, the disk under the NVMe path, or the GPU budget."""
-    available = available_host_nbytes() if host_available_nbytes is None else host_available_nbytes
-    usable = available - host_headroom_nbytes(psutil.virtual_memory().total)
+def check_fits(plan: MemoryPlan, cfg: TierstoreConfig, device: torch.device, *, memory: HostMemory | None = None) -> Budgets:
+    """The checks ``tierstore plan`` and ``offload()`` both run before anything is allocated: the config's
+    budgets against the plan, and the plan against this machine. Returns the budgets the store must use;
+    raises PlanError naming every problem with its numbers. ``memory``: the host RAM to plan against
+    (default: this process's now, cgroup limits included)."""
+    budget = cfg.tiers.host.budget
+    budgets = Budgets(gpu_nbytes=gpu_budget_nbytes(cfg, device),
+                      host_nbytes=plan.host_nbytes if budget == "auto" else int(budget))
+    check_plan(plan, host_budget_nbytes=None if budget == "auto" else budgets.host_nbytes,
+               gpu_budget_nbytes=budgets.gpu_nbytes, nvme_path=cfg.tiers.nvme.path,
+               nvme_budget_nbytes=cfg.tiers.nvme.budget, memory=memory)
+    return budgets
+
+
+def check_plan(plan: MemoryPlan, *, host_budget_nbytes: int | None, gpu_budget_nbytes: int, nvme_path: str | None,
+               nvme_budget_nbytes: int, memory: HostMemory | None = None) -> None:
+    """Refuse a plan that does not fit its budgets, the RAM this process may use (``memory``; default: now),
+    the disk under the NVMe path, or the GPU budget. ``host_budget_nbytes``: an explicit ``tiers.host.budget``
+    (the arena's size), None for auto (the arena is the plan's host bytes)."""
+    memory = host_memory() if memory is None else memory
     problems = []
-    if plan.host_nbytes > usable:
-        moveable = [k for k in STATE_KINDS if plan.homes[k].startswith("host")]
-        hint = (f"move {' and '.join(moveable)} to nvme (placement.{moveable[-1]}: nvme), or let the moments that do "
-                "not fit spill there (placement.moments: auto with tiers.nvme.path)") if moveable else "use a machine with more RAM"
-        problems.append(f"host: the plan pins {format_size(plan.host_nbytes)} ({_human(plan.host_nbytes)}) but only "
-                        f"{_human(max(usable, 0))} is available after headroom; {hint}")
+    arena = plan.host_nbytes if host_budget_nbytes is None else host_budget_nbytes
+    if host_budget_nbytes is not None and host_budget_nbytes < plan.host_nbytes:
+        problems.append(f"host: tiers.host.budget is {approx_size(host_budget_nbytes)} ({host_budget_nbytes:,} bytes) but "
+                        f"the plan pins {approx_size(plan.host_nbytes)} ({plan.host_nbytes:,} bytes); raise it or write auto")
+    swap = _swap_directory(nvme_path)
+    in_ram = ram_backed(swap) if swap is not None and plan.nvme_nbytes else None
+    ram_nbytes = arena + (plan.nvme_nbytes if in_ram else 0)
+    if ram_nbytes > memory.usable_nbytes:
+        on_swap = f" plus the swap files on {swap} ({in_ram}: RAM) {approx_size(plan.nvme_nbytes)}" if in_ram else ""
+        if host_budget_nbytes is not None and host_budget_nbytes > memory.usable_nbytes:
+            problems.append(f"host: tiers.host.budget {approx_size(arena)}{on_swap} is more RAM than this process may use "
+                            f"({memory.describe()}); lower it or write auto")
+        else:
+            problems.append(f"host: the plan pins {approx_size(arena)} ({arena:,} bytes){on_swap} but this process has "
+                            f"{memory.describe()}; {_host_hint(plan, in_ram)}")
     if plan.gpu_nbytes > gpu_budget_nbytes:
-        problems.append(f"gpu: weights and gradients need {_human(plan.gpu_nbytes)} but tiers.gpu.budget is "
-                        f"{_human(gpu_budget_nbytes)}; lower prefetch.depth or keep weights on host (placement.weights: host)")
+        problems.append(f"gpu: weights and gradients need {approx_size(plan.gpu_nbytes)} but tiers.gpu.budget is "
+                        f"{approx_size(gpu_budget_nbytes)}; raise it, lower prefetch.depth or keep weights on host "
+                        "(placement.weights: host)")
     if plan.nvme_nbytes:
-        if nvme_path is None:
+        if nvme_path is None or swap is None:
             problems.append("nvme: the placement puts state on nvme but tiers.nvme.path is null; set it")
         else:
             if plan.nvme_nbytes > nvme_budget_nbytes:
-                problems.append(f"nvme: the plan needs {_human(plan.nvme_nbytes)} but tiers.nvme.budget is {_human(nvme_budget_nbytes)}; raise it")
-            probe = nvme_path if nvme_path != "tmp" else _tmp_root()
-            free = shutil.disk_usage(probe).free if os.path.isdir(probe) else 0
+                problems.append(f"nvme: the plan needs {approx_size(plan.nvme_nbytes)} but tiers.nvme.budget is "
+                                f"{approx_size(nvme_budget_nbytes)}; raise it")
+            free = shutil.disk_usage(swap).free if os.path.isdir(swap) else 0
             if plan.nvme_nbytes > free:
-                problems.append(f"nvme: the plan needs {_human(plan.nvme_nbytes)} on {probe} but only {_human(free)} is free; free space or pick another path")
+                problems.append(f"nvme: the plan needs {approx_size(plan.nvme_nbytes)} on {swap} but only "
+                                f"{approx_size(free)} is free; free space or pick another path (tiers.nvme.path)")
     if problems:
         raise PlanError("the memory plan does not fit:\n  " + "\n  ".join(problems) + "\n" + plan.table())
 
 
-def _tmp_root() -> str:
-    import tempfile
+def _swap_directory(nvme_path: str | None) -> str | None:
+    """The directory swap files go to (``tmp``: where the store makes its temporary one)."""
+    return swap_tmp_root() if nvme_path == "tmp" else nvme_path
 
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
-
-def main(args: "argparse.Namespace") -> int:  # noqa: F821
-    """``tierstore plan --config FILE``: the plan of the config's example model (built on the meta device,
-    so nothing is allocated), refused with the numbers when it does not fit."""
-    import torch
-
-    from runtime.api import _gpu_budget, resolve_device, resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.example_model import ExampleLM, ModelShape
-
-    cfg = load_config(args.config)
-    m = cfg.train.model
-    with torch.device("meta"):
-        model = ExampleLM(ModelShape(m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.ffn_size, m.max_seq_len))
-    blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
-    device = resolve_device(cfg)
-    plan = resolve_plan(blocks, cfg, device).plan
-    print(plan.table())
-    check_plan(plan, _gpu_budget(cfg, device) if device.type == "cuda" else 1 << 62, cfg.tiers.nvme.path, cfg.tiers.nvme.budget)
-    print("the plan fits this machine")
-    return 0
+def _host_hint(plan: MemoryPlan, swap_in_ram: str | None) -> str:
+    if swap_in_ram:
+        return "put tiers.nvme.path on a disk (the tmp path is RAM) or use a machine with more RAM"
+    moveable = [k for k in STATE_KINDS if plan.homes[k].startswith("host")]
+    if not moveable:
+        return "use a machine with more RAM"
+    return (f"move {' and '.join(moveable)} to nvme (placement.{moveable[-1]}: nvme), or let the moments that do "
+            "not fit spill there (placement.moments: auto with tiers.nvme.path)")

@@ -126,7 +126,6 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     device = session.store.device
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no CUDA found)'}; "
           f"NVMe IO: {session.store.nvme_io_mode or 'no NVMe tier'}", file=sys.stderr)
-    print(session.plan.table(), file=sys.stderr)
     traffic = TrafficCounter()
     session.store.bus.subscribe(traffic)
     # --profile DIR: ceilings measured now (a small copy per path), then listen until the session is closed.

@@ -167,6 +167,15 @@ def format_size(nbytes: int) -> str:
 _DECIMAL_RE = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$")
 
 
+def approx_size(nbytes: int) -> str:
+    """``nbytes`` for a person, rounded: ``"1.50 GiB"``, ``"64.00 TiB"``, ``"12.0 MiB"`` (``format_size`` is the
+    exact form a config takes)."""
+    for name in ("TiB", "GiB"):
+        if abs(nbytes) >= SIZE_UNITS[name]:
+            return f"{nbytes / SIZE_UNITS[name]:.2f} {name}"
+    return f"{nbytes / SIZE_UNITS['MiB']:.1f} MiB"
+
+
 class SpecError(Exception):
     """A value failed its field's spec; :mod:`runtime.config` adds the YAML path and line.
 

@@ -6,24 +6,27 @@ The package knows nothing of nn.Module; the runtime builds on its public API:
 - :class:`TransferEngine` -- the only code that moves bytes; every transfer returns a :class:`Handle`.
 - :class:`PinnedArena`, :class:`NVMeDirectory` -- the host and disk back ends.
 - :class:`EventBus` / :class:`TransferEvent` -- what moved, where and when, for listeners such as a profiler.
+- :func:`close_at_exit` -- closes what a program left open when the interpreter exits, before thread pools stop.
 """
 
 from tierstore.errors import (
     CapacityError,
     CorruptFileError,
     DirectoryLockedError,
+    HostMemoryError,
     StoreIOError,
     TierStoreError,
     UnsafeDirectoryError,
 )
 from tierstore.events import EventBus, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
+from tierstore.lifecycle import close_at_exit
 from tierstore.residency import CopyState, IllegalTransitionError
 from tierstore.tiers import Tier, TierName
 from tierstore.pinned import PinnedArena
 from tierstore.nvme import NVMeDirectory
 from tierstore.transfer import Handle, TransferEngine
-from tierstore.store import StoreConfig, TierStore
+from tierstore.store import StoreConfig, TierStore, swap_tmp_root
 
 __all__ = [
     "CapacityError",
@@ -32,6 +35,7 @@ __all__ = [
     "DirectoryLockedError",
     "EventBus",
     "Handle",
+    "HostMemoryError",
     "IllegalTransitionError",
     "NVMeDirectory",
     "PinnedArena",
@@ -46,4 +50,6 @@ __all__ = [
     "TransferEngine",
     "TransferEvent",
     "UnsafeDirectoryError",
+    "close_at_exit",
+    "swap_tmp_root",
 ]

@@ -23,6 +23,18 @@ class CapacityError(TierStoreError):
         )
 
 
+class HostMemoryError(TierStoreError):
+    """The host arena could not be mapped or page-locked: the machine (or a cgroup) refused the memory."""
+
+    def __init__(self, capacity_nbytes: int, step: str, reason: str):
+        self.capacity_nbytes = capacity_nbytes
+        super().__init__(
+            f"could not {step} the host arena of {capacity_nbytes:,} bytes ({capacity_nbytes / 2**30:.2f} GiB): {reason}. "
+            f"Lower tiers.host.budget (auto sizes it to the plan) or free host memory; `tierstore plan` shows the "
+            f"RAM this process may use."
+        )
+
+
 class StoreIOError(TierStoreError, OSError):
     """A file operation failed or moved fewer bytes than asked; names the file, offset and errno."""
 

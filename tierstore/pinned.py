@@ -8,6 +8,7 @@ O_DIRECT) and register them with CUDA. Without CUDA the arena is ordinary host m
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import threading
@@ -16,11 +17,12 @@ import time
 import torch
 
 from tierstore.allocator import RangeAllocator
-from tierstore.errors import CapacityError
+from tierstore.errors import CapacityError, HostMemoryError
 
 log = logging.getLogger(__name__)
 
 IO_ALIGNMENT = 4096
+CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 
 
 class PinnedArena:
@@ -40,7 +42,12 @@ class PinnedArena:
         if want_pin and not torch.cuda.is_available():
             raise ValueError("pinned host memory was asked for (pin: true) but CUDA is not available; use pin: auto")
         # mmap gives page-aligned memory of exactly the requested size (length 0 is not allowed by mmap).
-        self._mmap = mmap.mmap(-1, max(capacity_nbytes, IO_ALIGNMENT), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mmap = mmap.mmap(-1, max(capacity_nbytes, IO_ALIGNMENT), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise HostMemoryError(capacity_nbytes, "map", f"{exc.strerror} (ENOMEM)") from None
         self._buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=capacity_nbytes) if capacity_nbytes else torch.empty(0, dtype=torch.uint8)
         self.pinned = False
         self._closed = False
@@ -54,6 +61,8 @@ class PinnedArena:
         # it here keeps the cost visible in one place.
         self._buffer.zero_()
         result = torch.cuda.cudart().cudaHostRegister(self._buffer.data_ptr(), self.capacity_nbytes, 0)
+        if int(result) == CUDA_ERROR_MEMORY_ALLOCATION:  # the locked-memory limit, or RAM itself, is short
+            raise HostMemoryError(self.capacity_nbytes, "page-lock (cudaHostRegister)", "cudaErrorMemoryAllocation")
         if int(result) != 0:
             raise RuntimeError(f"cudaHostRegister of {self.capacity_nbytes:,} bytes failed with CUDA error {int(result)}")
         self.pinned = True

@@ -8,6 +8,7 @@ toward home and drops it, ``release`` drops a copy without writing (refused for 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -22,6 +23,7 @@ import torch
 from tierstore.errors import TierStoreError
 from tierstore.events import EventBus
 from tierstore.keys import TensorKey, TensorMeta
+from tierstore.lifecycle import close_at_exit, reclaim_abandoned
 from tierstore.nvme import NVMeDirectory
 from tierstore.pinned import PinnedArena
 from tierstore.residency import CopyState, check_transition
@@ -29,6 +31,8 @@ from tierstore.tiers import Allocation, GpuTier, HostTier, NvmeTier, Tier, TierN
 from tierstore.transfer import Handle, TransferEngine, done_handle
 
 log = logging.getLogger(__name__)
+
+TMP_SWAP_PREFIX = "tierstore-nvme-"  # the temporary swap directories of the ``tmp`` path
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,9 @@ class TierStore:
         if config.nvme_path is not None:
             path = config.nvme_path
             if path == "tmp":
-                self._nvme_tmpdir = tempfile.TemporaryDirectory(prefix="tierstore-nvme-", dir=_default_tmp_root())
+                root = swap_tmp_root()
+                reclaim_abandoned(root, TMP_SWAP_PREFIX)  # on /dev/shm a killed run's files hold RAM until reboot
+                self._nvme_tmpdir = tempfile.TemporaryDirectory(prefix=TMP_SWAP_PREFIX, dir=root)
                 path = self._nvme_tmpdir.name
             try:
                 directory = NVMeDirectory(path, config.nvme_budget_nbytes, config.direct_io, config.io_block_nbytes)
@@ -97,6 +103,7 @@ class TierStore:
         self._records: dict[TensorKey, Record] = {}
         self._lock = threading.RLock()
         self._closed = False
+        close_at_exit(self, TierStore.close)  # a program that never calls close() still leaves no swap files
 
     # ---- registry ------------------------------------------------------------------------------------
     def register(self, key: TensorKey | str, meta: TensorMeta, home: TierName | str, init: torch.Tensor | None = None) -> Record:
@@ -377,13 +384,16 @@ class TierStore:
         if self._closed:
             return
         self._closed = True
-        self.engine.close()
-        for key in list(self._records):
-            self.unregister(key)
-        for tier in reversed(list(self.tiers.values())):
-            tier.close()
-        if self._nvme_tmpdir is not None:
-            self._nvme_tmpdir.cleanup()
+        # The tiers close (swap files deleted, lock released) even when a transfer failed: callbacks run in
+        # reverse, the temporary directory last; the first error is raised after all of them ran.
+        with contextlib.ExitStack() as stack:
+            if self._nvme_tmpdir is not None:
+                stack.callback(self._nvme_tmpdir.cleanup)
+            for tier in self.tiers.values():
+                stack.callback(tier.close)
+            self.engine.close()
+            for key in list(self._records):
+                self.unregister(key)
 
     def __enter__(self) -> "TierStore":
         return self
@@ -396,7 +406,9 @@ def _key(key: TensorKey | str) -> TensorKey:
     return key if isinstance(key, TensorKey) else TensorKey(key)
 
 
-def _default_tmp_root() -> str | None:
-    """tmpfs (/dev/shm) when present, so 'tmp' swap directories exercise the buffered path fast."""
+def swap_tmp_root() -> str:
+    """Where the ``tmp`` swap path puts its directory: tmpfs (/dev/shm) when present, so temporary swap
+    directories exercise the buffered path fast (and use RAM: the plan counts them as such), else the
+    system temp directory."""
     shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from tierstore.events import EventBus, TransferEvent
+from tierstore.lifecycle import close_at_exit
 from tierstore.nvme import NVMeDirectory, SwapFile
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ class TransferEngine:
         self._unobserved: collections.deque[Handle] = collections.deque()
         self._unobserved_lock = threading.Lock()
         self._closed = False
+        close_at_exit(self, TransferEngine.close)  # queued writes land and the pool stops before Python's own exit
 
     # ---- host <-> device ----------------------------------------------------------------------------
     def h2d(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None,
@@ -261,7 +263,7 @@ class TransferEngine:
 
     def _submit_io(self, handle: Handle, job: Callable[[], int]) -> None:
         if self._closed:
-            handle._fail(RuntimeError("transfer engine is closed"))
+            handle._fail(_closed_error(handle))
             return
 
         def run() -> None:
@@ -276,7 +278,10 @@ class TransferEngine:
             handle._set_issued()
             handle._finish()
 
-        handle._future = self._io_pool.submit(run)
+        try:
+            handle._future = self._io_pool.submit(run)
+        except RuntimeError:  # close(), or the interpreter's exit, shut the pool after the check above
+            handle._fail(_closed_error(handle))
 
     def poll(self) -> None:
         """Publish every device copy that has completed (non-blocking; copies complete in stream order)."""
@@ -308,3 +313,9 @@ class TransferEngine:
         self._closed = True
         self._io_pool.shutdown(wait=True)
         self.synchronize()
+
+
+def _closed_error(handle: Handle) -> RuntimeError:
+    """A transfer asked for after close(): a bug of the caller (or a thread still running at exit)."""
+    return RuntimeError(f"{handle.kind} of {handle.key}: the transfer engine is closed (its store was closed, or the "
+                        "interpreter is exiting); no transfer may start after close()")

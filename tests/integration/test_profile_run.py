@@ -18,7 +18,7 @@ from runtime.data import ByteBatches, stdlib_text_bytes
 from runtime.example_model import ExampleLM, ModelShape
 from runtime.profiler import Profiler
 from runtime.profiler.outputs import PNG_SIGNATURE, TRACKS
-from tierstore import TransferEvent
+from tierstore import TierName, TransferEvent
 
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
 STEPS = 4
@@ -155,11 +155,14 @@ def test_train_command_writes_a_profile(tmp_path, tmpfs_dir, capsys):
 def test_a_full_gpu_budget_is_reported_as_its_own_cause():
     # fp32 weights: 41,216 bytes per layer block, 65,664 for the rest (embedding, norm, head). 130,000 bytes
     # hold the rest plus one layer: prefetches four deep are refused, and those blocks are fetched on demand.
+    # A budget that small is refused by the plan, so the plan gets 1 MiB and all but 130,000 bytes of it are
+    # taken by another user of the device (as memory the user's own code allocates would be).
     shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, ffn_size=64, max_seq_len=64)
     torch.manual_seed(0)
     model, optimizer = offload(ExampleLM(shape), {"dtype": "fp32", "optimizer": {"grad_clip": None},
-                                                  "prefetch": {"depth": 4}, "tiers": {"gpu": {"budget": 130_000}}})
+                                                  "prefetch": {"depth": 4}, "tiers": {"gpu": {"budget": 1 << 20}}})
     session = optimizer.session
+    session.store.tiers[TierName.GPU].reserve((1 << 20) - 130_000, "another user of the device")
     profiler = Profiler(session).start()
     data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=2, seq_len=32, seed=0)
     try:

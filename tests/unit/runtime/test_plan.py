@@ -7,9 +7,15 @@ import torch
 
 from runtime import offload
 from runtime.example_model import ExampleLM, ModelShape
+from runtime.hostmem import HostMemory
 from runtime.plan import PlanError, check_plan, make_plan
 
 SHAPE = ModelShape(vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, ffn_size=160)
+
+
+def ram(available: int, total: int | None = None, limit: str = "a test machine") -> HostMemory:
+    """Host RAM as check_plan sees it: ``available`` now of ``total`` (default: as much again)."""
+    return HostMemory(total_nbytes=total or available, available_nbytes=available, limit=limit)
 
 
 def _rest_nbytes(plan, tier: str) -> int:
@@ -55,7 +61,8 @@ def test_plan_that_does_not_fit_is_refused_with_numbers_and_a_suggestion():
     plan = make_plan([10**9] * 4, {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"},
                      "master", 2, 2, 1)
     with pytest.raises(PlanError) as info:
-        check_plan(plan, gpu_budget_nbytes=1 << 40, nvme_path=None, nvme_budget_nbytes=0, host_available_nbytes=8 << 30)
+        check_plan(plan, host_budget_nbytes=None, gpu_budget_nbytes=1 << 40, nvme_path=None, nvme_budget_nbytes=0,
+                   memory=ram(8 << 30))
     message = str(info.value)
     assert "host" in message and "GiB" in message
     assert "placement." in message and "nvme" in message  # says what to change
@@ -65,7 +72,8 @@ def test_gpu_budget_refusal():
     plan = make_plan([10**8] * 4, {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"},
                      "resident", 2, 2, 1)
     with pytest.raises(PlanError, match="gpu"):
-        check_plan(plan, gpu_budget_nbytes=1 << 20, nvme_path=None, nvme_budget_nbytes=0, host_available_nbytes=1 << 50)
+        check_plan(plan, host_budget_nbytes=None, gpu_budget_nbytes=1 << 20, nvme_path=None, nvme_budget_nbytes=0,
+                   memory=ram(1 << 50))
 
 
 def test_spill_moments_keeps_on_host_what_fits_and_spills_the_last_blocks():

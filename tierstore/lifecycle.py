@@ -1,0 +1,103 @@
+"""Closing what a program forgot to close, at interpreter exit, while its threads still run; reclaiming
+what a killed one left.
+
+A script that returns without ``close()`` leaves an update worker thread, an IO thread pool and swap files
+behind. ``atexit`` is too late for them: Python first runs the threading module's exit hooks, and
+``concurrent.futures`` uses one to stop every thread pool (later submits raise "cannot schedule new futures
+after interpreter shutdown"); daemon threads then run on into finalization (on CUDA a thread calling into
+the driver there aborts the process). ``close_at_exit`` registers with those same threading exit hooks,
+which run newest first: an object registered after ``concurrent.futures`` was imported is closed while its
+thread pools, its worker threads and CUDA still work.
+
+It holds a weak reference only: registering changes no object's lifetime, and a closed or collected object
+costs nothing at exit. What it leaves out: signals (``runtime.signals``) and ``os._exit`` (nothing runs).
+What no exit hook can clean (a process killed by SIGKILL), ``reclaim_abandoned`` removes at the next start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import threading
+import weakref
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from tierstore.nvme import LOCK_NAME
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
+    """Call ``close(obj)`` when the interpreter exits if ``obj`` is still alive, before thread pools stop.
+
+    Objects registered later are closed first (a session before the store it owns). ``close`` must be
+    idempotent: it also runs for objects the program closed itself. Its errors are logged, never raised
+    (an exception there would skip the remaining exit hooks, the thread pools' own among them).
+    """
+    ref = weakref.ref(obj)
+
+    def hook() -> None:
+        target = ref()
+        if target is None:
+            return
+        try:
+            close(target)
+        except Exception:
+            log.exception("closing %s at interpreter exit failed", type(target).__name__)
+
+    # threading._register_atexit is what concurrent.futures itself uses (Python 3.9+); atexit is the fallback
+    # for an interpreter without it, where pools may already be stopped but files are still removed.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    try:
+        register(hook)
+    except RuntimeError:  # the interpreter is already shutting down: nothing later would run it
+        log.debug("interpreter shutting down; %s is not closed at exit", type(obj).__name__)
+
+
+def reclaim_abandoned(root: str | os.PathLike[str], prefix: str) -> list[Path]:
+    """Delete the swap directories named ``prefix*`` under ``root`` that a killed process left behind
+    (SIGKILL, the OOM killer: no exit hook ran). Only this user's directories whose lock no process holds
+    and whose owner's pid (written in the lock file) is gone; a directory being set up (no lock file or no
+    pid yet) is left alone. Returns the directories removed."""
+    removed = []
+    for path in sorted(Path(root).glob(prefix + "*")):
+        try:
+            info = path.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            fd = os.open(path / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live store holds it
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            if not owner.isdigit() or _pid_alive(int(owner)):
+                continue  # an owner that is setting up or closing it right now
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d swap director%s left by killed runs: %s", len(removed), "y" if len(removed) == 1 else "ies",
+                    ", ".join(str(p) for p in removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
