@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tierstore`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter((logging.Formatter if args.verbose else _NoTracebacks)("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
+    from runtime.signals import Terminated
+
     try:
         if args.command == "bench" and args.bench_command == "store":
             return _bench_store(args)
@@ -86,16 +90,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:  # SIGTERM: runtime.signals turned it into an exception so cleanup ran
+        print(f"tierstore: {exc}: the step in progress was abandoned and the swap files removed; checkpoints "
+              "already saved are complete (--resume goes on from the latest)", file=sys.stderr)
+        return int(exc.code)  # type: ignore[arg-type]
     except Exception as exc:  # a person reads this: one line, then the details at debug level
-        from runtime.config import ConfigError
-        from tierstore import TierStoreError
+        from runtime.user_errors import user_message
 
-        if isinstance(exc, (ConfigError, TierStoreError, FileNotFoundError, ValueError)):
-            log.debug("details", exc_info=True)
-            print(f"tierstore: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+        message = user_message(exc)
+        if message is None:  # a bug: the traceback is what a report needs
+            raise
+        log.debug("details", exc_info=True)
+        print(f"tierstore: error: {message}", file=sys.stderr)
+        return 2
     return 1
+
+
+class _NoTracebacks(logging.Formatter):
+    """Log lines without tracebacks (they come with --verbose): a run that stops says why once, in one message."""
+
+    def formatException(self, ei: object) -> str:  # noqa: N802 (logging's name)
+        return ""
 
 
 def _plan(args: argparse.Namespace) -> int:

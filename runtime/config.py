@@ -402,6 +402,9 @@ def check_environment(cfg: TierstoreConfig) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise _env_error(f"{path!r} is not a directory; tiers.nvme.path names the directory "
                          "that will hold the swap files.")
+    if os.statvfs(path).f_flag & os.ST_RDONLY:  # access() says "not writable" too; chmod would not help
+        raise _env_error(f"the NVMe directory {path!r} is on a read-only file system; pick a directory on a "
+                         "writable one (fast local storage: an NVMe drive, or `path: tmp`).")
     if not os.access(path, os.W_OK | os.X_OK):
         raise _env_error(f"the NVMe directory {path!r} is not writable by this user (uid "
                          f"{os.getuid()}). Fix its permissions (`chmod u+wx {path}`) or choose "

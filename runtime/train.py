@@ -138,6 +138,10 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     try:
         if args.resume:
             begin = resume_training(session, root, data)
+            if begin >= steps:  # a requeued job whose run already finished: nothing to do, and no error
+                print(f"tierstore train: the run in {cfg.train.checkpoint_dir} is already complete at step {begin} "
+                      f"(train.steps is {steps}); nothing to train. Raise --steps to train further", file=sys.stderr)
+                return 0
         start = time.perf_counter()
         for step in range(begin + 1, steps + 1):
             step_start = time.perf_counter()

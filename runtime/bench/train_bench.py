@@ -323,6 +323,10 @@ def _run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nb
 
 def main(args: argparse.Namespace) -> int:
     """Run every requested row in its own process, measure the bound's terms, print one table."""
+    if not torch.cuda.is_available():
+        raise ValueError("tierstore bench train times training on a GPU against plain PyTorch and DeepSpeed there, and "
+                         "this machine has no CUDA device (torch.cuda.is_available() is False); run it on a GPU "
+                         "machine (`tierstore train` trains on the CPU)")
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     unknown = [r for r in rows if split_row(r)[0] not in ROWS or (r.startswith("torch") and split_row(r)[1])]
     if unknown:
@@ -409,7 +413,7 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
     for row in rows:
         r = results.get(row, {})
         if "error" in r or "step_s" not in r:
-            lines.append(f"{row:<{width}}{'failed':>8}")
+            lines.append(f"{row:<{width}}{'failed':>8}  {failure_reason(r.get('error', 'no result'))}")
             continue
         accum = 8 if split_row(row)[0].endswith("accum8") else 1
         tps = tokens * accum / r["step_s"]
@@ -426,6 +430,16 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
     lines += _versus_deepspeed(results)
     lines += _disk_efficiency(results, terms)
     return "\n".join(lines)
+
+
+def failure_reason(error: str) -> str:
+    """The line of a failed row's stderr that says why: the error's own message (a traceback's last line,
+    or tierstore's ``error:`` line), not the frames above it."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.split(":")[0].endswith(("Error", "Exception")) or "error:" in line.lower():
+            return line[:200]
+    return lines[-1][:200] if lines else "failed without a message"
 
 
 def _disk_efficiency(results: dict[str, Any], terms: dict[str, float]) -> list[str]:

@@ -132,3 +132,62 @@ def test_streamed_blocks_never_spill_their_moments(tmp_path):
     resolved = resolve_plan(blocks, cfg, torch.device("cpu"))
     assert streamed and not streamed & resolved.spilled_blocks
     assert resolved.spilled_blocks | streamed == frozenset(b.index for b in blocks)
+
+
+HOMES_ON_HOST = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
+HOMES_ON_NVME = {"master": "host", "exp_avg": "nvme", "exp_avg_sq": "nvme", "weights": "host"}
+
+
+def small_plan(homes=HOMES_ON_HOST):
+    return make_plan([10**6] * 4, homes, "master", 4, 2, 1)
+
+
+def refusal(plan, **kwargs) -> str:
+    args = {"host_budget_nbytes": None, "gpu_budget_nbytes": 1 << 40, "nvme_path": None, "nvme_budget_nbytes": 1 << 40,
+            "memory": ram(64 << 30)}
+    with pytest.raises(PlanError) as info:
+        check_plan(plan, **{**args, **kwargs})
+    return str(info.value)
+
+
+def test_an_explicit_host_budget_below_the_plan_is_refused_with_both_numbers():
+    plan = small_plan()
+    message = refusal(plan, host_budget_nbytes=1 << 20)
+    assert "tiers.host.budget is 1.0 MiB (1,048,576 bytes)" in message and f"{plan.host_nbytes:,}" in message
+
+
+def test_an_explicit_host_budget_over_the_ram_this_process_may_use_is_refused():
+    message = refusal(small_plan(), host_budget_nbytes=64 << 40,
+                      memory=ram(30 << 30, 64 << 30, "cgroup v2 limit 64.00 GiB (memory.max of /sys/fs/cgroup/job)"))
+    assert "tiers.host.budget 64.00 TiB is more RAM than this process may use" in message
+    # usable = 30 GiB available - 6.4 GiB headroom (10% of the 64 GiB limit, not of the host's RAM)
+    assert "23.60 GiB usable" in message and "memory.max of /sys/fs/cgroup/job" in message
+
+
+def test_the_plan_is_checked_against_available_ram_less_headroom():
+    plan = small_plan()
+    fits = ram(plan.host_nbytes + (2 << 30))  # exactly the plan plus the 2 GiB minimum headroom
+    check_plan(plan, host_budget_nbytes=None, gpu_budget_nbytes=1 << 40, nvme_path=None, nvme_budget_nbytes=0, memory=fits)
+    message = refusal(plan, memory=ram(plan.host_nbytes + (2 << 30) - 4096))
+    assert "host: the plan pins" in message and "placement." in message
+
+
+def test_swap_files_on_tmpfs_count_as_ram(tmpfs_dir, disk_dir):
+    from runtime.hostmem import ram_backed
+
+    if ram_backed(tmpfs_dir) is None or ram_backed(disk_dir) is not None:
+        pytest.skip("needs a tmpfs and a disk directory")
+    plan = small_plan(HOMES_ON_NVME)
+    memory = ram(plan.host_nbytes + (2 << 30) + plan.nvme_nbytes // 2)  # the arena fits, arena + swap does not
+    check_plan(plan, host_budget_nbytes=None, gpu_budget_nbytes=1 << 40, nvme_path=str(disk_dir), nvme_budget_nbytes=1 << 40,
+               memory=memory)
+    message = refusal(plan, nvme_path=str(tmpfs_dir), memory=memory)
+    assert f"plus the swap files on {tmpfs_dir} (tmpfs: RAM)" in message and "tiers.nvme.path on a disk" in message
+
+
+def test_the_gpu_and_nvme_budgets_are_refused_together_with_the_host():
+    plan = small_plan(HOMES_ON_NVME)
+    message = refusal(plan, host_budget_nbytes=4096, gpu_budget_nbytes=1 << 20, nvme_path="/nonexistent-dir",
+                      nvme_budget_nbytes=1 << 20)
+    lines = [line.split(":")[0].strip() for line in message.splitlines()[1:5]]
+    assert lines == ["host", "gpu", "nvme", "nvme"]  # budget, then free space on a missing directory (0)

@@ -116,3 +116,19 @@ def test_pin_false_with_cuda_is_not_registered() -> None:
     with PinnedArena(IO_ALIGNMENT, pin=False) as arena:
         assert not arena.pinned
         assert not arena.view(arena.allocate(16), 16).is_pinned()
+
+
+def test_memory_the_machine_refuses_names_the_budget(monkeypatch) -> None:
+    import errno
+    import mmap
+
+    from tierstore import HostMemoryError
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)  # as a 64 TiB arena is refused where the kernel does not overcommit
+    with pytest.raises(HostMemoryError) as info:
+        PinnedArena(64 << 40, pin=False)
+    message = str(info.value)
+    assert "could not map the host arena of 70,368,744,177,664 bytes" in message and "tiers.host.budget" in message

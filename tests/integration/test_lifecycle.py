@@ -1,0 +1,184 @@
+"""How a training process ends, tried as a user would, each in its own process (the claims are about exit):
+
+- a script that returns without ``session.close()`` exits 0, with no traceback and no swap file left;
+- SIGTERM (what schedulers and ``docker stop`` send) mid-training ends a script or ``tierstore train`` with a
+  non-zero status and a message, no swap file left, and the latest checkpoint intact;
+- after SIGKILL (nothing of the process runs) the next start reclaims what was left: the same swap
+  directory (and resumes from the checkpoint), or the killed run's temporary one on /dev/shm.
+
+The scripts are ``tests/integration/lifecycle_child.py`` and the real CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Iterator
+
+import pytest
+
+from runtime.checkpoint_io import find_checkpoint, list_checkpoints, verify_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+LINE_TIMEOUT_S = 120.0
+CONFIG = """\
+dtype: fp32
+device: cpu
+tiers: {{nvme: {{path: {swap}}}}}
+placement: {{master: nvme, moments: nvme}}
+optimizer: {{grad_clip: null}}
+train:
+  steps: 100000
+  batch_size: 2
+  seq_len: 32
+  log_every: 1
+  keep_last: 2
+  model: {{vocab_size: 256, hidden_size: 32, num_layers: 3, num_heads: 4, ffn_size: 64, max_seq_len: 64}}
+"""
+
+
+class Child:
+    """A subprocess whose stdout and stderr lines are read as they come (stderr kept whole for the end)."""
+
+    def __init__(self, args: list[str]):
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, text=True, bufsize=1,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(self.proc.stdout, None), daemon=True),
+                         threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr), daemon=True)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream: IO[str], keep: list[str] | None) -> None:
+        for line in stream:
+            if keep is not None:
+                keep.append(line)
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def wait_for(self, prefix: str) -> str:
+        """The next line (stdout or stderr) that starts with or contains ``prefix``."""
+        ends = 0
+        while True:
+            try:
+                line = self.lines.get(timeout=LINE_TIMEOUT_S)
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} within {LINE_TIMEOUT_S:.0f} s; stderr:\n{self.text()}") from None
+            if line is None:
+                ends += 1
+                if ends == 2:
+                    raise AssertionError(f"the child exited ({self.proc.wait()}) before {prefix!r}; stderr:\n{self.text()}")
+                continue
+            if line.startswith(prefix) or prefix in line:
+                return line
+
+    def finish(self, sig: int | None = None) -> int:
+        """Send ``sig`` (if any) and wait for the exit status."""
+        if sig is not None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=LINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return code
+
+    def text(self) -> str:
+        """Everything the child wrote to stderr so far."""
+        return "".join(self.stderr)
+
+
+@pytest.fixture
+def children() -> Iterator[list[Child]]:
+    """Children started by a test; any still running at its end is killed."""
+    started: list[Child] = []
+    yield started
+    for child in started:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def start(children: list[Child], *args: str) -> Child:
+    """Start a child process (``-m module args`` or a script) and keep it for cleanup."""
+    child = Child(list(args))
+    children.append(child)
+    return child
+
+
+def swap_files(directory: Path) -> list[str]:
+    """Swap files in a directory (the lock file, which stays by design, is not one)."""
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tsw")) if directory.exists() else []
+
+
+def config_file(tmp_path: Path, swap: Path) -> Path:
+    """The CLI config of the tiny model with master and moments in swap files under ``swap``."""
+    swap.mkdir(exist_ok=True)
+    path = tmp_path / "tiers.yaml"
+    path.write_text(CONFIG.format(swap=swap))
+    return path
+
+
+def test_exit_without_close_leaves_nothing_and_the_next_start_reclaims_a_killed_runs_tmp_directory(children, tmp_path):
+    # A run on the tmp swap path (RAM-backed /dev/shm), killed: nothing of it runs, its directory stays.
+    killed = start(children, "-m", "tests.integration.lifecycle_child", "loop", "tmp")
+    killed_dir = Path(killed.wait_for("SWAP").split()[1])
+    killed.wait_for("STEP 2")
+    assert killed.finish(signal.SIGKILL) == -signal.SIGKILL
+    assert swap_files(killed_dir), "a SIGKILLed run should leave its swap files (else this test proves nothing)"
+
+    # A script with two sessions (a given directory and tmp) that returns without closing either.
+    given = tmp_path / "swap"
+    given.mkdir()
+    script = start(children, "-m", "tests.integration.lifecycle_child", "noclose", str(given), "tmp")
+    tmp_dir = Path(script.wait_for("SWAP /").split()[1])
+    tmp_dir = Path(script.wait_for("SWAP /").split()[1]) if tmp_dir == given else tmp_dir
+    assert not killed_dir.exists()  # reclaimed when the tmp session started: no process held its lock
+    script.wait_for("END")
+    assert script.finish() == 0, script.text()
+    assert "Traceback" not in script.text() and "Error" not in script.text(), script.text()
+    assert swap_files(given) == []
+    assert not tmp_dir.exists()
+
+
+def test_sigterm_ends_a_script_cleanly(children, tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    script = start(children, "-m", "tests.integration.lifecycle_child", "loop", str(swap))
+    script.wait_for("STEP 3")
+    assert swap_files(swap)
+    code = script.finish(signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, (code, script.text())  # not -15: the handler ran and cleanup followed
+    assert "SIGTERM" in script.text() and "Traceback" not in script.text(), script.text()
+    assert swap_files(swap) == []
+
+
+def test_sigkill_then_a_restart_that_gets_sigterm_leaves_nothing_and_intact_checkpoints(children, tmp_path):
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    train = ["-m", "runtime.cli", "train", "--config", str(config_file(tmp_path, swap)), "--checkpoint-dir", str(ckpt),
+             "--save-every", "1"]
+    killed = start(children, *train)
+    killed.wait_for("step 3/")
+    assert killed.finish(signal.SIGKILL) == -signal.SIGKILL
+    assert swap_files(swap), "a SIGKILLed run should leave its swap files (else this test proves nothing)"
+
+    # The next start takes the same swap directory over, resumes, and is stopped the way schedulers do.
+    run = start(children, *train, "--resume")
+    run.wait_for("step 7/")
+    code = run.finish(signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, (code, run.text())  # not -15: the handler ran and cleanup followed
+    assert "terminated by SIGTERM" in run.text() and "Traceback" not in run.text(), run.text()
+    assert swap_files(swap) == []
+    latest = find_checkpoint(ckpt)
+    assert latest is not None and len(list_checkpoints(ckpt)) == 2  # keep_last
+    verify_checkpoint(latest)
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".")] == []  # a save cut short left nothing

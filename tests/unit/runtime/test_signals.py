@@ -1,0 +1,50 @@
+"""SIGTERM raises Terminated while a session needs it; the default comes back when the last one leaves."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from runtime.signals import Terminated, stop_on_sigterm
+
+
+@pytest.fixture(autouse=True)
+def default_sigterm():
+    """Each test starts and ends with SIGTERM at its default (pytest's own process must stay killable)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_raises_terminated_and_a_second_one_would_kill():
+    leave = stop_on_sigterm()
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # else the kill below ends pytest
+    with pytest.raises(Terminated) as info:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode, in this thread
+    assert info.value.code == 128 + signal.SIGTERM and str(info.value) == "terminated by SIGTERM"
+    assert isinstance(info.value, SystemExit) and not isinstance(info.value, Exception)  # `except Exception` lets it by
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # first delivery restored the default
+    leave()
+
+
+def test_the_last_session_out_restores_the_default():
+    first, second = stop_on_sigterm(), stop_on_sigterm()
+    handler = signal.getsignal(signal.SIGTERM)
+    first()
+    first()  # idempotent: does not count twice
+    assert signal.getsignal(signal.SIGTERM) is handler
+    second()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_programs_own_handler_is_left_alone():
+    def mine(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, mine)
+    leave = stop_on_sigterm()
+    assert signal.getsignal(signal.SIGTERM) is mine
+    leave()
+    assert signal.getsignal(signal.SIGTERM) is mine
