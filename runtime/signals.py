@@ -16,6 +16,7 @@ SIGKILL (nothing can run; the next start reclaims the swap directory).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -41,9 +42,13 @@ class _TerminateHandler:
 
     def __init__(self) -> None:
         self.users = 0
+        self.pid = os.getpid()
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills even if the cleanup below hangs
+        if os.getpid() != self.pid:  # a forked child (a DataLoader worker) has no session: die as by default
+            os.kill(os.getpid(), signum)
+            return
         log.warning("%s received: abandoning the step, closing the session and removing its swap files",
                     signal.Signals(signum).name)
         raise Terminated(signum)

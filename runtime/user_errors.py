@@ -35,8 +35,11 @@ def _describe(error: BaseException) -> str | None:
                 "or train.seq_len, lower tiers.gpu.budget to leave them more room, or lower prefetch.depth")
     if isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.ENOMEM):
         return _describe_os_error(error)
-    if isinstance(error, MemoryError):
-        return f"out of host memory ({error}); lower tiers.host.budget, or put more state on nvme (placement.*)"
+    if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "can't allocate memory" in str(error)):
+        # torch's CPU allocator raises RuntimeError("[enforce fail at alloc_cpu.cpp] ... can't allocate memory")
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "MemoryError"
+        return (f"out of host memory ({first}); lower tiers.host.budget or train.batch_size, or put more state on "
+                "nvme (placement.master / placement.moments)")
     if isinstance(error, CorruptFileError):
         return (f"{error}. Swap files are a cache of this run only: start again, from the latest checkpoint with "
                 "--resume; if it happens again, check the drive under tiers.nvme.path")

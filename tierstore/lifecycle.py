@@ -10,7 +10,8 @@ which run newest first: an object registered after ``concurrent.futures`` was im
 thread pools, its worker threads and CUDA still work.
 
 It holds a weak reference only: registering changes no object's lifetime, and a closed or collected object
-costs nothing at exit. What it leaves out: signals (``runtime.signals``) and ``os._exit`` (nothing runs).
+costs nothing at exit. A forked child (a DataLoader worker) inherits the hooks and runs them at its own exit;
+they do nothing there: the objects, and the files they would delete, belong to the parent. What it leaves out: signals (``runtime.signals``) and ``os._exit`` (nothing runs).
 What no exit hook can clean (a process killed by SIGKILL), ``reclaim_abandoned`` removes at the next start.
 """
 
@@ -42,9 +43,12 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
     (an exception there would skip the remaining exit hooks, the thread pools' own among them).
     """
     ref = weakref.ref(obj)
+    owner = os.getpid()
 
     def hook() -> None:
-        target = ref()
+        # A forked child inherits the hook and runs it too (multiprocessing's children call the threading exit
+        # hooks): closing its copy would delete the parent's swap files, which are the same files.
+        target = ref() if os.getpid() == owner else None
         if target is None:
             return
         try:

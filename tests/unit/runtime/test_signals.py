@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from runtime.signals import Terminated, stop_on_sigterm
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)
@@ -48,3 +54,22 @@ def test_a_programs_own_handler_is_left_alone():
     assert signal.getsignal(signal.SIGTERM) is mine
     leave()
     assert signal.getsignal(signal.SIGTERM) is mine
+
+
+def test_a_forked_child_dies_of_sigterm_as_by_default():
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from runtime.signals import stop_on_sigterm
+        stop_on_sigterm()
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, say: it has no session to close
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            os._exit(7)
+        _, status = os.waitpid(pid, 0)
+        print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", (proc.stdout, proc.stderr)
+    assert "received" not in proc.stderr  # no message about a session it does not have

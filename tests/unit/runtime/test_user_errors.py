@@ -44,6 +44,13 @@ def test_file_system_errors_name_the_path_and_the_settings(code, phrase):
     assert "chmod" not in message
 
 
+def test_host_out_of_memory_from_torchs_cpu_allocator():
+    error = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                         "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
+    message = user_message(error)
+    assert message is not None and message.startswith("out of host memory ([enforce fail") and "tiers.host.budget" in message
+
+
 def test_a_store_io_error_uses_its_own_path():
     error = StoreIOError(errno.EROFS, "write failed", "/swap/block0.master.tsw", 4096)
     assert user_message(error).startswith("/swap/block0.master.tsw is on a read-only file system")

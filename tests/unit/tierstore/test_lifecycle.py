@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_close_at_exit_order_pools_and_failures():
     script = textwrap.dedent("""
-        import gc, sys
+        import gc, multiprocessing, sys
         from concurrent.futures import ThreadPoolExecutor
         from tierstore import close_at_exit
 
@@ -37,13 +37,18 @@ def test_close_at_exit_order_pools_and_failures():
         collected = Thing("collected")
         del collected
         gc.collect()
-        print("end", flush=True)
+        # A forked child (a DataLoader worker) inherits the hooks and runs them at its exit: they must not act.
+        child = multiprocessing.get_context("fork").Process(target=print, args=("child",))
+        child.start()
+        child.join()
+        print("end", child.exitcode, flush=True)
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    # Newest first; the failure is logged and the older ones are still closed; a collected object is not.
-    assert proc.stdout.splitlines() == ["end", "closed failing 42", "closed second 42", "closed first 42"]
+    # Newest first; the failure is logged and the older ones are still closed; neither a collected object nor
+    # the forked child closes anything.
+    assert proc.stdout.splitlines() == ["child", "end 0", "closed failing 42", "closed second 42", "closed first 42"]
     assert "closing Thing at interpreter exit failed" in proc.stderr and "disk gone" in proc.stderr
 
 
