@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from runtime.blocks import Block
-from runtime.plan import available_host_nbytes
+from runtime.hostmem import host_memory
 from runtime.weights import WeightSource
 from tierstore import CapacityError, TierName
 
@@ -133,10 +133,12 @@ class StateAccess:
         ``dtypes[name]`` when given), one block at a time. Refuses, naming the numbers, when they would not
         fit in the RAM available now."""
         needed = sum(slot.numel * (dtypes[slot.name].itemsize if dtypes else 4) for b in self.blocks for slot in b.slots)
-        available = available_host_nbytes()
+        memory = host_memory()
+        available = memory.available_nbytes
         if needed > available:
             raise MemoryError(
-                f"copying the model's {kind} to host memory needs {needed:,} bytes but {available:,} are available; "
+                f"copying the model's {kind} to host memory needs {needed:,} bytes but {available:,} are available "
+                f"(under {memory.limit}); "
                 "write it block by block instead: optimizer.session.save_pretrained(DIR) for weights, "
                 "runtime.checkpoint.save_checkpoint(session, DIR) for the whole training state")
         self.settle()

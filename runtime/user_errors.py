@@ -21,10 +21,12 @@ WRITTEN_PATHS = "tiers.nvme.path, --checkpoint-dir / train.checkpoint_dir, --pro
 
 def user_message(exc: BaseException) -> str | None:
     """The message for an error the user caused (or the machine did), or None for a bug."""
+    wrapped = True  # so far every link was ``raise ... from``: exc says who re-raised it
     for error in _chain(exc):
         message = _describe(error)
         if message is not None:
-            return message if error is exc else f"{message} ({_where(exc)})"
+            return message if error is exc or not wrapped else f"{message} ({_where(exc)})"
+        wrapped = wrapped and error.__cause__ is not None
     return None
 
 
@@ -72,6 +74,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def _where(exc: BaseException) -> str:
-    """Who re-raised it: the first line of the wrapper, e.g. 'the optimizer worker failed'."""
+    """Who re-raised it: the wrapper's message up to its first colon, e.g. 'the optimizer worker failed'. (A
+    failure during the cleanup after the error, found through ``__context__``, is not named: it is not why.)"""
     text = str(exc).split(":")[0].strip()
     return text or type(exc).__name__

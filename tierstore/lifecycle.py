@@ -68,8 +68,8 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
 def reclaim_abandoned(root: str | os.PathLike[str], prefix: str) -> list[Path]:
     """Delete the swap directories named ``prefix*`` under ``root`` that a killed process left behind
     (SIGKILL, the OOM killer: no exit hook ran). Only this user's directories whose lock no process holds
-    and whose owner's pid (written in the lock file) is gone; a directory being set up (no lock file or no
-    pid yet) is left alone. Returns the directories removed."""
+    and whose owner (the pid and host written in the lock file) is gone from this host; a directory being set
+    up (no lock file or no pid yet) is left alone. Returns the directories removed."""
     removed = []
     for path in sorted(Path(root).glob(prefix + "*")):
         try:
@@ -84,9 +84,11 @@ def reclaim_abandoned(root: str | os.PathLike[str], prefix: str) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # a live store holds it
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            if not owner.isdigit() or _pid_alive(int(owner)):
-                continue  # an owner that is setting up or closing it right now
+            owner = os.pread(fd, 256, 0).decode(errors="replace").split()  # "pid host" (tierstore.files.lock_file)
+            if not owner or not owner[0].isdigit() or owner[1:2] not in ([], [os.uname().nodename]):
+                continue  # being set up (no pid yet), or another host's (a shared file system)
+            if _pid_alive(int(owner[0])):
+                continue  # its owner is setting it up or closing it right now
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
         finally:

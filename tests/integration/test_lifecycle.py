@@ -23,6 +23,7 @@ from typing import IO, Iterator
 import pytest
 
 from runtime.checkpoint_io import find_checkpoint, list_checkpoints, verify_checkpoint
+from runtime.checkpoint_root import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 LINE_TIMEOUT_S = 120.0
@@ -181,4 +182,4 @@ def test_sigkill_then_a_restart_that_gets_sigterm_leaves_nothing_and_intact_chec
     latest = find_checkpoint(ckpt)
     assert latest is not None and len(list_checkpoints(ckpt)) == 2  # keep_last
     verify_checkpoint(latest)
-    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".")] == []  # a save cut short left nothing
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".")] == [LOCK_NAME]  # a save cut short left nothing

@@ -66,3 +66,15 @@ def test_config_and_value_errors_pass_through():
                                  wrapped(KeyError("inner bug"))])
 def test_bugs_have_no_user_message(bug):
     assert user_message(bug) is None
+
+
+def test_a_failure_during_cleanup_does_not_hide_the_cause():
+    try:
+        try:
+            raise CorruptFileError("/swap/block0.master.tsw", "payload checksum mismatch")
+        except CorruptFileError:
+            raise RuntimeError("Attempted to call `variable.set_data(tensor)`: incompatible tensor type")  # noqa: B904
+    except RuntimeError as exc:
+        message = user_message(exc)
+    assert message is not None and message.startswith("swap file /swap/block0.master.tsw is corrupt")
+    assert "set_data" not in message

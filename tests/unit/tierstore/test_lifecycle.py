@@ -64,7 +64,9 @@ def _swap_dir(root: Path, name: str, owner: str | None) -> Path:
 def test_reclaim_abandoned_removes_only_what_a_dead_owner_left(tmp_path):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = gone.stdout.strip()
-    dead = _swap_dir(tmp_path, "tierstore-nvme-dead", dead_pid)
+    dead = _swap_dir(tmp_path, "tierstore-nvme-dead", f"{dead_pid} {os.uname().nodename}")  # as lock_file writes it
+    dead_bare = _swap_dir(tmp_path, "tierstore-nvme-dead-bare", dead_pid)  # an older lock: the pid alone
+    elsewhere = _swap_dir(tmp_path, "tierstore-nvme-elsewhere", f"{dead_pid} another-host")  # a shared file system
     alive = _swap_dir(tmp_path, "tierstore-nvme-alive", str(os.getpid()))  # unlocked, but its owner runs
     starting = _swap_dir(tmp_path, "tierstore-nvme-starting", "")  # lock file made, pid not written yet
     no_lock = _swap_dir(tmp_path, "tierstore-nvme-nolock", None)
@@ -73,8 +75,8 @@ def test_reclaim_abandoned_removes_only_what_a_dead_owner_left(tmp_path):
     fd = os.open(held / LOCK_NAME, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert reclaim_abandoned(tmp_path, "tierstore-nvme-") == [dead]
+        assert reclaim_abandoned(tmp_path, "tierstore-nvme-") == [dead, dead_bare]
     finally:
         os.close(fd)
-    assert not dead.exists()
-    assert all(p.exists() for p in (alive, starting, no_lock, held, other))
+    assert not dead.exists() and not dead_bare.exists()
+    assert all(p.exists() for p in (alive, starting, no_lock, held, other, elsewhere))
