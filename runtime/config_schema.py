@@ -79,7 +79,9 @@ class HostTierConfig:
 
     budget: int | Literal["auto"] = _leaf(
         SizeSpec(min_nbytes=1, auto=True), "auto",
-        "Size of the pinned host arena. `auto`: sized by the memory plan.", "64GiB")
+        "Size of the pinned host arena. `auto`: sized by the memory plan. A size over the RAM this process "
+        "may use (the tightest cgroup limit or the machine's, less headroom) is refused before anything is "
+        "allocated.", "64GiB")
     pin: bool | Literal["auto"] = _leaf(
         BoolSpec(auto=True), "auto",
         "Pin (page-lock) the arena so copies run at full PCIe speed. `auto`: pin when CUDA is "
@@ -93,7 +95,9 @@ class NvmeTierConfig:
     path: str | None = _leaf(
         PathSpec(nullable=True), None,
         "Directory for swap files; null disables the NVMe tier. `tmp` means a fresh temporary "
-        "directory. Must exist, be writable, and not be world-writable without the sticky bit.",
+        "directory (on /dev/shm where there is one: RAM, which the plan counts as such; one a killed run "
+        "left there is removed at the next start). Must exist, be writable, and not be world-writable "
+        "without the sticky bit.",
         "/mnt/nvme/tierstore")
     budget: int = _leaf(SizeSpec(min_nbytes=1), 64 * 2**30,
                         "Most bytes of swap files tierstore may write.")

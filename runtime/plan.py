@@ -2,7 +2,10 @@
 
 ``make_plan`` turns block sizes and a config into exact byte counts (the same alignment the store uses), so
 the host arena can be sized to the byte and a plan that cannot fit is refused with the numbers and a
-suggested change before a single page is pinned.
+suggested change before a single page is pinned. ``check_fits`` is that refusal: the config's budgets against
+the plan, and the plan against the RAM this process may use (``runtime.hostmem``: cgroup limits; swap files
+on tmpfs count as RAM), the disk and the GPU budget. ``offload()`` and ``tierstore plan`` both reach it
+through ``runtime.api.plan_model``.
 """
 
 from __future__ import annotations
