@@ -82,24 +82,28 @@ class TierStore:
         self.instance_id = uuid.uuid4().hex
         self.bus = bus or EventBus()
         self.engine = TransferEngine(self.device, config.io_threads, self.bus)
-        self.tiers: dict[TierName, Tier] = {
-            TierName.GPU: GpuTier(self.device, config.gpu_budget_nbytes),
-            TierName.HOST: HostTier(PinnedArena(config.host_budget_nbytes, config.pin)),
-        }
         self._nvme_tmpdir: tempfile.TemporaryDirectory[str] | None = None
-        if config.nvme_path is not None:
-            path = config.nvme_path
-            if path == "tmp":
-                root = swap_tmp_root()
-                reclaim_abandoned(root, TMP_SWAP_PREFIX)  # on /dev/shm a killed run's files hold RAM until reboot
-                self._nvme_tmpdir = tempfile.TemporaryDirectory(prefix=TMP_SWAP_PREFIX, dir=root)
-                path = self._nvme_tmpdir.name
-            try:
+        # A failure part-way (the arena refused, a locked directory) gives back what was built at once: the
+        # engine, the arena, the temporary directory (RAM on /dev/shm). The failed store itself lives on in the
+        # exception's traceback, so this cannot wait for its collection.
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.engine.close)
+            self.tiers: dict[TierName, Tier] = {
+                TierName.GPU: GpuTier(self.device, config.gpu_budget_nbytes),
+                TierName.HOST: HostTier(PinnedArena(config.host_budget_nbytes, config.pin)),
+            }
+            undo.callback(self.tiers[TierName.HOST].close)
+            if config.nvme_path is not None:
+                path = config.nvme_path
+                if path == "tmp":
+                    root = swap_tmp_root()
+                    reclaim_abandoned(root, TMP_SWAP_PREFIX)  # on /dev/shm a killed run's files hold RAM until reboot
+                    self._nvme_tmpdir = tempfile.TemporaryDirectory(prefix=TMP_SWAP_PREFIX, dir=root)
+                    undo.callback(self._nvme_tmpdir.cleanup)
+                    path = self._nvme_tmpdir.name
                 directory = NVMeDirectory(path, config.nvme_budget_nbytes, config.direct_io, config.io_block_nbytes)
-            except BaseException:
-                self.tiers[TierName.HOST].close()
-                raise
-            self.tiers[TierName.NVME] = NvmeTier(directory)
+                self.tiers[TierName.NVME] = NvmeTier(directory)
+            undo.pop_all()
         self._records: dict[TensorKey, Record] = {}
         self._lock = threading.RLock()
         self._closed = False

@@ -371,6 +371,27 @@ def test_second_store_on_the_same_directory_is_refused(make_store, nvme_dir: Pat
         TierStore(StoreConfig(nvme_path=str(nvme_dir), host_budget_nbytes=4096))
 
 
+def test_a_store_that_fails_to_build_removes_its_temporary_directory(monkeypatch) -> None:
+    import tierstore.store as store_module
+
+    made: list[str] = []
+    real = store_module.tempfile.TemporaryDirectory
+
+    def tracked(*args, **kwargs):
+        made.append((tmp := real(*args, **kwargs)).name)
+        return tmp
+
+    def refused(*args, **kwargs):
+        raise DirectoryLockedError("in use by another run")
+
+    monkeypatch.setattr(store_module.tempfile, "TemporaryDirectory", tracked)
+    monkeypatch.setattr(store_module, "NVMeDirectory", refused)
+    with pytest.raises(DirectoryLockedError) as info:
+        TierStore(StoreConfig(nvme_path="tmp", host_budget_nbytes=4096))
+    assert made and not Path(made[0]).exists()  # gone now, not when the failed store is collected
+    assert info.traceback  # (the traceback keeps the failed store alive: cleanup cannot wait for it)
+
+
 def test_tmp_nvme_directory_is_created_and_removed(make_store) -> None:
     store = make_store(nvme_path="tmp")
     path = Path(store._nvme_dir.path)
