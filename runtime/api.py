@@ -84,38 +84,55 @@ class OffloadSession:
     def close(self) -> None:
         """Finish updates, free every tier and delete swap files. The model becomes a plain module again: its
         parameters hold the trained weights on the CPU in their original dtype (from the fp32 masters). Where
-        they do not fit in host memory they are left on the meta device, with a warning: save them first
-        (``session.save_pretrained(DIR)`` writes them a shard at a time)."""
+        they do not fit in host memory (or can't be read) they are left on the meta device, with a warning: save
+        them first (``session.save_pretrained(DIR)`` writes them a shard at a time)."""
         if self.closed:
             return
         values: dict[str, torch.Tensor] | None = None
+        failure: BaseException | None = None
         try:
-            if not self.controller.step_pending:
-                values = self.access.slot_values("master", {s.name: s.dtype for b in self.blocks for s in b.slots})
-            else:
+            if self.controller.step_pending:
                 log.warning("close(): a backward ran since the last optimizer.step(); that step is dropped")
                 self.controller.discard_pending()
-                values = self.access.slot_values("master", {s.name: s.dtype for b in self.blocks for s in b.slots})
+            values = self.access.slot_values("master", {s.name: s.dtype for b in self.blocks for s in b.slots})
         except MemoryError as exc:
             log.warning("close(): the trained weights do not fit in host memory, the parameters are left on the meta "
                         "device (%s)", exc)
-        finally:
-            self.closed = True
-            self.controller.close()
-            self.hooks.remove()
-            self.state_dict_hooks.remove()
-            self.guard.remove()
+        except BaseException as exc:  # re-raised once everything is given back
+            failure = exc
+        self.closed = True
+        self.controller.close()
+        self.hooks.remove()
+        self.state_dict_hooks.remove()
+        self.guard.remove()
+        if values is not None:
             for block in self.blocks:
                 for slot in block.slots:
-                    value = values[slot.name] if values is not None else torch.empty(slot.shape, dtype=slot.dtype, device="meta")
-                    slot.param.data = value
-            _move_rest(self.model, torch.device("cpu"))
-            self.store.close()
-            while self.on_close:
-                self.on_close.pop()()
-            # Hooks, guard classes and the worker refer to each other: collect the cycles now, so the pinned
-            # arena and device memory are given back before the caller's next allocation, not at a later GC.
-            gc.collect()
+                    slot.param.data = values[slot.name]
+        else:
+            _replace_with_meta(self.model, self.blocks)
+        _move_rest(self.model, torch.device("cpu"))
+        self.store.close()
+        # Hooks, guard classes and the worker refer to each other: collect the cycles now, so the pinned
+        # arena and device memory are given back before the caller's next allocation, not at a later GC.
+        gc.collect()
+        if failure is not None:
+            raise failure
+
+
+def _replace_with_meta(model: nn.Module, blocks: list[Block]) -> None:
+    """Give the model meta-device parameters in place of the offloaded ones (whose values could not be kept):
+    a read then raises instead of touching freed memory. Tied parameters stay tied."""
+    slots = {id(slot.param): slot for block in blocks for slot in block.slots}
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            slot = slots.get(id(p)) if p is not None else None
+            if slot is not None:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
+                                               requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
 
 
 def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -51,15 +52,19 @@ class RuntimeOptions:
     hold_updates: bool = False  # updates wait for optimizer.step() (the user's loop clips: optimizer.user_grad_clip)
 
 
+STATS_HISTORY = 1024  # entries kept of per-step statistics
+
+
 @dataclass
 class StepStats:
     """Counters of the step in progress / the last step, for logs and the profiler."""
 
     wait_update_s: float = 0.0  # host time blocked on the worker (an update not yet done)
     wait_fetch_s: float = 0.0  # host time blocked on weight fetches issued on demand
-    backward_end_s: list[float] = field(default_factory=list)  # perf_counter at the end of each backward
+    # perf_counter at the end of each recent backward, and recent clipping norms: bounded, a run may be long.
+    backward_end_s: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
     skipped_steps: int = 0
-    grad_norms: list[float] = field(default_factory=list)
+    grad_norms: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
 
 
 # Why the training thread waited (StallEvent.cause).

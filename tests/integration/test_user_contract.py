@@ -300,3 +300,27 @@ def test_checkpoints_carry_param_groups_and_the_lr_scheduler(tmp_path):
             sched.step()
         assert_same(model.state_dict(), plain.state_dict())
         assert sched.get_last_lr() == plain_sched.get_last_lr()
+
+
+@pytest.mark.parametrize("error", [MemoryError("no room"), OSError(5, "Input/output error")])
+def test_close_when_the_weights_cannot_be_kept(tmp_path, monkeypatch, error):
+    """Weights that do not fit in host memory (or can't be read) leave meta parameters, never freed memory; a
+    read error is raised after everything is given back."""
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    session = optimizer.session
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(session.access, "slot_values", fail)
+    if isinstance(error, MemoryError):
+        session.close()
+    else:
+        with pytest.raises(OSError, match="Input/output"):
+            session.close()
+    assert session.closed and not list((tmp_path / "swap").glob("*.tsw"))
+    weight = model.layers[0].qkv.weight
+    assert weight.is_meta and type(weight) is nn.Parameter
+    assert model.head.weight.is_meta
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        weight.sum().item()
