@@ -5,7 +5,7 @@ moments in swap files on the ``tmp`` path, weights fetched block by block) with 
 tokens) so many steps fit in CI time: what leaks, leaks per step, not per token. Every ``EVERY`` steps,
 after the updates have landed, it prints one JSON line of what must stay flat: resident memory, the host
 tier's bytes in use and its arena size (pinned on a GPU machine), open file descriptors, threads, and the
-GPU tier's bytes in use.
+GPU tier's bytes in use, and on CUDA the allocator's reserved bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import time
 
 import psutil
+import torch
 
 from runtime.api import offload
 from runtime.config import load_config
@@ -44,7 +45,10 @@ def main(steps: int, every: int) -> int:
                 print(json.dumps({"step": step, "s": time.perf_counter() - start, "rss": process.memory_info().rss,
                                   "host_used": usage["host"]["used_nbytes"], "host_arena": usage["host"]["capacity_nbytes"],
                                   "gpu_used": usage["gpu"]["used_nbytes"], "fds": len(os.listdir("/proc/self/fd")),
-                                  "threads": process.num_threads()}), flush=True)
+                                  "threads": process.num_threads(),
+                                  # the CUDA caching allocator's reservation (0 without CUDA)
+                                  "gpu_reserved": torch.cuda.memory_reserved() if device.type == "cuda" else 0}),
+                      flush=True)
     finally:
         session.close()
     return 0

@@ -34,7 +34,7 @@ def test_soak_keeps_memory_files_and_threads_flat():
     samples = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [s["step"] for s in samples] == list(range(EVERY, STEPS + 1, EVERY))
     after = [s for s in samples if s["step"] > WARMUP * STEPS]
-    for key in ("host_used", "host_arena", "gpu_used", "fds", "threads"):
+    for key in ("host_used", "host_arena", "gpu_used", "gpu_reserved", "fds", "threads"):
         assert {s[key] for s in after} == {after[0][key]}, (key, [s[key] for s in after])
     quarter = max(len(after) // 4, 1)
     early, late = mean(s["rss"] for s in after[:quarter]), mean(s["rss"] for s in after[-quarter:])
@@ -42,6 +42,7 @@ def test_soak_keeps_memory_files_and_threads_flat():
     spread = max(abs(s["rss"] - early) / early for s in after)
     summary = (f"soak: {STEPS} steps in {samples[-1]['s']:.0f} s; RSS {early / 2**20:.0f} MiB after warm-up, "
                f"{late / 2**20:.0f} MiB at the end ({growth:+.2%}; single samples within {spread:.2%}); host tier "
-               f"{after[0]['host_used'] / 2**20:.1f} MiB, {after[0]['fds']} open files, {after[0]['threads']} threads")
+               f"{after[0]['host_used'] / 2**20:.1f} MiB, {after[0]['fds']} open files, {after[0]['threads']} threads, "
+               f"CUDA reserved {after[0]['gpu_reserved'] / 2**20:.0f} MiB")
     print(summary)
     assert abs(growth) <= 0.02, summary + "\n" + "\n".join(f"{s['step']}: {s['rss']:,}" for s in samples)
