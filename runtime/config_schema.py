@@ -261,6 +261,11 @@ class TrainConfig:
     batch_size: int = _leaf(IntSpec(min=1), 8, "Sequences per micro-batch.")
     seq_len: int = _leaf(IntSpec(min=8), 256, "Tokens per sequence.")
     log_every: int = _leaf(IntSpec(min=1), 10, "Log the loss every this many steps.")
+    lr_schedule: str = _leaf(
+        ChoiceSpec(choices=("constant", "cosine")), "constant",
+        "Learning-rate schedule of `tierstore train` over `steps`: `constant`, or `cosine` decay to 10% of "
+        "`optimizer.lr`. Its state is saved in checkpoints and restored by `--resume`.")
+    warmup_steps: int = _leaf(IntSpec(min=0), 0, "Steps of linear learning-rate warm-up before the schedule.")
     model: ModelConfig = _section(ModelConfig, "The example model's shape.")
     checkpoint_dir: str | None = _leaf(
         PathSpec(nullable=True), None,

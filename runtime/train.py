@@ -8,6 +8,7 @@ weights fetched to the GPU block by block -- every tier in use.
 from __future__ import annotations
 
 import argparse
+import math
 import logging
 import sys
 import time
@@ -67,7 +68,23 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatches, step: int, train: TrainConfig) -> Path | None:
+def lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The config's schedule: linear warm-up over ``warmup_steps``, then constant or cosine decay to 10%."""
+    warmup, total, cosine = train.warmup_steps, train.steps, train.lr_schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatches, step: int, train: TrainConfig,
+                 scheduler: Any = None) -> Path | None:
     """Save a checkpoint after ``step``; returns its directory, or None when the save failed.
 
     A failed save (disk full, an IO error, a refused checkpoint) does not lose the run: the partial save is
@@ -75,7 +92,7 @@ def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatche
     to try again at the next save. With ``train.stop_on_save_failure`` the run stops instead, with one
     clear error."""
     try:
-        return save_checkpoint(session, root, data, keep_last=train.keep_last)
+        return save_checkpoint(session, root, data, keep_last=train.keep_last, scheduler=scheduler)
     except (OSError, CheckpointError, TierStoreError) as exc:
         try:
             latest = read_latest(root.path)
@@ -132,12 +149,13 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     profiler = Profiler(session, measure_ceilings(session.store)).start() if cfg.profile.dir else None
     data = ByteBatches(stdlib_text_bytes(), batch, seq, seed=cfg.seed)
     progress = Progress(steps, cfg.train.log_every)
+    scheduler = lr_scheduler(optimizer, cfg.train)
     first_loss = last_loss = float("nan")
     failed_saves = 0
     begin = 0  # steps already done (by the run a checkpoint was taken from)
     try:
         if args.resume:
-            begin = resume_training(session, root, data)
+            begin = resume_training(session, root, data, scheduler=scheduler)
             if begin >= steps:  # a requeued job whose run already finished: nothing to do, and no error
                 print(f"tierstore train: the run in {cfg.train.checkpoint_dir} is already complete at step {begin} "
                       f"(train.steps is {steps}); nothing to train. Raise --steps to train further", file=sys.stderr)
@@ -151,12 +169,13 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
                 optimizer.scale_loss(loss / cfg.optimizer.accumulation_steps).backward()
             optimizer.step()
             optimizer.zero_grad()
+            scheduler.step()
             last_loss = loss.item()
             first_loss = last_loss if step == begin + 1 else first_loss
             elapsed = time.perf_counter() - step_start
             progress.update(step, last_loss, cfg.optimizer.accumulation_steps * batch * seq / elapsed)
             if root is not None and save_due(step, steps, cfg.train.save_every):
-                failed_saves += save_or_warn(session, root, data, step, cfg.train) is None
+                failed_saves += save_or_warn(session, root, data, step, cfg.train, scheduler) is None
         optimizer.synchronize()  # type: ignore[attr-defined]
         total_s = time.perf_counter() - start
     finally:
