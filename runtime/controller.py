@@ -152,6 +152,9 @@ class Controller:
         self._kept: dict[int, int] = {}  # blocks a training forward left on the device for backward -> bytes, oldest first
         self._stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
         self._gpu_writebacks: list[Handle] = []  # streamed state on its way back to host (device copy freed on landing)
+        # Streamed blocks whose new compute weights were cast on the device from the updated master: the next
+        # forward uses them as they are (no wait for the write-back, no fetch).
+        self._fresh: set[int] = set()
         # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
         self._weights_window_nbytes = 0 if options.weight_source is WeightSource.RESIDENT else \
             min(len(blocks), options.prefetch_depth + 2) * max((self.weights.nbytes(b.index) for b in blocks), default=0)
@@ -210,8 +213,9 @@ class Controller:
                 f"optimizer.step() after every {self.options.accumulation_steps} backward pass(es) "
                 "(optimizer.accumulation_steps in the config)"
             )
+        fresh, self._fresh = self._fresh, set()
         for index, state in enumerate(self.weights.states):  # leftovers: prefetched for a path not taken
-            if state.users == 0 and not self._in_backward_use[index]:
+            if state.users == 0 and not self._in_backward_use[index] and index not in fresh:
                 self._release(index)
         self.weights.release_refreshes()  # no-op, unless a backward that held them raised before its end
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
@@ -441,7 +445,7 @@ class Controller:
         if self.last_micro:
             self._offload_grads(block)
         state = self.weights.states[index]
-        if state.users == 0:
+        if state.users == 0 and index not in self._fresh:
             self._release(index)
 
     def _offload_grads(self, block: Block) -> None:
@@ -564,6 +568,8 @@ class Controller:
                                  [h for h, keep in zip(self._block_hypers(block), has_grad) if keep])
             if not streamed or self.options.weight_source is WeightSource.RESIDENT:
                 self.weights.load_resident(block.index, state["master"])  # recast from the device master
+            elif self.weights.fill_from_device(block.index, state["master"]):
+                self._fresh.add(block.index)  # the next forward needs it first: no fetch after the write-back
             if streamed:
                 for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
                     self.store.mark_dirty(block.key(kind), TierName.GPU, step=step)
@@ -641,6 +647,7 @@ class Controller:
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
         self._updating.clear()
+        self._fresh.clear()
         for index, state in enumerate(self.weights.states):
             state.users = 0
             self._release(index)

@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 
 from runtime.blocks import Block
-from tierstore import Handle, TierName, TierStore
+from tierstore import CapacityError, Handle, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,26 @@ class WeightManager:
             state.resident = True
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
             state.flat.copy_(master.to(self.device, non_blocking=False))
+
+    def fill_from_device(self, index: int, master: torch.Tensor) -> bool:
+        """Cast a block's updated device master into its compute weights (stream-ordered on the current stream),
+        allocating them if they are not resident: the next forward then needs no fetch and no wait for the
+        master's write-back. Returns False, changing nothing, when the block is in use, a fetch is in flight or
+        the GPU budget has no room."""
+        with self._lock:
+            state = self.states[index]
+            if state.users > 0 or state.handle is not None:
+                return False
+            if not state.resident:
+                try:
+                    self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
+                except CapacityError:
+                    return False
+                state.flat.untyped_storage().resize_(self.nbytes(index))
+                state.resident = True
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
+                state.flat.copy_(master[: state.block.numel])
+            return True
 
     def refresh_resident(self, index: int, staging: torch.Tensor, may_hold: bool = True) -> Handle | None:
         """After an update: H2D the new master into ``staging`` (fp32, device, used only on the copy stream)
