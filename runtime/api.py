@@ -17,7 +17,7 @@ from runtime.config import TierstoreConfig, load_config
 from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
 from runtime.hooks import HookSet, StateDictHooks
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
-from runtime.optimizer import OffloadAdamW, param_groups_of
+from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
@@ -61,11 +61,12 @@ class OffloadSession:
         """The fp32 master weights by parameter name (CPU tensors), after every committed update."""
         return self.access.slot_values("master")
 
-    def weights_of(self, block: Block) -> dict[str, torch.Tensor]:
-        """Block's current weights by parameter name: CPU tensors in the parameters' (compute) dtype."""
+    def weights_of(self, block: Block, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Block's current weights by parameter name: CPU tensors cast from the fp32 master to ``dtype`` (default:
+        the parameters' compute dtype)."""
         self.access.settle()
         out: dict[str, torch.Tensor] = {}
-        dtype = self.controller.options.compute_dtype
+        dtype = dtype or self.controller.options.compute_dtype
 
         def take(flat: torch.Tensor) -> None:
             for slot in block.slots:
@@ -133,6 +134,22 @@ def _replace_with_meta(model: nn.Module, blocks: list[Block]) -> None:
                     made[id(p)] = nn.Parameter(torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
                                                requires_grad=p.requires_grad)
                 module._parameters[name] = made[id(p)]
+
+
+def _give_back_parameters(blocks: list[Block], store: TierStore) -> None:
+    """A refused offload: put back the values of the parameters already moved into the store (CPU tensors of
+    their own dtype), so the model is usable again; parameters not yet moved were never touched."""
+    for block in blocks:
+        key = block.key("master")
+        if key not in {str(k) for k in store.keys()}:
+            continue
+        record = store.record(key)
+        tier = TierName.GPU if record.home is TierName.GPU else TierName.HOST
+        if tier is TierName.HOST:
+            store.fetch(key, TierName.HOST).wait()
+        flat = store.tensor(key, tier)
+        for slot in block.slots:
+            slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", slot.dtype, copy=True)
 
 
 def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | None = None) -> None:
@@ -227,24 +244,28 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                                   pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
                                   nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
                                   io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
-    hooks = guard = None
+    offloaded = [slot.param for b in blocks for slot in b.slots]
+    # Groups are checked before the parameters are bound to blocks: a refusal leaves the model as it was.
+    groups = param_groups_of(model, param_groups, offloaded)
+    check_param_groups(groups, blocks)
+    controller = hooks = guard = state_dict_hooks = None
     try:
         options = _options(cfg, dtype, source, homes, record_intervals, resolved.spilled_blocks)
         controller = Controller(model, blocks, store, options, init=init, uninitialized=uninitialized)
         access = StateAccess(controller)
-        offloaded = [slot.param for b in blocks for slot in b.slots]
-        groups = param_groups_of(model, param_groups, offloaded)
         hooks = HookSet(model, blocks, controller)
         guard = ParamGuard(blocks, access, controller.clipper)
         guard.install()
-        session = OffloadSession(cfg, blocks, store, controller, hooks, plan, model, access, guard,
-                                 StateDictHooks(model, blocks, lambda block: session.weights_of(block)))
+        state_dict_hooks = StateDictHooks(model, blocks, lambda block: session.weights_of(block))
+        session = OffloadSession(cfg, blocks, store, controller, hooks, plan, model, access, guard, state_dict_hooks)
         optimizer = OffloadAdamW(groups, controller, access)
     except BaseException:
-        if guard is not None:
-            guard.remove()
-        if hooks is not None:
-            hooks.remove()
+        for undo in (guard, hooks, state_dict_hooks):
+            if undo is not None:
+                undo.remove()
+        if controller is not None:
+            controller.close()
+        _give_back_parameters(blocks, store)
         store.close()
         raise
     optimizer.session = session  # type: ignore[attr-defined]

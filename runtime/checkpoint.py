@@ -154,7 +154,7 @@ def _save(session: "OffloadSession", root: CheckpointRoot, data: ResumableData |
 
 
 def _require_between_steps(controller: "Controller", what: str) -> None:
-    if controller._update_pending or controller.micro != 0:
+    if controller.step_pending:
         raise RuntimeError(f"{what} a checkpoint between steps: call optimizer.step() after the last micro-batch's "
                            f"backward first ({controller.micro} backward pass(es) since the last step)")
 
@@ -323,6 +323,7 @@ def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
         # The checkpoint verified, so this is the machine (disk, memory budget): say what state we are in.
         raise RuntimeError(f"loading {path} failed part-way ({exc}); this session now holds a mix of old and "
                            "loaded state: close it and load into a new one") from exc
+    controller.clear_interrupted()  # every block is at the loaded step again
     log.info("resumed from %s (step %d)", path, step)
     return step
 

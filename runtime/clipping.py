@@ -76,6 +76,7 @@ class GradClipper:
         self._norms: dict[tuple[int, int], torch.Tensor] = {}  # slot -> its gradient's 2-norm (device, fp32)
         self._scales: dict[tuple[int, int], torch.Tensor] = {}  # slot -> product of the user's scale factors
         self._proxies: dict[tuple[int, int], OffloadedGrad | None] = {}  # slots whose gradient left the device
+        self._dropped: set[tuple[int, int]] = set()  # slots the user set p.grad = None for after backward
         self.last_grad_norm: float | None = None  # the global gradient norm of the last committed step
 
     # ---- filled by the controller during backward -----------------------------------------------------
@@ -91,7 +92,7 @@ class GradClipper:
 
     def reset(self) -> None:
         """Forget the pending step (committed or discarded)."""
-        self._norms, self._scales, self._proxies = {}, {}, {}
+        self._norms, self._scales, self._proxies, self._dropped = {}, {}, {}, set()
 
     # ---- the user's side ------------------------------------------------------------------------------
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -105,11 +106,29 @@ class GradClipper:
         return proxy
 
     def on_grad_set(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
-        """``param.grad = value``: setting None drops nothing that already left (see OptimizerAdamW.zero_grad)."""
+        """``param.grad = value`` after backward (``model.zero_grad()``): None drops the parameter from the pending
+        update, as plain PyTorch skips a parameter without gradient; with streaming updates, which already ran,
+        it raises. Assigning a gradient there raises."""
         slot = self.controller.param_slot.get(id(param))
-        if slot is not None and value is not None and slot in self._proxies:
-            raise RuntimeError(f"{self.controller.blocks[slot[0]].slots[slot[1]].name}: its gradient of this step already "
-                               "left the device; a gradient can't be assigned before optimizer.step()")
+        if slot is None or slot not in self._proxies:
+            return
+        name = self.controller.blocks[slot[0]].slots[slot[1]].name
+        if value is not None:
+            raise RuntimeError(f"{name}: its gradient of this step already left the device; a gradient can't be "
+                               "assigned before optimizer.step()")
+        if slot not in self._norms:  # streaming: the update ran as the gradient landed
+            raise RuntimeError(f"{name}: dropping a gradient after backward (p.grad = None, model.zero_grad()) can't undo "
+                               "its update, which started as the gradient landed. Call optimizer.zero_grad() to drop "
+                               "the whole step, or set optimizer.user_grad_clip: true so that updates wait for "
+                               "optimizer.step()")
+        del self._proxies[slot]
+        del self._norms[slot]
+        self._scales.pop(slot, None)
+        self._dropped.add(slot)
+
+    def kept(self, block: Block, has_grad: list[bool]) -> list[bool]:
+        """has_grad without the parameters whose gradient the user dropped after backward."""
+        return [has and (block.index, position) not in self._dropped for position, has in enumerate(has_grad)]
 
     def grad_call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grads: list[OffloadedGrad]) -> Any:
         """A torch call on offloaded gradients: norms and scaling are served, everything else refused."""

@@ -518,6 +518,11 @@ class Controller:
         multiplier = None if coef is None else coef.to("cpu")
         pending = sorted(self._deferred_gpu, key=lambda item: item[0].index)
         updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
+        for position, (block, flat, has_grad, step) in enumerate(pending):
+            has_grad = self.clipper.kept(block, has_grad)  # p.grad = None after backward drops a parameter
+            if not any(has_grad):
+                flat = None
+            pending[position] = (block, flat, has_grad, step)
         for block, flat, has_grad, step in pending:
             if self.gpu_streamed:  # bring the next blocks' state in while this one updates
                 self._settle_writebacks()
@@ -532,7 +537,9 @@ class Controller:
             scales = self.clipper.user_scales(job.block)
             job.slot_multipliers = None if scales is None else [s if s is None else s.to("cpu") for s in scales]
             job.hypers = self._block_hypers(job.block)  # the param_groups as the commit finds them
-            job.skip = job.skip or skip
+            keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
+            job.mask = None if all(keep) else keep
+            job.skip = job.skip or skip or not any(keep)
             self.worker.submit(job)
         if skip:
             self.stats.skipped_steps += 1
@@ -590,6 +597,9 @@ class Controller:
         self._finish_update_submission()
         self.clipper.reset()
         self._update_pending = False
+        for index in self._updating:  # a copy fetched for a read before the commit holds pre-step weights
+            if self.weights.states[index].users == 0 and index not in self._fresh:
+                self._release(index)
         self._updating.clear()
         self.optimizer_step += 1
         self.micro = 0
@@ -614,18 +624,19 @@ class Controller:
         """Free block index's fetched compute weights (no-op when in use or always resident)."""
         self._release(index)
 
+    def update_under_way(self, index: int) -> bool:
+        """True when block index's update of the pending step started before optimizer.step() (streaming)."""
+        return index in self._updating and not self._deferred
+
     def wait_block_current(self, index: int) -> None:
-        """Wait until block index's master holds its newest update: the committed step's, or, with streaming
-        updates between backward and optimizer.step(), the pending one (already under way)."""
-        pending = index in self._updating and not self._deferred
-        self.worker.wait_updated(index, self.optimizer_step + (1 if pending else 0))
+        """Wait until block index's master holds the committed step's update."""
+        self.worker.wait_updated(index, self.optimizer_step)
 
     def discard_pending(self) -> None:
         """Drop the step in progress (zero_grad() before step(), or a caught exception in forward / backward),
         as plain PyTorch drops its gradients. Updates that wait for the commit never ran: nothing changes. With
         streaming updates some blocks may already be updated; then the next step refuses (see _interrupted)."""
-        if any(index not in self.gpu_updated and index not in self.gpu_streamed for index in self._updating) \
-                and not self._deferred:
+        if self._updating and not self._deferred:  # CPU and device updates alike run as gradients land
             self._interrupted = (f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
                                  "started their update (updates start as gradients land), so the blocks are at "
                                  "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
@@ -655,6 +666,10 @@ class Controller:
         for block in self.blocks:  # gradients of non-final micro-batches still on the device
             for slot in block.slots:
                 torch.Tensor.grad.__set__(slot.param, None)
+
+    def clear_interrupted(self) -> None:
+        """Every block's state was just restored to one step (a checkpoint load): training may go on."""
+        self._interrupted = None
 
     def check_not_interrupted(self) -> None:
         """Raise when an abandoned step left blocks at different steps."""

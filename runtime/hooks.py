@@ -120,8 +120,8 @@ class StateDictHooks:
     def __init__(self, model: nn.Module, blocks: list[Block], read_block: Any):
         self._read_block = read_block  # read_block(block) -> {name: tensor}
         self._slots = {id(slot.param): (block, slot) for block in blocks for slot in block.slots}
-        self._cache: dict[int, dict[str, torch.Tensor]] | None = None  # block index -> values, during one call
-        self._opener: nn.Module | None = None
+        self._cache: dict[int, dict[str, torch.Tensor]] = {}  # block index -> values, during one call
+        self._destination: Any = None  # the dict the cached call fills (a call that raised never cleared it)
         self._keep_vars = False
         self._handles: list[Any] = []
         # Plain functions, not bound methods: torch marks the post-hook function with an attribute.
@@ -140,11 +140,12 @@ class StateDictHooks:
             self._handles.append(module.register_load_state_dict_pre_hook(pre_load))
 
     def _pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self._opener is None:
-            self._opener, self._cache, self._keep_vars = module, {}, keep_vars
+        self._keep_vars = keep_vars  # the same for every module of one call
 
     def _post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        if not self._keep_vars and self._cache is not None:
+        if state_dict is not self._destination:  # a new state_dict() call: nothing cached belongs to it
+            self._destination, self._cache = state_dict, {}
+        if not self._keep_vars:
             for name, param in module._parameters.items():
                 found = self._slots.get(id(param)) if param is not None else None
                 key = prefix + name
@@ -154,8 +155,8 @@ class StateDictHooks:
                 if block.index not in self._cache:
                     self._cache[block.index] = self._read_block(block)
                 state_dict[key] = self._cache[block.index][slot.name]
-        if module is self._opener:
-            self._opener, self._cache = None, None
+        if not prefix:  # the outermost module of this call is done: let the copies go with the caller's dict
+            self._destination, self._cache = None, {}
 
     def _pre_load(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *args: Any) -> None:
         if local_metadata.get("assign_to_params_buffers") and any(id(p) in self._slots for p in module._parameters.values()):

@@ -41,33 +41,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         controller.hyper_source = self._hypers
 
     def _bind_groups(self) -> None:
-        """Tell the controller which group each offloaded parameter is in; refuse what the update can't honour."""
-        group_of: dict[int, int] = {}
-        for number, group in enumerate(self.param_groups):
-            unknown = sorted(set(group) - GROUP_KEYS - set(UNSUPPORTED))
-            if unknown:
-                raise ValueError(f"param_groups[{number}] has {unknown}: the offloaded AdamW takes lr, betas, eps and weight_decay")
-            for p in group["params"]:
-                if id(p) in group_of:
-                    raise ValueError(f"a parameter appears in param_groups {group_of[id(p)]} and {number}; list each once")
-                group_of[id(p)] = number
-        offloaded = {id(slot.param) for block in self.controller.blocks for slot in block.slots}
-        if set(group_of) - offloaded:
-            raise ValueError("param_groups hold parameters that are not offloaded (frozen, or not of this model): "
-                             "give the optimizer only the model's trainable parameters")
-        missing = [slot.name for block in self.controller.blocks for slot in block.slots if id(slot.param) not in group_of]
-        if missing:
-            raise ValueError(f"param_groups must hold every offloaded parameter; missing: {missing[:5]}"
-                             f"{' ...' if len(missing) > 5 else ''}")
+        """Tell the controller which group each offloaded parameter is in."""
+        group_of = check_param_groups(self.param_groups, self.controller.blocks)
         self.controller.slot_groups = [[group_of[id(slot.param)] for slot in block.slots] for block in self.controller.blocks]
 
     def _hypers(self) -> list[AdamWHyper]:
         """Each group's AdamW hyper-parameters as they stand now."""
         out = []
         for number, group in enumerate(self.param_groups):
-            for key, allowed in UNSUPPORTED.items():
-                if group.get(key, allowed) != allowed:
-                    raise ValueError(f"param_groups[{number}]['{key}'] = {group[key]!r} is not supported by the offloaded AdamW")
+            refuse_unsupported(number, group)
             beta1, beta2 = group["betas"]
             out.append(AdamWHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                                   weight_decay=float(group["weight_decay"])))
@@ -139,6 +121,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """torch.optim.AdamW's layout: ``state`` (per parameter index: ``step``, ``exp_avg``, ``exp_avg_sq``, CPU
         tensors read from the tiers) and ``param_groups``. A parameter that was never updated has no state,
         as in torch. Refused, with the numbers, when the moments would not fit in host memory."""
+        self.access.settle()  # every committed update landed: its step counters and moments are final
         slots = self._slots()
         updated = any(float(self._step_counter(b.index, b.slots.index(s))) > 0 for _, b, s in slots)
         by_name = {kind: self.access.slot_values(kind) if updated else {} for kind in ("exp_avg", "exp_avg_sq")}
@@ -165,24 +148,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, self.param_groups)):
             raise ValueError("the optimizer state_dict's param_groups do not match this optimizer's (number of groups "
                              "or parameters per group); load the state of an optimizer built over the same parameters")
-        for group, saved in zip(self.param_groups, groups):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = value
-        self._hypers()  # refuse unsupported settings now, not at the next step
+        for number, saved in enumerate(groups):
+            refuse_unsupported(number, saved)
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        self.access.settle()
         per_block: dict[int, list[tuple[int, Any, dict[str, torch.Tensor]]]] = {}
-        for index, block, slot in self._slots():
+        for index, block, slot in self._slots():  # every check before anything changes
             entry = saved_state.get(index, {})
-            position = block.slots.index(slot)
             for kind in ("exp_avg", "exp_avg_sq"):
                 if kind in entry and tuple(entry[kind].shape) != tuple(slot.shape):
                     raise ValueError(f"optimizer state of {slot.name}: {kind} has shape {tuple(entry[kind].shape)}, "
                                      f"the parameter {tuple(slot.shape)}")
-            per_block.setdefault(block.index, []).append((position, slot, entry))
-            step = entry.get("step", 0.0)
-            self._step_counter(block.index, position).fill_(float(step))
+            per_block.setdefault(block.index, []).append((block.slots.index(slot), slot, entry))
+        self.access.settle()
+        for group, saved in zip(self.param_groups, groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        for block_index, entries in per_block.items():
+            for position, _slot, entry in entries:
+                self._step_counter(block_index, position).fill_(float(entry.get("step", 0.0)))
         for block in self.controller.blocks:
             entries = per_block.get(block.index, [])
             for kind in ("exp_avg", "exp_avg_sq"):
@@ -193,6 +175,37 @@ class OffloadAdamW(torch.optim.Optimizer):
                         view.copy_(value.reshape(-1)) if value is not None else view.zero_()
 
                 self.access.write_state(block, kind, write)
+
+
+def refuse_unsupported(number: int, group: dict[str, Any]) -> None:
+    """Raise when param group ``number`` asks for an AdamW option the offloaded update does not implement."""
+    for key, allowed in UNSUPPORTED.items():
+        if group.get(key, allowed) != allowed:
+            raise ValueError(f"param_groups[{number}]['{key}'] = {group[key]!r} is not supported by the offloaded AdamW")
+
+
+def check_param_groups(groups: list[dict[str, Any]], blocks: list[Any]) -> dict[int, int]:
+    """Refuse groups the offloaded update can't honour (unknown keys, a parameter twice or missing, one that is
+    not offloaded); returns each parameter's group number by id."""
+    group_of: dict[int, int] = {}
+    for number, group in enumerate(groups):
+        unknown = sorted(set(group) - GROUP_KEYS - set(UNSUPPORTED))
+        if unknown:
+            raise ValueError(f"param_groups[{number}] has {unknown}: the offloaded AdamW takes lr, betas, eps and weight_decay")
+        refuse_unsupported(number, group)
+        for p in group["params"]:
+            if id(p) in group_of:
+                raise ValueError(f"a parameter appears in param_groups {group_of[id(p)]} and {number}; list each once")
+            group_of[id(p)] = number
+    offloaded = {id(slot.param) for block in blocks for slot in block.slots}
+    if set(group_of) - offloaded:
+        raise ValueError("param_groups hold parameters that are not offloaded (frozen, or not of this model): "
+                         "give the optimizer only the model's trainable parameters")
+    missing = [slot.name for block in blocks for slot in block.slots if id(slot.param) not in group_of]
+    if missing:
+        raise ValueError(f"param_groups must hold every offloaded parameter; missing: {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    return group_of
 
 
 def param_groups_of(model: nn.Module, groups: list[dict[str, Any]] | None, offloaded: list[nn.Parameter]) -> list[dict[str, Any]]:

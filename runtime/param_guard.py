@@ -77,7 +77,13 @@ GRAD_GET = torch.Tensor.grad.__get__
 GRAD_SET = torch.Tensor.grad.__set__
 DATA_SET = torch.Tensor.data.__set__
 TO = torch.Tensor.to
-IN_PLACE_DUNDERS = frozenset(_methods("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__iand__", "__ior__"))
+IN_PLACE_DUNDERS = frozenset(_methods("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                                      "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                                      "__irshift__"))
+# Calls that hand the bytes to something torch does not track (numpy, DLPack, pickling): given a copy, so nothing
+# outside can hold the block's memory when it is released.
+COPY_CALLS = frozenset(_methods("numpy", "__array__", "__dlpack__", "__reduce_ex__"))
+CUDA = torch.Tensor.cuda
 
 
 def _tensors_in(args: Iterable[Any]) -> Iterable[torch.Tensor]:
@@ -115,6 +121,7 @@ class ParamGuard:
         self.view_class: type = type("OffloadedView", (torch.Tensor,), {"__torch_function__": self._routed,
                                                                         "__module__": __name__})
         self._param_classes: dict[type, type] = {}
+        self._closed = False  # the session closed: views still held refer to freed blocks
 
     # ---- install / remove ------------------------------------------------------------------------------
     def install(self) -> None:
@@ -139,7 +146,9 @@ class ParamGuard:
                 original = self._original_classes.pop(id(slot.param), None)
                 if original is not None:
                     slot.param.__class__ = original
-        # The classes refer back to this guard (and through it to the session): let it all go at once.
+        # The classes refer back to this guard (and through it to the session): let it all go at once. Views
+        # the user still holds keep this guard, which now refuses them with a clear error.
+        self._closed = True
         self._param_classes.clear()
         self._storage_block.clear()
 
@@ -156,6 +165,9 @@ class ParamGuard:
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one torch call that involves a guarded tensor (see the module docstring)."""
         with torch._C.DisableTorchFunctionSubclass():
+            if self._closed:
+                raise RuntimeError("this tensor is a view of a parameter of an offload session that was closed; take "
+                                   "the view again from the model's parameters")
             if func in METADATA_CALLS:
                 return func(*args, **kwargs)
             if func == GRAD_GET:
@@ -169,16 +181,37 @@ class ParamGuard:
             guarded = [(t, self.block_of(t)) for t in _tensors_in((*args, *kwargs.values()))]
             indices = {index for _, index in guarded if index is not None}
             if all(self.access.in_pass(i) for i in indices):
-                return func(*args, **kwargs)
-            if _is_in_place(func) or "out" in kwargs:
+                result = func(*args, **kwargs)
+                # A view made inside a pass (a hook keeping w.t()) must stay safe after the block is released.
+                if isinstance(result, torch.Tensor) and result._is_view():
+                    return self._guard_views(result)
+                return result
+            if (_is_in_place(func) and self._is_guarded(args[0] if args else None)) or self._is_guarded(kwargs.get("out")):
                 return self._write(func, args, kwargs, guarded)
-            if func == TO and self._no_op_to(args, kwargs):
+            if (func == TO and self._no_op_to(args, kwargs)) or (func == CUDA and self._no_op_cuda(args, kwargs)):
                 return args[0]
             if func in ALIAS_CALLS:  # same sizes as the parameter: valid over the released storage
                 return self._guard_views(func(*args, **kwargs))
             for index in sorted(indices):
                 self.access.prepare_read(index)
+            if func in COPY_CALLS:
+                return func(args[0].clone(), *args[1:], **kwargs)
             return self._guard_views(func(*args, **kwargs))
+
+    def _is_guarded(self, tensor: Any) -> bool:
+        return isinstance(tensor, torch.Tensor) and self.block_of(tensor) is not None
+
+    @staticmethod
+    def _no_op_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """``t.cuda()`` of a tensor already on that device (``model.cuda()`` after offload)."""
+        tensor = args[0]
+        device = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if not tensor.is_cuda:
+            return False
+        if device is None:
+            return True
+        wanted = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        return wanted.type == "cuda" and wanted.index in (None, tensor.device.index)
 
     def _check_rebind(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """``param.data = value``: only a no-op rebind (what ``model.to(device)`` does) keeps the parameter a view
@@ -219,7 +252,7 @@ class ParamGuard:
         """An in-place write outside forward/backward: applied to the fp32 master at the same place."""
         target = args[0] if args else None
         index = self.block_of(target) if isinstance(target, torch.Tensor) else None
-        if index is None or "out" in kwargs:
+        if index is None or "out" in kwargs or not isinstance(target, torch.Tensor):
             raise RuntimeError(
                 f"{getattr(func, '__name__', func)} writes into an offloaded parameter through an output argument "
                 "or a list; write parameters with model.load_state_dict(...) or param.copy_(value)")

@@ -49,6 +49,12 @@ class StateAccess:
         when the GPU budget is full, blocks fetched for earlier reads are released first (views of them
         are guarded too and fetch again when read)."""
         controller = self.controller
+        if controller.update_under_way(index):
+            raise RuntimeError(
+                f"block {self.blocks[index].name} is being updated: its gradient landed and, with streaming updates, "
+                "its update started before optimizer.step(). Read parameters after optimizer.step() (or set "
+                "optimizer.user_grad_clip: true, so that updates wait for the step and reads before it see the "
+                "pre-step weights, as in plain PyTorch)")
         controller.wait_block_current(index)
         if self.weights.source is WeightSource.RESIDENT or index in controller.gpu_updated:
             self.weights.wait_refresh(index)

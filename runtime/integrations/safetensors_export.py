@@ -64,7 +64,7 @@ def save_sharded(session: "OffloadSession", directory: str | os.PathLike[str], *
     for number, blocks in enumerate(shards, start=1):
         tensors: dict[str, torch.Tensor] = {}
         for block in blocks:
-            tensors.update({name: t.to(dtype) for name, t in session.weights_of(block).items()})
+            tensors.update(session.weights_of(block, dtype))
         name = f"model-{number:05d}-of-{total:05d}.safetensors"
         total_nbytes += _write(save_file, tensors, out / name)
         weight_map.update(dict.fromkeys(tensors, name))

@@ -135,3 +135,30 @@ def test_parameters_and_state_dict_readable_between_steps_on_gpu(placement, frac
     finally:
         session.close()
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_retry_loop_after_failures_keeps_gpu_memory_flat(where, tmpfs_dir):
+    """An OOM-retry loop: every failed forward / backward gives back what its step held on the GPU."""
+    from tests.integration.test_failures import Planted, plant
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    armed = plant(model, 2, where)
+    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 1.0},
+                                       "tiers": {"nvme": {"path": str(tmpfs_dir)}}})
+    allocated = []
+    with optimizer.session:
+        batches = make_batches(12)
+        for index, (x, y) in enumerate(batches):
+            armed["on"] = index % 2 == 1
+            try:
+                model(x.cuda(), y.cuda()).backward()
+                optimizer.step()
+            except Planted:
+                pass
+            optimizer.zero_grad()
+            torch.cuda.synchronize()
+            if index % 2 == 1 and index > 2:
+                allocated.append(torch.cuda.memory_allocated())
+    assert len(set(allocated)) == 1, allocated

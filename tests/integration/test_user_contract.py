@@ -324,3 +324,108 @@ def test_close_when_the_weights_cannot_be_kept(tmp_path, monkeypatch, error):
     assert model.head.weight.is_meta
     with pytest.raises((NotImplementedError, RuntimeError)):
         weight.sum().item()
+
+
+def test_a_refused_offload_leaves_the_model_usable(tmp_path):
+    model = fresh_model()
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="momentum"):
+        offload(model, config(tmp_path), param_groups=[{"params": list(model.parameters()), "momentum": 0.9}])
+    assert_same(dict(model.named_parameters()), expected)
+    model(*make_batches(1)[0]).backward()  # an ordinary module again
+
+
+def test_views_taken_in_forward_or_kept_across_close_never_read_freed_memory(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    kept = []
+    model.layers[1].gate_up.register_forward_hook(lambda m, i, o: kept.append(m.weight.detach().view(-1)[:8]))
+    with optimizer.session:
+        for batch in make_batches(2):
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(kept[-1], model.layers[1].gate_up.weight.detach().view(-1)[:8])  # read after release
+        view = model.layers[0].qkv.weight.detach()
+    with pytest.raises(RuntimeError, match="session that was closed"):
+        view.sum()
+
+
+def test_numpy_dlpack_and_pickle_get_copies(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        weight = model.layers[0].down.weight
+        array = weight.detach().numpy()
+        packed = torch.from_dlpack(weight.detach())
+        buffer = io.BytesIO()
+        torch.save(weight.detach(), buffer)
+        for batch in make_batches(2):  # the blocks are released and refetched in between
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        first = optimizer.session.master_state_dict()
+    buffer.seek(0)
+    assert type(torch.load(buffer)) is torch.Tensor
+    assert array.shape == tuple(packed.shape) == tuple(first["layers.0.down.weight"].shape)
+    assert not torch.equal(torch.from_numpy(array), first["layers.0.down.weight"])  # a snapshot, not the live block
+
+
+def test_state_dict_after_a_refused_call_is_current(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    with optimizer.session:
+        batch = make_batches(1)[0]
+        model(*batch).backward()
+        with pytest.raises(RuntimeError, match="between steps"):
+            model.state_dict()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert_same(model.state_dict(), optimizer.session.master_state_dict())
+
+
+def test_item_assignment_and_ema_reads(tmp_path):
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        weight = model.layers[0].gate_up.weight
+        ema = torch.zeros_like(weight.detach())
+        with torch.no_grad():
+            weight[0, :4] = 5.0
+            weight.data[1] = 7.0
+            ema.lerp_(weight, 0.5)  # a read of the parameter into the user's tensor
+        master = optimizer.session.master_state_dict()["layers.0.gate_up.weight"]
+        assert torch.all(master[0, :4] == 5.0) and torch.all(master[1] == 7.0)
+        assert torch.equal(ema, master * 0.5)
+
+
+def test_model_zero_grad_after_backward_drops_those_gradients(tmp_path):
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    with optimizer.session:
+        for step, batch in enumerate(make_batches(3)):
+            for m, opt in ((plain, plain_opt), (model, optimizer)):
+                m(*batch).backward()
+                if step == 1:
+                    m.layers[1].zero_grad()  # this layer sits the step out
+                opt.step()
+                opt.zero_grad()
+        assert_same(model.state_dict(), plain.state_dict())
+        assert_same(optimizer.state_dict()["state"][3], plain_opt.state_dict()["state"][3])
+
+
+def test_optimizer_state_dict_right_after_step_and_recovery_by_checkpoint(tmp_path):
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer = offload(fresh_model(), config(tmp_path, gpu_update_fraction=1.0))
+    with optimizer.session as session:
+        batches = make_batches(3)
+        model(*batches[0]).backward()
+        optimizer.step()
+        assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))  # waits for the update
+        optimizer.zero_grad()
+        save_checkpoint(session, tmp_path / "ckpt")
+        model(*batches[1]).backward()
+        optimizer.zero_grad()  # device updates ran as gradients landed: the step can't be dropped
+        with pytest.raises(RuntimeError, match="Restore the last checkpoint"):
+            model(*batches[2])
+        load_checkpoint(session, tmp_path / "ckpt")
+        model(*batches[2]).backward()  # recovered
+        optimizer.step()
