@@ -256,7 +256,8 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         hooks = HookSet(model, blocks, controller)
         guard = ParamGuard(blocks, access, controller.clipper)
         guard.install()
-        state_dict_hooks = StateDictHooks(model, blocks, lambda block: session.weights_of(block))
+        state_dict_hooks = StateDictHooks(model, blocks, lambda block: session.weights_of(block),
+                                          access.begin_batch, access.end_batch)
         session = OffloadSession(cfg, blocks, store, controller, hooks, plan, model, access, guard, state_dict_hooks)
         optimizer = OffloadAdamW(groups, controller, access)
     except BaseException:

@@ -117,8 +117,13 @@ class StateDictHooks:
     parameter guard applies to the fp32 master (``runtime.param_guard``).
     """
 
-    def __init__(self, model: nn.Module, blocks: list[Block], read_block: Any):
+    def __init__(self, model: nn.Module, blocks: list[Block], read_block: Any, begin_load: Any, end_load: Any):
         self._read_block = read_block  # read_block(block) -> {name: tensor}
+        # A load_state_dict() call gathers its writes and finishes them once at its end (or at the next forward,
+        # when the load raised half-way).
+        self._begin_load, self._end_load = begin_load, end_load
+        self._loading: bool | None = None  # a load_state_dict() call is gathering writes
+        self._load_opener: nn.Module | None = None
         self._slots = {id(slot.param): (block, slot) for block in blocks for slot in block.slots}
         self._cache: dict[int, dict[str, torch.Tensor]] = {}  # block index -> values, during one call
         self._destination: Any = None  # the dict the cached call fills (a call that raised never cleared it)
@@ -134,10 +139,20 @@ class StateDictHooks:
         def pre_load(*args: Any) -> None:
             self._pre_load(*args)
 
+        def post_load(module: nn.Module, incompatible: Any) -> None:
+            if module is self._load_opener:
+                self._finish_load()
+
+        def before_forward(module: nn.Module, args: Any) -> None:
+            self._finish_load()
+
+        self._handles.append(model.register_forward_pre_hook(before_forward))
+
         for module in model.modules():  # every module: the outermost state_dict() call opens the cache
             self._handles.append(module.register_state_dict_pre_hook(pre))
             self._handles.append(module.register_state_dict_post_hook(post))
             self._handles.append(module.register_load_state_dict_pre_hook(pre_load))
+            self._handles.append(module.register_load_state_dict_post_hook(post_load))
 
     def _pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self._keep_vars = keep_vars  # the same for every module of one call
@@ -158,7 +173,15 @@ class StateDictHooks:
         if not prefix:  # the outermost module of this call is done: let the copies go with the caller's dict
             self._destination, self._cache = None, {}
 
+    def _finish_load(self) -> None:
+        if self._loading is not None:
+            self._loading, self._load_opener = None, None
+            self._end_load()
+
     def _pre_load(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any, *args: Any) -> None:
+        if self._loading is None:  # the outermost module of this load_state_dict() call (its pre-hook runs first)
+            self._loading, self._load_opener = True, module
+            self._begin_load()
         if local_metadata.get("assign_to_params_buffers") and any(id(p) in self._slots for p in module._parameters.values()):
             raise RuntimeError("load_state_dict(assign=True) would replace the offloaded parameters; call it without "
                                "assign: the values are written into the tiers")

@@ -261,7 +261,7 @@ class ParamGuard:
         for other, other_index in guarded:
             if other is not target and other_index is not None:
                 self.access.prepare_read(other_index)
-        self.access.settle()
+        self.access.settle(writing=True)
         block = self.blocks[index]
         size, stride, offset = target.size(), target.stride(), target.storage_offset()
 

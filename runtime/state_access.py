@@ -36,6 +36,25 @@ class StateAccess:
         self.store = controller.store
         self.weights = controller.weights
         self.blocks = controller.blocks
+        # While a load_state_dict() runs, master writes of one block are gathered: staged once, written back and
+        # their compute weights refreshed once, when the load ends (or before anything reads them).
+        self._batch: set[int] | None = None
+
+    # ---- batched writes (load_state_dict) --------------------------------------------------------------
+    def begin_batch(self) -> None:
+        """Gather the master writes that follow until ``end_batch`` (or the next read)."""
+        if self._batch is None:
+            self._batch = set()
+
+    def end_batch(self) -> None:
+        """Write back the gathered blocks' masters and refresh their compute weights."""
+        batch, self._batch = self._batch, None
+        for index in sorted(batch or ()):
+            block = self.blocks[index]
+            key = block.key("master")
+            if self.store.record(key).home is TierName.NVME:
+                self.store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
+            self._refresh_compute(block)
 
     # ---- compute weights -------------------------------------------------------------------------------
     def in_pass(self, index: int) -> bool:
@@ -49,6 +68,7 @@ class StateAccess:
         when the GPU budget is full, blocks fetched for earlier reads are released first (views of them
         are guarded too and fetch again when read)."""
         controller = self.controller
+        self.end_batch()  # a read sees every write before it
         if controller.update_under_way(index):
             raise RuntimeError(
                 f"block {self.blocks[index].name} is being updated: its gradient landed and, with streaming updates, "
@@ -68,10 +88,14 @@ class StateAccess:
             self.weights.wait(index)
 
     # ---- fp32 state --------------------------------------------------------------------------------------
-    def settle(self) -> None:
-        """Wait for every committed update, its write-backs and its weight refreshes."""
+    def settle(self, writing: bool = False) -> None:
+        """Wait for every committed update, its write-backs and its weight refreshes; unless ``writing`` (another
+        write of a batch), finish the batched writes first."""
         controller = self.controller
+        if not writing:
+            self.end_batch()
         if controller.step_pending:
+            self.end_batch()
             raise RuntimeError(
                 "the training state is being updated: a backward ran since the last optimizer.step(). Read or "
                 "write parameters and optimizer state between steps (after optimizer.step(), or after "
@@ -92,11 +116,16 @@ class StateAccess:
         """Modify block's flat fp32 tensor of one kind in place through ``apply``; it is written back to its
         home, and after a master write the compute weights derived from it are refreshed. Call ``settle()``
         first."""
+        if kind == "master" and self._batch is not None:
+            self._with_state(block, kind, apply, write=True, keep_staged=True)
+            self._batch.add(block.index)
+            return
         self._with_state(block, kind, apply, write=True)
         if kind == "master":
             self._refresh_compute(block)
 
-    def _with_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool) -> None:
+    def _with_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool,
+                    keep_staged: bool = False) -> None:
         store, key = self.store, block.key(kind)
         record = store.record(key)
         tier = TierName.GPU if record.home is TierName.GPU else TierName.HOST
@@ -106,7 +135,7 @@ class StateAccess:
         use(store.tensor(key, tier))
         if write:
             store.mark_dirty(key, tier, step=record.step)  # every other copy is stale now
-        if record.home is TierName.NVME and (write or staged):
+        if record.home is TierName.NVME and (write or staged) and not keep_staged:
             if write:
                 store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
             else:

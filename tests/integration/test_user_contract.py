@@ -429,3 +429,19 @@ def test_optimizer_state_dict_right_after_step_and_recovery_by_checkpoint(tmp_pa
         load_checkpoint(session, tmp_path / "ckpt")
         model(*batches[2]).backward()  # recovered
         optimizer.step()
+
+
+def test_load_state_dict_writes_each_block_once(tmp_path):
+    """Masters on NVMe: a whole-model load stages and writes back each block once, not once per parameter."""
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session as session:
+        events = []
+        session.store.bus.subscribe(events.append)
+        pretrained = fresh_model(seed=9).state_dict()
+        model.load_state_dict(pretrained)
+        master_writes = {e.key for e in events if e.kind == "write" and str(e.key).endswith(".master")}
+        writes = [e for e in events if e.kind == "write" and str(e.key).endswith(".master")]
+        assert len(writes) == len(master_writes) == len(session.blocks)
+        assert_same(model.state_dict(), pretrained)
+        model(*make_batches(1)[0]).backward()  # and training goes on from the loaded weights
+        optimizer.step()
