@@ -35,10 +35,12 @@ class HookSet:
         self._handles: list[Any] = []
         self._end_queued = False
         self._module_blocks = self._needed_blocks(model, blocks)
-        self._handles.append(model.register_forward_pre_hook(self._root_pre_forward))
+        # Module hooks are closures that act only for the module they were registered on: a copy.deepcopy of
+        # the model shares them (functions are copied by reference) and must not drive this session.
+        self._handles.append(model.register_forward_pre_hook(self._make_root_pre_forward(model)))
         for module, indices in self._module_blocks.items():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(indices)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(indices)))
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(indices, module)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(indices, module)))
         for block in blocks:
             for slot in block.slots:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(self._param_grad))
@@ -56,21 +58,27 @@ class HookSet:
                     needed[module] = indices
         return needed
 
-    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not _in_backward():
-            # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
-            # that raised (the engine drops its callbacks then).
-            self._end_queued = False
-            self.controller.on_step_begin()
+    def _make_root_pre_forward(self, root: nn.Module):  # type: ignore[no-untyped-def]
+        def root_pre_forward(module: nn.Module, args: Any) -> None:
+            if module is root and not _in_backward():
+                # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
+                # that raised (the engine drops its callbacks then).
+                self._end_queued = False
+                self.controller.on_step_begin()
 
-    def _make_pre_forward(self, indices: list[int]):  # type: ignore[no-untyped-def]
+        return root_pre_forward
+
+    def _make_pre_forward(self, indices: list[int], hooked: nn.Module):  # type: ignore[no-untyped-def]
         def pre_forward(module: nn.Module, args: Any) -> None:
-            self.controller.acquire(indices, "recompute" if _in_backward() else "fwd")
+            if module is hooked:
+                self.controller.acquire(indices, "recompute" if _in_backward() else "fwd")
 
         return pre_forward
 
-    def _make_post_forward(self, indices: list[int]):  # type: ignore[no-untyped-def]
+    def _make_post_forward(self, indices: list[int], hooked: nn.Module):  # type: ignore[no-untyped-def]
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if module is not hooked:
+                return
             recompute = _in_backward()
             self.controller.release_after_forward(indices, "recompute" if recompute else "fwd")
             if torch.is_grad_enabled() and not recompute:
@@ -125,26 +133,31 @@ class StateDictHooks:
         self._loading: bool | None = None  # a load_state_dict() call is gathering writes
         self._load_opener: nn.Module | None = None
         self._slots = {id(slot.param): (block, slot) for block in blocks for slot in block.slots}
+        self._modules = {id(module) for module in model.modules()}  # a deepcopy's modules are not ours
         self._cache: dict[int, dict[str, torch.Tensor]] = {}  # block index -> values, during one call
         self._destination: Any = None  # the dict the cached call fills (a call that raised never cleared it)
         self._keep_vars = False
         self._handles: list[Any] = []
         # Plain functions, not bound methods: torch marks the post-hook function with an attribute.
-        def pre(*args: Any) -> None:
-            self._pre(*args)
+        def pre(module: nn.Module, *args: Any) -> None:
+            if id(module) in self._modules:
+                self._pre(module, *args)
 
-        def post(*args: Any) -> None:
-            self._post(*args)
+        def post(module: nn.Module, *args: Any) -> None:
+            if id(module) in self._modules:
+                self._post(module, *args)
 
-        def pre_load(*args: Any) -> None:
-            self._pre_load(*args)
+        def pre_load(module: nn.Module, *args: Any) -> None:
+            if id(module) in self._modules:
+                self._pre_load(module, *args)
 
         def post_load(module: nn.Module, incompatible: Any) -> None:
             if module is self._load_opener:
                 self._finish_load()
 
         def before_forward(module: nn.Module, args: Any) -> None:
-            self._finish_load()
+            if id(module) in self._modules:
+                self._finish_load()
 
         self._handles.append(model.register_forward_pre_hook(before_forward))
 

@@ -84,6 +84,7 @@ IN_PLACE_DUNDERS = frozenset(_methods("__setitem__", "__iadd__", "__isub__", "__
 # outside can hold the block's memory when it is released.
 COPY_CALLS = frozenset(_methods("numpy", "__array__", "__dlpack__", "__reduce_ex__"))
 CUDA = torch.Tensor.cuda
+DEEPCOPY = torch.Tensor.__deepcopy__
 
 
 def _tensors_in(args: Iterable[Any]) -> Iterable[torch.Tensor]:
@@ -121,6 +122,7 @@ class ParamGuard:
         self.view_class: type = type("OffloadedView", (torch.Tensor,), {"__torch_function__": self._routed,
                                                                         "__module__": __name__})
         self._param_classes: dict[type, type] = {}
+        self._deepcopy = lambda param, memo: guard.dispatch(DEEPCOPY, (param, memo), {})
         self._closed = False  # the session closed: views still held refer to freed blocks
 
     # ---- install / remove ------------------------------------------------------------------------------
@@ -134,8 +136,10 @@ class ParamGuard:
                 param = slot.param
                 base = type(param)
                 if base not in self._param_classes:
+                    # nn.Parameter's own __deepcopy__ copies without torch_function: route it too.
                     self._param_classes[base] = type(f"Offloaded{base.__name__}", (base,),
-                                                     {"__torch_function__": self._routed, "__module__": __name__})
+                                                     {"__torch_function__": self._routed, "__module__": __name__,
+                                                      "__deepcopy__": self._deepcopy})
                 self._original_classes[id(param)] = base
                 param.__class__ = self._param_classes[base]
 
@@ -196,6 +200,13 @@ class ParamGuard:
                 self.access.prepare_read(index)
             if func in COPY_CALLS:
                 return func(args[0].clone(), *args[1:], **kwargs)
+            if func == DEEPCOPY:  # copy.deepcopy(model): a plain parameter holding the current weights
+                source = args[0]
+                base = self._original_classes.get(id(source))
+                value = func(source.detach(), args[1]) if base is None else \
+                    base(source.detach().clone(), requires_grad=source.requires_grad)
+                args[1][id(source)] = value
+                return value
             return self._guard_views(func(*args, **kwargs))
 
     def _is_guarded(self, tensor: Any) -> bool:

@@ -445,3 +445,22 @@ def test_load_state_dict_writes_each_block_once(tmp_path):
         assert_same(model.state_dict(), pretrained)
         model(*make_batches(1)[0]).backward()  # and training goes on from the loaded weights
         optimizer.step()
+
+
+def test_deepcopy_gives_a_plain_model_with_the_current_weights(tmp_path):
+    """The usual EMA / evaluation copy: copy.deepcopy(model) is an ordinary model that does not drive the session."""
+    plain = fresh_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        batches = make_batches(3)
+        for batch in batches:
+            plain_step(plain, plain_opt, batch)
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema = copy.deepcopy(model)
+            assert all(type(p) is nn.Parameter for p in ema.parameters())
+            assert_same(dict(ema.named_parameters()), dict(plain.named_parameters()))
+            assert torch.equal(ema(*batch), plain(*batch))
+        assert_same(model.state_dict(), plain.state_dict())
