@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile = sub.add_parser("profile", help="report of a saved profile")
     profile.add_argument("dir", type=Path)
+    profile.add_argument("--plot", action="store_true", help="also draw DIR/plot.png from the saved summary (needs matplotlib)")
 
     bench = sub.add_parser("bench", help="benchmarks (store bandwidth; training against baselines)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

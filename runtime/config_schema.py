@@ -237,7 +237,10 @@ class ProfileConfig:
     dir: str | None = _leaf(PathSpec(nullable=True), None,
                             "Directory to write the profile to; null: no profile.", "profile")
     trace: bool = _leaf(BoolSpec(), True, "Write a Chrome trace (chrome://tracing, Perfetto).")
-    plot: bool = _leaf(BoolSpec(), False, "Write plots (needs matplotlib).")
+    plot: bool | Literal["auto"] = _leaf(
+        BoolSpec(auto=True), "auto",
+        "Write plot.png (bandwidth per path and stalls per step). `auto`: when matplotlib is installed "
+        "(`pip install -e '.[plot]'`); `tierstore profile DIR --plot` draws it later from the saved summary.")
 
 
 @dataclass(frozen=True)

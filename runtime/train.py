@@ -8,6 +8,7 @@ weights fetched to the GPU block by block -- every tier in use.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import logging
 import sys
@@ -66,6 +67,11 @@ class Progress:
             print("\r" + line, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
         elif step % self.log_every == 0 or step == self.total:
             print(line, file=sys.stderr, flush=True)
+
+
+def plot_wanted(setting: bool | str) -> bool:
+    """``profile.plot``: ``auto`` plots when matplotlib can be imported."""
+    return importlib.util.find_spec("matplotlib") is not None if setting == "auto" else bool(setting)
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -191,6 +197,6 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
           f"on fetches {session.controller.stats.wait_fetch_s:.2f} s", file=sys.stderr)
     if profiler is not None:
         profiler.stop()  # after close(): the last write-backs are in the totals
-        saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=cfg.profile.plot)
+        saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=plot_wanted(cfg.profile.plot))
         print(f"profile written to {saved.directory}; read it with: tierstore profile {saved.directory}", file=sys.stderr)
     return 0

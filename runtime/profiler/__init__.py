@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from runtime.profiler.ceilings import ceilings_from_store_bench, measure_ceilings
 from runtime.profiler.collect import Profiler, RawProfile, StepMark
-from runtime.profiler.outputs import SavedProfile, chrome_trace, save_profile
+from runtime.profiler.outputs import SavedProfile, chrome_trace, save_profile, write_plot
 from runtime.profiler.report import format_report
 
 __all__ = ["Profiler", "RawProfile", "SavedProfile", "StepMark", "ceilings_from_store_bench", "chrome_trace",
@@ -34,5 +35,12 @@ def load_summary(directory: str | Path) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     """``tierstore profile DIR``: print the report (tables and advice) of the profile saved in DIR."""
-    print(format_report(load_summary(args.dir)), end="")
+    summary = load_summary(args.dir)
+    print(format_report(summary), end="")
+    if getattr(args, "plot", False):
+        path = Path(args.dir) / "plot.png"
+        if not write_plot(summary, path):
+            print("tierstore profile: --plot needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
+            return 2
+        print(f"plot written to {path}")
     return 0

@@ -130,6 +130,35 @@ def test_profile_command_prints_the_report(profiled, capsys):
     assert printed == (out / "report.txt").read_text()
 
 
+def test_profile_command_draws_the_plot_later(profiled, capsys, monkeypatch):
+    """`tierstore profile DIR --plot` draws plot.png from the saved summary, or says what to install."""
+    import runtime.profiler as profiler
+
+    _, _, _, _, out = profiled
+    drawn = []
+
+    def fake_plot(summary, path):
+        drawn.append((summary["steps"], path))
+        path.write_bytes(b"png")
+        return True
+
+    monkeypatch.setattr(profiler, "write_plot", fake_plot)
+    assert cli_main(["profile", str(out), "--plot"]) == 0
+    assert drawn and drawn[0][1] == out / "plot.png" and "plot written" in capsys.readouterr().out
+    monkeypatch.setattr(profiler, "write_plot", lambda summary, path: False)
+    assert cli_main(["profile", str(out), "--plot"]) == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_plot_auto_follows_matplotlib():
+    import importlib.util
+
+    from runtime.train import plot_wanted
+
+    assert plot_wanted("auto") is (importlib.util.find_spec("matplotlib") is not None)
+    assert plot_wanted(True) and not plot_wanted(False)
+
+
 def test_train_command_writes_a_profile(tmp_path, tmpfs_dir, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(textwrap.dedent(f"""\
