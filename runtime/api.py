@@ -65,15 +65,8 @@ class OffloadSession:
         """Block's current weights by parameter name: CPU tensors cast from the fp32 master to ``dtype`` (default:
         the parameters' compute dtype)."""
         self.access.settle()
-        out: dict[str, torch.Tensor] = {}
         dtype = dtype or self.controller.options.compute_dtype
-
-        def take(flat: torch.Tensor) -> None:
-            for slot in block.slots:
-                out[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", dtype, copy=True)
-
-        self.access.read_state(block, "master", take)
-        return out
+        return self.access.block_values(block, "master", {slot.name: dtype for slot in block.slots})
 
     def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_nbytes: int = 5 << 30) -> None:
         """Save the current weights as HF-style sharded safetensors (``from_pretrained`` reads them), one shard

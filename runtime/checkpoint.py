@@ -48,6 +48,7 @@ from runtime.checkpoint_io import (
 from runtime.checkpoint_meta import FORMAT, VERSION, read_meta
 from runtime.checkpoint_root import CheckpointRoot
 from runtime.config import dump_config
+from runtime.state_access import refresh_compute_weights
 from runtime.weights import WeightSource
 from tierstore import CorruptFileError, TierName, TierStore
 from tierstore.nvme import HEADER_NBYTES, payload_hasher
@@ -308,7 +309,7 @@ def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
         for block in session.blocks:
             for kind in STATE_KINDS:
                 entry = meta["tensors"][block.key(kind)]
-                after = (lambda master, b=block: _refresh_weights(controller, b, master, step)) if kind == "master" else None
+                after = (lambda master, b=block: refresh_compute_weights(controller, b, master, step)) if kind == "master" else None
                 _load_tensor(session.store, block.key(kind), path / entry["file"], files[entry["file"]], step, after)
         _restore_counters(controller, session.blocks, meta["blocks"], step)
         _restore_scaler(controller, meta.get("scaler"), path)
@@ -460,21 +461,6 @@ def _load_tensor(store: TierStore, key: str, file: Path, entry: FileEntry, step:
         after(target)
     if home is TierName.NVME:
         store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
-
-
-def _refresh_weights(controller: "Controller", block: "Block", master: torch.Tensor, step: int) -> None:
-    """Bring block's compute weights in line with its loaded master, the way the update worker does."""
-    weights, store = controller.weights, controller.store
-    if block.index in controller.gpu_updated or weights.source is WeightSource.RESIDENT:
-        weights.load_resident(block.index, master)
-    elif weights.source is WeightSource.WEIGHTS:
-        key = block.key("weights")
-        _settle(store.record(key))
-        store.fetch(key, TierName.HOST).wait()
-        store.tensor(key, TierName.HOST).copy_(master)  # cast to the compute dtype
-        store.mark_dirty(key, TierName.HOST, step=step)
-        if store.record(key).home is TierName.NVME:
-            store.evict(key, TierName.HOST, release=False).wait()
 
 
 def _restore_scaler(controller: "Controller", saved: dict[str, Any] | None, path: Path) -> None:

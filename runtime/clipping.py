@@ -77,7 +77,7 @@ class GradClipper:
         self._scales: dict[tuple[int, int], torch.Tensor] = {}  # slot -> product of the user's scale factors
         self._proxies: dict[tuple[int, int], OffloadedGrad | None] = {}  # slots whose gradient left the device
         self._dropped: set[tuple[int, int]] = set()  # slots the user set p.grad = None for after backward
-        self.last_grad_norm: float | None = None  # the global gradient norm of the last committed step
+        self._last_norm: torch.Tensor | None = None  # the last committed step's global norm (read lazily: no sync)
 
     # ---- filled by the controller during backward -----------------------------------------------------
     def record(self, block: Block, has_grad: list[bool], norms: list[torch.Tensor] | None) -> None:
@@ -153,11 +153,9 @@ class GradClipper:
             "optimizer.last_grad_norm")
 
     def _norm(self, grad: OffloadedGrad) -> torch.Tensor:
-        norm = self._norms.get(grad.slot)
-        if norm is None:
+        if grad.slot not in self._norms:
             raise RuntimeError(self._streaming_message(grad))
-        scale = self._scales.get(grad.slot)
-        return norm if scale is None else norm * scale.to(norm.device)
+        return self._norm_of(grad.slot)
 
     def _scale(self, grad: OffloadedGrad, factor: Any) -> None:
         if grad.slot not in self._norms:
@@ -184,6 +182,19 @@ class GradClipper:
             return None
         norms = [self._norm_of(slot, scaled) for slot in sorted(self._norms)]
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def commit(self) -> torch.Tensor | None:
+        """At the commit: keep the step's global norm as backward left it (``last_grad_norm``) and return the
+        norm after the user's scaling, which tierstore's own clip acts on (None: no norms were taken)."""
+        total = self.total_norm()
+        if total is not None:
+            self._last_norm = self.total_norm(scaled=False) if self._scales else total
+        return total
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last committed step, before any clip (None: none was taken)."""
+        return None if self._last_norm is None else float(self._last_norm)
 
     def _norm_of(self, slot: tuple[int, int], scaled: bool = True) -> torch.Tensor:
         scale = self._scales.get(slot) if scaled else None

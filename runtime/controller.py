@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -509,12 +509,10 @@ class Controller:
         if self.scaler is not None:
             skip = bool(self.found_inf.item())
         coef = None
-        total = self.clipper.total_norm() if not skip else None
-        if total is not None:
-            self.clipper.last_grad_norm = float(self.clipper.total_norm(scaled=False))  # before any clip, as logged
-            if self.options.grad_clip is not None:
-                coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
-                self.stats.grad_norms.append(float(total))
+        total = self.clipper.commit() if not skip else None
+        if total is not None and self.options.grad_clip is not None:
+            coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
+            self.stats.grad_norms.append(float(total))
         multiplier = None if coef is None else coef.to("cpu")
         pending = sorted(self._deferred_gpu, key=lambda item: item[0].index)
         updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
@@ -686,14 +684,6 @@ class Controller:
         """loss times the current fp16 loss scale (identity without loss scaling)."""
         return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
 
-    def master_tensor(self, block: Block) -> torch.Tensor:
-        """A CPU copy of block's fp32 master (after synchronize())."""
-        key = block.key("master")
-        if block.index in self.gpu_updated:
-            return self.store.tensor(key, TierName.GPU).to("cpu", copy=True)
-        self.store.fetch(key, TierName.HOST).wait()
-        return self.store.tensor(key, TierName.HOST).clone()
-
     def close(self) -> None:
         """Stop the worker (finishing queued updates)."""
         self.worker.close()
@@ -743,4 +733,3 @@ def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:
         chosen.add(block.index)
         running += block.numel
     return frozenset(chosen)
-

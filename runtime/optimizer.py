@@ -101,17 +101,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self.controller.clipper.last_grad_norm
 
     # ---- state ----------------------------------------------------------------------------------------
-    def _slots(self) -> list[tuple[int, Any, Any]]:
-        """(torch's state index, block, slot) of every offloaded parameter, in param_groups order."""
-        where = {id(slot.param): (block, slot) for block in self.controller.blocks for slot in block.slots}
-        out = []
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                block, slot = where[id(p)]
-                out.append((index, block, slot))
-                index += 1
-        return out
+    def _slots(self) -> list[tuple[int, Any, int, Any]]:
+        """(torch's state index, block, position in the block, slot) of every offloaded parameter, in
+        param_groups order."""
+        blocks = self.controller.blocks
+        params = [p for group in self.param_groups for p in group["params"]]
+        return [(index, blocks[b], position, blocks[b].slots[position])
+                for index, (b, position) in enumerate(self.controller.param_slot[id(p)] for p in params)]
 
     def _step_counter(self, block_index: int, position: int) -> torch.Tensor:
         steps = self.controller.gpu_param_steps.get(block_index)
@@ -123,11 +119,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         as in torch. Refused, with the numbers, when the moments would not fit in host memory."""
         self.access.settle()  # every committed update landed: its step counters and moments are final
         slots = self._slots()
-        updated = any(float(self._step_counter(b.index, b.slots.index(s))) > 0 for _, b, s in slots)
+        updated = any(float(self._step_counter(block.index, position)) > 0 for _, block, position, _ in slots)
         by_name = {kind: self.access.slot_values(kind) if updated else {} for kind in ("exp_avg", "exp_avg_sq")}
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for index, block, slot in slots:
-            position = block.slots.index(slot)
+        for index, block, position, slot in slots:
             step = self._step_counter(block.index, position)
             if float(step) == 0.0:
                 continue
@@ -152,13 +147,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             refuse_unsupported(number, saved)
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         per_block: dict[int, list[tuple[int, Any, dict[str, torch.Tensor]]]] = {}
-        for index, block, slot in self._slots():  # every check before anything changes
+        for index, block, position, slot in self._slots():  # every check before anything changes
             entry = saved_state.get(index, {})
             for kind in ("exp_avg", "exp_avg_sq"):
                 if kind in entry and tuple(entry[kind].shape) != tuple(slot.shape):
                     raise ValueError(f"optimizer state of {slot.name}: {kind} has shape {tuple(entry[kind].shape)}, "
                                      f"the parameter {tuple(slot.shape)}")
-            per_block.setdefault(block.index, []).append((block.slots.index(slot), slot, entry))
+            per_block.setdefault(block.index, []).append((position, slot, entry))
         self.access.settle()
         for group, saved in zip(self.param_groups, groups):
             group.update({key: value for key, value in saved.items() if key != "params"})

@@ -95,6 +95,11 @@ def _tensors_in(args: Iterable[Any]) -> Iterable[torch.Tensor]:
             yield from (a for a in arg if isinstance(a, torch.Tensor))
 
 
+def _same_device(wanted: torch.device, tensor: torch.Tensor) -> bool:
+    """``wanted`` names the device tensor is on (an index left out matches any)."""
+    return wanted.type == tensor.device.type and wanted.index in (None, tensor.device.index)
+
+
 def _is_in_place(func: Callable[..., Any]) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or func in IN_PLACE_DUNDERS
@@ -107,18 +112,14 @@ class ParamGuard:
         self.blocks = blocks
         self.access = access
         self.clipper = clipper
-        self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
-        self.param_slot = {id(slot.param): (block.index, position) for block in blocks for position, slot in enumerate(block.slots)}
+        self.param_block = access.controller.param_block  # id(parameter) -> block index
         self._storage_block: dict[int, int] = {}
         self._original_classes: dict[int, type] = {}
         guard = self
 
         # One subclass per session and per parameter class, so the routing reaches this session's state
         # without a global registry.
-        def routed(func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-            return guard.dispatch(func, args, kwargs or {})
-
-        self._routed = classmethod(lambda cls, func, types, args=(), kwargs=None: routed(func, types, args, kwargs))
+        self._routed = classmethod(lambda cls, func, types, args=(), kwargs=None: guard.dispatch(func, args, kwargs or {}))
         self.view_class: type = type("OffloadedView", (torch.Tensor,), {"__torch_function__": self._routed,
                                                                         "__module__": __name__})
         self._param_classes: dict[type, type] = {}
@@ -222,7 +223,7 @@ class ParamGuard:
         if device is None:
             return True
         wanted = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        return wanted.type == "cuda" and wanted.index in (None, tensor.device.index)
+        return wanted.type == "cuda" and _same_device(wanted, tensor)
 
     def _check_rebind(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """``param.data = value``: only a no-op rebind (what ``model.to(device)`` does) keeps the parameter a view
@@ -245,8 +246,8 @@ class ParamGuard:
             device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
         except (TypeError, RuntimeError):
             return False
-        same_device = device is None or (device.type == tensor.device.type and device.index in (None, tensor.device.index))
-        return same_device and dtype in (None, tensor.dtype) and not kwargs.get("copy", False)
+        return (device is None or _same_device(device, tensor)) and dtype in (None, tensor.dtype) \
+            and not kwargs.get("copy", False)
 
     def _guard_views(self, result: Any) -> Any:
         """Results that alias an offloaded block's storage are returned guarded."""
@@ -263,7 +264,7 @@ class ParamGuard:
         """An in-place write outside forward/backward: applied to the fp32 master at the same place."""
         target = args[0] if args else None
         index = self.block_of(target) if isinstance(target, torch.Tensor) else None
-        if index is None or "out" in kwargs or not isinstance(target, torch.Tensor):
+        if index is None or "out" in kwargs:
             raise RuntimeError(
                 f"{getattr(func, '__name__', func)} writes into an offloaded parameter through an output argument "
                 "or a list; write parameters with model.load_state_dict(...) or param.copy_(value)")

@@ -28,6 +28,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def refresh_compute_weights(controller: "Controller", block: Block, master: torch.Tensor, step: int) -> None:
+    """Bring block's kept compute weights in line with a newly written fp32 master (after a load or a user's
+    write), the way the update worker does: resident weights are recast from it, a host copy in the compute
+    dtype is rewritten (and written back when its home is NVMe). Fetched-on-demand weights need nothing: they
+    are read from the master at their next fetch."""
+    weights, store = controller.weights, controller.store
+    if block.index in controller.gpu_updated or weights.source is WeightSource.RESIDENT:
+        weights.load_resident(block.index, master)
+    elif weights.source is WeightSource.WEIGHTS:
+        key = block.key("weights")
+        for copy in store.record(key).copies.values():  # a transfer of this key in flight lands first
+            if copy.handle is not None:
+                copy.handle.wait()
+        store.fetch(key, TierName.HOST).wait()
+        store.tensor(key, TierName.HOST).copy_(master)  # cast to the compute dtype
+        store.mark_dirty(key, TierName.HOST, step=step)
+        if store.record(key).home is TierName.NVME:
+            store.evict(key, TierName.HOST, release=False).wait()
+
+
 class StateAccess:
     """Between-step reads and writes of blocks' weights, masters and moments."""
 
@@ -92,10 +112,9 @@ class StateAccess:
         """Wait for every committed update, its write-backs and its weight refreshes; unless ``writing`` (another
         write of a batch), finish the batched writes first."""
         controller = self.controller
-        if not writing:
+        if not writing or controller.step_pending:
             self.end_batch()
         if controller.step_pending:
-            self.end_batch()
             raise RuntimeError(
                 "the training state is being updated: a backward ran since the last optimizer.step(). Read or "
                 "write parameters and optimizer state between steps (after optimizer.step(), or after "
@@ -143,21 +162,10 @@ class StateAccess:
 
     def _refresh_compute(self, block: Block) -> None:
         """Bring block's compute weights in line with its master after a write."""
-        index, store = block.index, self.store
-        if self.weights.source is WeightSource.RESIDENT or index in self.controller.gpu_updated:
-            self.read_state(block, "master", lambda master: self.weights.load_resident(index, master))
-            return
-        if self.weights.source is WeightSource.WEIGHTS:
-            key = block.key("weights")
-            store.fetch(key, TierName.HOST).wait()
-
-            def cast(master: torch.Tensor) -> None:
-                store.tensor(key, TierName.HOST).copy_(master)  # cast to the compute dtype
-
-            self.read_state(block, "master", cast)
-            store.mark_dirty(key, TierName.HOST, step=store.record(key).step)
-            if store.record(key).home is TierName.NVME:
-                store.evict(key, TierName.HOST).wait()
+        index = block.index
+        if self.weights.source is not WeightSource.MASTER or index in self.controller.gpu_updated:
+            step = self.store.record(block.key("master")).step
+            self.read_state(block, "master", lambda master: refresh_compute_weights(self.controller, block, master, step))
         # A fetched copy holds the old values: drop it (views of it fetch again when read).
         if self.weights.states[index].users == 0:
             self.controller.release_block(index)
@@ -179,12 +187,19 @@ class StateAccess:
         self.settle()
         out: dict[str, torch.Tensor] = {}
         for block in self.blocks:
-            def take(flat: torch.Tensor, block: Block = block) -> None:
-                for slot in block.slots:
-                    view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                    dtype = dtypes[slot.name] if dtypes else view.dtype
-                    out[slot.name] = view.to(device="cpu", dtype=dtype, copy=True)
+            out.update(self.block_values(block, kind, dtypes))
+        return out
 
-            self.read_state(block, kind, take)
+    def block_values(self, block: Block, kind: str, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+        """Block's parameters' tensors of one kind as CPU copies by name (cast to ``dtypes[name]`` when given).
+        Call ``settle()`` first."""
+        out: dict[str, torch.Tensor] = {}
+
+        def take(flat: torch.Tensor) -> None:
+            for slot in block.slots:
+                view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                out[slot.name] = view.to(device="cpu", dtype=dtypes[slot.name] if dtypes else view.dtype, copy=True)
+
+        self.read_state(block, kind, take)
         return out
 

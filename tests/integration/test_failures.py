@@ -15,7 +15,7 @@ from runtime import offload
 from runtime.checkpoint import save_checkpoint
 from tierstore import CopyState, TierName
 from tests.integration.test_parity import make_batches
-from tests.integration.test_user_contract import LR, assert_same, config, fresh_model
+from tests.integration.test_user_contract import assert_same, config, fresh_model, plain_model
 
 
 class Planted(Exception):
@@ -66,8 +66,7 @@ def test_a_caught_failure_drops_the_step_exactly(tmp_path, where, layer, mode):
     clip = 0.05 if mode == "user_clip" else None
     fail_at = {(1, accumulation - 1), (3, 0)}
     batches = make_batches(5 * accumulation)
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     armed = plant(plain, layer, where)
     plain_clip = 0.05 if mode == "config_clip" else clip
     run(plain, plain_opt, armed, batches, fail_at, accumulation, plain_clip)
@@ -86,8 +85,7 @@ def test_a_caught_failure_drops_the_step_exactly(tmp_path, where, layer, mode):
 
 def test_without_zero_grad_the_next_forward_drops_the_failed_step(tmp_path):
     batches = make_batches(4)
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     for index, batch in enumerate(batches):
         if index != 1:  # the plain loop skips the failed batch
             plain(*batch).backward()
@@ -143,8 +141,7 @@ def test_the_checkpoint_after_a_caught_failure_holds_one_step_everywhere(tmp_pat
 def test_a_dropped_step_gives_back_streamed_state(tmp_path):
     """Updates that wait for the commit bring streamed blocks' state in during backward; a dropped step
     releases it, and training afterwards still equals the plain loop."""
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     armed = plant(plain, 0, "backward")
     batches = make_batches(4)
     run(plain, plain_opt, armed, batches, {(1, 0)}, clip=0.05)

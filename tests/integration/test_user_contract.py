@@ -44,6 +44,19 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, batch, clip: float 
     return norm
 
 
+def plain_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The reference: the same model with torch's fused AdamW and the config's hyper-parameters."""
+    plain = fresh_model()
+    return plain, torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+
+
+def offloaded_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> None:
+    """One step of the user's unchanged loop on the offloaded model."""
+    model(*batch).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
     assert ours.keys() == theirs.keys()
     for name in theirs:
@@ -51,15 +64,12 @@ def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) 
 
 
 def test_parameters_read_between_steps_equal_the_plain_loop(tmp_path):
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
     try:
         for batch in make_batches(3):
             plain_step(plain, plain_opt, batch)
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
             # The reads a user makes: clone by name, norms, a view kept across a step, repr.
             snapshot = {n: p.clone() for n, p in model.named_parameters()}
             assert_same(snapshot, dict(plain.named_parameters()))
@@ -68,9 +78,7 @@ def test_parameters_read_between_steps_equal_the_plain_loop(tmp_path):
         view = model.layers[2].down.weight.detach()
         batch = make_batches(4)[3]
         plain_step(plain, plain_opt, batch)
-        model(*batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        offloaded_step(model, optimizer, batch)
         assert torch.equal(view, plain.layers[2].down.weight.detach())  # a view follows the parameter
         assert_same(model.state_dict(), plain.state_dict())
     finally:
@@ -86,9 +94,7 @@ def test_state_dict_saves_into_a_fresh_model_and_pretrained_weights_load(tmp_pat
     model, optimizer = offload(fresh_model(), config(tmp_path))
     with optimizer.session:
         for batch in make_batches(2):
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)
         expected = optimizer.session.master_state_dict()
@@ -108,9 +114,7 @@ def test_state_dict_saves_into_a_fresh_model_and_pretrained_weights_load(tmp_pat
         assert_same(model.state_dict(), pretrained)
         for batch in make_batches(3):
             plain_step(plain, plain_opt, batch)
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
         assert_same(model.state_dict(), plain.state_dict())
         with pytest.raises(RuntimeError, match="assign"):
             model.load_state_dict(pretrained, assign=True)
@@ -118,8 +122,7 @@ def test_state_dict_saves_into_a_fresh_model_and_pretrained_weights_load(tmp_pat
 
 @pytest.mark.parametrize("how", ["torch", "optimizer"])
 def test_user_clipping_is_exact_and_returns_the_true_norm(tmp_path, how):
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
     with optimizer.session:
         for step, batch in enumerate(make_batches(4)):
@@ -149,8 +152,7 @@ def test_user_clipping_with_streaming_updates_is_refused_not_ignored(tmp_path):
 
 
 def test_zero_grad_before_step_drops_the_step_like_plain_pytorch(tmp_path):
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
     with optimizer.session:
         for step, batch in enumerate(make_batches(4)):
@@ -183,24 +185,19 @@ def test_param_groups_and_hyperparameter_changes_equal_torch_adamw(tmp_path):
                     opt.param_groups[1]["eps"] = 1e-6
             plain_step(plain, plain_opt, batch)
             plain_sched.step()
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
             sched.step()
         assert_same(model.state_dict(), plain.state_dict())
 
 
 def test_optimizer_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     batches = make_batches(5)
     model, optimizer = offload(fresh_model(), config(tmp_path / "a"))
     with optimizer.session:
         for batch in batches[:3]:
             plain_step(plain, plain_opt, batch)
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
         saved_opt = optimizer.state_dict()
         saved_model = model.state_dict()
         theirs = plain_opt.state_dict()
@@ -218,9 +215,7 @@ def test_optimizer_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
         optimizer.load_state_dict(torch.load(buffer))
         for batch in batches[3:]:
             plain_step(plain, plain_opt, batch)
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
         assert_same(model.state_dict(), plain.state_dict())
 
 
@@ -281,9 +276,7 @@ def test_checkpoints_carry_param_groups_and_the_lr_scheduler(tmp_path):
         for step, batch in enumerate(batches[:2]):
             if step == 1:
                 optimizer.param_groups[1]["betas"] = (0.8, 0.9)
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
             sched.step()
         save_checkpoint(session, tmp_path / "ckpt", scheduler=sched)
     model = fresh_model(seed=3)
@@ -294,9 +287,7 @@ def test_checkpoints_carry_param_groups_and_the_lr_scheduler(tmp_path):
         assert load_checkpoint(session, tmp_path / "ckpt", scheduler=sched) == 2
         assert optimizer.param_groups[1]["betas"] == (0.8, 0.9)
         for batch in batches[2:]:
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
             sched.step()
         assert_same(model.state_dict(), plain.state_dict())
         assert sched.get_last_lr() == plain_sched.get_last_lr()
@@ -341,9 +332,7 @@ def test_views_taken_in_forward_or_kept_across_close_never_read_freed_memory(tmp
     model.layers[1].gate_up.register_forward_hook(lambda m, i, o: kept.append(m.weight.detach().view(-1)[:8]))
     with optimizer.session:
         for batch in make_batches(2):
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
         assert torch.equal(kept[-1], model.layers[1].gate_up.weight.detach().view(-1)[:8])  # read after release
         view = model.layers[0].qkv.weight.detach()
     with pytest.raises(RuntimeError, match="session that was closed"):
@@ -359,9 +348,7 @@ def test_numpy_dlpack_and_pickle_get_copies(tmp_path):
         buffer = io.BytesIO()
         torch.save(weight.detach(), buffer)
         for batch in make_batches(2):  # the blocks are released and refetched in between
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
         first = optimizer.session.master_state_dict()
     buffer.seek(0)
     assert type(torch.load(buffer)) is torch.Tensor
@@ -396,8 +383,7 @@ def test_item_assignment_and_ema_reads(tmp_path):
 
 
 def test_model_zero_grad_after_backward_drops_those_gradients(tmp_path):
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
     with optimizer.session:
         for step, batch in enumerate(make_batches(3)):
@@ -449,16 +435,13 @@ def test_load_state_dict_writes_each_block_once(tmp_path):
 
 def test_deepcopy_gives_a_plain_model_with_the_current_weights(tmp_path):
     """The usual EMA / evaluation copy: copy.deepcopy(model) is an ordinary model that does not drive the session."""
-    plain = fresh_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
     with optimizer.session:
         batches = make_batches(3)
         for batch in batches:
             plain_step(plain, plain_opt, batch)
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            offloaded_step(model, optimizer, batch)
             ema = copy.deepcopy(model)
             assert all(type(p) is nn.Parameter for p in ema.parameters())
             assert_same(dict(ema.named_parameters()), dict(plain.named_parameters()))

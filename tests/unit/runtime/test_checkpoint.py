@@ -83,7 +83,8 @@ def test_layout_manifest_and_raw_tensors(trained, saved, tmp_path):
             entry = meta["tensors"][block.key(kind)]
             raw = np.fromfile(saved / entry["file"], dtype="<f4")  # raw little-endian, no pickle
             assert entry["dtype"] == "float32" and raw.size == entry["numel"] == block.numel
-        assert session.controller.master_tensor(block).numpy().tobytes() == (saved / f"{block.key('master')}.bin").read_bytes()
+        master = torch.cat([v.reshape(-1) for v in session.access.block_values(block, "master").values()])
+        assert master.numpy().tobytes() == (saved / f"{block.key('master')}.bin").read_bytes()
         assert meta["blocks"][block.index]["param_steps"] == [2.0] * len(block.slots)
     assert (saved / "rng.torch_cpu.bin").read_bytes() == torch.get_rng_state().numpy().tobytes()
     assert (saved / "data.generator.bin").read_bytes() == data.generator.get_state().numpy().tobytes()
