@@ -81,3 +81,60 @@ def adamw_update_grouped(
             return [tensors[p] for p in positions]
 
         adamw_update(pick(master), pick(grads), pick(exp_avg), pick(exp_avg_sq), pick(steps), hyper)
+
+
+# Elements per piece of an out-of-place update: a piece's state is copied, then updated while it is still in the
+# CPU's caches, so the copy costs one more read than an in-place update instead of a second pass. A multiple of
+# 64 elements: the fused kernel splits work at cache-line multiples and vectorizes from each piece's start, so
+# pieces that begin at such offsets compute every element exactly as one call over the whole tensor does.
+OUT_OF_PLACE_PIECE = 1 << 20
+
+
+def adamw_update_out_of_place(
+    old: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    new: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    grads: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hypers: list[AdamWHyper],
+    piece_numel: int = OUT_OF_PLACE_PIECE,
+) -> None:
+    """``adamw_update_grouped`` whose result lands in ``new`` (master, exp_avg, exp_avg_sq views, parallel to
+    ``old``'s) while ``old`` keeps the values it had: the state before the step survives until the result is
+    published. Bit-identical to the in-place update. Increments steps."""
+    if not grads:
+        return
+    torch._foreach_add_(steps, 1)
+    for piece in _pieces([g.numel() for g in grads], piece_numel):
+        for source, target in zip(old, new):
+            torch._foreach_copy_([target[i][a:b] for i, a, b in piece], [source[i][a:b] for i, a, b in piece])
+        groups: dict[AdamWHyper, list[tuple[int, int, int]]] = {}
+        for part in piece:
+            groups.setdefault(hypers[part[0]], []).append(part)
+        for hyper, parts in groups.items():
+            def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [tensors[i][a:b] for i, a, b in parts]
+
+            torch._fused_adamw_(
+                pick(new[0]), pick(grads), pick(new[1]), pick(new[2]), [], [steps[i] for i, _, _ in parts],
+                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
+                amsgrad=False, maximize=False,
+            )
+
+
+def _pieces(sizes: list[int], piece_numel: int) -> list[list[tuple[int, int, int]]]:
+    """(tensor position, start, end) ranges covering every tensor, gathered into pieces of about piece_numel
+    elements; a tensor is split only at multiples of piece_numel from its own start."""
+    pieces: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    filled = 0
+    for position, size in enumerate(sizes):
+        for start in range(0, size, piece_numel):
+            end = min(size, start + piece_numel)
+            current.append((position, start, end))
+            filled += end - start
+            if filled >= piece_numel:
+                pieces.append(current)
+                current, filled = [], 0
+    if current:
+        pieces.append(current)
+    return pieces

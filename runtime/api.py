@@ -21,7 +21,7 @@ from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
-from runtime.plan import Budgets, MemoryPlan, check_fits, make_plan, spill_moments
+from runtime.plan import Budgets, MemoryPlan, check_fits, make_plan, planned_ram_nbytes, spill_moments
 from runtime.signals import stop_on_sigterm
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
@@ -272,16 +272,17 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
 
 
 def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
-             dtype: torch.dtype, spilled: int = 0) -> MemoryPlan:
+             dtype: torch.dtype, spilled: int = 0, spares: bool = False) -> MemoryPlan:
     """The memory plan of these blocks under this config (nothing allocated); ``spilled``: how many of the
-    last host-updated blocks keep their moments on NVMe (see ``resolve_plan``)."""
+    last host-updated blocks keep their moments on NVMe, ``spares``: second state buffers for updates that
+    run before the commit (see ``resolve_plan``)."""
     opt = cfg.optimizer
     gpu_updated = gpu_updated_blocks(blocks, opt.gpu_update_fraction)
     streamed = len(gpu_streamed_blocks(blocks, opt.gpu_update_fraction, opt.gpu_stream_fraction))
     return make_plan([b.numel for b in blocks if b.index not in gpu_updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
                      opt.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)],
-                     spilled=spilled, streamed=streamed)
+                     spilled=spilled, streamed=streamed, spares=spares)
 
 
 @dataclass(frozen=True)
@@ -308,17 +309,24 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     # Streamed blocks (the first host-updated ones) copy their moments from pinned memory: never spilled.
     spillable = len(host_updated) - len(gpu_streamed_blocks(blocks, opt.gpu_update_fraction, opt.gpu_stream_fraction))
     spilled = 0
+    limit = host_memory().usable_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
+    # Updates that wait for the commit run ahead into second buffers when the host has room for them; they are
+    # the first thing given up (before spilling moments to disk): without them a step is only slower.
+    spares = waits_for_commit(cfg) and \
+        planned_ram_nbytes(plan_for(blocks, cfg, homes, source, dtype, spares=True), cfg.tiers.nvme.path) <= limit
     if cfg.placement.moments == "auto" and cfg.tiers.nvme.path is not None and homes["exp_avg"] is TierName.HOST:
-        if cfg.tiers.host.budget == "auto":
-            limit = host_memory().usable_nbytes
-        else:
-            limit = int(cfg.tiers.host.budget)
         spilled = spill_moments(lambda k: plan_for(blocks, cfg, homes, source, dtype, k), spillable, limit)
         if spilled:
             log.info("placement.moments: auto: the moments of the last %d of %d host-updated blocks go to NVMe",
                      spilled, len(host_updated))
     spilled_blocks = frozenset(host_updated[len(host_updated) - spilled:]) if spilled else frozenset()
-    return ResolvedPlan(homes, source, spilled_blocks, plan_for(blocks, cfg, homes, source, dtype, spilled))
+    return ResolvedPlan(homes, source, spilled_blocks, plan_for(blocks, cfg, homes, source, dtype, spilled, spares and not spilled))
+
+
+def waits_for_commit(cfg: TierstoreConfig) -> bool:
+    """True when updates need the whole gradient before they can commit: clipping (tierstore's or the loop's)
+    or fp16 overflow checks."""
+    return cfg.optimizer.grad_clip is not None or cfg.dtype == "fp16" or cfg.optimizer.user_grad_clip
 
 
 def default_cpu_threads() -> int:

@@ -7,6 +7,7 @@ the step bookkeeping (micro-batches, committed optimizer steps, the fp16 loss sc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -21,7 +22,7 @@ from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
 from runtime.materialize import ParamInit, initialize
-from runtime.overlap import STATE_KINDS, UpdateJob, UpdateWorker
+from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
 from tierstore import CapacityError, CopyState, Handle, TensorMeta, TierName, TierStore
@@ -485,9 +486,12 @@ class Controller:
                 return
             handle = self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
             job = UpdateJob(block, handle, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
-        if self._deferred:
-            self._deferred_jobs.append(job)
-        else:
+        if not self._deferred:
+            self.worker.submit(job)
+            return
+        self._deferred_jobs.append(job)
+        if not job.skip and self.worker.spares.can_speculate(block):
+            job.speculative = True  # runs now, out of place; the commit publishes or redoes it
             self.worker.submit(job)
 
     def _block_hypers(self, block: Block) -> list[AdamWHyper]:
@@ -531,14 +535,17 @@ class Controller:
             self._gpu_update(block, flat, has_grad, step, skip=skip or flat is None)
         self._deferred_gpu = []
         for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
-            job.grad_multiplier = multiplier
             scales = self.clipper.user_scales(job.block)
-            job.slot_multipliers = None if scales is None else [s if s is None else s.to("cpu") for s in scales]
-            job.hypers = self._block_hypers(job.block)  # the param_groups as the commit finds them
             keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
-            job.mask = None if all(keep) else keep
-            job.skip = job.skip or skip or not any(keep)
-            self.worker.submit(job)
+            final = dataclasses.replace(
+                job, speculative=False, phase=JobPhase.QUEUED, verdict=None, grad_multiplier=multiplier,
+                slot_multipliers=None if scales is None else [s if s is None else s.to("cpu") for s in scales],
+                hypers=self._block_hypers(job.block),  # the param_groups as the commit finds them
+                mask=None if all(keep) else keep, skip=job.skip or skip or not any(keep))
+            if job.speculative:
+                self.worker.resolve(job, speculation_holds(job, final), final)
+            else:
+                self.worker.submit(final)
         if skip:
             self.stats.skipped_steps += 1
             log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,
@@ -640,6 +647,9 @@ class Controller:
                                  "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
                                  "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
                                  "and an abandoned step changes nothing")
+        for job in self._deferred_jobs:
+            if job.speculative:
+                self.worker.resolve(job, False, None)  # its result in the spares is simply never published
         self._deferred_jobs, self._deferred_gpu = [], []
         self.wait_device_writebacks()  # updates of this step already written back stay (see _interrupted)
         for index in self.gpu_streamed:  # state brought in for the dropped step: clean copies, let them go
@@ -708,6 +718,17 @@ class _LossScaler:
         """Back off on overflow, grow after growth_interval clean steps."""
         torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval)
 
+
+
+def speculation_holds(speculative: UpdateJob, final: UpdateJob) -> bool:
+    """True when the update the commit decided (``final``) is the one a speculative run made: no skip, no clip
+    factor but exactly 1 (multiplying by 1 changes no bit), the same parameters and hyper-parameters."""
+    def unit(factor: torch.Tensor | None) -> bool:
+        return factor is None or float(factor) == 1.0
+
+    all_kept = [True] * len(final.block.slots)
+    return (not final.skip and unit(final.grad_multiplier) and all(unit(s) for s in final.slot_multipliers or [])
+            and final.hypers == speculative.hypers and (final.mask or all_kept) == (speculative.mask or all_kept))
 
 
 def gpu_streamed_blocks(blocks: list[Block], update_fraction: float, stream_fraction: float) -> frozenset[int]:

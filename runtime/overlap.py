@@ -11,11 +11,15 @@ Jobs are taken by priority: lowest step, then lowest block index -- the block th
 In *streaming* mode jobs are submitted as gradients arrive and overlap backward; whatever is left when
 backward ends runs in forward order, so the next forward starts while later blocks still update. In
 *deferred* mode (the update needs the whole gradient first: global-norm clipping or fp16 overflow checks)
-every job is submitted at the end of backward, and runs in forward order.
+every job is submitted at the end of backward, and runs in forward order, except the *speculative* jobs of
+host-updated blocks: they run as gradients land, out of place, and the commit publishes or redoes them (see
+[Note: speculative updates] in ``runtime.speculation``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import heapq
 import itertools
@@ -26,15 +30,27 @@ from typing import Callable
 
 import torch
 
-from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
+from runtime.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, split_views
 from runtime.blocks import Block
 from runtime.clipping import scale_slots
+from runtime.speculation import SpareBuffers
 from runtime.weights import WeightManager, WeightSource
 from tierstore import CapacityError, Handle, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class JobPhase(enum.Enum):
+    """Where a job is: queued -> running -> done; a speculative job -> speculated (its result in the block's
+    spares) until the commit's verdict, or withdrawn when the verdict came while it was still queued."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SPECULATED = "speculated"
+    DONE = "done"
+    WITHDRAWN = "withdrawn"
 
 
 @dataclass
@@ -49,6 +65,12 @@ class UpdateJob:
     slot_multipliers: list[torch.Tensor | None] | None = None  # the user's clip factor per parameter (CPU)
     skip: bool = False  # fp16 overflow: mark updated without changing anything
     mask: list[bool] | None = None  # per parameter: got a gradient (None: all did); others are not updated
+    speculative: bool = False  # runs before the commit, into the block's spares (runtime.speculation)
+    publish: bool = False  # the commit kept a speculative result: make the spares the block's state
+    spec_steps: list[torch.Tensor] | None = None  # per-parameter step counters after the speculative run
+    phase: JobPhase = JobPhase.QUEUED
+    # The commit's verdict on a speculative job that was running when it came: (result holds, job to run instead).
+    verdict: tuple[bool, "UpdateJob | None"] | None = None
 
 
 @dataclass
@@ -58,6 +80,8 @@ class WorkerStats:
     adam_s: float = 0.0
     wait_inputs_s: float = 0.0
     jobs: int = 0
+    published: int = 0  # updates run before their commit whose result the commit kept
+    redone: int = 0  # updates run before their commit whose result the commit replaced (a clip below 1, ...)
     intervals: list[tuple[int, int, float, float]] = field(default_factory=list)  # (block, step, start, end)
 
 
@@ -84,6 +108,7 @@ class UpdateWorker:
         self.on_updated: Callable[[int], None] | None = None  # called in this thread after each update
         self._error: BaseException | None = None
         self._refresh_staging: torch.Tensor | None = None
+        self.spares = SpareBuffers(store)
         if weights.source is WeightSource.RESIDENT and store.device.type == "cuda":
             largest = max((b.numel for b in blocks), default=0)
             with torch.cuda.stream(store.engine.h2d_stream):
@@ -99,6 +124,29 @@ class UpdateWorker:
         with self._cond:
             heapq.heappush(self._jobs, (job.step, job.block.index, next(self._sequence), job))
             self._cond.notify_all()
+
+    def resolve(self, job: UpdateJob, holds: bool, redo: UpdateJob | None) -> None:
+        """The commit's verdict on a speculative job: its result ``holds`` (it is published), or ``redo`` runs
+        instead from the untouched state; ``holds`` False and ``redo`` None drop it (a discarded step)."""
+        with self._cond:
+            if job.phase is JobPhase.QUEUED:  # never ran: the ordinary update runs in its place
+                self._jobs = [item for item in self._jobs if item[-1] is not job]
+                heapq.heapify(self._jobs)
+                job.phase = JobPhase.WITHDRAWN
+                follow = redo
+            elif job.phase is JobPhase.RUNNING:
+                job.verdict = (holds, redo)  # applied by the worker when the run ends
+                return
+            else:
+                follow = self._publish_job(job) if holds else redo
+                self.stats.redone += not holds and redo is not None
+            if follow is not None:
+                heapq.heappush(self._jobs, (follow.step, follow.block.index, next(self._sequence), follow))
+                self._cond.notify_all()
+
+    @staticmethod
+    def _publish_job(job: UpdateJob) -> UpdateJob:
+        return dataclasses.replace(job, speculative=False, publish=True, phase=JobPhase.QUEUED, verdict=None)
 
     def stage(self, block: Block) -> None:
         """Start bringing block's optimizer state to host early (e.g. when its backward begins)."""
@@ -152,6 +200,8 @@ class UpdateWorker:
                 self._stopping = True
                 self._cond.notify_all()
             self._thread.join()
+        if not self.store._closed:
+            self.spares.close()
 
     # ---- the thread ----------------------------------------------------------------------------------
     def _next_job(self) -> UpdateJob | None:
@@ -169,8 +219,11 @@ class UpdateWorker:
         ready = [item for item in candidates if item[-1].grad_handle is None or item[-1].grad_handle.done()]
         chosen = ready[0] if ready else min(candidates, key=lambda item: item[2])
         with self._cond:
+            if chosen not in self._jobs:  # withdrawn by a verdict meanwhile
+                return self._next_job()
             self._jobs.remove(chosen)
             heapq.heapify(self._jobs)
+            chosen[-1].phase = JobPhase.RUNNING
         return chosen[-1]
 
     def _run(self) -> None:
@@ -203,6 +256,9 @@ class UpdateWorker:
                 return  # host staging room is full: the job fetches when it runs
 
     def _run_job(self, job: UpdateJob) -> None:
+        if job.publish:
+            self._publish(job)
+            return
         block, index = job.block, job.block.index
         start = time.perf_counter()
         if job.grad_handle is not None:
@@ -211,6 +267,10 @@ class UpdateWorker:
         grad = self.store.tensor(block.key("grad"), TierName.HOST)
         adam_start = time.perf_counter()
         self.stats.wait_inputs_s += adam_start - start
+        if job.speculative:
+            self._speculate(job, host, grad)
+            self._count(job, adam_start)
+            return
         if not job.skip:
             scale_slots(grad, block, job.slot_multipliers, job.grad_multiplier)
             sizes = [slot.numel for slot in block.slots]
@@ -237,12 +297,57 @@ class UpdateWorker:
                     handle = self.store.evict(block.key(kind), TierName.HOST)  # written back, then released
                     with self._cond:
                         self._writebacks = [h for h in self._writebacks if not h.done()] + [handle]
+        self._count(job, adam_start)
+        self._finish(job)
+
+    def _speculate(self, job: UpdateJob, host: dict[str, torch.Tensor], grad: torch.Tensor) -> None:
+        """AdamW into the block's spares with the gradient as backward left it; the store's state is untouched.
+        Ends in the commit's verdict when it came meanwhile, else waits for it (phase SPECULATED)."""
+        block = job.block
+        sizes = [slot.numel for slot in block.slots]
+        keep = job.mask or [True] * len(sizes)
+
+        def views(flat: torch.Tensor) -> list[torch.Tensor]:
+            return [v for v, k in zip(split_views(flat, sizes), keep) if k]
+
+        targets = self.spares.targets(block)
+        job.spec_steps = [s.clone() for s in self.param_steps[block.index]]
+        adamw_update_out_of_place(
+            tuple(views(host[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
+            tuple(views(targets[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
+            views(grad),
+            [s for s, k in zip(job.spec_steps, keep) if k],
+            [h for h, k in zip(job.hypers, keep) if k],
+        )
+        with self._cond:
+            job.phase = JobPhase.SPECULATED
+            verdict, job.verdict = job.verdict, None
+        if verdict is not None:
+            self.resolve(job, *verdict)
+
+    def _publish(self, job: UpdateJob) -> None:
+        """The commit kept a speculative result: the spares become the block's state, then as after any update."""
+        block, start = job.block, time.perf_counter()
+        self.spares.publish(block, job.step)
+        for counter, value in zip(self.param_steps[block.index], job.spec_steps or []):
+            counter.copy_(value)
+        self._refresh_weights(block, self.store.tensor(block.key("master"), TierName.HOST), job.step)
+        self.stats.published += 1
+        self._count(job, start)
+        self._finish(job)
+
+    def _count(self, job: UpdateJob, start: float) -> None:
         end = time.perf_counter()
-        self.stats.adam_s += end - adam_start
+        self.stats.adam_s += end - start
         self.stats.jobs += 1
         if self.record_intervals:
-            self.stats.intervals.append((index, job.step, adam_start, end))
+            self.stats.intervals.append((job.block.index, job.step, start, end))
+
+    def _finish(self, job: UpdateJob) -> None:
+        """Block updated to job.step: the next forward may use it."""
+        index = job.block.index
         with self._cond:
+            job.phase = JobPhase.DONE
             self._updated_step[index] = max(self._updated_step[index], job.step)
             self._cond.notify_all()
         if self.on_updated is not None:

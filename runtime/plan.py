@@ -82,14 +82,16 @@ class MemoryPlan:
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
               prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None,
-              spilled: int = 0, streamed: int = 0) -> MemoryPlan:
+              spilled: int = 0, streamed: int = 0, spares: bool = False) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
     (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
     blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction). ``spilled``:
     the last that many of ``block_numels`` keep their moments on NVMe although ``homes`` says host
     (``placement.moments: auto`` when host memory cannot hold them all; see ``spill_moments``). ``streamed``:
     the first that many of ``block_numels`` are updated on the GPU over state streamed from host
-    (``optimizer.gpu_stream_fraction``): no host gradient, a few blocks of device state in flight."""
+    (``optimizer.gpu_stream_fraction``): no host gradient, a few blocks of device state in flight. ``spares``:
+    the CPU-updated blocks whose state lives in host memory get second buffers for their master and moments,
+    so their updates run before the step commits (see [Note: speculative updates] in runtime.speculation)."""
     gpu_updated_numels = gpu_updated_numels or []
     plan_homes = dict(homes)
     if spilled and homes["exp_avg"] == "host":
@@ -118,6 +120,10 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
             plan.rows.append((f"{kind} (fp32)", "nvme", sum(HEADER_NBYTES + host_bytes(n, 4) for n in block_numels)))
             plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * host_bytes(largest, 4)))
     plan.rows.append(("gradients (fp32, offloaded)", "host", sum(host_bytes(n, 4) for n in block_numels[streamed:])))
+    if spares and all(homes[kind] == "host" for kind in STATE_KINDS):
+        speculating = block_numels[streamed:len(block_numels) - spilled]
+        plan.rows.append(("pre-commit update buffers", "host",
+                          len(STATE_KINDS) * sum(host_bytes(n, 4) for n in speculating)))
     if streamed:
         in_flight = min(streamed, STREAMED_IN_FLIGHT)
         plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu", in_flight * 3 * 4 * max(block_numels[:streamed])))
@@ -220,6 +226,12 @@ def check_plan(plan: MemoryPlan, *, host_budget_nbytes: int | None, gpu_budget_n
                                 f"{approx_size(free)} is free; free space or pick another path (tiers.nvme.path)")
     if problems:
         raise PlanError("the memory plan does not fit:\n  " + "\n  ".join(problems) + "\n" + plan.table())
+
+
+def planned_ram_nbytes(plan: MemoryPlan, nvme_path: str | None) -> int:
+    """RAM the plan takes: its pinned bytes, plus its swap files when they live on tmpfs."""
+    swap = _swap_directory(nvme_path)
+    return plan.host_nbytes + (plan.nvme_nbytes if swap is not None and plan.nvme_nbytes and ram_backed(swap) else 0)
 
 
 def _swap_directory(nvme_path: str | None) -> str | None:

@@ -22,13 +22,14 @@ from tierstore.events import EventBus, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.lifecycle import close_at_exit
 from tierstore.residency import CopyState, IllegalTransitionError
-from tierstore.tiers import Tier, TierName
+from tierstore.tiers import Allocation, Tier, TierName
 from tierstore.pinned import PinnedArena
 from tierstore.nvme import NVMeDirectory
 from tierstore.transfer import Handle, TransferEngine
 from tierstore.store import StoreConfig, TierStore, swap_tmp_root
 
 __all__ = [
+    "Allocation",
     "CapacityError",
     "CopyState",
     "CorruptFileError",

@@ -272,6 +272,37 @@ class TierStore:
             if step is not None:
                 record.step = step
 
+    # ---- second host buffers (values written out of place, published at once) ---------------------------
+    def allocate_spare(self, key: TensorKey | str) -> Allocation:
+        """A host buffer the size of key's, from the host budget (CapacityError when it has no room), outside
+        key's copies: a new value can be written there while the host copy keeps the old one, then made the
+        host copy by ``exchange_host``. Give it back with ``free_spare``."""
+        record = self.record(key)
+        with self._lock:
+            return self.tiers[TierName.HOST].allocate(record.key, record.meta)
+
+    def free_spare(self, spare: Allocation) -> None:
+        """Return a buffer from ``allocate_spare`` (or one ``exchange_host`` handed back)."""
+        with self._lock:
+            self.tiers[TierName.HOST].free(spare)
+
+    def exchange_host(self, key: TensorKey | str, spare: Allocation, step: int | None = None) -> Allocation:
+        """Make ``spare`` (filled with key's new value) key's host copy, modified in place as ``mark_dirty`` records
+        it, and return the buffer it replaces (the old value) as the new spare. Key's host copy must be current
+        with no transfer in flight: the swap is two pointers, so nothing may be reading or filling either."""
+        record = self.record(key)
+        with self._lock:
+            copy = record.copies[TierName.HOST]
+            self._settle(copy)
+            if not copy.state.is_current or copy.handle is not None or copy.allocation is None:
+                raise RuntimeError(f"{record.key}: the host copy is {copy.state.value}; only a current host copy "
+                                   "with no transfer in flight can be exchanged")
+            if spare.meta != record.meta or spare.tensor is None:
+                raise RuntimeError(f"{record.key}: a spare of {spare.meta} can't replace a host copy of {record.meta}")
+            old, copy.allocation = copy.allocation, spare
+            self.mark_dirty(record.key, TierName.HOST, step=step)
+            return old
+
     # ---- internals -----------------------------------------------------------------------------------
     def _copy(self, record: Record, frm: TierName, to: TierName, after: Handle | None, dirty: bool) -> Handle:
         """Reserve ``to``'s copy (if needed), issue the transfer, and settle the state when it completes."""

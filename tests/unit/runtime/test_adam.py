@@ -106,3 +106,27 @@ def test_updates_in_place_only_within_the_views():
     assert torch.equal(master[:2], torch.ones(2)) and torch.equal(master[6:], torch.ones(4))
     assert master[2:6].lt(1.0).all()
     assert torch.equal(m[:2], torch.zeros(2)) and m[2:6].gt(0).all() and v[2:6].gt(0).all()
+
+
+@pytest.mark.parametrize("piece", [64, 4096, 1 << 20])
+def test_out_of_place_update_is_bit_identical_and_leaves_the_old_state(piece):
+    from runtime.adam import adamw_update_grouped, adamw_update_out_of_place
+
+    torch.manual_seed(0)
+    sizes = [3000, 70001, 17, 1 << 16, 5]
+    hypers = [AdamWHyper(lr=1e-2), AdamWHyper(lr=1e-2), AdamWHyper(lr=3e-3, weight_decay=0.0), AdamWHyper(lr=1e-2),
+              AdamWHyper(lr=1e-2, eps=1e-6)]
+    grads = [torch.randn(n) for n in sizes]
+    state = [[torch.randn(n) for n in sizes], [torch.randn(n) for n in sizes], [torch.rand(n) for n in sizes]]
+    in_place = [[t.clone() for t in kind] for kind in state]
+    steps_in_place = [torch.tensor(3.0) for _ in sizes]
+    adamw_update_grouped(*in_place[:1], grads, *in_place[1:], steps_in_place, hypers)
+    old = [[t.clone() for t in kind] for kind in state]
+    new = [[torch.full_like(t, float("nan")) for t in kind] for kind in state]
+    steps = [torch.tensor(3.0) for _ in sizes]
+    adamw_update_out_of_place(tuple(old), tuple(new), grads, steps, hypers, piece_numel=piece)
+    for kind in range(3):
+        for got, want, before, kept in zip(new[kind], in_place[kind], state[kind], old[kind]):
+            assert torch.equal(got, want)
+            assert torch.equal(kept, before)
+    assert [float(s) for s in steps] == [4.0] * len(sizes)

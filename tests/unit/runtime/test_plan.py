@@ -191,3 +191,20 @@ def test_the_gpu_and_nvme_budgets_are_refused_together_with_the_host():
                       nvme_budget_nbytes=1 << 20)
     lines = [line.split(":")[0].strip() for line in message.splitlines()[1:5]]
     assert lines == ["host", "gpu", "nvme", "nvme"]  # budget, then free space on a missing directory (0)
+
+
+def test_updates_waiting_for_the_commit_get_second_buffers_when_the_host_has_room():
+    from runtime.api import plan_model
+    from runtime.config import load_config
+
+    def plan(**optimizer):
+        cfg = load_config({"dtype": "fp32", "optimizer": optimizer})
+        return plan_model(ExampleLM(SHAPE), cfg, torch.device("cpu"))[1].plan
+
+    rows = lambda p: {kind: n for kind, _, n in p.rows}  # noqa: E731
+    clipped, streaming = plan(grad_clip=1.0), plan(grad_clip=None)
+    assert "pre-commit update buffers" not in rows(streaming)
+    spares = rows(clipped)["pre-commit update buffers"]
+    assert spares == sum(rows(clipped)[f"{kind} (fp32)"] for kind in ("master", "exp_avg", "exp_avg_sq"))
+    assert clipped.host_nbytes == streaming.host_nbytes + spares
+    assert "pre-commit update buffers" in rows(plan(grad_clip=None, user_grad_clip=True))

@@ -21,6 +21,7 @@ from tierstore import (
     StoreConfig,
     TensorKey,
     TensorMeta,
+    TierName,
     TierStore,
     TierStoreError,
     TransferEvent,
@@ -467,3 +468,38 @@ def test_every_path_on_the_gpu_with_pinned_host(tmpfs_dir: Path) -> None:
         stream_events = [e for e in moved if e.kind in ("h2d", "d2h")]
         assert {e.kind for e in stream_events} == {"h2d", "d2h"}
         assert all(e.device_s is not None and e.nbytes == data.numel() * 2 for e in stream_events)
+
+
+# ---- second host buffers ----------------------------------------------------------------------------------
+def test_exchange_host_publishes_a_spare_and_returns_the_old_buffer(make_store) -> None:
+    store = make_store(host_budget_nbytes=1 << 20)
+    meta = TensorMeta(torch.float32, 1000)
+    old_value = torch.arange(1000, dtype=torch.float32)
+    store.register("k", meta, TierName.HOST, init=old_value)
+    used = store.tiers[TierName.HOST].used_nbytes
+    spare = store.allocate_spare("k")
+    assert store.tiers[TierName.HOST].used_nbytes > used  # the spare counts against the host budget
+    spare.tensor.copy_(old_value * 2)
+    assert torch.equal(store.tensor("k", TierName.HOST), old_value)  # writing the spare leaves the copy alone
+    returned = store.exchange_host("k", spare, step=7)
+    assert torch.equal(store.tensor("k", TierName.HOST), old_value * 2)
+    assert torch.equal(returned.tensor, old_value)
+    assert store.record("k").step == 7 and store.state("k", TierName.HOST) is CopyState.CLEAN
+    store.free_spare(returned)
+    assert store.tiers[TierName.HOST].used_nbytes == used
+
+
+def test_spare_beyond_the_host_budget_is_refused(make_store) -> None:
+    store = make_store(host_budget_nbytes=1 << 16)
+    store.register("k", TensorMeta(torch.float32, 10000), TierName.HOST)
+    with pytest.raises(CapacityError):
+        store.allocate_spare("k")
+
+
+def test_exchange_refuses_a_spare_of_another_size(make_store) -> None:
+    store = make_store(host_budget_nbytes=1 << 20)
+    store.register("a", TensorMeta(torch.float32, 100), TierName.HOST)
+    store.register("b", TensorMeta(torch.float32, 200), TierName.HOST)
+    spare = store.allocate_spare("b")
+    with pytest.raises(RuntimeError, match="can't replace"):
+        store.exchange_host("a", spare)

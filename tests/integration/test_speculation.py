@@ -1,0 +1,128 @@
+"""Updates that run before their step commits (clipping, fp16, the user's clip): bit-identical to the plain loop
+whether the commit keeps the early result (coefficient exactly 1) or redoes it (a clip below 1, an overflow),
+and the early runs really happen (counted by the worker)."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from runtime import offload
+from runtime.example_model import ExampleLM
+from tests.integration.reference_loop import ReferenceTrainer
+from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both
+
+
+def worker_stats(stats):
+    return stats[2]
+
+
+def test_clip_that_never_scales_publishes_every_early_update():
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 1e6}})
+    assert ours == theirs
+    assert_identical(weights, reference)
+    worker = worker_stats(stats)
+    assert worker.published > 0 and worker.redone == 0
+
+
+def test_clip_below_one_redoes_every_early_update_exactly():
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 0.05}})
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert max(stats[0].grad_norms) > 0.05
+    worker = worker_stats(stats)
+    assert worker.redone > 0 and worker.published == 0
+
+
+def test_steps_that_clip_and_steps_that_do_not_mix_exactly():
+    # A threshold between the norms of an unclipped run: some steps clip, some do not.
+    _, _, _, _, _, (probe, _, _) = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 1e6}}, steps=6)
+    norms = sorted(probe.grad_norms)
+    threshold = (norms[2] + norms[3]) / 2
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": threshold}}, steps=6)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    worker = worker_stats(stats)
+    assert worker.published > 0 and worker.redone > 0
+
+
+def test_accumulation_with_clipping_publishes_early_updates_exactly():
+    config = {"dtype": "fp32", "optimizer": {"grad_clip": 1e6, "accumulation_steps": 2}}
+    ours, theirs, weights, reference, _, stats = run_both(config)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert worker_stats(stats).published > 0
+
+
+def test_fp16_overflow_discards_early_updates():
+    # A loss scale of 2**16 overflows this model's fp16 gradients in its first step only.
+    config = {"dtype": "fp16", "optimizer": {"grad_clip": 1e6, "loss_scale": {"initial": 2.0**16}}}
+    ours, theirs, weights, reference, _, stats = run_both(config, steps=6, dtype=torch.float16, loss_scale=2.0**16)
+    assert reference.skipped >= 1 and stats[0].skipped_steps == reference.skipped
+    assert ours == theirs
+    assert_identical(weights, reference)
+    worker = worker_stats(stats)
+    assert worker.redone > 0 and worker.published > 0  # overflow steps dropped theirs, later steps kept theirs
+
+
+def test_weights_resident_refreshed_at_publish():
+    config = {"dtype": "fp32", "placement": {"weights": "gpu"}, "optimizer": {"grad_clip": 1e6}}
+    ours, theirs, weights, reference, _, stats = run_both(config)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert worker_stats(stats).published > 0
+
+
+@pytest.mark.parametrize("max_norm", [1e6, 0.05])
+def test_user_clip_in_the_loop_is_exact_with_early_updates(max_norm):
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, grad_clip=max_norm)
+    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": None, "user_grad_clip": True}})
+    session = optimizer.session
+    try:
+        for x, y in make_batches(4):
+            loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+            assert loss.item() == reference.train_step([(x, y)])[0]
+        assert_identical(session.master_state_dict(), reference)
+        worker = session.controller.worker.stats
+        assert (worker.published > 0) == (max_norm > 1) and (worker.redone > 0) == (max_norm < 1)
+    finally:
+        session.close()
+
+
+def test_abandoned_step_leaves_the_state_of_the_last_commit():
+    # backward ran (early updates with it), then the loop gave the step up: the weights are the last commit's.
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, grad_clip=1e6)
+    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": 1e6}})
+    session = optimizer.session
+    batches = make_batches(3)
+    try:
+        x, y = batches[0]
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.train_step([(x, y)])
+        x, y = batches[1]
+        model(x, y).backward()
+        session.controller.worker.synchronize(session.controller.optimizer_step)
+        before_step = {name: p.detach().clone() for name, p in model.named_parameters()}  # read between backward and step
+        optimizer.zero_grad()  # drops the pending step
+        assert_identical(session.master_state_dict(), reference)
+        for name, value in before_step.items():
+            assert torch.equal(value, reference.master_state()[name]), name
+        x, y = batches[2]
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.item() == reference.train_step([(x, y)])[0]
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
