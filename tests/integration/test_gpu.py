@@ -55,12 +55,15 @@ def test_bf16_parity_on_gpu(placement, fraction, keep, stream, ahead, tmpfs_dir)
     _assert_close(ours, reference)
 
 
-def test_bf16_clipping_and_accumulation_on_gpu():
+@pytest.mark.parametrize("clip,stream", [(0.1, 0.0), (1e6, 0.0), (0.1, 0.4), (1e6, 0.4)])
+def test_bf16_clipping_and_accumulation_on_gpu(clip, stream):
+    """Updates run before the commit on the GPU too: published when the clip does not bind, redone when it does."""
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
-    reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=0.1, accumulation_steps=2)
-    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 0.1, "accumulation_steps": 2,
-                                                                      "gpu_update_fraction": 0.3}})
+    reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=clip, accumulation_steps=2)
+    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": clip, "accumulation_steps": 2,
+                                                                      "gpu_update_fraction": 0.3,
+                                                                      "gpu_stream_fraction": stream}})
     session = optimizer.session
     batches = make_batches(8)
     try:
@@ -71,16 +74,20 @@ def test_bf16_clipping_and_accumulation_on_gpu():
             optimizer.zero_grad()
             reference.train_step(batches[i : i + 2])
         ours = session.master_state_dict()
+        worker = session.controller.worker.stats
     finally:
         session.close()
     _assert_close(ours, reference)
+    assert (worker.published > 0, worker.redone > 0) == ((False, True) if clip < 1 else (True, False))
 
 
-def test_cpu_adam_overlaps_backward():
-    """CPU Adam for the blocks whose gradients finish first runs while backward is still computing."""
+@pytest.mark.parametrize("clip", [None, 1e6])
+def test_cpu_adam_overlaps_backward(clip):
+    """CPU Adam for the blocks whose gradients finish first runs while backward is still computing; with
+    clipping too (the updates run before the commit, which publishes them)."""
     shape = ModelShape(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=8, ffn_size=2816)
     torch.manual_seed(0)
-    model, optimizer = offload(ExampleLM(shape), {"dtype": "bf16", "optimizer": {"grad_clip": None}}, record_intervals=True)
+    model, optimizer = offload(ExampleLM(shape), {"dtype": "bf16", "optimizer": {"grad_clip": clip}}, record_intervals=True)
     session = optimizer.session
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, shape.vocab_size, (8, 1025), generator=g).cuda()
@@ -101,7 +108,7 @@ def test_cpu_adam_overlaps_backward():
     for step in range(2, 5):
         step_intervals = [iv for iv in intervals if iv[1] == step]
         overlapped += sum(1 for _, _, _, end in step_intervals if end < backward_ends[step - 1])
-    print(f"updates finished before their backward ended: {overlapped}; GPU-side host waits per step: "
+    print(f"clip {clip}: updates finished before their backward ended: {overlapped}; GPU-side host waits per step: "
           + ", ".join(f"{w * 1e3:.1f} ms" for w in waits))
     assert overlapped >= 3
 

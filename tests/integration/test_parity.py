@@ -176,7 +176,8 @@ def test_moments_spilled_past_the_host_budget_bit_identical(tmpfs_dir):
     from runtime.blocks import build_blocks
     from runtime.config import load_config
 
-    base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"}}
+    base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
+            "optimizer": {"grad_clip": None}}  # with clipping, the pre-commit buffers would be given up first
     cfg = load_config(base)
     shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
     blocks = build_blocks(ExampleLM(shape), cfg.blocks.min_block_size)  # 12 blocks: spilling 6+ saves host memory

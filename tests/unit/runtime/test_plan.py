@@ -208,3 +208,20 @@ def test_updates_waiting_for_the_commit_get_second_buffers_when_the_host_has_roo
     assert spares == sum(rows(clipped)[f"{kind} (fp32)"] for kind in ("master", "exp_avg", "exp_avg_sq"))
     assert clipped.host_nbytes == streaming.host_nbytes + spares
     assert "pre-commit update buffers" in rows(plan(grad_clip=None, user_grad_clip=True))
+
+
+def test_pre_commit_buffers_are_given_up_before_any_moment_spills(tmp_path):
+    from runtime.api import resolve_device, resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+
+    base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path)}}, "placement": {"moments": "auto"},
+            "optimizer": {"grad_clip": 1.0}}
+    cfg = load_config(base)
+    blocks = build_blocks(ExampleLM(SHAPE), cfg.blocks.min_block_size)
+    roomy = resolve_plan(blocks, cfg, resolve_device(cfg)).plan
+    assert any(kind == "pre-commit update buffers" for kind, _, _ in roomy.rows)
+    base["tiers"]["host"] = {"budget": roomy.host_nbytes - 4096}
+    tight = resolve_plan(blocks, load_config(base), resolve_device(cfg))
+    assert not tight.spilled_blocks
+    assert not any(kind == "pre-commit update buffers" for kind, _, _ in tight.plan.rows)
