@@ -54,13 +54,39 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--io-threads", type=int, default=4)
     store.add_argument("--json", type=Path, help="also write the results as JSON here")
 
-    btrain = bench_sub.add_parser("train", help="training step time against the bound and baselines")
-    btrain.add_argument("--preset", default="1.35b", help="model preset (1.35b, tiny)")
-    btrain.add_argument("--rows", default="all", help="comma-separated rows to run")
-    btrain.add_argument("--steps", type=int, default=6)
-    btrain.add_argument("--nvme-dir", help="directory for the NVMe row's swap files (default: a temporary one)")
-    btrain.add_argument("--json", type=Path)
+    btrain = bench_sub.add_parser("train", help="training step time against each row's bound and the baselines")
+    _bench_train_arguments(btrain)
     return parser
+
+
+def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
+    """``tierstore bench train``'s options: rows, the model's shape (``--preset`` then explicit sizes), output."""
+    from runtime.bench.train_model import MICRO_BATCH, MODEL_KINDS, SEQ_LEN
+
+    btrain.add_argument("--rows", default="all",
+                        help="comma-separated rows to run, each a base row (torch, host, gpu-weights, nvme, nvme-auto, "
+                             "host-accum8, torch-accum8, ds-zero2-cpu, ds-zero3-cpu, ds-zero3-nvme) with suffixes: "
+                             "-clip on any row; tierstore rows also -fNN -sNN -aN -tNN -keep -auto -cap -noseg "
+                             "(runtime/bench/train_rows.py); default: every base row")
+    btrain.add_argument("--steps", type=int, default=6, help="optimizer steps per row; the first third is warm-up")
+    btrain.add_argument("--nvme-dir", help="directory for the NVMe rows' swap files and the disk ceiling "
+                                           "(default: a temporary one, and T_nvme is not measured)")
+    btrain.add_argument("--json", type=Path, help="also write rows, rates and bounds as JSON here")
+    shape = btrain.add_argument_group("model shape", "defaults from --preset; every row trains the same model")
+    shape.add_argument("--preset", default="1.35b", help="starting shape (tiny, small, 1.35b; default 1.35b)")
+    shape.add_argument("--model", choices=MODEL_KINDS, default="example",
+                       help="example: the bundled ExampleLM; hf-llama: transformers' LlamaForCausalLM built from the "
+                            "shape (random init, SDPA attention, nothing downloaded)")
+    shape.add_argument("--hidden", type=int, help="hidden size")
+    shape.add_argument("--layers", type=int, help="decoder layers")
+    shape.add_argument("--heads", type=int, help="attention heads")
+    shape.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default --heads; "
+                                                    "fewer needs --model hf-llama)")
+    shape.add_argument("--ffn", type=int, help="feed-forward (intermediate) size")
+    shape.add_argument("--vocab", type=int, help="vocabulary size")
+    shape.add_argument("--tied", action=argparse.BooleanOptionalAction, help="tie the output head to the embedding")
+    shape.add_argument("--seq", type=int, help=f"sequence length (default {SEQ_LEN})")
+    shape.add_argument("--micro-batch", type=int, help=f"sequences per micro-batch (default {MICRO_BATCH})")
 
 
 def main(argv: list[str] | None = None) -> int:

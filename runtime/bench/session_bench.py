@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from runtime import OffloadSession, offload
-from runtime.bench.train_bench import MICRO_BATCH, SEQ_LEN, _batch
+from runtime.bench.train_model import BenchModel, make_batch
 from runtime.checkpoint import bench_checkpoint
 from runtime.example_model import PRESETS, ExampleLM
 from runtime.profiler import Profiler, measure_ceilings
@@ -80,7 +80,7 @@ def main() -> None:
     model, optimizer = offload(ExampleLM(shape), config)
     session = optimizer.session
     device = session.store.device
-    batch = _batch(shape, device, 0)
+    batch = make_batch(BenchModel.from_preset(args.preset), device, 0)
     results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     try:
         profiler = Profiler(session, measure_ceilings(session.store)).start()

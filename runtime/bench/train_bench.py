@@ -1,15 +1,22 @@
-"""``tierstore bench train``: step time of the benchmark model, ours beside plain PyTorch and the bound.
+"""``tierstore bench train``: step time of a model of the user's shape, ours beside plain PyTorch, DeepSpeed
+and each row's own lower bound.
 
 Each row runs in its own process (a fresh GPU and a fresh pinned arena), all rows in one call, and one
-table compares them. The bound of DESIGN.md, ``T_fwd + max(T_bwd, T_adam, T_pcie, T_nvme)``, is built from
-terms measured in the same call: forward and backward of the model resident on the GPU (the plain row),
-CPU fused AdamW over the same number of parameters with the runtime's thread count, and the PCIe and disk
-bytes of one step over the bandwidth a raw copy reaches.
+table compares them. The model (``--model example|hf-llama`` and its shape, ``runtime.bench.train_model``)
+is the same for every row; so is the batch. Rows and their suffixes are named in ``runtime.bench.train_rows``.
+
+Each row's "of bound" is its lower bound over its measured step (``runtime.bench.train_bound``): under the
+row's own placement, ``max(T_gpu, T_cpu_adam, T_h2d, T_d2h, T_nvme)``, each term the row's work on one
+resource over a rate measured in the same call (forward and backward of the plain row, fused AdamW on the
+GPU and on the CPU, raw pinned copies each way, the raw disk ceiling). A tierstore row reports the placement
+its session resolved (so ``-auto`` rows are bounded by what the runtime chose) and the bytes it actually
+moved per step, printed beside the accounting.
 
 A tierstore row's step time is the median period between the ends of consecutive steps (no device sync in
 between, as a training loop logging its loss runs); the plain and DeepSpeed rows sync at both ends of each
 step, their work being synchronous with the step anyway. Each row also reports the CUDA allocator's
-retries, cudaMalloc / cudaFree counts and peak reservation.
+retries, cudaMalloc / cudaFree counts and peak reservation, and -clip rows the fraction of measured steps
+whose clip coefficient was below 1 (steps that clip do different work from steps that do not).
 """
 
 from __future__ import annotations
@@ -28,72 +35,18 @@ from typing import Any
 
 import torch
 
-from runtime.example_model import PRESETS, ExampleLM, ModelShape
+from runtime.bench.train_bound import (Bound, Rates, RowPlacement, measure_cpu_adam_s_per_param, measure_disk_gbps,
+                                       measure_gpu_adam_s_per_param, measure_pcie_gbps, plain_placement, row_bound,
+                                       tierstore_placement)
+from runtime.bench.train_model import BenchModel, batch_loss, build_model, count_params, make_batch, spec_num_params
+from runtime.bench.train_rows import (CLIP_NORM, ROWS, accumulation_of, describe_row, is_tierstore, row_config,
+                                      row_errors, row_options)
+from runtime.units import approx_size
 
 log = logging.getLogger(__name__)
 
-ROWS = {
-    "torch": "plain PyTorch, all on GPU, fused AdamW (fp32 masters)",
-    "host": "tierstore: weights + optimizer on pinned host",
-    "gpu-weights": "tierstore: weights on GPU, optimizer on pinned host",
-    "nvme": "tierstore: weights + master on host, moments on NVMe",
-    "nvme-auto": "tierstore: weights + master on host, moments in pinned RAM up to ds-zero3-nvme's peak RSS, the rest on NVMe",
-    "host-accum8": "tierstore: weights + optimizer on host, accumulation 8",
-    "torch-accum8": "plain PyTorch, accumulation 8",
-    "ds-zero2-cpu": "DeepSpeed ZeRO-2, optimizer offloaded to CPU",
-    "ds-zero3-cpu": "DeepSpeed ZeRO-3, params + optimizer offloaded to CPU",
-    "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (5 buffers, no pipelining)",
-}
-# Any tierstore row takes suffixes, in this order: -fNN: NN% of the parameters (the first blocks) updated on the GPU;
-# -sNN: NN% (the next blocks) updated on the GPU over state streamed from host (optimizer.gpu_stream_fraction);
-# -aN: the state of N streamed blocks brought in ahead of the block in backward (optimizer.gpu_stream_ahead);
-# -tNN: NN CPU optimizer threads;
-# -keep: every block's weights kept on the GPU from its forward to its backward (prefetch.keep_for_backward),
-# -cap: the process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call,
-# -clip: global-norm clipping at 1.0 (optimizer.grad_clip),
-# and -noseg: PyTorch's default allocator (our rows otherwise run with expandable_segments:True unless
-# PYTORCH_CUDA_ALLOC_CONF is set).
-
-
-def describe_row(row: str) -> str:
-    """What a row runs, for the table."""
-    base, fraction = split_row(row)
-    text = ROWS[base]
-    text += f", {fraction:.0%} of the update on the GPU" if fraction else ""
-    options = row_options(row)[1]
-    text += f", {options['s']}% updated on the GPU over state streamed from host" if "s" in options else ""
-    text += f", {options['a']} streamed blocks ahead" if "a" in options else ""
-    text += f", {options['t']} CPU optimizer threads" if "t" in options else ""
-    text += ", weights kept for backward" if options.get("keep") else ""
-    text += ", clipping at 1.0" if options.get("clip") else ""
-    text += ", GPU memory capped at DeepSpeed ZeRO-2's peak" if options.get("cap") else ""
-    return text + (", default CUDA allocator" if options.get("noseg") else "")
-
-
-def row_options(row: str) -> tuple[str, dict[str, int | bool]]:
-    """'host-f30-t15-keep-cap' -> ('host', {'f': 30, 't': 15, 'keep': True, 'cap': True}): the base row and
-    its suffixes (-fNN GPU update share in percent, -sNN streamed GPU update share, -aN streamed blocks
-    ahead, -tNN CPU optimizer threads, -keep, -cap, -noseg, -clip)."""
-    parts = row.split("-")
-    options: dict[str, int | bool] = {}
-    while len(parts) > 1:
-        last = parts[-1]
-        if last in ("keep", "cap", "noseg", "clip"):
-            options[last] = True
-        elif last[:1] in ("f", "s", "a", "t") and last[1:].isdigit():
-            options[last[0]] = int(last[1:])
-        else:
-            break
-        parts.pop()
-    return "-".join(parts), options
-
-
-def split_row(row: str) -> tuple[str, float]:
-    """'host-f50' -> ('host', 0.5): the base row and its GPU update share (other suffixes dropped)."""
-    base, options = row_options(row)
-    return base, int(options.get("f", 0)) / 100
-SEQ_LEN = 1024
-MICRO_BATCH = 8
+CLIP_EPS = 1e-6  # the clip coefficient is max_norm / (norm + eps), as torch and the runtime compute it
+HOST_CAP_ROWS = ("ds-zero3-cpu", "ds-zero3-nvme")  # whose peak RSS caps nvme-auto, first found first
 
 
 def _sync() -> None:
@@ -101,31 +54,36 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _batch(shape: ModelShape, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, shape.vocab_size, (MICRO_BATCH, SEQ_LEN + 1), generator=g)
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _torch_row(shape: ModelShape, steps: int, accumulation: int) -> dict[str, Any]:
-    """Plain PyTorch: bf16 model + fp32 master weights on the GPU, fused AdamW; times fwd and bwd apart."""
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = ExampleLM(shape).to(device)
+def clipped_fraction(norms: list[float | None], max_norm: float = CLIP_NORM) -> float | None:
+    """Fraction of steps whose clip coefficient ``max_norm / (norm + 1e-6)`` was below 1; None without norms."""
+    known = [n for n in norms if n is not None]
+    if not known:
+        return None
+    return sum(max_norm / (n + CLIP_EPS) < 1 for n in known) / len(known)
+
+
+def _torch_row(spec: BenchModel, steps: int, accumulation: int, clip: bool) -> dict[str, Any]:
+    """Plain PyTorch: bf16 model + fp32 master weights on the device, fused AdamW (after clip_grad_norm_ over
+    the masters with ``clip``); times forward and backward apart."""
+    device = _device()
+    model = build_model(spec).to(device)
+    num_params = count_params(model)
     params = list(model.parameters())
-    masters = [p.detach().clone().float() for p in params]
-    for m in masters:
-        m.requires_grad_(True)
+    masters = [p.detach().clone().float().requires_grad_(True) for p in params]
     model.to(torch.bfloat16)
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
-    fwd_s, bwd_s, step_s = [], [], []
-    batch = _batch(shape, device, 0)
-    for step in range(steps):
+    fwd_s, bwd_s, step_s, norms = [], [], [], []
+    batch = make_batch(spec, device, 0)
+    for _ in range(steps):
         _sync()
         t0 = time.perf_counter()
         for _ in range(accumulation):
             ta = time.perf_counter()
-            loss = model(*batch)
+            loss = batch_loss(spec, model, batch)
             _sync()
             tb = time.perf_counter()
             loss.backward()
@@ -136,6 +94,8 @@ def _torch_row(shape: ModelShape, steps: int, accumulation: int) -> dict[str, An
         for p, m in zip(params, masters):
             m.grad = p.grad.float()
             p.grad = None
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP_NORM))  # read after the loop: no extra sync
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -143,44 +103,66 @@ def _torch_row(shape: ModelShape, steps: int, accumulation: int) -> dict[str, An
         _sync()
         step_s.append(time.perf_counter() - t0)
     warm = max(1, steps // 3)
-    return {"step_s": statistics.median(step_s[warm:]), "fwd_s": statistics.median(fwd_s[warm:]),
-            "bwd_s": statistics.median(bwd_s[warm:]), "loss": float(loss), "peak_gpu_nbytes": torch.cuda.max_memory_allocated()}
+    return {"step_s": statistics.median(step_s[warm:]), "fwd_s": statistics.median(fwd_s[warm * accumulation:]),
+            "bwd_s": statistics.median(bwd_s[warm * accumulation:]), "loss": loss.item(), "num_params": num_params,
+            "grad_norms": [float(n) for n in norms[warm:]], "placement": plain_placement(num_params, accumulation).as_dict(),
+            "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}
 
 
-def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumulation: int) -> dict[str, Any]:
+def session_placement(session: Any, accumulation: int) -> RowPlacement:
+    """The placement an offload session resolved (``-auto`` rows included), for the bound."""
+    controller = session.controller
+    options = controller.options
+    blocks = sorted(session.blocks, key=lambda b: b.index)
+    if [b.index for b in blocks] != list(range(len(blocks))):
+        raise RuntimeError(f"block indices {[b.index for b in blocks]} are not 0..{len(blocks) - 1}")
+    return tierstore_placement(block_numels=[b.numel for b in blocks], gpu_updated=controller.gpu_updated,
+                               streamed=controller.gpu_streamed, weight_source=options.weight_source.value,
+                               homes={k: v.value for k, v in options.homes.items()}, spilled=options.spilled_blocks,
+                               keep_nbytes=options.keep_for_backward_nbytes,
+                               compute_elem_nbytes=torch.empty((), dtype=options.compute_dtype).element_size(),
+                               accumulation=accumulation, cpu_threads=options.cpu_threads)
+
+
+def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumulation: int,
+                   host_cap_nbytes: int | None) -> dict[str, Any]:
+    """Train through ``runtime.offload``. ``host_cap_nbytes``: the peak RSS the process may reach; the pinned
+    arena gets what is left of it after what the process holds with the model built, less 1 GiB of margin."""
     from runtime import offload
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    model = ExampleLM(shape)
+    device = _device()
+    model = build_model(spec)
+    num_params = count_params(model)
     config.setdefault("optimizer", {})["accumulation_steps"] = accumulation
+    if host_cap_nbytes:
+        if torch.cuda.is_available():
+            torch.cuda.init()  # the CUDA context's host memory counts against the cap too
+        config.setdefault("tiers", {}).setdefault("host", {})["budget"] = host_cap_nbytes - current_rss_nbytes() - (1 << 30)
     t_setup = time.perf_counter()
     model, opt = offload(model, config, record_intervals=True)
     setup_s = time.perf_counter() - t_setup
     session = opt.session
-    disk = {"read": 0, "write": 0}
+    moved = {"h2d": 0, "d2h": 0, "read": 0, "write": 0}
 
-    def count_disk(event: Any) -> None:
-        if event.kind in disk:
-            disk[event.kind] += event.nbytes
+    def count(event: Any) -> None:
+        if event.kind in moved:
+            moved[event.kind] += event.nbytes
 
-    session.store.bus.subscribe(count_disk)
-    batch = _batch(shape, device, 0)
-    step_s, wait_update, wait_fetch = [], [], []
-    disk_read, disk_write = [], []
-    losses = []
+    session.store.bus.subscribe(count)
+    batch = make_batch(spec, device, 0)
+    step_s, wait_update, wait_fetch, losses = [], [], [], []
+    per_step: dict[str, list[int]] = {kind: [] for kind in moved}
     try:
         # A step's time is the period between the ends of consecutive steps, as a training loop that logs its
         # loss sees it: no device sync between steps, so copies still in flight at a step's end (state written
         # back, weights refreshed) run into the next step and are charged wherever they delay it.
         _sync()
         t0 = time.perf_counter()
-        for step in range(steps):
+        for _ in range(steps):
             c = session.controller.stats
-            u0, f0 = c.wait_update_s, c.wait_fetch_s
-            r0, w0 = disk["read"], disk["write"]
+            u0, f0, before = c.wait_update_s, c.wait_fetch_s, dict(moved)
             for _ in range(accumulation):
-                loss = model(*batch)
+                loss = batch_loss(spec, model, batch)
                 loss.backward()
             opt.step()
             opt.zero_grad()
@@ -190,22 +172,26 @@ def _tierstore_row(shape: ModelShape, steps: int, config: dict[str, Any], accumu
             t0 = t1
             wait_update.append(c.wait_update_s - u0)
             wait_fetch.append(c.wait_fetch_s - f0)
-            disk_read.append(disk["read"] - r0)
-            disk_write.append(disk["write"] - w0)
+            for kind in moved:
+                per_step[kind].append(moved[kind] - before[kind])
         opt.synchronize()
-        stats = session.controller.schedule.stats
-        worker = session.controller.worker.stats
+        controller = session.controller
+        norms = list(controller.stats.grad_norms)[-steps:] if config["optimizer"].get("grad_clip") else []
+        placement = session_placement(session, accumulation)
         pinned = session.store.tiers[list(session.store.tiers)[1]].capacity_nbytes
-        spilled = len(session.controller.options.spilled_blocks)
+        spilled = len(controller.options.spilled_blocks)
+        hit_rate, worker = controller.schedule.stats.hit_rate, controller.worker.stats
     finally:
         session.close()
     warm = max(1, steps // 3)
     return {"step_s": statistics.median(step_s[warm:]), "setup_s": setup_s, "loss_first": losses[0], "loss_last": losses[-1],
+            "num_params": num_params, "grad_norms": norms[warm:], "placement": placement.as_dict(),
             "wait_update_s": statistics.median(wait_update[warm:]), "wait_fetch_s": statistics.median(wait_fetch[warm:]),
-            "hit_rate": stats.hit_rate, "adam_s_total": worker.adam_s, "jobs": worker.jobs,
+            "hit_rate": hit_rate, "adam_s_total": worker.adam_s, "jobs": worker.jobs,
             "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
-            "pinned_nbytes": pinned, "disk_read_nbytes": statistics.median(disk_read[warm:]),
-            "disk_write_nbytes": statistics.median(disk_write[warm:]), "spilled_blocks": spilled}
+            "pinned_nbytes": pinned, "spilled_blocks": spilled,
+            # A mean, not a median: IO completing after its step's end is counted in the next one.
+            "moved_nbytes": {kind: statistics.mean(values[warm:]) for kind, values in per_step.items()}}
 
 
 def peak_rss_nbytes() -> int:
@@ -222,69 +208,6 @@ def current_rss_nbytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def measure_adam_s(num_params: int, threads: int) -> float:
-    """Seconds for one CPU fused AdamW step over num_params fp32 parameters (the whole model's worth of
-    memory, so caches and NUMA behave as in training), median of three after a warm-up."""
-    from runtime.adam import AdamWHyper, adamw_update
-
-    torch.set_num_threads(threads)
-    p, g, m, v = (torch.empty(num_params).uniform_(0.5, 1.0) for _ in range(4))
-    steps = [torch.zeros(())]
-    adamw_update([p], [g], [m], [v], steps, AdamWHyper())
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        adamw_update([p], [g], [m], [v], steps, AdamWHyper())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
-    """Raw pinned copy bandwidth (H2D, D2H) in GB/s."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = []
-    for to_dev in (True, False):
-        best = float("inf")
-        for _ in range(3):
-            _sync()
-            t0 = time.perf_counter()
-            (dev.copy_(host, non_blocking=True) if to_dev else host.copy_(dev, non_blocking=True))
-            _sync()
-            best = min(best, time.perf_counter() - t0)
-        out.append(nbytes / best / 1e9)
-    return out[0], out[1]
-
-
-def _row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
-    row, options = row_options(row)
-    base: dict[str, Any] = {"dtype": "bf16", "optimizer": {"grad_clip": 1.0 if options.get("clip") else None, "lr": 1e-4,
-                                                           "gpu_update_fraction": int(options.get("f", 0)) / 100,
-                                                           "cpu_threads": options.get("t", "auto"),
-                                                           "gpu_stream_fraction": int(options.get("s", 0)) / 100},
-                            "prefetch": {"depth": 2, "keep_for_backward": "4GiB" if options.get("keep") else 0}}
-    if "a" in options:
-        base["optimizer"]["gpu_stream_ahead"] = int(options["a"])
-    if row in ("host", "host-accum8"):
-        base["placement"] = {"weights": "host", "master": "host", "moments": "host"}
-    elif row == "gpu-weights":
-        base["placement"] = {"weights": "gpu", "master": "host", "moments": "host"}
-    elif row in ("nvme", "nvme-auto"):
-        base["placement"] = {"weights": "host", "master": "host", "moments": "nvme" if row == "nvme" else "auto"}
-        base["tiers"] = {"nvme": {"path": nvme_dir or "tmp", "budget": "48GiB", "io_threads": 8}}
-    return base
-
-
-def run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None = None,
-            host_cap_nbytes: int | None = None) -> dict[str, Any]:
-    """Run one row in this process. ``host_cap_nbytes``: the peak RSS this row's process may reach (the pinned
-    arena is what is left of it after what the process holds before offload and the host-built model)."""
-    result = _run_row(row, preset, steps, nvme_dir, gpu_cap_nbytes, host_cap_nbytes)
-    result["peak_rss_nbytes"] = peak_rss_nbytes()
-    result.update(allocator_counters())
-    return result
-
-
 def allocator_counters() -> dict[str, int]:
     """The CUDA caching allocator's counters for the whole row: how often it gave memory back to the driver
     to satisfy a request (each time a device-wide synchronize), cudaMalloc / cudaFree calls, peak reserved."""
@@ -295,73 +218,81 @@ def allocator_counters() -> dict[str, int]:
             "device_frees": int(stats.get("num_device_free", 0)), "peak_gpu_reserved_nbytes": torch.cuda.max_memory_reserved()}
 
 
-def _run_row(row: str, preset: str, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None,
-             host_cap_nbytes: int | None) -> dict[str, Any]:
-    shape = PRESETS[preset]
-    accumulation = 8 if split_row(row)[0].endswith("accum8") else 1
+def run_row(row: str, spec: BenchModel, steps: int, nvme_dir: str | None, gpu_cap_nbytes: int | None = None,
+            host_cap_nbytes: int | None = None) -> dict[str, Any]:
+    """Run one row in this process (``tierstore bench train`` gives each its own)."""
+    accumulation = accumulation_of(row)
+    clip = bool(row_options(row)[1].get("clip"))
     if gpu_cap_nbytes:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_cap_nbytes / total))
     if row.startswith("torch"):
-        return _torch_row(shape, steps, accumulation)
-    if row.startswith("ds-"):
+        result = _torch_row(spec, steps, accumulation, clip)
+    elif row.startswith("ds-"):
         from runtime.bench.deepspeed_rows import run_deepspeed_row
 
-        return run_deepspeed_row(row, shape, steps, _batch(shape, torch.device("cuda"), 0), MICRO_BATCH, nvme_dir)
-    config = _row_config(row, nvme_dir)
-    if gpu_cap_nbytes:
-        config.setdefault("tiers", {}).setdefault("gpu", {})["budget"] = gpu_cap_nbytes
-    if host_cap_nbytes:
-        if torch.cuda.is_available():
-            torch.cuda.init()  # the CUDA context's host memory counts against the cap too
-        # Left for the arena: the cap less what the process holds now, the fp32 model the row builds on the
-        # host next (its pages are freed only as the arena fills), and 1 GiB of margin.
-        model_nbytes = 4 * shape.num_params
-        config.setdefault("tiers", {}).setdefault("host", {})["budget"] = host_cap_nbytes - current_rss_nbytes() - model_nbytes - (1 << 30)
-    return _tierstore_row(shape, steps, config, accumulation)
+        result = run_deepspeed_row(row, spec, steps, nvme_dir)
+    else:
+        config = row_config(row, nvme_dir)
+        if gpu_cap_nbytes:
+            config.setdefault("tiers", {}).setdefault("gpu", {})["budget"] = gpu_cap_nbytes
+        result = _tierstore_row(spec, steps, config, accumulation, host_cap_nbytes)
+    result["clipped"] = clipped_fraction(result.pop("grad_norms", [])) if clip else None
+    result["peak_rss_nbytes"] = peak_rss_nbytes()
+    result.update(allocator_counters())
+    return result
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run every requested row in its own process, measure the bound's terms, print one table."""
-    if not torch.cuda.is_available():
-        raise ValueError("tierstore bench train times training on a GPU against plain PyTorch and DeepSpeed there, and "
-                         "this machine has no CUDA device (torch.cuda.is_available() is False); run it on a GPU "
-                         "machine (`tierstore train` trains on the CPU)")
-    rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
-    unknown = [r for r in rows if split_row(r)[0] not in ROWS or (r.startswith("torch") and split_row(r)[1])]
-    if unknown:
-        raise ValueError(f"unknown rows {unknown}; choose from {list(ROWS)}")
-    shape = PRESETS[args.preset]
+def _host_cap(results: dict[str, Any]) -> tuple[int, str] | None:
+    """nvme-auto's RSS cap: ds-zero3-cpu's peak RSS (the same host RAM as ZeRO-3 CPU offload, the rest on
+    NVMe), else ds-zero3-nvme's; with the row it came from."""
+    for row in HOST_CAP_ROWS:
+        rss = results.get(row, {}).get("peak_rss_nbytes")
+        if rss:
+            return int(rss), row
+    return None
+
+
+def _child_command(row: str, spec: BenchModel, args: argparse.Namespace, out: str,
+                   results: dict[str, Any]) -> list[str] | str:
+    """The command line of a row's process, or why the row cannot run."""
+    cmd = [sys.executable, "-m", "runtime.bench.train_bench", "--row", row, "--spec", spec.to_json(),
+           "--steps", str(args.steps), "--out", out]
+    if args.nvme_dir:
+        cmd += ["--nvme-dir", args.nvme_dir]
+    if row_options(row)[1].get("cap"):
+        cap = results.get("ds-zero2-cpu", {}).get("peak_gpu_reserved_nbytes")
+        if not cap:
+            return "needs the ds-zero2-cpu row earlier in the same call"
+        cmd += ["--gpu-cap", str(cap)]
+    if row_options(row)[0] == "nvme-auto":
+        host_cap = _host_cap(results)
+        if host_cap is None:
+            return "needs the ds-zero3-cpu (or ds-zero3-nvme) row earlier in the same call"
+        cmd += ["--host-cap", str(host_cap[0])]
+    if row.startswith("ds-"):
+        from runtime.bench.deepspeed_rows import deepspeed_available
+
+        if not deepspeed_available():
+            return "deepspeed is not importable"
+    return cmd
+
+
+def run_rows(rows: list[str], spec: BenchModel, args: argparse.Namespace) -> dict[str, Any]:
+    """Each row in its own process, in order; a row's result or its error."""
     results: dict[str, Any] = {}
     for row in rows:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            cmd = [sys.executable, "-m", "runtime.bench.train_bench", "--row", row, "--preset", args.preset,
-                   "--steps", str(args.steps), "--out", out.name]
-            if args.nvme_dir:
-                cmd += ["--nvme-dir", args.nvme_dir]
-            if row_options(row)[1].get("cap"):
-                cap = results.get("ds-zero2-cpu", {}).get("peak_gpu_reserved_nbytes")
-                if not cap:
-                    results[row] = {"error": "needs the ds-zero2-cpu row earlier in the same call"}
-                    continue
-                cmd += ["--gpu-cap", str(cap)]
-            if row == "nvme-auto":
-                rss = results.get("ds-zero3-nvme", {}).get("peak_rss_nbytes")
-                if not rss:
-                    results[row] = {"error": "needs the ds-zero3-nvme row earlier in the same call"}
-                    continue
-                cmd += ["--host-cap", str(rss)]
-            if row.startswith("ds-"):
-                from runtime.bench.deepspeed_rows import deepspeed_available
-
-                if not deepspeed_available():
-                    results[row] = {"error": "deepspeed is not importable"}
-                    continue
+            cmd = _child_command(row, spec, args, out.name, results)
+            host_cap = _host_cap(results)
+            if isinstance(cmd, str):
+                results[row] = {"error": cmd}
+                continue
             log.info("running row %s", row)
             env = dict(os.environ)
             if row_options(row)[1].get("noseg"):
                 env["PYTORCH_CUDA_ALLOC_CONF"] = ""
-            elif not row.startswith(("torch", "ds-")):
+            elif is_tierstore(row):
                 env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
@@ -369,45 +300,69 @@ def main(args: argparse.Namespace) -> int:
                 results[row] = {"error": proc.stderr[-500:]}
                 continue
             results[row] = json.loads(Path(out.name).read_text())
+            if row_options(row)[0] == "nvme-auto" and host_cap is not None:
+                results[row]["host_cap_from"] = host_cap[1]
+    return results
+
+
+def measure_rates(results: dict[str, Any], num_params: int, nvme_dir: str | None, default_threads: int) -> Rates:
+    """The bound's rates, measured now (the rows' processes have ended: the GPU and the cores are free)."""
+    plain = next((r for row, r in results.items() if row.startswith("torch") and "fwd_s" in r), None)
+    placements = [RowPlacement(**r["placement"]) for r in results.values() if "placement" in r]
+    threads = sorted({p.cpu_threads or default_threads for p in placements if p.cpu_update_numel})
+    log.info("measuring the bound's rates: CPU AdamW at %s threads, GPU AdamW, pinned copies, disk", threads)
+    cpu = {t: measure_cpu_adam_s_per_param(num_params, t) for t in threads}
+    disk = (None, None)
+    if nvme_dir and any(p.disk_state_nbytes for p in placements):
+        disk = measure_disk_gbps(nvme_dir)
+    cuda = torch.cuda.is_available()
+    h2d, d2h = measure_pcie_gbps() if cuda else (None, None)
+    return Rates(fwd_s=plain["fwd_s"] if plain else None, bwd_s=plain["bwd_s"] if plain else None,
+                 gpu_adam_s_per_param=measure_gpu_adam_s_per_param(num_params, _device()),
+                 cpu_adam_s_per_param=cpu, h2d_gbps=h2d, d2h_gbps=d2h, disk_read_gbps=disk[0], disk_write_gbps=disk[1])
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run every requested row in its own process, measure the bound's rates, print one table."""
+    if not torch.cuda.is_available():
+        raise ValueError("tierstore bench train times training on a GPU against plain PyTorch and DeepSpeed there, and "
+                         "this machine has no CUDA device (torch.cuda.is_available() is False); run it on a GPU "
+                         "machine (`tierstore train` trains on the CPU)")
+    rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    errors = row_errors(rows)
+    if errors:
+        raise ValueError("unusable rows: " + "; ".join(errors))
+    spec = BenchModel.from_args(args)
+    num_params = spec_num_params(spec)
+    results = run_rows(rows, spec, args)
     from runtime.api import default_cpu_threads
 
     threads = default_cpu_threads()
-    terms: dict[str, float] = {}
-    if "torch" in results and "error" not in results["torch"]:
-        terms["T_fwd"] = results["torch"]["fwd_s"]
-        terms["T_bwd"] = results["torch"]["bwd_s"]
-    terms["T_adam"] = measure_adam_s(shape.num_params, threads)
-    if torch.cuda.is_available():
-        h2d, d2h = measure_pcie_gbps()
-        # Per step: the fp32 master of every block goes H2D twice (forward and backward), fp32 grads D2H once.
-        terms["T_pcie"] = max(2 * 4 * shape.num_params / (h2d * 1e9), 4 * shape.num_params / (d2h * 1e9))
-        terms["h2d_gbps"], terms["d2h_gbps"] = h2d, d2h
-    if args.nvme_dir and any(r.startswith("nvme") for r in rows):
-        from runtime.bench.store_bench import _dd_ceiling
-
-        block = 64 << 20
-        write_s, read_s, _ = _dd_ceiling(Path(args.nvme_dir), 32, block, direct=True, repeats=2)
-        terms["disk_read_gbps"], terms["disk_write_gbps"] = 32 * block / read_s / 1e9, 32 * block / write_s / 1e9
-    print(format_table(rows, results, terms, shape), flush=True)
+    rates = measure_rates(results, num_params, args.nvme_dir, threads)
+    bounds = {row: row_bound(RowPlacement(**r["placement"]), rates, threads, r.get("moved_nbytes"))
+              for row, r in results.items() if "placement" in r}
+    print(format_table(rows, results, bounds, rates, spec, num_params), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                                         "preset": args.preset, "terms": terms, "rows": results}, indent=2))
+        args.json.write_text(json.dumps({
+            "device": torch.cuda.get_device_name(), "model": json.loads(spec.to_json()), "num_params": num_params,
+            "rates": rates.__dict__, "bounds": {row: {"terms": b.terms, "seconds": b.seconds, "accounted": b.traffic.__dict__,
+                                                      "nbytes": b.nbytes} for row, b in bounds.items()},
+            "rows": results}, indent=2))
     return 0
 
 
-def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, float], shape: ModelShape) -> str:
-    """The comparison table: s/step, tokens/s, ratio to the plain row and to the bound."""
-    tokens = MICRO_BATCH * SEQ_LEN
-    bound = None
-    if {"T_fwd", "T_bwd", "T_adam"} <= terms.keys():
-        bound = terms["T_fwd"] + max(terms["T_bwd"], terms["T_adam"], terms.get("T_pcie", 0.0))
+def format_table(rows: list[str], results: dict[str, Any], bounds: dict[str, Bound], rates: Rates, spec: BenchModel,
+                 num_params: int) -> str:
+    """The comparison table: s/step, tokens/s, ratio to the plain row, fraction of the row's bound reached,
+    clipped steps; then each row's bound with its terms and bytes, allocator counters, DeepSpeed ratios."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     width = max([14] + [len(r) + 2 for r in rows])
-    lines = [f"bench train on {name}: {shape.num_params / 1e9:.2f}B params, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}, bf16",
-             "terms: " + ", ".join(f"{k} {v:.3f}" for k, v in terms.items()),
-             f"bound T_fwd + max(T_bwd, T_adam, T_pcie) = {bound:.3f} s" if bound else "bound: needs the torch row",
-             f"{'row':<{width}}{'s/step':>8}{'tok/s':>9}{'TFLOP/s':>9}{'vs torch':>10}{'vs bound':>10}{'GPU GiB':>9}"
-             f"{'RSS GiB':>9}{'pinned':>8}  what"]
+    lines = [f"bench train on {name}: {_count(num_params)} params ({spec.describe()}), bf16",
+             "rates: " + _describe_rates(rates),
+             "of bound = bound / s/step, bound = max(T_gpu, T_cpu_adam, T_h2d, T_d2h, T_nvme) under the row's placement "
+             "(terms below); clipped = share of measured steps with clip coefficient < 1",
+             f"{'row':<{width}}{'s/step':>8}{'tok/s':>9}{'TFLOP/s':>9}{'vs torch':>10}{'of bound':>10}{'clipped':>9}"
+             f"{'GPU GiB':>9}{'RSS GiB':>9}{'pinned':>8}  what"]
     base = results.get("torch", {}).get("step_s")
     base_accum = results.get("torch-accum8", {}).get("step_s")
     for row in rows:
@@ -415,21 +370,65 @@ def format_table(rows: list[str], results: dict[str, Any], terms: dict[str, floa
         if "error" in r or "step_s" not in r:
             lines.append(f"{row:<{width}}{'failed':>8}  {failure_reason(r.get('error', 'no result'))}")
             continue
-        accum = 8 if split_row(row)[0].endswith("accum8") else 1
-        tps = tokens * accum / r["step_s"]
+        accum = accumulation_of(row)
+        tps = spec.tokens_per_micro_batch * accum / r["step_s"]
         reference = base_accum / accum if accum > 1 and base_accum else base
         vs_torch = f"{reference * accum / r['step_s']:.2f}x" if reference and not row.startswith("torch") else "-"
-        vs_bound = f"{r['step_s'] / bound:.2f}" if bound and accum == 1 and not row.startswith(("torch", "ds-")) else "-"
-        tflops = 6 * shape.num_params * tps / 1e12  # model FLOPs: 6 per parameter per token (no attention term)
+        bound = bounds[row].seconds if row in bounds else None
+        of_bound = f"{bound / r['step_s']:.2f}" if bound else "-"
+        clipped = f"{r['clipped']:.0%}" if r.get("clipped") is not None else "-"
+        tflops = 6 * r.get("num_params", num_params) * tps / 1e12  # model FLOPs: 6 per parameter per token (no attention term)
         pinned = f"{r['pinned_nbytes'] / 2**30:.1f}" if r.get("pinned_nbytes") else "-"
-        lines.append(f"{row:<{width}}{r['step_s']:>8.3f}{tps:>9.0f}{tflops:>9.1f}{vs_torch:>10}{vs_bound:>10}"
-                     f"{r.get('peak_gpu_nbytes', 0) / 2**30:>9.1f}{r.get('peak_rss_nbytes', 0) / 2**30:>9.1f}{pinned:>8}  {describe_row(row)}")
+        lines.append(f"{row:<{width}}{r['step_s']:>8.3f}{tps:>9.0f}{tflops:>9.1f}{vs_torch:>10}{of_bound:>10}{clipped:>9}"
+                     f"{r.get('peak_gpu_nbytes', 0) / 2**30:>9.1f}{r.get('peak_rss_nbytes', 0) / 2**30:>9.1f}{pinned:>8}"
+                     f"  {describe_row(row)}")
+    lines += [_bound_line(row, bounds[row], results[row]) for row in rows if row in bounds]
     lines += [f"allocator {row}: {r['alloc_retries']} retries (cached memory given back under pressure), "
-              f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"
+              f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, "
+              f"peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"
               for row in rows if "alloc_retries" in (r := results.get(row, {}))]
-    lines += _versus_deepspeed(results)
-    lines += _disk_efficiency(results, terms)
-    return "\n".join(lines)
+    return "\n".join(lines + versus_deepspeed(results))
+
+
+def _count(numel: int) -> str:
+    return f"{numel / 1e9:.3f}B" if numel >= 10**8 else f"{numel / 1e6:.2f}M"
+
+
+def _describe_rates(rates: Rates) -> str:
+    parts = []
+    if rates.fwd_s is not None and rates.bwd_s is not None:
+        parts.append(f"T_fwd {rates.fwd_s:.3f} s, T_bwd {rates.bwd_s:.3f} s (plain row)")
+    else:
+        parts.append("T_fwd / T_bwd not measured (no torch row)")
+    if rates.gpu_adam_s_per_param is not None:
+        parts.append(f"GPU AdamW {1e-9 / rates.gpu_adam_s_per_param:.1f} G params/s")
+    parts += [f"CPU AdamW {1e-9 / s:.2f} G params/s at {t} threads" for t, s in sorted(rates.cpu_adam_s_per_param.items())]
+    if rates.h2d_gbps is not None and rates.d2h_gbps is not None:
+        parts.append(f"pinned H2D {rates.h2d_gbps:.1f} / D2H {rates.d2h_gbps:.1f} GB/s")
+    if rates.disk_read_gbps is not None and rates.disk_write_gbps is not None:
+        parts.append(f"disk read {rates.disk_read_gbps:.2f} / write {rates.disk_write_gbps:.2f} GB/s")
+    return ", ".join(parts)
+
+
+def _bound_line(row: str, bound: Bound, result: dict[str, Any]) -> str:
+    """A row's bound, its terms and the bytes they count; beside them what a tierstore row moved (the bound
+    uses the smaller where it moved less than the accounting)."""
+    t = bound.traffic
+    moved = result.get("moved_nbytes")
+
+    def size(accounted: int, kind: str) -> str:
+        if moved is None:
+            return approx_size(accounted)
+        note = ", used" if bound.nbytes[kind] < accounted else ""
+        return f"{approx_size(accounted)} (moved {approx_size(int(moved[kind]))}{note})"
+
+    text = (f"bound {row}: {bound.describe()}; per step: H2D {size(t.h2d_nbytes, 'h2d')}, D2H {size(t.d2h_nbytes, 'd2h')}, "
+            f"{_count(t.cpu_update_numel)} params updated on the CPU, {_count(t.gpu_update_numel)} on the GPU")
+    if t.disk_read_nbytes or (moved and (moved["read"] or moved["write"])):
+        text += f", disk read {size(t.disk_read_nbytes, 'read')} / write {size(t.disk_write_nbytes, 'write')}"
+    if result.get("spilled_blocks"):
+        text += f"; moments of {result['spilled_blocks']} blocks spilled to NVMe"
+    return text
 
 
 def failure_reason(error: str) -> str:
@@ -442,37 +441,28 @@ def failure_reason(error: str) -> str:
     return lines[-1][:200] if lines else "failed without a message"
 
 
-def _disk_efficiency(results: dict[str, Any], terms: dict[str, float]) -> list[str]:
-    """For rows that touched the disk: the seconds the raw ceiling (dd, O_DIRECT, same directory, same call)
-    needs to read and then write one step's bytes, over the measured step time."""
-    if "disk_read_gbps" not in terms:
-        return []
+def versus_deepspeed(results: dict[str, Any]) -> list[str]:
+    """Tokens/s ratios of our rows over each DeepSpeed row of the same call, and nvme-auto against the row
+    whose peak RSS capped it (the same host RAM, the rest spilled to NVMe)."""
     out = []
-    for row, r in results.items():
-        if r.get("disk_read_nbytes") or r.get("disk_write_nbytes"):
-            t_nvme = r["disk_read_nbytes"] / (terms["disk_read_gbps"] * 1e9) + r["disk_write_nbytes"] / (terms["disk_write_gbps"] * 1e9)
-            out.append(f"disk {row}: {r['disk_read_nbytes'] / 1e9:.1f} GB read + {r['disk_write_nbytes'] / 1e9:.1f} GB written per step; "
-                       f"T_nvme at the raw ceiling {t_nvme:.2f} s = {t_nvme / r['step_s']:.0%} of the step"
-                       + (f"; moments of {r['spilled_blocks']} blocks spilled to NVMe" if r.get("spilled_blocks") else ""))
-    return out
-
-
-def _versus_deepspeed(results: dict[str, Any]) -> list[str]:
-    """Tokens/s ratios of our rows over each DeepSpeed row of the same call."""
-    out = []
-    ours = {r: v["step_s"] for r, v in results.items() if not r.startswith(("torch", "ds-")) and "step_s" in v
-            and not split_row(r)[0].endswith("accum8")}
+    ours = {r: v["step_s"] for r, v in results.items() if is_tierstore(r) and "step_s" in v and accumulation_of(r) == 1}
     for ds_row, ds in results.items():
         if ds_row.startswith("ds-") and "step_s" in ds and ours:
             pairs = ", ".join(f"{r} {ds['step_s'] / s:.2f}x" for r, s in ours.items())
             out.append(f"tokens/s vs {ds_row} ({ds['step_s']:.3f} s/step): {pairs}")
+    for row, r in results.items():
+        paired = results.get(r.get("host_cap_from", ""), {})
+        if "step_s" in r and "step_s" in paired:
+            out.append(f"{row} vs {r['host_cap_from']} at the same host RAM ({row} capped at {r['host_cap_from']}'s peak "
+                       f"RSS {paired['peak_rss_nbytes'] / 2**30:.1f} GiB, reached {r['peak_rss_nbytes'] / 2**30:.1f} GiB): "
+                       f"{paired['step_s'] / r['step_s']:.2f}x the tokens/s")
     return out
 
 
 def _child() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--row", required=True)
-    parser.add_argument("--preset", default="1.35b")
+    parser.add_argument("--spec", required=True, help="the model's shape, BenchModel.to_json()")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", required=True)
     parser.add_argument("--nvme-dir")
@@ -480,7 +470,7 @@ def _child() -> None:
     parser.add_argument("--host-cap", type=int)
     a = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    result = run_row(a.row, a.preset, a.steps, a.nvme_dir, a.gpu_cap, a.host_cap)
+    result = run_row(a.row, BenchModel.from_json(a.spec), a.steps, a.nvme_dir, a.gpu_cap, a.host_cap)
     Path(a.out).write_text(json.dumps(result))
 
 

@@ -1,0 +1,308 @@
+"""The per-row lower bound of ``tierstore bench train``: what each resource must at least do in one step.
+
+A row's placement (:class:`RowPlacement`: which parameters keep their weights on the GPU, which are
+updated by the CPU or the GPU, which state streams or lives on disk) fixes the work of one optimizer step
+on each resource (:func:`row_traffic`, pure arithmetic):
+
+- the GPU: ``T_gpu = T_compute + T_gpu_update``, ``T_compute = accumulation x (T_fwd + T_bwd)`` of the plain
+  PyTorch row of the same shape, ``T_gpu_update`` a fused AdamW on the GPU over the device-updated parameters
+  (resident and streamed state alike);
+- the CPU: ``T_cpu_adam``, fused CPU AdamW over the CPU-updated parameters (``1 - f - s`` of them) at the
+  row's thread count;
+- PCIe, each direction on its own (a copy engine each way): ``T_h2d`` = weights fetched + streamed state in
+  (12 bytes per parameter) + weights refreshed after a CPU update (weights resident on the GPU, master on
+  host); ``T_d2h`` = gradients of the CPU-updated parameters + streamed state out (12 bytes per parameter).
+  Weights not resident on the GPU are fetched for each micro-batch's forward and again for its backward,
+  except those kept from forward to backward (``-keep``'s budget, and always the last block of the forward:
+  backward starts with it) and, in the first micro-batch's forward, the streamed ones (their update on the
+  GPU leaves them there). Bytes per fetched weight are the source's: the fp32 master (4) or a bf16 copy (2);
+- the disk: ``T_nvme`` = state bytes read / read ceiling + written / write ceiling (one device serves both).
+
+Each term is the row's bytes or parameters over a rate measured in the same call (:class:`Rates`), and
+
+    bound = max(T_gpu, T_cpu_adam, T_h2d, T_d2h, T_nvme)
+
+since every resource must at least do its own work and no resource can be faster than its raw ceiling.
+It is a lower bound: overheads (launches, casts, host copies, waits between resources) only add. Where a
+tierstore row moved fewer bytes on a path than this accounting (its schedule kept more blocks), the bound
+uses the bytes moved, so that it stays a lower bound; the table prints both. The table's "of bound" is
+bound / measured step, at most 1: the fraction of the achievable this row reaches. A term whose rate was
+not measured (no plain row, no disk directory) is left out and named as missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FP32 = 4
+STATE_NBYTES = 3 * FP32  # fp32 master + exp_avg + exp_avg_sq of one parameter
+ADAM_MEASURE_CAP_NUMEL = 256 << 20  # AdamW is timed over at most this many parameters (4 GiB of fp32 state) and scaled
+
+
+@dataclass(frozen=True)
+class RowPlacement:
+    """Where one row's training state lives, in parameter counts and bytes per element."""
+
+    num_params: int
+    accumulation: int = 1
+    resident_numel: int = 0  # weights on the GPU for the whole step: never fetched
+    fetch_elem_nbytes: int = 0  # bytes one fetch moves per non-resident weight (fp32 master: 4, bf16 copy: 2)
+    kept_numel: int = 0  # fetched weights kept from forward to backward: fetched once per micro-batch, not twice
+    fresh_numel: int = 0  # fetched weights the GPU update leaves on the device: no fetch for the step's first forward
+    cpu_update_numel: int = 0  # parameters whose AdamW runs on the CPU (their gradients go to host)
+    gpu_update_numel: int = 0  # parameters whose AdamW runs on the GPU (resident or streamed state)
+    streamed_numel: int = 0  # GPU-updated parameters whose fp32 state comes from host and goes back
+    grad_elem_nbytes: int = FP32  # bytes per gradient element moved to host
+    refresh_elem_nbytes: int = 0  # bytes per CPU-updated weight copied back to the GPU after the update
+    disk_state_nbytes: int = 0  # optimizer state bytes read from disk and written back each step
+    cpu_threads: int = 0  # threads of the CPU update (0: the machine's default)
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields, for JSON."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The work of one optimizer step of a row, per resource."""
+
+    compute_passes: int  # forward + backward passes (micro-batches)
+    gpu_update_numel: int
+    cpu_update_numel: int
+    h2d_nbytes: int
+    d2h_nbytes: int
+    disk_read_nbytes: int
+    disk_write_nbytes: int
+
+
+def row_traffic(p: RowPlacement) -> Traffic:
+    """Bytes and parameter counts one optimizer step of placement ``p`` must move and update."""
+    fetched = p.num_params - p.resident_numel
+    kept = min(p.kept_numel, fetched)
+    fresh = min(p.fresh_numel, fetched)
+    weights_h2d = p.fetch_elem_nbytes * (p.accumulation * (2 * fetched - kept) - fresh)
+    h2d = weights_h2d + STATE_NBYTES * p.streamed_numel + p.refresh_elem_nbytes * p.cpu_update_numel
+    d2h = p.grad_elem_nbytes * p.cpu_update_numel + STATE_NBYTES * p.streamed_numel
+    return Traffic(compute_passes=p.accumulation, gpu_update_numel=p.gpu_update_numel, cpu_update_numel=p.cpu_update_numel,
+                   h2d_nbytes=h2d, d2h_nbytes=d2h, disk_read_nbytes=p.disk_state_nbytes, disk_write_nbytes=p.disk_state_nbytes)
+
+
+def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], streamed: Iterable[int],
+                        weight_source: str, homes: dict[str, str], spilled: Iterable[int], keep_nbytes: int,
+                        compute_elem_nbytes: int, accumulation: int, cpu_threads: int) -> RowPlacement:
+    """The placement of a tierstore session, from what its controller resolved: block sizes in forward
+    order, the device-updated and streamed block indices, the weight source (``master``: the fp32 master is
+    fetched and cast on the GPU; ``weights``: a host copy in the compute dtype; ``resident``: on the GPU,
+    refreshed from the master after each CPU update), each state kind's home tier, the blocks whose moments
+    spilled to NVMe, and ``prefetch.keep_for_backward``'s budget in bytes of compute weights."""
+    gpu_updated, streamed, spilled = set(gpu_updated), set(streamed), set(spilled)
+    total = sum(block_numels)
+    device = sum(block_numels[i] for i in gpu_updated)
+    streamed_numel = sum(block_numels[i] for i in streamed)
+    resident = weight_source == "resident"
+    fetched = [i for i in range(len(block_numels)) if not resident and i not in gpu_updated]
+    kept = _kept_numel([block_numels[i] for i in fetched], keep_nbytes, compute_elem_nbytes)
+    disk = 0
+    for index, numel in enumerate(block_numels):
+        if index not in gpu_updated:
+            on_disk = [k for k in ("master", "exp_avg", "exp_avg_sq")
+                       if homes.get(k) == "nvme" or (index in spilled and k != "master")]
+            disk += FP32 * numel * len(on_disk)
+    return RowPlacement(num_params=total, accumulation=accumulation, resident_numel=total if resident else device,
+                        fetch_elem_nbytes={"master": FP32, "weights": compute_elem_nbytes, "resident": 0}[weight_source],
+                        kept_numel=kept, fresh_numel=0 if resident else streamed_numel,
+                        cpu_update_numel=total - device - streamed_numel, gpu_update_numel=device + streamed_numel,
+                        streamed_numel=streamed_numel, refresh_elem_nbytes=FP32 if resident else 0,
+                        disk_state_nbytes=disk, cpu_threads=cpu_threads)
+
+
+def _kept_numel(fetched_numels: list[int], keep_nbytes: int, elem_nbytes: int) -> int:
+    """Weights (of the fetched blocks, in forward order) still on the GPU when backward reaches them: the
+    last block (backward starts with it), and the newest blocks within the keep budget, as the controller
+    keeps them (a block larger than the whole budget is never kept; keeping one past what is left would
+    release every older kept block)."""
+    if not fetched_numels:
+        return 0
+    kept, budget = fetched_numels[-1], keep_nbytes
+    for position, numel in enumerate(reversed(fetched_numels)):
+        nbytes = numel * elem_nbytes
+        if nbytes > keep_nbytes:
+            continue
+        if nbytes > budget:
+            break
+        budget -= nbytes
+        kept += numel if position else 0  # the last block is counted already
+    return kept
+
+
+def plain_placement(num_params: int, accumulation: int) -> RowPlacement:
+    """The plain PyTorch row: everything on the GPU, the whole update there."""
+    return RowPlacement(num_params=num_params, accumulation=accumulation, resident_numel=num_params,
+                        gpu_update_numel=num_params)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Rates measured in the call; None where not measured."""
+
+    fwd_s: float | None = None  # one forward of the plain row
+    bwd_s: float | None = None  # one backward of the plain row
+    gpu_adam_s_per_param: float | None = None
+    cpu_adam_s_per_param: dict[int, float] = field(default_factory=dict)  # threads -> seconds per parameter
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    disk_read_gbps: float | None = None
+    disk_write_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A row's bound: each resource's term (seconds; None where its rate was not measured), and their max."""
+
+    terms: dict[str, float | None]
+    traffic: Traffic  # the accounting
+    nbytes: dict[str, int]  # the bytes each path's term uses: h2d, d2h, read, write
+    gpu_parts: tuple[float, float] | None = None  # T_compute, T_gpu_update: T_gpu's two parts
+
+    @property
+    def seconds(self) -> float | None:
+        """max over the terms measured; None when none was."""
+        known = [t for t in self.terms.values() if t is not None]
+        return max(known) if known else None
+
+    @property
+    def limit(self) -> str:
+        """The name of the largest term."""
+        known = {k: t for k, t in self.terms.items() if t is not None}
+        return max(known, key=known.__getitem__) if known else "-"
+
+    def describe(self) -> str:
+        """'max(T_gpu 0.200 (T_compute 0.190 + T_gpu_update 0.010), T_cpu_adam 0.310, ...) = 0.310 s (T_cpu_adam)';
+        a term not measured is named as such."""
+        parts = [f"{k} {v:.3f}" if v is not None else f"{k} not measured" for k, v in self.terms.items()]
+        if self.gpu_parts is not None:
+            parts[0] += f" (T_compute {self.gpu_parts[0]:.3f} + T_gpu_update {self.gpu_parts[1]:.3f})"
+        total = self.seconds
+        return f"max({', '.join(parts)})" + (f" = {total:.3f} s ({self.limit})" if total is not None else "")
+
+
+def row_bound(placement: RowPlacement, rates: Rates, default_threads: int,
+              moved: dict[str, float] | None = None) -> Bound:
+    """The bound of ``placement`` at ``rates`` (see the module docstring). ``moved``: the bytes a row moved per
+    step on each path (``h2d``, ``d2h``, ``read``, ``write``), where it counted them; a path's term uses the
+    smaller of that and the accounting."""
+    t = row_traffic(placement)
+    accounted = {"h2d": t.h2d_nbytes, "d2h": t.d2h_nbytes, "read": t.disk_read_nbytes, "write": t.disk_write_nbytes}
+    used = {k: min(v, int(moved[k])) if moved and k in moved else v for k, v in accounted.items()}
+
+    def over(nbytes: int, gbps: float | None) -> float | None:
+        if not nbytes:
+            return 0.0
+        return None if gbps is None else nbytes / (gbps * 1e9)
+
+    gpu = parts = None
+    if rates.fwd_s is not None and rates.bwd_s is not None and rates.gpu_adam_s_per_param is not None:
+        parts = (t.compute_passes * (rates.fwd_s + rates.bwd_s), t.gpu_update_numel * rates.gpu_adam_s_per_param)
+        gpu = sum(parts)
+    per_param = rates.cpu_adam_s_per_param.get(placement.cpu_threads or default_threads)
+    cpu = 0.0 if not t.cpu_update_numel else (None if per_param is None else t.cpu_update_numel * per_param)
+    read, write = over(used["read"], rates.disk_read_gbps), over(used["write"], rates.disk_write_gbps)
+    nvme = None if read is None or write is None else read + write
+    terms = {"T_gpu": gpu, "T_cpu_adam": cpu, "T_h2d": over(used["h2d"], rates.h2d_gbps),
+             "T_d2h": over(used["d2h"], rates.d2h_gbps), "T_nvme": nvme}
+    return Bound(terms, t, used, parts)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_cpu_adam_s_per_param(num_params: int, threads: int) -> float:
+    """Seconds per parameter of one CPU fused AdamW step (the runtime's own kernel) with ``threads``
+    threads, over min(num_params, 256 Mi) fp32 parameters: far beyond any cache, so the rate is the memory
+    bound one a whole model's step runs at; median of three after a warm-up."""
+    from runtime.adam import AdamWHyper, adamw_update
+
+    numel = max(1, min(num_params, ADAM_MEASURE_CAP_NUMEL))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        p, g, m, v = (torch.empty(numel).uniform_(0.5, 1.0) for _ in range(4))
+        steps = [torch.zeros(())]
+        adamw_update([p], [g], [m], [v], steps, AdamWHyper())
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            adamw_update([p], [g], [m], [v], steps, AdamWHyper())
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(previous)
+    return statistics.median(times) / numel
+
+
+def measure_gpu_adam_s_per_param(num_params: int, device: torch.device) -> float:
+    """Seconds per parameter of torch's fused AdamW on the compute device over min(num_params, 256 Mi) fp32
+    parameters (on a GPU, the 28 bytes per parameter of an update at HBM speed, as the plain row and
+    tierstore's device update run it)."""
+    numel = max(1, min(num_params, ADAM_MEASURE_CAP_NUMEL))
+    p = torch.nn.Parameter(torch.rand(numel, device=device))
+    p.grad = torch.rand_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, fused=True)
+    opt.step()
+    times = []
+    for _ in range(3):
+        _sync()
+        t0 = time.perf_counter()
+        opt.step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / numel
+
+
+def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
+    """Raw pinned copy bandwidth (H2D, D2H) in GB/s, best of three."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = []
+    for to_dev in (True, False):
+        best = float("inf")
+        for _ in range(3):
+            _sync()
+            t0 = time.perf_counter()
+            (dev.copy_(host, non_blocking=True) if to_dev else host.copy_(dev, non_blocking=True))
+            _sync()
+            best = min(best, time.perf_counter() - t0)
+        out.append(nbytes / best / 1e9)
+    return out[0], out[1]
+
+
+def measure_disk_gbps(directory: str, total_nbytes: int = 2 << 30) -> tuple[float, float]:
+    """Raw (read, write) GB/s of the disk under ``directory``, several O_DIRECT IOs in flight as the store
+    and DeepSpeed's aio keep them (``runtime.profiler.ceilings.disk_ceiling_gbps``); where that function is
+    not available, single-stream ``dd``, which may read a lower ceiling and so overstate T_nvme."""
+    try:
+        from runtime.profiler.ceilings import disk_ceiling_gbps
+    except ImportError:
+        log.warning("runtime.profiler.ceilings.disk_ceiling_gbps is not available; measuring the disk with "
+                    "single-stream dd instead: one IO in flight may read a lower ceiling than the disk's, which "
+                    "overstates T_nvme (the bound may then exceed what the disk allows)")
+    else:
+        read, write = disk_ceiling_gbps(directory, ios_in_flight=8, block_nbytes=8 << 20, total_nbytes=total_nbytes)
+        return float(read), float(write)
+    from pathlib import Path
+
+    from runtime.bench.store_bench import _dd_ceiling
+
+    block = 64 << 20
+    count = max(1, total_nbytes // block)
+    write_s, read_s, _ = _dd_ceiling(Path(directory), count, block, direct=True, repeats=2)
+    return count * block / read_s / 1e9, count * block / write_s / 1e9
