@@ -243,13 +243,22 @@ def run_row(row: str, spec: BenchModel, steps: int, nvme_dir: str | None, gpu_ca
     return result
 
 
+def _measured(results: dict[str, Any], base: str, key: str) -> tuple[int, str] | None:
+    """``key`` of the first row of the call whose base row is ``base`` (any suffix: -clip does not change
+    memory), with that row's name; None when no such row succeeded."""
+    for row, result in results.items():
+        if row_options(row)[0] == base and result.get(key):
+            return int(result[key]), row
+    return None
+
+
 def _host_cap(results: dict[str, Any]) -> tuple[int, str] | None:
     """nvme-auto's RSS cap: ds-zero3-cpu's peak RSS (the same host RAM as ZeRO-3 CPU offload, the rest on
     NVMe), else ds-zero3-nvme's; with the row it came from."""
-    for row in HOST_CAP_ROWS:
-        rss = results.get(row, {}).get("peak_rss_nbytes")
-        if rss:
-            return int(rss), row
+    for base in HOST_CAP_ROWS:
+        found = _measured(results, base, "peak_rss_nbytes")
+        if found:
+            return found
     return None
 
 
@@ -261,10 +270,10 @@ def _child_command(row: str, spec: BenchModel, args: argparse.Namespace, out: st
     if args.nvme_dir:
         cmd += ["--nvme-dir", args.nvme_dir]
     if row_options(row)[1].get("cap"):
-        cap = results.get("ds-zero2-cpu", {}).get("peak_gpu_reserved_nbytes")
-        if not cap:
+        cap = _measured(results, "ds-zero2-cpu", "peak_gpu_reserved_nbytes")
+        if cap is None:
             return "needs the ds-zero2-cpu row earlier in the same call"
-        cmd += ["--gpu-cap", str(cap)]
+        cmd += ["--gpu-cap", str(cap[0])]
     if row_options(row)[0] == "nvme-auto":
         host_cap = _host_cap(results)
         if host_cap is None:
@@ -307,7 +316,10 @@ def run_rows(rows: list[str], spec: BenchModel, args: argparse.Namespace) -> dic
 
 def measure_rates(results: dict[str, Any], num_params: int, nvme_dir: str | None, default_threads: int) -> Rates:
     """The bound's rates, measured now (the rows' processes have ended: the GPU and the cores are free)."""
-    plain = next((r for row, r in results.items() if row.startswith("torch") and "fwd_s" in r), None)
+    # The fastest forward + backward of the plain rows: the compute term of a lower bound may not carry the
+    # noise of one row's measurement (its own clipping or accumulation does not change fwd and bwd).
+    plain = min((r for row, r in results.items() if row.startswith("torch") and "fwd_s" in r),
+                key=lambda r: r["fwd_s"] + r["bwd_s"], default=None)
     placements = [RowPlacement(**r["placement"]) for r in results.values() if "placement" in r]
     threads = sorted({p.cpu_threads or default_threads for p in placements if p.cpu_update_numel})
     log.info("measuring the bound's rates: CPU AdamW at %s threads, GPU AdamW, pinned copies, disk", threads)

@@ -149,13 +149,17 @@ def test_rows_in_their_own_processes_and_the_table(tmpfs_dir):
 
 def test_nvme_auto_is_capped_by_zero3_cpu_first():
     args = argparse.Namespace(steps=3, nvme_dir="/d")
-    results = {"ds-zero3-nvme": {"peak_rss_nbytes": 30 << 30}, "ds-zero3-cpu": {"peak_rss_nbytes": 20 << 30}}
+    results = {"ds-zero3-nvme": {"peak_rss_nbytes": 30 << 30}, "ds-zero3-cpu-clip": {"peak_rss_nbytes": 20 << 30}}
     cmd = train_bench._child_command("nvme-auto", TINY_HF, args, "out.json", results)
     assert cmd[cmd.index("--host-cap") + 1] == str(20 << 30)
-    del results["ds-zero3-cpu"]
+    del results["ds-zero3-cpu-clip"]
     cmd = train_bench._child_command("nvme-auto", TINY_HF, args, "out.json", results)
     assert cmd[cmd.index("--host-cap") + 1] == str(30 << 30)
     assert BenchModel.from_json(cmd[cmd.index("--spec") + 1]) == TINY_HF
+    assert "needs the ds-zero2-cpu row" in train_bench._child_command("host-cap", TINY_HF, args, "o.json", results)
+    results["ds-zero2-cpu-clip"] = {"peak_gpu_reserved_nbytes": 7 << 30}
+    cmd = train_bench._child_command("host-cap", TINY_HF, args, "o.json", results)
+    assert cmd[cmd.index("--gpu-cap") + 1] == str(7 << 30)
     results = {"ds-zero3-cpu": {"step_s": 1.0, "peak_rss_nbytes": 20 << 30},
                "nvme-auto": {"step_s": 0.5, "peak_rss_nbytes": 19 << 30, "host_cap_from": "ds-zero3-cpu"}}
     lines = versus_deepspeed(results)
