@@ -291,7 +291,8 @@ def _notes(inputs: PlacementInputs, rates: Rates, placement: Placement, *, updat
 
 def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -> Rates:
     """Time CPU fused AdamW (``cpu_threads`` threads) and copies each way between host memory (pinned when ``pin``)
-    and ``device``: about a third of a second, once per process for the same arguments."""
+    and ``device``, once per process for the same arguments: about half a second (H100 box, 14 threads: 0.32 s for
+    AdamW at 4.7 G params/s, 0.24 s for the copies at 55 GB/s each way, CUDA start included)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _measured(index, cpu_threads, pin)
 
