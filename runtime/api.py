@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from runtime.adam import AdamWHyper
+from runtime.autoplace import Placement, PlacementInputs, Rates, choose_placement, measure_rates
 from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
 from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
@@ -21,7 +22,7 @@ from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
-from runtime.plan import Budgets, MemoryPlan, check_fits, make_plan, planned_ram_nbytes, spill_moments
+from runtime.plan import Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments
 from runtime.signals import stop_on_sigterm
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
@@ -226,7 +227,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if uninitialized and init is not None:  # frozen parameters are not offloaded: fill them here
         initialize([(n, p) for n, p in model.named_parameters() if id(p) in uninitialized and not p.requires_grad], init)
     blocks, resolved, budgets = plan_model(model, cfg, device)
-    homes, source, plan = resolved.homes, resolved.source, resolved.plan
+    plan = resolved.plan
     log.info("%s", plan.table())
     # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
     _move_rest(model, device, {id(slot.param) for b in blocks for slot in b.slots})
@@ -243,7 +244,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     check_param_groups(groups, blocks)
     controller = hooks = guard = state_dict_hooks = None
     try:
-        options = _options(cfg, dtype, source, homes, record_intervals, resolved.spilled_blocks)
+        options = _options(cfg, dtype, resolved, record_intervals)
         controller = Controller(model, blocks, store, options, init=init, uninitialized=uninitialized)
         access = StateAccess(controller)
         hooks = HookSet(model, blocks, controller)
@@ -272,16 +273,22 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
 
 
 def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
-             dtype: torch.dtype, spilled: int = 0, spares: bool = False) -> MemoryPlan:
-    """The memory plan of these blocks under this config (nothing allocated); ``spilled``: how many of the
-    last host-updated blocks keep their moments on NVMe, ``spares``: second state buffers for updates that
-    run before the commit (see ``resolve_plan``)."""
-    opt = cfg.optimizer
-    gpu_updated = gpu_updated_blocks(blocks, opt.gpu_update_fraction)
-    streamed = len(gpu_streamed_blocks(blocks, opt.gpu_update_fraction, opt.gpu_stream_fraction))
-    return make_plan([b.numel for b in blocks if b.index not in gpu_updated], {k: v.value for k, v in homes.items()},
+             dtype: torch.dtype, spilled: int = 0, spares: bool = False, *, placement: Placement) -> MemoryPlan:
+    """The memory plan of these blocks under this config and resolved ``placement`` (nothing allocated);
+    ``spilled``: how many of the last host-updated blocks keep their moments on NVMe, ``spares``: second state
+    buffers for updates that run before the commit (see ``resolve_plan``)."""
+    gpu_updated = gpu_updated_blocks(blocks, placement.gpu_update_fraction)
+    streamed = len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction))
+    return _plan_of(blocks, cfg, homes, source, dtype, updated=gpu_updated, streamed=streamed, spilled=spilled,
+                    spares=spares)
+
+
+def _plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
+             dtype: torch.dtype, *, updated: frozenset[int], streamed: int, spilled: int = 0,
+             spares: bool = False) -> MemoryPlan:
+    return make_plan([b.numel for b in blocks if b.index not in updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
-                     opt.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(gpu_updated)],
+                     cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
                      spilled=spilled, streamed=streamed, spares=spares)
 
 
@@ -293,40 +300,99 @@ class ResolvedPlan:
     source: WeightSource  # where compute weights are fetched from
     spilled_blocks: frozenset[int]  # blocks whose moments live on NVMe although homes says host
     plan: MemoryPlan
+    placement: Placement  # gpu_update_fraction, gpu_stream_fraction, keep_for_backward with `auto` resolved
 
 
-def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device) -> ResolvedPlan:
-    """Homes, weight source and plan. ``placement.moments: auto`` with an NVMe path keeps the moments in
-    pinned host memory as far as ``tiers.host.budget`` allows (``auto``: the RAM available now, less
-    headroom) and spills the last blocks' moments to NVMe, only as many as needed."""
+def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, homes: dict[str, TierName],
+                      source: WeightSource, *, rates: Rates | None = None,
+                      no_stream_reason: str | None = None) -> Placement:
+    """``optimizer.gpu_update_fraction``, ``optimizer.gpu_stream_fraction`` and ``prefetch.keep_for_backward`` as
+    numbers: explicit values as written, ``auto`` chosen by ``runtime.autoplace`` (0 on the CPU). ``rates``: the
+    speeds to plan with on CUDA (default: measured once per process)."""
+    opt, keep = cfg.optimizer, cfg.prefetch.keep_for_backward
+    if "auto" not in (opt.gpu_update_fraction, opt.gpu_stream_fraction, keep):
+        return Placement(float(opt.gpu_update_fraction), float(opt.gpu_stream_fraction), int(keep))
+    if device.type != "cuda":
+        rates = None
+    elif rates is None:  # before the budget is read: the probe gives its device memory back
+        rates = measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False)
+    if no_stream_reason is None and TierName.NVME in (homes["master"], homes["exp_avg"]):
+        no_stream_reason = "master or moments on nvme: streaming needs them in pinned host memory"
+    dtype = DTYPES[cfg.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ordered = sorted(blocks, key=lambda b: b.index)  # forward order, as gpu_updated_blocks counts
+
+    def gpu_plan_nbytes(updated: int, streamed: int) -> int:
+        first = frozenset(b.index for b in ordered[:updated])
+        return _plan_of(blocks, cfg, homes, source, dtype, updated=first, streamed=streamed).gpu_nbytes
+
+    inputs = PlacementInputs(block_numels=tuple(b.numel for b in ordered), gpu_budget_nbytes=gpu_budget_nbytes(cfg, device),
+                             gpu_plan_nbytes=gpu_plan_nbytes, compute_itemsize=itemsize,
+                             fetch_itemsize=4 if source is WeightSource.MASTER else itemsize,
+                             weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason)
+    return choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
+
+
+def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, *,
+                 rates: Rates | None = None) -> ResolvedPlan:
+    """Homes, weight source, the ``auto`` placement knobs (``resolve_placement``) and the plan.
+    ``placement.moments: auto`` with an NVMe path keeps the moments in pinned host memory as far as
+    ``tiers.host.budget`` allows (``auto``: the RAM available now, less headroom) and spills the last blocks'
+    moments to NVMe, only as many as needed."""
     homes, source = resolve_homes(cfg, device)
     dtype = DTYPES[cfg.dtype]
-    opt = cfg.optimizer
-    if opt.overlap != "exact":
+    if cfg.optimizer.overlap != "exact":
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
-    gpu_updated = gpu_updated_blocks(blocks, opt.gpu_update_fraction)
-    host_updated = [b.index for b in blocks if b.index not in gpu_updated]
-    # Streamed blocks (the first host-updated ones) copy their moments from pinned memory: never spilled.
-    spillable = len(host_updated) - len(gpu_streamed_blocks(blocks, opt.gpu_update_fraction, opt.gpu_stream_fraction))
-    spilled = 0
+    placement = resolve_placement(blocks, cfg, device, homes, source, rates=rates)
     limit = host_memory().usable_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
+    spilled, host_updated, fits = _spill(blocks, cfg, homes, source, dtype, placement, limit)
+    if not fits and cfg.optimizer.gpu_stream_fraction == "auto" and placement.gpu_stream_fraction > 0:
+        # Streamed blocks keep their moments in pinned memory: give them up before refusing the plan.
+        placement = resolve_placement(blocks, cfg, device, homes, source, rates=rates, no_stream_reason=(
+            "host RAM holds the moments of no streamed block beside the rest"))
+        spilled, host_updated, fits = _spill(blocks, cfg, homes, source, dtype, placement, limit)
+    if spilled:
+        log.info("placement.moments: auto: the moments of the last %d of %d host-updated blocks go to NVMe",
+                 spilled, len(host_updated))
     # Updates that wait for the commit run ahead into second buffers when the host has room for them; they are
     # the first thing given up (before spilling moments to disk): without them a step is only slower.
-    spares = waits_for_commit(cfg) and \
-        planned_ram_nbytes(plan_for(blocks, cfg, homes, source, dtype, spares=True), cfg.tiers.nvme.path) <= limit
-    if cfg.placement.moments == "auto" and cfg.tiers.nvme.path is not None and homes["exp_avg"] is TierName.HOST:
-        spilled = spill_moments(lambda k: plan_for(blocks, cfg, homes, source, dtype, k), spillable, limit)
-        if spilled:
-            log.info("placement.moments: auto: the moments of the last %d of %d host-updated blocks go to NVMe",
-                     spilled, len(host_updated))
+    spares = not spilled and waits_for_commit(cfg) and planned_ram_nbytes(
+        plan_for(blocks, cfg, homes, source, dtype, spares=True, placement=placement), cfg.tiers.nvme.path) <= limit
     spilled_blocks = frozenset(host_updated[len(host_updated) - spilled:]) if spilled else frozenset()
-    return ResolvedPlan(homes, source, spilled_blocks, plan_for(blocks, cfg, homes, source, dtype, spilled, spares and not spilled))
+    plan = plan_for(blocks, cfg, homes, source, dtype, spilled, spares, placement=placement)
+    plan.notes = placement.notes
+    return ResolvedPlan(homes, source, spilled_blocks, plan, placement)
+
+
+def _spill(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
+           dtype: torch.dtype, placement: Placement, limit: int) -> tuple[int, list[int], bool]:
+    """How many of the last host-updated blocks spill their moments to NVMe (``placement.moments: auto``) for the
+    plan's pinned memory to fit ``limit``, the host-updated blocks, and whether the plan then fits."""
+    gpu_updated = gpu_updated_blocks(blocks, placement.gpu_update_fraction)
+    host_updated = [b.index for b in blocks if b.index not in gpu_updated]
+    if not (cfg.placement.moments == "auto" and cfg.tiers.nvme.path is not None and homes["exp_avg"] is TierName.HOST):
+        return 0, host_updated, True
+    # Streamed blocks (the first host-updated ones) copy their moments from pinned memory: never spilled.
+    streamed = gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction)
+    spillable = len(host_updated) - len(streamed)
+
+    def make(count: int) -> MemoryPlan:
+        return plan_for(blocks, cfg, homes, source, dtype, count, placement=placement)
+
+    spilled = spill_moments(make, spillable, limit)
+    return spilled, host_updated, spilled < spillable or make(spilled).host_nbytes <= limit
 
 
 def waits_for_commit(cfg: TierstoreConfig) -> bool:
     """True when updates need the whole gradient before they can commit: clipping (tierstore's or the loop's)
     or fp16 overflow checks."""
     return cfg.optimizer.grad_clip is not None or cfg.dtype == "fp16" or cfg.optimizer.user_grad_clip
+
+
+def cpu_threads(cfg: TierstoreConfig) -> int:
+    """``optimizer.cpu_threads`` as a number (``auto``: ``default_cpu_threads()``)."""
+    threads = cfg.optimizer.cpu_threads
+    return default_cpu_threads() if threads == "auto" else int(threads)
 
 
 def default_cpu_threads() -> int:
@@ -337,31 +403,32 @@ def default_cpu_threads() -> int:
     return max(1, cores - (2 if torch.cuda.is_available() else 0))
 
 
-def plan_model(model: nn.Module, cfg: TierstoreConfig, device: torch.device) -> tuple[list[Block], ResolvedPlan, Budgets]:
+def plan_model(model: nn.Module, cfg: TierstoreConfig, device: torch.device, *,
+               rates: Rates | None = None) -> tuple[list[Block], ResolvedPlan, Budgets]:
     """Blocks, placement and memory plan of ``model`` under ``cfg``, put through every check that can refuse
     them before anything is allocated. ``offload()`` and ``tierstore plan`` both call this (the latter on a
-    meta-device model), so the two refuse the same configs with the same message."""
+    meta-device model), so the two refuse the same configs with the same message. ``rates``: see
+    ``resolve_placement``."""
     blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
     if not blocks:
         raise ValueError("the model has no trainable parameters to offload")
-    resolved = resolve_plan(blocks, cfg, device)
+    resolved = resolve_plan(blocks, cfg, device, rates=rates)
     return blocks, resolved, check_fits(resolved.plan, cfg, device)
 
 
-def _options(cfg: TierstoreConfig, dtype: torch.dtype, source: WeightSource, homes: dict[str, TierName],
-             record_intervals: bool, spilled_blocks: frozenset[int] = frozenset()) -> RuntimeOptions:
-    opt = cfg.optimizer
-    threads = default_cpu_threads() if opt.cpu_threads == "auto" else opt.cpu_threads
+def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, record_intervals: bool) -> RuntimeOptions:
+    opt, placement = cfg.optimizer, resolved.placement
     loss_scale = None
     if cfg.dtype == "fp16":
         ls = opt.loss_scale
         loss_scale = {"initial": ls.initial, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
                       "growth_interval": ls.growth_interval}
     return RuntimeOptions(
-        compute_dtype=dtype, weight_source=source, homes=homes,
+        compute_dtype=dtype, weight_source=resolved.source, homes=resolved.homes,
         hyper=AdamWHyper(lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay),
         grad_clip=opt.grad_clip, accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
-        prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=int(threads),
-        record_intervals=record_intervals, gpu_update_fraction=opt.gpu_update_fraction, spilled_blocks=spilled_blocks,
-        gpu_stream_fraction=opt.gpu_stream_fraction, gpu_stream_ahead=opt.gpu_stream_ahead,
-        keep_for_backward_nbytes=int(cfg.prefetch.keep_for_backward), hold_updates=opt.user_grad_clip)
+        prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=cpu_threads(cfg),
+        record_intervals=record_intervals, gpu_update_fraction=placement.gpu_update_fraction,
+        spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
+        gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
+        hold_updates=opt.user_grad_clip)

@@ -160,11 +160,13 @@ class PrefetchConfig:
     budget: int = _leaf(SizeSpec(), 2 * 2**30,
                         "Bytes of weights that may be in flight ahead of the compute.")
     depth: int = _leaf(IntSpec(min=0, max=64), 2, "Blocks fetched ahead; 0 disables prefetch.")
-    keep_for_backward: int = _leaf(
-        SizeSpec(), 0,
+    keep_for_backward: int | Literal["auto"] = _leaf(
+        SizeSpec(auto=True), "auto",
         "Bytes of compute weights a training forward may leave on the GPU for the backward that follows (the "
         "last blocks of the forward, which backward needs first), saving their second fetch. 0: every block "
-        "is released after its forward and fetched again for backward.", "4GiB")
+        "is released after its forward and fetched again for backward. `auto`: what the GPU budget holds after "
+        "the plan, the optimizer's `auto` choices and the activation reserve, up to the weights not resident "
+        "(0 on the CPU and with `placement.weights: gpu`); the plan prints the choice.", "4GiB")
 
 
 @dataclass(frozen=True)
@@ -209,17 +211,21 @@ class OptimizerConfig:
     cpu_threads: int | Literal["auto"] = _leaf(
         IntSpec(min=1, auto=True), "auto",
         "Threads of the CPU optimizer. `auto`: all cores but the ones the GPU launcher needs.", 14)
-    gpu_update_fraction: float = _leaf(
-        FloatSpec(min=0.0, max=1.0), 0.0,
-        "Fraction of blocks (the first ones, whose updates the CPU cannot hide) updated on the "
-        "GPU when it has room.", 0.25)
-    gpu_stream_fraction: float = _leaf(
-        FloatSpec(min=0.0, max=1.0), 0.0,
+    gpu_update_fraction: float | Literal["auto"] = _leaf(
+        FloatSpec(min=0.0, max=1.0, auto=True), "auto",
+        "Fraction of the parameters (the first blocks, whose updates the CPU cannot hide) whose master and "
+        "moments live on the GPU and are updated there. `auto`: as many blocks as the GPU budget holds after "
+        "the plan's other GPU memory and a reserve for activations (half of the budget the plan leaves "
+        "free); 0 on the CPU. The plan prints the choice and its numbers.", 0.25)
+    gpu_stream_fraction: float | Literal["auto"] = _leaf(
+        FloatSpec(min=0.0, max=1.0, auto=True), "auto",
         "Fraction of the parameters (the blocks right after the `gpu_update_fraction` ones) whose master "
         "and moments stay in pinned host memory but are updated on the GPU: each step the state is copied "
         "in while the block's backward runs, updated with the same fused AdamW, and written back. Costs "
         "PCIe bandwidth and a few blocks of transient GPU memory instead of resident state; frees CPU time. "
-        "Needs master and moments on host.", 0.3)
+        "Needs master and moments on host. `auto`: the share that balances the CPU optimizer's time against "
+        "the PCIe time each way (CPU AdamW and copy speeds measured at start); 0 on the CPU or when master or "
+        "moments are on nvme.", 0.3)
     gpu_stream_ahead: int = _leaf(
         IntSpec(min=0, max=64), 8,
         "Streamed blocks (see `gpu_stream_fraction`) whose state may start moving to the GPU ahead of the "
@@ -382,13 +388,16 @@ def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
             f"({nvme.budget} bytes); lower block_size or raise tiers.nvme.budget.",
             ("tiers.nvme.budget",)))
     opt = cfg.optimizer
-    if opt.gpu_update_fraction + opt.gpu_stream_fraction > 1.0:
+    # `auto` is resolved at offload time (runtime.autoplace), where these rules hold by construction.
+    explicit = isinstance(opt.gpu_update_fraction, float) and isinstance(opt.gpu_stream_fraction, float)
+    if explicit and opt.gpu_update_fraction + opt.gpu_stream_fraction > 1.0:
         problems.append(Problem(
             "out_of_range", "optimizer.gpu_stream_fraction",
             f"optimizer.gpu_update_fraction ({opt.gpu_update_fraction}) and gpu_stream_fraction "
             f"({opt.gpu_stream_fraction}) add up to more than 1; lower one of them.",
             ("optimizer.gpu_update_fraction",)))
-    if opt.gpu_stream_fraction > 0 and "nvme" in (cfg.placement.master, cfg.placement.moments):
+    if opt.gpu_stream_fraction != "auto" and opt.gpu_stream_fraction > 0 \
+            and "nvme" in (cfg.placement.master, cfg.placement.moments):
         problems.append(Problem(
             "bad_value", "optimizer.gpu_stream_fraction",
             "optimizer.gpu_stream_fraction streams master and moments from pinned host memory, but "

@@ -49,6 +49,7 @@ class MemoryPlan:
     homes: dict[str, str]  # kind -> tier name
     weight_source: str  # master | weights | resident
     rows: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, tier, nbytes)
+    notes: tuple[str, ...] = ()  # lines printed under the header: what `auto` placement chose and why
 
     def tier_nbytes(self, tier: str) -> int:
         """Total bytes planned on one tier."""
@@ -72,7 +73,7 @@ class MemoryPlan:
     def table(self) -> str:
         """A table for a person: one row per kind and tier, then totals."""
         lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {self.weight_source}",
-                 f"  {'state':<32}{'tier':<6}{'bytes':>14}"]
+                 *(f"  {note}" for note in self.notes), f"  {'state':<32}{'tier':<6}{'bytes':>14}"]
         for kind, tier, nbytes in self.rows:
             lines.append(f"  {kind:<32}{tier:<6}{approx_size(nbytes):>14}")
         for tier in ("gpu", "host", "nvme"):

@@ -38,6 +38,8 @@ def default_config() -> dict[str, Any]:
         "dtype": "bf16" if cuda else "fp32",
         "tiers": {"nvme": {"path": "tmp", "budget": "4GiB"}},
         "placement": {"weights": "host", "master": "host", "moments": "nvme"},
+        # The demonstration of the three tiers: an `auto` fraction would put this small model's state on the GPU.
+        "optimizer": {"gpu_update_fraction": 0.0},
         "train": {"steps": 30, "batch_size": 8, "seq_len": 128, "log_every": 10},
     }
 

@@ -296,15 +296,21 @@ class IntSpec(Spec):
 
 @dataclass(frozen=True)
 class FloatSpec(Spec):
-    """A finite number within bounds; ints and decimal strings such as ``"1e-3"`` are accepted."""
+    """A finite number within bounds; ints and decimal strings such as ``"1e-3"`` are accepted, ``auto`` if
+    allowed."""
 
     min: float | None = None
     max: float | None = None
     min_open: bool = False
     max_open: bool = False
+    auto: bool = False
 
     def describe(self) -> str:
         """See :meth:`Spec.describe`."""
+        text = self._describe_number()
+        return f"`auto` or {text}" if self.auto else text
+
+    def _describe_number(self) -> str:
         if self.min is not None and self.max is not None:
             left = "(" if self.min_open else "["
             right = ")" if self.max_open else "]"
@@ -317,6 +323,8 @@ class FloatSpec(Spec):
 
     def check(self, value: object) -> object:
         """See :meth:`Spec.check`."""
+        if self.auto and value == "auto":
+            return "auto"
         if isinstance(value, bool):
             raise self.wrong_type(value)
         if isinstance(value, str) and _DECIMAL_RE.match(value.strip()):
@@ -421,7 +429,7 @@ class SizeSpec(Spec):
         try:
             nbytes = size_to_nbytes(value)
         except ValueError as exc:
-            raise SpecError("bad_value", f"{exc}") from None
+            raise SpecError("bad_value", f"{exc}. `auto` is accepted too" if self.auto else f"{exc}") from None
         if not self.min_nbytes <= nbytes <= self.max_nbytes:
             raise SpecError("out_of_range",
                             f"expected {self.describe()}, got {describe_value(value)}")

@@ -34,7 +34,8 @@ def _describe(error: BaseException) -> str | None:
     if isinstance(error, torch.OutOfMemoryError):
         first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
         return (f"the GPU ran out of memory ({first}). Activations come on top of the plan: lower train.batch_size "
-                "or train.seq_len, lower tiers.gpu.budget to leave them more room, or lower prefetch.depth")
+                "or train.seq_len, lower tiers.gpu.budget to leave them more room (the `auto` placement the plan shows "
+                "shrinks with it), or lower prefetch.depth")
     if isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.ENOMEM):
         return _describe_os_error(error)
     if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "can't allocate memory" in str(error)):

@@ -258,7 +258,7 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
             "prefetch_depth": cfg.prefetch.depth,
             "prefetch_budget_nbytes": int(cfg.prefetch.budget),
             "io_threads": cfg.tiers.nvme.io_threads,
-            "gpu_update_fraction": cfg.optimizer.gpu_update_fraction,
+            "gpu_update_fraction": controller.options.gpu_update_fraction,  # `auto` resolved
             "accumulation_steps": cfg.optimizer.accumulation_steps,
             "cpu_threads": controller.options.cpu_threads,
             "weight_source": controller.options.weight_source.value,

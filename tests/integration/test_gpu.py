@@ -87,7 +87,9 @@ def test_cpu_adam_overlaps_backward(clip):
     clipping too (the updates run before the commit, which publishes them)."""
     shape = ModelShape(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=8, ffn_size=2816)
     torch.manual_seed(0)
-    model, optimizer = offload(ExampleLM(shape), {"dtype": "bf16", "optimizer": {"grad_clip": clip}}, record_intervals=True)
+    # Every update on the CPU: an `auto` placement would put this model's whole update on the GPU.
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": clip, "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
+    model, optimizer = offload(ExampleLM(shape), config, record_intervals=True)
     session = optimizer.session
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, shape.vocab_size, (8, 1025), generator=g).cuda()

@@ -1,0 +1,356 @@
+"""The ``auto`` values of ``optimizer.gpu_update_fraction``, ``optimizer.gpu_stream_fraction`` and
+``prefetch.keep_for_backward``: chosen from the GPU budget, the model's block sizes and measured speeds.
+
+What this module leaves out: it allocates nothing of the runtime's, registers nothing and knows no config
+file. :func:`choose_placement` is a pure function of its inputs (block sizes, budgets, a function giving the
+memory plan's GPU bytes, and rates); :func:`measure_rates` is the only code that times anything, once per
+process. ``runtime.api.resolve_plan`` puts the two together before the plan is made.
+
+The model, per optimizer step in steady state. ``N`` parameters in ``B`` blocks in forward order, prefix
+sums ``c_0 = 0 .. c_B = N``. The first ``k`` blocks are updated on the GPU from resident state
+(``gpu_update_fraction = c_k / N``), the next ``j`` are streamed (``S = c_{k+j} - c_k`` parameters), the
+rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whole blocks
+(``runtime.controller.gpu_updated_blocks``), so only block boundaries are candidates.
+
+- GPU memory. ``plan(k, j)``: the memory plan's GPU bytes (weight prefetch window, gradient assembly,
+  streamed state in flight, resident weights and device-updated state). The activations are unknown until
+  the first forward, so a share of the budget is reserved for them: ``ACTIVATION_SHARE`` (half) of what
+  the plan with nothing on the GPU leaves free. Half, because the alternative errors are not symmetric: a
+  reserve that is too small fails the first step with an out-of-memory error, one that is too large costs
+  only the speed the extra blocks would have brought, and half of the free budget is several times the
+  activations of the micro-batches that fit beside a fully resident model of the same size. A run whose
+  activations need more lowers ``tiers.gpu.budget`` (which lowers every choice here) or sets the values.
+- ``k`` (auto): the most blocks whose plan, with the worst case of streamed state in flight (the largest
+  remaining block, ``plan.STREAMED_IN_FLIGHT`` times), stays within budget minus the reserve. More ``k``
+  shortens every term below, so the most that fits is the choice.
+- ``j`` (auto): the one that minimises ``max(T_cpu, T_h2d, T_d2h)`` (the fewest on a tie):
+  ``T_cpu = H / adam_rate``; ``T_h2d = (12 S + weights) / h2d_rate``, where weights are fetched for the
+  forward and again for the backward (``fetch_itemsize`` bytes a parameter: 4 from an fp32 master cast on
+  the GPU) except the blocks kept for backward, or, with weights resident, refreshed once from the fp32
+  master of the CPU-updated blocks (4 ``H``); ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written
+  back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
+- keep (auto): the bytes of the last blocks of the forward (not device-updated) that fit in what the
+  budget has left after ``plan(k, j)`` and the reserve: whole blocks, as the controller keeps them; 0 with
+  weights resident.
+
+Not modelled: the forward and backward compute (unknown before a step runs, and the terms above overlap
+it), both copy directions sharing the link (about 91 GB/s for both against 55 each way on the reference
+box), the blocks the prefetch window holds over from forward to backward anyway, NVMe traffic of spilled
+moments, and clipping holding the CPU updates until the backward ends. On the CPU the device is the CPU:
+every ``auto`` is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from runtime.adam import AdamWHyper, adamw_update, split_views
+from runtime.plan import STREAMED_IN_FLIGHT
+from runtime.units import approx_size
+from tierstore import PinnedArena
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_SHARE = 0.5  # of the GPU budget the plan with nothing device-updated leaves free (see the docstring)
+STATE_ITEMSIZE = 12  # fp32 master + two moments, bytes a parameter
+GRAD_ITEMSIZE = 4  # fp32 gradient, bytes a parameter
+REFRESH_ITEMSIZE = 4  # a resident block's weights refreshed from its fp32 master
+ADAM_PROBE_NUMEL = 32 << 20  # parameters timed for the CPU AdamW rate (512 MiB of master, grad, moments)
+ADAM_PROBE_TENSORS = 16  # the probe's parameters, as views: the fused kernel sees a list, as in a block
+COPY_PROBE_NBYTES = 256 << 20  # bytes timed for each copy direction
+
+Auto = Literal["auto"]
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The speeds the chooser balances."""
+
+    adam_params_per_s: float  # CPU fused AdamW with the optimizer's thread count
+    h2d_bytes_per_s: float  # host -> GPU copies from the host tier's memory (pinned unless tiers.host.pin is false)
+    d2h_bytes_per_s: float  # GPU -> host
+
+    def describe(self) -> str:
+        """The rates for a person: ``CPU AdamW 3.5 G params/s, PCIe H2D/D2H 52/51 GB/s``."""
+        return (f"CPU AdamW {self.adam_params_per_s / 1e9:.2f} G params/s, PCIe H2D/D2H "
+                f"{self.h2d_bytes_per_s / 1e9:.0f}/{self.d2h_bytes_per_s / 1e9:.0f} GB/s")
+
+
+@dataclass(frozen=True)
+class PlacementInputs:
+    """What the chooser needs to know of the model, its placement and the GPU."""
+
+    block_numels: tuple[int, ...]  # parameters of each block, in forward order
+    gpu_budget_nbytes: int
+    # (device-updated blocks, streamed blocks) -> the memory plan's GPU bytes with that many of each.
+    gpu_plan_nbytes: Callable[[int, int], int]
+    compute_itemsize: int  # bytes a parameter of the compute weights (what keep_for_backward counts)
+    fetch_itemsize: int  # bytes a parameter of one weight fetch (4: the fp32 master, cast on the GPU)
+    weights_resident: bool = False  # placement.weights: gpu
+    no_stream_reason: str | None = None  # why no block may be streamed; None: streaming is possible
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """The modelled per-step seconds of the three resources that overlap the compute."""
+
+    cpu_s: float
+    h2d_s: float
+    d2h_s: float
+
+    @property
+    def bound_s(self) -> float:
+        """The slowest of the three: what the choice of ``gpu_stream_fraction`` minimises."""
+        return max(self.cpu_s, self.h2d_s, self.d2h_s)
+
+    def describe(self) -> str:
+        """``T_cpu 0.09 s, T_h2d 0.11 s, T_d2h 0.10 s``."""
+        return f"T_cpu {self.cpu_s:.3f} s, T_h2d {self.h2d_s:.3f} s, T_d2h {self.d2h_s:.3f} s"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The three knobs resolved to numbers, and what ``auto`` chose and why (empty when nothing was auto)."""
+
+    gpu_update_fraction: float
+    gpu_stream_fraction: float
+    keep_for_backward_nbytes: int
+    notes: tuple[str, ...] = ()
+
+
+def blocks_within(block_numels: Sequence[int], fraction: float) -> int:
+    """How many first blocks hold at most ``fraction`` of the parameters: the count
+    ``runtime.controller.gpu_updated_blocks`` selects for the same fraction."""
+    if fraction <= 0:
+        return 0
+    limit = fraction * sum(block_numels) + 0.5
+    return sum(1 for end in itertools.accumulate(block_numels) if end <= limit)
+
+
+def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed: int, kept_numel: int) -> StepTimes:
+    """Modelled seconds a step of CPU AdamW and of copies each way, with the first ``updated`` blocks updated on
+    the GPU, the next ``streamed`` streamed, and ``kept_numel`` parameters of weights kept for the backward."""
+    prefix = [0, *itertools.accumulate(inputs.block_numels)]
+    total, on_device = prefix[-1], prefix[updated]
+    streamed_numel = prefix[updated + streamed] - on_device
+    host_numel = total - prefix[updated + streamed]
+    if inputs.weights_resident:
+        weights_nbytes = REFRESH_ITEMSIZE * host_numel
+    else:
+        weights_nbytes = inputs.fetch_itemsize * (2 * (total - on_device) - kept_numel)
+    return StepTimes(cpu_s=host_numel / rates.adam_params_per_s,
+                     h2d_s=(STATE_ITEMSIZE * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,
+                     d2h_s=(STATE_ITEMSIZE * streamed_numel + GRAD_ITEMSIZE * host_numel) / rates.d2h_bytes_per_s)
+
+
+def activation_reserve_nbytes(inputs: PlacementInputs) -> int:
+    """GPU bytes left for activations: ``ACTIVATION_SHARE`` of what the plan with nothing updated or streamed on
+    the GPU leaves free of the budget."""
+    return int(ACTIVATION_SHARE * max(0, inputs.gpu_budget_nbytes - inputs.gpu_plan_nbytes(0, 0)))
+
+
+def _kept_blocks_numel(inputs: PlacementInputs, updated: int, room_nbytes: int) -> int:
+    """Parameters of the longest run of last blocks (not device-updated) whose weights fit ``room_nbytes``: what
+    the controller keeps from a forward for its backward under that budget."""
+    kept = 0
+    for numel in reversed(inputs.block_numels[updated:]):
+        if (kept + numel) * inputs.compute_itemsize > room_nbytes:
+            break
+        kept += numel
+    return kept
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    streamed: int
+    kept_numel: int
+    keep_nbytes: int
+    times: StepTimes
+
+
+def choose_placement(inputs: PlacementInputs, rates: Rates | None, *, update: float | Auto, stream: float | Auto,
+                     keep: int | Auto) -> Placement:
+    """Resolve the ``auto`` ones of the three knobs (see the module docstring for the model); explicit values are
+    kept as they are. ``rates`` None: the device is the CPU, and every ``auto`` is 0."""
+    if "auto" not in (update, stream, keep):
+        return Placement(float(update), float(stream), int(keep))
+    if rates is None:
+        return _on_the_cpu(update, stream, keep)
+    numels = inputs.block_numels
+    prefix = [0, *itertools.accumulate(numels)]
+    reserve = activation_reserve_nbytes(inputs)
+    limit = inputs.gpu_budget_nbytes - reserve
+
+    def update_fraction(updated: int) -> float:
+        return prefix[updated] / prefix[-1] if update == "auto" else update
+
+    def streamed_at_most(updated: int) -> int:
+        if stream != "auto":  # counted from the update fraction in force, as gpu_streamed_blocks does
+            return blocks_within(numels, update_fraction(updated) + stream) - updated
+        return len(numels) - updated if inputs.no_stream_reason is None else 0
+
+    updated = _most_updated(inputs, limit, streamed_at_most) if update == "auto" else blocks_within(numels, update)
+    if stream != "auto" or inputs.no_stream_reason is not None:
+        options = [streamed_at_most(updated)]
+    else:  # every boundary whose state in flight fits (0 always: it needs nothing)
+        options = [0, *(j for j in range(1, len(numels) - updated + 1) if inputs.gpu_plan_nbytes(updated, j) <= limit)]
+    candidates = [_candidate(inputs, rates, updated, j, limit, keep) for j in options]
+    best = min(candidates, key=lambda c: (c.times.bound_s, c.streamed))
+    stream_fraction = stream
+    if stream == "auto":  # from the update fraction in force, so that the two end on the chosen block exactly
+        stream_fraction = prefix[updated + best.streamed] / prefix[-1] - update_fraction(updated) if best.streamed else 0.0
+    placement = Placement(update_fraction(updated), stream_fraction, best.keep_nbytes if keep == "auto" else int(keep))
+    _check_block_counts(numels, placement, updated, best.streamed)
+    notes = _notes(inputs, rates, placement, update=update, stream=stream, keep=keep, updated=updated, best=best,
+                   reserve=reserve, baseline=candidates[0])
+    return dataclasses.replace(placement, notes=notes)
+
+
+def _on_the_cpu(update: float | Auto, stream: float | Auto, keep: int | Auto) -> Placement:
+    """On the CPU the device is the CPU: every ``auto`` is 0, and the note says so."""
+    chosen = [name for name, value in (("gpu_update_fraction", update), ("gpu_stream_fraction", stream),
+                                       ("keep_for_backward", keep)) if value == "auto"]
+    return Placement(0.0 if update == "auto" else update, 0.0 if stream == "auto" else stream,
+                     0 if keep == "auto" else int(keep),
+                     (f"auto placement: the device is the CPU: {', '.join(chosen)} 0 (nothing to place on a GPU)",))
+
+
+def _most_updated(inputs: PlacementInputs, limit: int, streamed_at_most: Callable[[int], int]) -> int:
+    """The most first blocks whose resident state fits ``limit`` beside the rest of the plan and the most streamed
+    state that may be in flight with them; failing that (a budget too tight to stream the largest blocks at all),
+    beside none: the stream fraction then takes only what fits."""
+    counts = range(len(inputs.block_numels), -1, -1)
+    fits = next((k for k in counts if inputs.gpu_plan_nbytes(k, streamed_at_most(k)) <= limit), None)
+    if fits is None:
+        fits = next((k for k in counts if inputs.gpu_plan_nbytes(k, 0) <= limit), 0)
+    return fits
+
+
+def _candidate(inputs: PlacementInputs, rates: Rates, updated: int, streamed: int, limit: int,
+               keep: int | Auto) -> _Candidate:
+    if keep != "auto":
+        kept_numel = 0 if inputs.weights_resident else _kept_blocks_numel(inputs, updated, int(keep))
+        keep_nbytes = int(keep)
+    elif inputs.weights_resident:
+        kept_numel = keep_nbytes = 0
+    else:
+        room = limit - inputs.gpu_plan_nbytes(updated, streamed)
+        kept_numel = _kept_blocks_numel(inputs, updated, max(0, room))
+        keep_nbytes = kept_numel * inputs.compute_itemsize
+    times = step_times(inputs, rates, updated=updated, streamed=streamed, kept_numel=kept_numel)
+    return _Candidate(streamed, kept_numel, keep_nbytes, times)
+
+
+def _check_block_counts(numels: Sequence[int], placement: Placement, updated: int, streamed: int) -> None:
+    """The fractions must select exactly the chosen blocks when the controller applies them."""
+    got_updated = blocks_within(numels, placement.gpu_update_fraction)
+    got_streamed = blocks_within(numels, placement.gpu_update_fraction + placement.gpu_stream_fraction) - got_updated
+    if placement.gpu_stream_fraction <= 0:
+        got_streamed = 0
+    if (got_updated, got_streamed) != (updated, streamed):
+        raise RuntimeError(f"auto placement chose {updated} device-updated and {streamed} streamed blocks, but its "
+                           f"fractions select {got_updated} and {got_streamed}")
+
+
+def _notes(inputs: PlacementInputs, rates: Rates, placement: Placement, *, update: float | Auto,
+           stream: float | Auto, keep: int | Auto, updated: int, best: _Candidate, reserve: int,
+           baseline: _Candidate) -> tuple[str, ...]:
+    """The plan's two lines: the memory side (update fraction, keep), then the time side (stream fraction)."""
+    def how(value: object) -> str:
+        return "" if value == "auto" else "set; "
+
+    blocks = len(inputs.block_numels)
+    state_nbytes = STATE_ITEMSIZE * sum(inputs.block_numels[:updated])
+    keep_nbytes = placement.keep_for_backward_nbytes
+    memory = (f"auto placement: gpu_update_fraction {placement.gpu_update_fraction:.2f} ({how(update)}first {updated} of "
+              f"{blocks} blocks, {approx_size(state_nbytes)} of master + moments; GPU budget "
+              f"{approx_size(inputs.gpu_budget_nbytes)}, activation reserve {approx_size(reserve)}), keep_for_backward "
+              f"{approx_size(keep_nbytes) if keep_nbytes else 0}{'' if keep == 'auto' else ' (set)'}")
+    if stream != "auto":
+        why = "set; "
+    elif inputs.no_stream_reason is not None:
+        why = f"{inputs.no_stream_reason}; "
+    elif updated == blocks:
+        why = "every block is updated on the GPU; "
+    else:
+        why = ""
+    at_zero = f"; {baseline.times.bound_s:.3f} s at 0" if best.streamed and stream == "auto" else ""
+    timing = (f"  gpu_stream_fraction {placement.gpu_stream_fraction:.2f} ({why}{rates.describe()}: "
+              f"{best.times.describe()} a step{at_zero})")
+    return memory, timing
+
+
+def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -> Rates:
+    """Time CPU fused AdamW (``cpu_threads`` threads) and copies each way between host memory (pinned when ``pin``)
+    and ``device``, once per process for the same arguments: about half a second (H100 box, 14 threads: 0.32 s for
+    AdamW at 4.7 G params/s, 0.24 s for the copies at 55 GB/s each way, CUDA start included)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _measured(index, cpu_threads, pin)
+
+
+# Cached for the process (the one piece of module state here): the rates are the machine's, and a second
+# offload in the same process should neither pay for them again nor choose differently by timing noise.
+@functools.cache
+def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
+    started = time.perf_counter()
+    rates = Rates(adam_params_per_s=_adam_rate(cpu_threads),
+                  **_copy_rates(torch.device("cuda", device_index), pin))
+    log.info("measured for auto placement in %.2f s: %s", time.perf_counter() - started, rates.describe())
+    return rates
+
+
+def _adam_rate(threads: int) -> float:
+    """Parameters a second of torch's fused CPU AdamW, best of three after a warm-up (which faults the pages in)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flat = torch.full((4 * ADAM_PROBE_NUMEL,), 1e-3)
+        size = ADAM_PROBE_NUMEL // ADAM_PROBE_TENSORS
+        master, grads, exp_avg, exp_avg_sq = (split_views(part, [size] * ADAM_PROBE_TENSORS)
+                                              for part in flat.chunk(4))
+        steps = [torch.zeros(()) for _ in range(ADAM_PROBE_TENSORS)]
+        best = float("inf")
+        for attempt in range(4):
+            start = time.perf_counter()
+            adamw_update(master, grads, exp_avg, exp_avg_sq, steps, AdamWHyper())
+            if attempt:
+                best = min(best, time.perf_counter() - start)
+        return ADAM_PROBE_NUMEL / best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _copy_rates(device: torch.device, pin: bool) -> dict[str, float]:
+    """Bytes a second each way, best of three, over one buffer in host memory pinned as the host tier pins it
+    (an arena registered once, not torch's caching host allocator, which would keep it)."""
+    arena = PinnedArena(COPY_PROBE_NBYTES, pin=pin, name="rate probe")
+    try:
+        host = arena.view(0, COPY_PROBE_NBYTES)
+        gpu = torch.empty(COPY_PROBE_NBYTES, dtype=torch.uint8, device=device)
+        out = {}
+        for key, dst, src in (("h2d_bytes_per_s", gpu, host), ("d2h_bytes_per_s", host, gpu)):
+            best = float("inf")
+            for _ in range(3):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                best = min(best, begin.elapsed_time(end) / 1e3)
+            out[key] = COPY_PROBE_NBYTES / best
+        del gpu, host
+        # The probe's device buffer must not stay in the allocator's cache: `tiers.gpu.budget: auto` is a share of
+        # the memory free after this.
+        torch.cuda.empty_cache()
+        return out
+    finally:
+        arena.close()
