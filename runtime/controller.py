@@ -53,8 +53,7 @@ class RuntimeOptions:
     hold_updates: bool = False  # updates wait for optimizer.step() (the user's loop clips: optimizer.user_grad_clip)
 
 
-STATS_HISTORY = 1024
-STREAM_HEADROOM_NBYTES = 2 << 30  # device memory streamed state leaves free for the backward's own transients  # entries kept of per-step statistics
+STATS_HISTORY = 1024  # entries kept of per-step statistics
 
 
 @dataclass
@@ -354,13 +353,11 @@ class Controller:
             self._in_backward_use[index] = True
             self._ready(index)
             if self.gpu_streamed and self.last_micro:
-                if self._deferred:
-                    # The updates wait for the commit (clipping, fp16), and so does the state on the device: bring
-                    # it in from the start of backward, in the order the commit updates it (forward order), as
-                    # far as memory allows; at the commit only the updates themselves are left.
-                    self._stream_in_order(sorted(self.gpu_streamed), always=0)
-                else:  # backward runs in descending block order: this block, then the ones it reaches next
-                    self._stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1))
+                # Backward runs in descending block order: this block, then the ones it reaches next. When the
+                # updates wait for the commit (clipping, fp16) the state waits on the device too, so every copy
+                # must fit the memory the backward freed; at the commit only the update itself is left.
+                self._stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1),
+                                      always=0 if self._deferred else 2)
         self._prefetch()
 
     def _begin_streaming(self) -> None:
@@ -369,11 +366,6 @@ class Controller:
         the backward, hold resident-weight refreshes until every streamed block's state is on its way (they
         are needed only by the next forward)."""
         self._stream_ceiling = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        if self._stream_ceiling is not None and self._deferred:
-            # State that waits for the commit may also use the room the GPU budget leaves above the forward's
-            # peak, less headroom for the backward's own transients (the loss gradient, gradient assembly).
-            limit = min(self.store.tiers[TierName.GPU].capacity_nbytes, torch.cuda.get_device_properties(self.device).total_memory)
-            self._stream_ceiling = max(self._stream_ceiling, limit - max(STREAM_HEADROOM_NBYTES, limit // 10))
         if self.options.weight_source is WeightSource.RESIDENT and not self._deferred:
             self.weights.hold_refreshes()
 
