@@ -153,7 +153,7 @@ def test_resident_weights_keep_nothing_and_count_their_memory():
 
 def test_explicit_values_are_kept_and_auto_ones_fit_around_them():
     assert choose_placement(inputs(), REFERENCE, update=0.25, stream=0.3, keep=4 * GiB) == Placement(0.25, 0.3, 4 * GiB)
-    chosen = choose_placement(inputs(), REFERENCE, update=0.25, stream="auto", keep=0)
+    chosen = choose_placement(inputs(budget=24 * GiB), REFERENCE, update=0.25, stream="auto", keep=0)
     assert chosen.gpu_update_fraction == 0.25 and chosen.keep_for_backward_nbytes == 0
     updated, streamed = counts(LLAMA, chosen)
     assert updated == blocks_within(LLAMA, 0.25) and streamed > 0
@@ -276,7 +276,7 @@ def test_on_a_gpu_the_plan_resolves_auto_with_given_rates():
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
     total = sum(b.numel for b in blocks)
-    cfg = load_config({"tiers": {"gpu": {"budget": 24 * total}}})  # room for part of the model's state
+    cfg = load_config({"tiers": {"gpu": {"budget": 36 * total}}})  # room for part of the model's state
     # A step's updates take the CPU 10 ms, its copies 1 ms: the CPU is the one to relieve.
     slow_cpu = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
     resolved = resolve_plan(blocks, cfg, torch.device("cuda", 0), rates=slow_cpu)
@@ -285,7 +285,7 @@ def test_on_a_gpu_the_plan_resolves_auto_with_given_rates():
     updated = gpu_updated_blocks(blocks, placement.gpu_update_fraction)
     assert len(updated) == blocks_within([b.numel for b in blocks], placement.gpu_update_fraction)
     assert resolved.plan.notes == placement.notes and resolved.plan.table().count("auto placement") == 1
-    assert resolved.plan.gpu_nbytes + placement.keep_for_backward_nbytes <= 24 * total
+    assert resolved.plan.gpu_nbytes + placement.keep_for_backward_nbytes <= 36 * total
     assert placement.gpu_stream_fraction > 0
     nvme = load_config({"tiers": {"gpu": {"budget": 24 * total}, "nvme": {"path": "tmp"}},
                         "placement": {"moments": "nvme"}})
