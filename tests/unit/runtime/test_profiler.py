@@ -293,7 +293,7 @@ def test_ceilings_from_store_bench_and_measured(tmpfs_dir):
                                           {"path": "nvme->host", "raw_gbps": 1.5}, {"path": "host->nvme", "raw_gbps": 1.2}]}
     assert ceilings_from_store_bench(results) == {"h2d": 50.0, "d2h": 40.0, "read": 1.5, "write": 1.2}
     with TierStore(StoreConfig(nvme_path=str(tmpfs_dir), host_budget_nbytes=1 << 20)) as store:
-        ceilings = measure_ceilings(store, nbytes=1 << 20, repeats=1)
+        ceilings = measure_ceilings(store, nbytes=1 << 20, repeats=1, disk_nbytes=4 << 20)
     assert set(ceilings) == {"h2d", "d2h", "read", "write"} and all(v > 0 for v in ceilings.values())
     assert not any(p.name.startswith(".tierstore-ceiling") for p in tmpfs_dir.iterdir())
 
@@ -304,7 +304,7 @@ def test_ceiling_probe_never_writes_through_a_planted_link(nvme_dir, tmp_path_fa
     victim.write_bytes(b"someone else's file\n")
     (nvme_dir / ".tierstore-ceiling-probe").symlink_to(victim)
     with TierStore(StoreConfig(nvme_path=str(nvme_dir), host_budget_nbytes=1 << 20)) as store:
-        assert measure_ceilings(store, nbytes=1 << 20, repeats=1)["write"] > 0
+        assert measure_ceilings(store, nbytes=1 << 20, repeats=1, disk_nbytes=4 << 20)["write"] > 0
     assert victim.read_bytes() == b"someone else's file\n"
     assert sorted(p.name for p in nvme_dir.iterdir() if not p.name.endswith(".lock")) == [".tierstore-ceiling-probe"]
 
