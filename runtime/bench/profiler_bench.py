@@ -115,6 +115,7 @@ def measure_profiler_overhead(preset: str = "small", *, steps: int = 8, rounds: 
     summary: dict[str, Any] = {}
     try:
         run(2)  # warm-up: the schedule learns its trace, allocators settle
+        optimizer.synchronize()  # the warm-up's write-backs land before the probes, not during them
         t0 = time.perf_counter()
         ceilings = measure_ceilings(session.store)
         ceilings_s = time.perf_counter() - t0

@@ -23,8 +23,8 @@ import mmap
 import os
 import stat
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from runtime.units import format_size
-from tierstore import PinnedArena, TierName, TierStore
+from tierstore import CopyState, PinnedArena, TierName, TierStore
 from tierstore.files import create_new
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ PCIE_MIN_NBYTES = 32 << 20  # the probe halves its buffer down to this when the 
 WARMUP_COPIES = 2
 IO_ALIGNMENT = 4096  # O_DIRECT wants buffers, offsets and sizes aligned to the logical block; 4 KiB covers it
 PROBE_FILE = "probe"
+IDLE_TIMEOUT_S = 120.0  # a step's NVMe write-backs of a large model take tens of seconds on a slow disk
+IDLE_POLL_S = 0.01
 
 
 def ceilings_from_store_bench(results: str | os.PathLike[str] | Mapping[str, Any] | Iterable[Any]) -> dict[str, float]:
@@ -68,11 +70,11 @@ def measure_ceilings(store: TierStore, nbytes: int = PCIE_PROBE_NBYTES, repeats:
     """The ceiling of each path the profiler reports: "h2d" / "d2h" (a copy of ``nbytes`` between pinned
     memory and the device; a host copy without CUDA) and, when the store has an NVMe tier, "read" / "write"
     (:func:`measure_disk_ceiling` on its directory, ``disk_ios_in_flight`` IOs in flight, the store's IO mode
-    preferred). Moves nothing through the store. A disk probe that fails (a full disk) is logged and leaves
+    preferred). Moves nothing through the store, and first waits for the store's copies in flight
+    (:func:`wait_for_idle_store`). A disk probe that fails (a full disk) is logged and leaves
     those two paths without a ceiling, so a profile still runs."""
     device = store.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # copies the store still has in flight would share the link with the probe
+    wait_for_idle_store(store)
     out = dict(zip(("h2d", "d2h"), pcie_ceilings_gbps(device, nbytes, repeats)))
     nvme = store.tiers.get(TierName.NVME)
     if nvme is not None:
@@ -87,6 +89,23 @@ def measure_ceilings(store: TierStore, nbytes: int = PCIE_PROBE_NBYTES, repeats:
             out["read"], out["write"] = disk.read_gbps, disk.write_gbps
     log.info("bandwidth ceilings (GB/s): %s", ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return out
+
+
+def wait_for_idle_store(store: TierStore, timeout_s: float = IDLE_TIMEOUT_S) -> bool:
+    """Wait until no copy of the store is on its way (no copy LOADING on any tier), so a probe does not share
+    the link or the disk with the store's own traffic: write-backs still landing after a step made the disk
+    probe of a moments-on-NVMe run read a third of the disk's speed. Returns False (logged) at the timeout."""
+    store.engine.synchronize()  # device copies done but not yet observed would stay LOADING
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = sum(1 for key in store.keys() for tier in store.tiers if store.state(key, tier) is CopyState.LOADING)
+        if not busy:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("%d copies still on their way after %.0f s: the ceilings measured now share the links with "
+                        "them and may read low", busy, timeout_s)
+            return False
+        time.sleep(IDLE_POLL_S)
 
 
 # ---- PCIe -----------------------------------------------------------------------------------------------
@@ -206,7 +225,7 @@ def measure_disk_ceiling(directory: str | os.PathLike[str], *, ios_in_flight: in
     for buf in buffers:
         buf.write(pattern)
     try:
-        with _private_file(Path(directory)) as fd, ThreadPoolExecutor(workers, thread_name_prefix="tierstore-ceiling") as pool:
+        with _private_file(Path(directory)) as fd:
             io_mode = "direct" if direct and _try_direct_io(fd, buffers[0]) else "buffered"
             if direct and io_mode == "buffered":
                 log.info("disk ceiling in %s: the file system refuses O_DIRECT; measuring buffered IO (page cache "
@@ -218,8 +237,7 @@ def measure_disk_ceiling(directory: str | os.PathLike[str], *, ios_in_flight: in
                 if not write and io_mode == "buffered" and hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # a page-cache hit is not the disk
                 start = time.perf_counter()
-                for future in [pool.submit(_io_worker, fd, buffers[w], offsets[w], write) for w in range(workers)]:
-                    future.result()
+                _run_streams(fd, buffers, offsets, write)
                 if write:
                     os.fsync(fd)
                 return time.perf_counter() - start
@@ -233,6 +251,28 @@ def measure_disk_ceiling(directory: str | os.PathLike[str], *, ios_in_flight: in
     log.info("disk ceiling in %s (%s): read %.2f GB/s, write %.2f GB/s", directory, ceiling.describe(),
              ceiling.read_gbps, ceiling.write_gbps)
     return ceiling
+
+
+def _run_streams(fd: int, buffers: list[mmap.mmap], offsets: list[list[int]], write: bool) -> None:
+    """One thread per stream, all started before any is joined. (A thread pool would hand a second stream
+    to a worker whose first one finished early, running two streams one after the other: fewer IOs in flight
+    than asked.) The first error of any stream is raised once all have stopped."""
+    errors: list[BaseException] = []
+
+    def stream(buf: mmap.mmap, mine: list[int]) -> None:
+        try:
+            _io_worker(fd, buf, mine, write)
+        except BaseException as exc:  # raised in the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(buf, mine), name=f"tierstore-ceiling-{i}", daemon=True)
+               for i, (buf, mine) in enumerate(zip(buffers, offsets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def _io_worker(fd: int, buf: mmap.mmap, offsets: list[int], write: bool) -> None:

@@ -19,7 +19,7 @@ import torch
 from runtime.profiler import ceilings
 from runtime.profiler.ceilings import (IO_ALIGNMENT, disk_ceiling_gbps, measure_ceilings, measure_disk_ceiling,
                                        pcie_ceilings_gbps)
-from tierstore import StoreConfig, TierStore
+from tierstore import StoreConfig, TensorMeta, TierStore
 
 BLOCK = 64 << 10
 
@@ -191,3 +191,32 @@ def test_pcie_probe_measures_both_directions():
     assert h2d > 0 and d2h > 0
     with pytest.raises(ValueError):
         pcie_ceilings_gbps(torch.device("cpu"), 1 << 20, repeats=0)
+
+
+def test_measure_ceilings_waits_for_the_store_copies_in_flight(tmpfs_dir, monkeypatch):
+    """A write-back still landing would share the disk with the probe: the probe starts after it."""
+    import time
+
+    import tierstore.nvme
+
+    real_write = tierstore.nvme.NVMeDirectory.write
+
+    def slow_write(self: Any, *args: Any, **kwargs: Any) -> int:
+        time.sleep(0.3)
+        return real_write(self, *args, **kwargs)
+
+    seen: list[tuple[str, bool]] = []
+
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        seen.append((store.state("k", "nvme").value, handle.done()))
+        return ceilings.DiskCeiling(1.0, 1.0, "direct", 1, BLOCK, BLOCK)
+
+    monkeypatch.setattr(tierstore.nvme.NVMeDirectory, "write", slow_write)
+    monkeypatch.setattr(ceilings, "measure_disk_ceiling", probe)
+    with TierStore(StoreConfig(nvme_path=str(tmpfs_dir), host_budget_nbytes=1 << 20)) as store:
+        store.register("k", TensorMeta(torch.uint8, BLOCK), "host", init=torch.zeros(BLOCK, dtype=torch.uint8))
+        store.mark_dirty("k", "host")
+        handle = store.evict("k", "host", "nvme", release=False)
+        assert store.state("k", "nvme").value == "loading"
+        measure_ceilings(store, nbytes=1 << 20, repeats=1)
+        assert len(seen) == 1 and seen[0][0] != "loading" and seen[0][1]
