@@ -153,7 +153,7 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
           f"NVMe IO: {session.store.nvme_io_mode or 'no NVMe tier'}", file=sys.stderr)
     traffic = TrafficCounter()
     session.store.bus.subscribe(traffic)
-    # --profile DIR: ceilings measured now (a small copy per path), then listen until the session is closed.
+    # --profile DIR: ceilings measured now (see runtime.profiler.ceilings), then listen until the session is closed.
     profiler = Profiler(session, measure_ceilings(session.store)).start() if cfg.profile.dir else None
     data = ByteBatches(stdlib_text_bytes(), batch, seq, seed=cfg.seed)
     progress = Progress(steps, cfg.train.log_every)

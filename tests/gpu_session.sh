@@ -34,5 +34,5 @@ if [[ $what == train || $what == all ]]; then
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40
-  python3 -m runtime.bench.profiler_bench --preset 1.35b --steps 4 --rounds 2 --seq-len 1024 2>&1 | tee "$OUT/profiler_overhead.log" | tail -8
+  python3 -m runtime.bench.profiler_bench --row host-s40-keep --preset 1.35b --seq-len 1024 --batch-size 8 --steps 8 --rounds 3 2>&1 | tee "$OUT/profiler_overhead.log" | tail -12
 fi

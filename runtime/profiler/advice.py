@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
+from runtime.profiler.shares import share_text
 
 MIN_STALL_S = 1e-3  # waits below this per step are noise
 MIN_STALL_SHARE = 0.02  # ... and so are waits below this share of the step
@@ -101,7 +102,7 @@ def _nvme_fetch_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
     why = f"{wait:.3f} s/step waited on weights staged from NVMe"
     if saturated:
         add("keep the weights' source on host (placement.master: host, or placement.weights: host)", wait, wait,
-            why + f"; NVMe reads already at {read['of_ceiling']:.0%} of the ceiling")
+            why + f"; NVMe reads already at {share_text(read['of_ceiling'])} of the ceiling")
     else:
         threads = int(cfg.get("io_threads", 4))
         add(f"raise tiers.nvme.io_threads from {threads} to {min(64, threads * 2)}", wait, wait, why)
@@ -126,7 +127,7 @@ def _update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, st
         if of_ceiling is None or of_ceiling < READ_SATURATED:
             # Reads at the ceiling would take of_ceiling of the time they take now.
             saves = min(wait, inputs * (1.0 - of_ceiling)) if of_ceiling is not None else min(wait, inputs)
-            where = f"; NVMe reads at {of_ceiling:.0%} of the ceiling" if of_ceiling is not None else ""
+            where = f"; NVMe reads at {share_text(of_ceiling)} of the ceiling" if of_ceiling is not None else ""
             threads = int(cfg.get("io_threads", 4))
             add(f"raise tiers.nvme.io_threads from {threads} to {min(64, threads * 2)}", saves, wait, why + where)
     _gpu_update_advice(summary, cfg, wait, steady, add)

@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE, StallEvent
 from runtime.profiler.collect import Counters, RawProfile, StepMark
+from runtime.profiler.shares import ceiling_share, over_ceiling
 from tierstore import TransferEvent
 
 SUMMARY_VERSION = 1
@@ -107,20 +108,28 @@ def gbps(nbytes: int, seconds: float) -> float | None:
 # ---- per step --------------------------------------------------------------------------------------------
 def _path_figures(counters: Counters, before: Counters | None, events: list[TransferEvent], placed: list[Interval],
                   ceilings: dict[str, float]) -> dict[str, dict[str, Any]]:
-    """Bytes, count, summed and busy (union) seconds and busy bandwidth per kind, as counter differences."""
+    """Bytes, count and summed seconds per kind (counter differences), and the busy (union) seconds and busy
+    bandwidth of the recorded events.
+
+    A rate's bytes and its busy time come from the same events: past the recording cap the counters go on
+    counting bytes whose intervals were not kept, and dividing those by the kept intervals' time would read
+    faster than the path ran (``recorded_nbytes`` < ``nbytes`` then)."""
     kinds = sorted(set(counters.nbytes) | set(PATHS), key=lambda k: (PATHS.index(k) if k in PATHS else len(PATHS), k))
     out: dict[str, dict[str, Any]] = {}
     for kind in kinds:
         prev_n = before.nbytes.get(kind, 0) if before else 0
         prev_c = before.count.get(kind, 0) if before else 0
         prev_s = before.seconds.get(kind, 0.0) if before else 0.0
-        nbytes = counters.nbytes.get(kind, 0) - prev_n
-        busy_s = length(union(interval for e, interval in zip(events, placed) if e.kind == kind))
-        rate = gbps(nbytes, busy_s)
+        mine = [(e, interval) for e, interval in zip(events, placed) if e.kind == kind]
+        recorded = sum(e.nbytes for e, _ in mine)
+        busy_s = length(union(interval for _, interval in mine))
+        rate = gbps(recorded, busy_s)
         ceiling = ceilings.get(kind)
-        out[kind] = {"nbytes": nbytes, "count": counters.count.get(kind, 0) - prev_c,
-                     "sum_s": counters.seconds.get(kind, 0.0) - prev_s, "busy_s": busy_s, "gbps": rate,
-                     "ceiling_gbps": ceiling, "of_ceiling": rate / ceiling if rate is not None and ceiling else None}
+        share = ceiling_share(rate, ceiling)
+        out[kind] = {"nbytes": counters.nbytes.get(kind, 0) - prev_n, "recorded_nbytes": recorded,
+                     "count": counters.count.get(kind, 0) - prev_c, "sum_s": counters.seconds.get(kind, 0.0) - prev_s,
+                     "busy_s": busy_s, "gbps": rate, "ceiling_gbps": ceiling, "of_ceiling": share,
+                     "over_ceiling": over_ceiling(share)}
     return out
 
 
@@ -270,8 +279,9 @@ def steady_state(steps: list[dict[str, Any]], update_stall_by_block: dict[str, f
     paths: dict[str, dict[str, Any]] = {}
     for kind in chosen[0]["paths"]:
         nbytes = sum(s["paths"][kind]["nbytes"] for s in chosen)
+        recorded = sum(s["paths"][kind].get("recorded_nbytes", s["paths"][kind]["nbytes"]) for s in chosen)
         busy = sum(s["paths"][kind]["busy_s"] for s in chosen)
-        paths[kind] = {"nbytes": nbytes / len(chosen), "busy_s": busy / len(chosen), "gbps": gbps(nbytes, busy)}
+        paths[kind] = {"nbytes": nbytes / len(chosen), "busy_s": busy / len(chosen), "gbps": gbps(recorded, busy)}
     hits, misses = sum(s["hits"] for s in chosen), sum(s["misses"] for s in chosen)
     return {
         "steps": len(chosen),

@@ -1,29 +1,53 @@
-"""Bandwidth ceilings for the profiler: what each path can reach on this machine, in GB/s (1e9 bytes).
+"""Bandwidth ceilings: what each path can reach on this machine, in GB/s (1e9 bytes).
 
-Either measured quickly at start (:func:`measure_ceilings`: one pinned copy each way, one file written and read
-in the NVMe directory, best of a few) or taken from a ``tierstore bench store --json`` result
-(:func:`ceilings_from_store_bench`, the raw ceilings of that bench).
+- :func:`measure_ceilings` for the profiler: PCIe each way (a pinned copy of ``PCIE_PROBE_NBYTES``, timed by CUDA
+  events after a warm-up, best of several), and the disk of the store's NVMe directory through
+  :func:`disk_ceiling_gbps`.
+- :func:`disk_ceiling_gbps`: the disk as fio with a queue depth measures it -- several aligned IOs in flight
+  at once, not one stream as ``dd`` runs. A drive (or a virtio disk) serves parallel IOs faster than one, and
+  the store keeps ``io_threads`` of them in flight; a single-stream ceiling let the store's rate read above
+  100% of it.
+- :func:`ceilings_from_store_bench`: the raw ceilings of a ``tierstore bench store --json`` result.
+
+What this leaves out: the two PCIe directions at once (each path's share is against its own direction) and
+random IO (the store reads and writes whole swap files in large aligned pieces).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import mmap
 import os
+import stat
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from tierstore import TierName, TierStore
+from runtime.units import format_size
+from tierstore import CopyState, PinnedArena, TierName, TierStore
+from tierstore.files import create_new
 
 log = logging.getLogger(__name__)
 
 STORE_BENCH_PATHS = {"host->gpu": "h2d", "gpu->host": "d2h", "nvme->host": "read", "host->nvme": "write"}
-IO_CHUNK = 8 << 20
+# A copy this long (about 5 ms at 55 GB/s) dwarfs launch and sync overheads, and the warm-up copies bring the
+# link and clocks out of their idle state first; 32 MiB once each way was at the mercy of both.
+PCIE_PROBE_NBYTES = 256 << 20
+PCIE_MIN_NBYTES = 32 << 20  # the probe halves its buffer down to this when the GPU has no room for it
+WARMUP_COPIES = 2
+IO_ALIGNMENT = 4096  # O_DIRECT wants buffers, offsets and sizes aligned to the logical block; 4 KiB covers it
+PROBE_FILE = "probe"
+IDLE_TIMEOUT_S = 120.0  # a step's NVMe write-backs of a large model take tens of seconds on a slow disk
+IDLE_POLL_S = 0.01
 
 
 def ceilings_from_store_bench(results: str | os.PathLike[str] | Mapping[str, Any] | Iterable[Any]) -> dict[str, float]:
@@ -41,82 +65,264 @@ def ceilings_from_store_bench(results: str | os.PathLike[str] | Mapping[str, Any
     return out
 
 
-def _best_s(repeats: int, run: Any) -> float:
-    run()  # warm-up: first touch of the pages, CUDA context, file allocation
-    return min(run() for _ in range(repeats))
-
-
-def measure_ceilings(store: TierStore, nbytes: int = 32 << 20, repeats: int = 3) -> dict[str, float]:
-    """Measure h2d / d2h (a plain copy between a pinned buffer and the device; host memcpy without CUDA) and,
-    when the store has an NVMe tier, read / write of one file in its directory with the same IO mode
-    (O_DIRECT or buffered). Takes well under a second for the default size; moves nothing through the store."""
-    out: dict[str, float] = {}
+def measure_ceilings(store: TierStore, nbytes: int = PCIE_PROBE_NBYTES, repeats: int = 5, *,
+                     disk_nbytes: int = 1 << 30, disk_ios_in_flight: int = 8) -> dict[str, float]:
+    """The ceiling of each path the profiler reports: "h2d" / "d2h" (a copy of ``nbytes`` between pinned
+    memory and the device; a host copy without CUDA) and, when the store has an NVMe tier, "read" / "write"
+    (:func:`measure_disk_ceiling` on its directory, ``disk_ios_in_flight`` IOs in flight, the store's IO mode
+    preferred). Moves nothing through the store, and first waits for the store's copies in flight
+    (:func:`wait_for_idle_store`). A disk probe that fails (a full disk) is logged and leaves
+    those two paths without a ceiling, so a profile still runs."""
     device = store.device
-    cuda = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def copy(to_device: bool) -> float:
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        (target.copy_(host, non_blocking=True) if to_device else host.copy_(target, non_blocking=True))
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    out["h2d"] = nbytes / _best_s(repeats, lambda: copy(True)) / 1e9
-    out["d2h"] = nbytes / _best_s(repeats, lambda: copy(False)) / 1e9
-    del host, target
+    wait_for_idle_store(store)
+    out = dict(zip(("h2d", "d2h"), pcie_ceilings_gbps(device, nbytes, repeats)))
     nvme = store.tiers.get(TierName.NVME)
     if nvme is not None:
         directory = nvme.directory  # type: ignore[attr-defined]
-        write_gbps, read_gbps = _file_ceilings(Path(directory.path), nbytes, directory.io_mode == "direct", repeats)
-        out["write"], out["read"] = write_gbps, read_gbps
+        try:
+            disk = measure_disk_ceiling(Path(directory.path), ios_in_flight=disk_ios_in_flight,
+                                        total_nbytes=disk_nbytes, repeats=max(2, min(repeats, 3)),
+                                        direct=directory.io_mode == "direct")
+        except OSError as exc:
+            log.warning("disk ceiling of %s not measured (%s): the NVMe paths are reported without one", directory.path, exc)
+        else:
+            out["read"], out["write"] = disk.read_gbps, disk.write_gbps
     log.info("bandwidth ceilings (GB/s): %s", ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return out
 
 
-def _file_ceilings(directory: Path, nbytes: int, direct: bool, repeats: int) -> tuple[float, float]:
-    """Sequential write (with fsync) then read of one file, in IO_CHUNK pieces from a page-aligned buffer.
+def wait_for_idle_store(store: TierStore, timeout_s: float = IDLE_TIMEOUT_S) -> bool:
+    """Wait until no copy of the store is on its way (no copy LOADING on any tier), so a probe does not share
+    the link or the disk with the store's own traffic: write-backs still landing after a step made the disk
+    probe of a moments-on-NVMe run read a third of the disk's speed. Returns False (logged) at the timeout."""
+    store.engine.synchronize()  # device copies done but not yet observed would stay LOADING
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = sum(1 for key in store.keys() for tier in store.tiers if store.state(key, tier) is CopyState.LOADING)
+        if not busy:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("%d copies still on their way after %.0f s: the ceilings measured now share the links with "
+                        "them and may read low", busy, timeout_s)
+            return False
+        time.sleep(IDLE_POLL_S)
 
-    The file lives in a private 0700 subdirectory created for it (mkdtemp: a fresh random name, never an
-    existing one), so no link planted in ``directory`` is ever opened; the subdirectory goes afterwards."""
-    nbytes = max(4096, nbytes // 4096 * 4096)
-    chunk = min(IO_CHUNK, nbytes)
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
-    buf.write(b"\x5a" * chunk)
-    private = tempfile.TemporaryDirectory(prefix=".tierstore-ceiling-", dir=directory)
-    path = Path(private.name) / "probe"
-    flags = os.O_DIRECT if direct and hasattr(os, "O_DIRECT") else 0
 
-    def write() -> float:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
+# ---- PCIe -----------------------------------------------------------------------------------------------
+def pcie_ceilings_gbps(device: torch.device, nbytes: int = PCIE_PROBE_NBYTES, repeats: int = 5) -> tuple[float, float]:
+    """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between pinned memory and ``device``, each the best of
+    ``repeats`` after ``WARMUP_COPIES``; on a GPU timed by CUDA events on a side stream (no launch or sync
+    overhead in the figure), on the CPU by the host clock."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda else None
+    with _probe_buffers(device, nbytes) as (host, target):
+
+        def copy_s(to_device: bool) -> float:
+            dst, src = (target, host) if to_device else (host, target)
+            if stream is None:
+                start = time.perf_counter()
+                dst.copy_(src)
+                return time.perf_counter() - start
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                begin.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            end.synchronize()
+            return begin.elapsed_time(end) / 1000.0
+
+        h2d_s = _best_s(repeats, lambda: copy_s(True), warmups=WARMUP_COPIES)
+        d2h_s = _best_s(repeats, lambda: copy_s(False), warmups=WARMUP_COPIES)
+        return host.numel() / h2d_s / 1e9, host.numel() / d2h_s / 1e9
+
+
+@contextmanager
+def _probe_buffers(device: torch.device, nbytes: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A device buffer and a pinned host buffer of nbytes, halved (down to PCIE_MIN_NBYTES) while the device
+    has no room: the profiler probes beside a session that may fill the GPU. The host side is an exact-size
+    arena unpinned afterwards, not torch's caching host allocator, which would round the request up and keep
+    it pinned for the life of the process."""
+    while True:
         try:
-            start = time.perf_counter()
-            for offset in range(0, nbytes, chunk):
-                os.pwrite(fd, buf, offset)
-            os.fsync(fd)
-            return time.perf_counter() - start
-        finally:
-            os.close(fd)
-
-    def read() -> float:
-        fd = os.open(path, os.O_RDONLY | flags)
-        try:
-            if not direct and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # a page-cache hit is not the disk
-            start = time.perf_counter()
-            for offset in range(0, nbytes, chunk):
-                os.preadv(fd, [buf], offset)
-            return time.perf_counter() - start
-        finally:
-            os.close(fd)
-
+            target = torch.empty(nbytes, dtype=torch.uint8, device=device)  # first: the device is what may be full
+            break
+        except torch.OutOfMemoryError:
+            if nbytes // 2 < PCIE_MIN_NBYTES:
+                raise
+            log.info("PCIe ceiling probe: no room for %s on %s, trying half", format_size(nbytes), device)
+            nbytes //= 2
+    arena = PinnedArena(nbytes, pin=device.type == "cuda", name="ceiling probe")
     try:
-        write_s = _best_s(repeats, write)
-        read_s = _best_s(repeats, read)
+        yield arena.view(0, nbytes), target
     finally:
-        private.cleanup()
-        buf.close()
-    return nbytes / write_s / 1e9, nbytes / read_s / 1e9
+        del target
+        arena.close()
+
+
+def _best_s(repeats: int, run: Callable[[], float], warmups: int = 1) -> float:
+    """The fastest of ``repeats`` timed runs after ``warmups`` untimed ones (first touch of the pages, the
+    CUDA context, the file's blocks, clocks leaving idle): the ceiling is what the path can reach."""
+    for _ in range(warmups):
+        run()
+    return min(run() for _ in range(repeats))
+
+
+# ---- disk -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DiskCeiling:
+    """A disk ceiling: aggregate GB/s each way, the IO mode it used, and what it moved per pass."""
+
+    read_gbps: float
+    write_gbps: float
+    io_mode: str  # "direct" (O_DIRECT) or "buffered" (the file system refused O_DIRECT)
+    ios_in_flight: int
+    block_nbytes: int
+    nbytes: int  # bytes per pass (a multiple of block_nbytes)
+
+    def describe(self) -> str:
+        """How it was measured, for a table's method column."""
+        mode = "O_DIRECT" if self.io_mode == "direct" else "buffered"
+        return f"{self.ios_in_flight} x {format_size(self.block_nbytes)} in flight, {mode}, writes fsync'd"
+
+
+def disk_ceiling_gbps(directory: str | os.PathLike[str], ios_in_flight: int = 8, block_nbytes: int = 8 << 20,
+                      total_nbytes: int = 1 << 30, repeats: int = 2) -> tuple[float, float]:
+    """(read GB/s, write GB/s) of the disk holding ``directory``, with ``ios_in_flight`` aligned IOs of
+    ``block_nbytes`` in flight, as fio with that queue depth measures it: see :func:`measure_disk_ceiling`."""
+    ceiling = measure_disk_ceiling(directory, ios_in_flight=ios_in_flight, block_nbytes=block_nbytes,
+                                   total_nbytes=total_nbytes, repeats=repeats)
+    return ceiling.read_gbps, ceiling.write_gbps
+
+
+def measure_disk_ceiling(directory: str | os.PathLike[str], *, ios_in_flight: int = 8, block_nbytes: int = 8 << 20,
+                         total_nbytes: int = 1 << 30, repeats: int = 2, direct: bool = True) -> DiskCeiling:
+    """Aggregate write then read bandwidth of one file of ``total_nbytes`` in ``directory``.
+
+    ``ios_in_flight`` threads each own an aligned buffer of ``block_nbytes`` and the blocks at disjoint
+    offsets ``i * block`` with ``i % ios_in_flight`` their own; a write pass is every thread's pwrites then
+    one fsync, a read pass every thread's preads (a total under ``ios_in_flight`` blocks is cut into smaller
+    blocks, aligned, so as many IOs stay in flight). Each figure is the best of ``repeats`` passes: total bytes
+    over the wall time of the pass. The file is preallocated, as the store's swap files are. IO is O_DIRECT
+    when ``direct`` and the file system takes it; otherwise buffered (logged), with the file's pages
+    dropped from the page cache before each read pass (on tmpfs there is nothing else to read from).
+
+    The file lives in a private 0700 subdirectory created for it (a fresh random name) and is created new
+    with ``O_EXCL|O_NOFOLLOW``, and never reopened by name: no link planted in ``directory`` is followed.
+    The subdirectory goes afterwards."""
+    if ios_in_flight < 1 or repeats < 1:
+        raise ValueError(f"ios_in_flight and repeats must be >= 1, got {ios_in_flight} and {repeats}")
+    if block_nbytes < IO_ALIGNMENT or block_nbytes % IO_ALIGNMENT:
+        raise ValueError(f"block_nbytes must be a positive multiple of {IO_ALIGNMENT} (O_DIRECT alignment), got {block_nbytes}")
+    # A total too small for ios_in_flight blocks gets smaller blocks rather than fewer IOs in flight.
+    block = min(block_nbytes, max(IO_ALIGNMENT, total_nbytes // ios_in_flight // IO_ALIGNMENT * IO_ALIGNMENT))
+    num_blocks = max(1, total_nbytes // block)
+    workers = min(ios_in_flight, num_blocks)
+    nbytes = num_blocks * block
+    buffers = [mmap.mmap(-1, block) for _ in range(workers)]  # page-aligned, as O_DIRECT wants
+    pattern = os.urandom(block)  # not zeros: a backend that compresses or skips zero blocks would flatter itself
+    for buf in buffers:
+        buf.write(pattern)
+    try:
+        with _private_file(Path(directory)) as fd:
+            io_mode = "direct" if direct and _try_direct_io(fd, buffers[0]) else "buffered"
+            if direct and io_mode == "buffered":
+                log.info("disk ceiling in %s: the file system refuses O_DIRECT; measuring buffered IO (page cache "
+                         "dropped before reads)", directory)
+            _preallocate(fd, nbytes)
+            offsets = [[i * block for i in range(w, num_blocks, workers)] for w in range(workers)]
+
+            def run_pass(write: bool) -> float:
+                if not write and io_mode == "buffered" and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # a page-cache hit is not the disk
+                start = time.perf_counter()
+                _run_streams(fd, buffers, offsets, write)
+                if write:
+                    os.fsync(fd)
+                return time.perf_counter() - start
+
+            write_s = min(run_pass(True) for _ in range(repeats))
+            read_s = min(run_pass(False) for _ in range(repeats))
+    finally:
+        for buf in buffers:
+            buf.close()
+    ceiling = DiskCeiling(nbytes / read_s / 1e9, nbytes / write_s / 1e9, io_mode, workers, block, nbytes)
+    log.info("disk ceiling in %s (%s): read %.2f GB/s, write %.2f GB/s", directory, ceiling.describe(),
+             ceiling.read_gbps, ceiling.write_gbps)
+    return ceiling
+
+
+def _run_streams(fd: int, buffers: list[mmap.mmap], offsets: list[list[int]], write: bool) -> None:
+    """One thread per stream, all started before any is joined. (A thread pool would hand a second stream
+    to a worker whose first one finished early, running two streams one after the other: fewer IOs in flight
+    than asked.) The first error of any stream is raised once all have stopped."""
+    errors: list[BaseException] = []
+
+    def stream(buf: mmap.mmap, mine: list[int]) -> None:
+        try:
+            _io_worker(fd, buf, mine, write)
+        except BaseException as exc:  # raised in the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(buf, mine), name=f"tierstore-ceiling-{i}", daemon=True)
+               for i, (buf, mine) in enumerate(zip(buffers, offsets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _io_worker(fd: int, buf: mmap.mmap, offsets: list[int], write: bool) -> None:
+    """One in-flight stream: pwrite or pread ``buf`` at each offset, checking every byte count."""
+    for offset in offsets:
+        moved = os.pwrite(fd, buf, offset) if write else os.preadv(fd, [buf], offset)
+        if moved != len(buf):
+            raise RuntimeError(f"disk ceiling probe: {'wrote' if write else 'read'} {moved} of {len(buf)} bytes at {offset}")
+
+
+@contextmanager
+def _private_file(directory: Path) -> Iterator[int]:
+    """A new file in a new private subdirectory of ``directory``; yields its descriptor, removes both after."""
+    private = tempfile.mkdtemp(prefix=".tierstore-ceiling-", dir=directory)  # mode 0700, a fresh random name
+    dir_fd = os.open(private, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(dir_fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise RuntimeError(f"{private} changed hands after it was created (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+        fd = create_new(PROBE_FILE, dir_fd=dir_fd)  # O_EXCL|O_NOFOLLOW, 0600
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+            os.unlink(PROBE_FILE, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+        os.rmdir(private)
+
+
+def _try_direct_io(fd: int, buf: mmap.mmap) -> bool:
+    """Switch fd to O_DIRECT (never reopening it by name) and check one aligned write; on refusal (EINVAL
+    from tmpfs on older kernels, and some network file systems) leave it buffered and return False."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+        return os.pwrite(fd, memoryview(buf)[:IO_ALIGNMENT], 0) == IO_ALIGNMENT
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return False
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Reserve the file's blocks first, as the store does for swap files, so no pass pays for allocation."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise  # ENOSPC and real IO errors

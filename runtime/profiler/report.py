@@ -9,6 +9,7 @@ from typing import Any
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
 from runtime.profiler.advice import size_text
 from runtime.profiler.analysis import PATH_NAMES, PATHS
+from runtime.profiler.shares import OVER_CEILING_NOTE, over_ceiling, share_text
 
 CAUSE_NAMES = {STALL_FETCH_HOST: "fetch host", STALL_FETCH_NVME: "fetch NVMe", STALL_UPDATE: "Adam not done",
                STALL_CAPACITY: "GPU full"}
@@ -22,7 +23,7 @@ def _num(value: float | None, fmt: str = ".2f", none: str = "-") -> str:
 
 def format_report(summary: dict[str, Any]) -> str:
     """The whole report (see the module doc)."""
-    parts = [_header(summary), _paths_table(summary), _steps_table(summary), _stalls_table(summary),
+    parts = [_header(summary), paths_table(summary), _steps_table(summary), _stalls_table(summary),
              _blocks_table(summary), _advice(summary)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
@@ -49,13 +50,18 @@ def _header(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _paths_table(summary: dict[str, Any]) -> str:
+def paths_table(summary: dict[str, Any]) -> str:
+    """Traffic per path against its ceiling; a share above the ceiling is flagged, never printed as such."""
     lines = ["traffic per path (all steps; GB/s while busy)",
              f"{'path':<16}{'MiB':>11}{'transfers':>11}{'busy s':>9}{'GB/s':>8}{'ceiling':>9}{'of ceil':>9}"]
+    flagged = False
     for kind, figures in summary["totals"]["paths"].items():
         name = PATH_NAMES.get(kind, kind)
+        flagged = flagged or over_ceiling(figures["of_ceiling"])
         lines.append(f"{name:<16}{figures['nbytes'] / MIB:>11.1f}{figures['count']:>11d}{figures['busy_s']:>9.3f}"
-                     f"{_num(figures['gbps']):>8}{_num(figures['ceiling_gbps']):>9}{_num(figures['of_ceiling'], '.0%'):>9}")
+                     f"{_num(figures['gbps']):>8}{_num(figures['ceiling_gbps']):>9}{share_text(figures['of_ceiling']):>9}")
+    if flagged:
+        lines.append(OVER_CEILING_NOTE)
     return "\n".join(lines)
 
 

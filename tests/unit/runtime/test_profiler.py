@@ -17,6 +17,7 @@ from runtime.profiler import collect as collect_module
 from runtime.profiler.advice import advise
 from runtime.profiler.analysis import intersect, length, placed_intervals, subtract, union
 from runtime.profiler.outputs import PNG_SIGNATURE, TRACKS, save_profile
+from runtime.profiler.shares import CEILING_NOISE, OVER_CEILING_MARK, OVER_CEILING_NOTE, share_text
 from runtime.schedule import ScheduleStats
 from tierstore import EventBus, StoreConfig, TierStore, TransferEvent
 
@@ -152,6 +153,65 @@ def test_device_copies_observed_together_are_serialized_on_their_stream():
     assert placed[0] == (T0 + 4.0, T0 + 6.0)
     assert placed[3] == (T0 + 1.0, T0 + 4.0)
     assert length(union(placed[:3])) == pytest.approx(6.0)  # the sum of the CUDA durations, not the longest
+
+
+def test_overlapping_copies_never_read_above_their_ceiling(fake):
+    """Two 1 GB GPU -> pinned copies at the link's 50 GB/s, issued together and observed complete by one poll:
+    their host windows coincide, so bytes over the union of host windows would read 100 GB/s (200%). On the
+    copy stream they ran one after the other: 2 GB in 0.04 s, 100%. Two file reads on two IO threads that
+    overlap are one aggregate rate, against the disk's aggregate ceiling."""
+    session, profiler = fake
+    profiler.ceilings_gbps = {"d2h": 50.0, "read": 2.0}
+    session.begin(0.0, 0)
+    session.transfer("d2h", GB, 1.0, 1.02, device_s=0.02, key="a")
+    session.transfer("d2h", GB, 1.0, 1.02, device_s=0.02, key="b")
+    session.transfer("read", GB, 2.0, 3.0, key="c")
+    session.transfer("read", GB, 2.5, 3.5, key="d")
+    session.commit(backward_end=4.0, at=5.0, step=1)
+    profiler.stop()
+    summary = profiler.summary()
+    for paths in (summary["steps"][0]["paths"], summary["totals"]["paths"]):
+        assert paths["d2h"]["busy_s"] == pytest.approx(0.04)
+        assert paths["d2h"]["gbps"] == pytest.approx(50.0) and paths["d2h"]["of_ceiling"] == pytest.approx(1.0)
+        assert paths["read"]["busy_s"] == pytest.approx(1.5) and paths["read"]["of_ceiling"] == pytest.approx(2 / 1.5 / 2.0)
+        assert not any(p["over_ceiling"] for p in paths.values())
+    assert "100%" in format_report(summary) and ">100%" not in format_report(summary)
+
+
+def test_rate_past_the_event_cap_uses_only_the_recorded_copies(fake):
+    """Past the recording cap the counters still count bytes, but those copies' times are not kept: the rate
+    is the recorded copies' bytes over their busy time, never all bytes over part of the time."""
+    session, profiler = fake
+    profiler.ceilings_gbps = {"d2h": 50.0}
+    profiler.max_events = 1
+    session.transfer("d2h", GB, 0.0, 0.02, device_s=0.02)
+    session.transfer("d2h", GB, 0.02, 0.04, device_s=0.02)  # counted, not recorded
+    profiler.stop()
+    d2h = profiler.summary()["totals"]["paths"]["d2h"]
+    assert d2h["nbytes"] == 2 * GB and d2h["recorded_nbytes"] == GB
+    assert d2h["gbps"] == pytest.approx(50.0) and d2h["of_ceiling"] == pytest.approx(1.0)
+
+
+def test_report_flags_a_share_above_the_ceiling_instead_of_printing_it(fake):
+    session, profiler = fake
+    profiler.ceilings_gbps = {"d2h": 25.5, "h2d": 49.5}  # d2h: a probe at half the link; h2d: within the noise
+    session.transfer("d2h", GB, 0.0, 0.02, device_s=0.02)
+    session.transfer("h2d", GB, 0.0, 0.02, device_s=0.02)
+    profiler.stop()
+    summary = profiler.summary()
+    paths = summary["totals"]["paths"]
+    assert paths["d2h"]["of_ceiling"] == pytest.approx(50 / 25.5) and paths["d2h"]["over_ceiling"]  # kept as measured
+    assert paths["h2d"]["of_ceiling"] == pytest.approx(50 / 49.5) and not paths["h2d"]["over_ceiling"]
+    report = format_report(summary)
+    d2h_line = next(line for line in report.splitlines() if line.startswith("GPU -> pinned"))
+    h2d_line = next(line for line in report.splitlines() if line.startswith("pinned -> GPU"))
+    assert d2h_line.endswith(OVER_CEILING_MARK) and "196%" not in report
+    assert h2d_line.endswith(" 100%")
+    assert OVER_CEILING_NOTE in report
+
+
+def test_share_text():
+    assert [share_text(s) for s in (None, 0.874, 1.0, 1.0 + CEILING_NOISE, 1.5)] == ["-", "87%", "100%", "100%", OVER_CEILING_MARK]
 
 
 def test_stalls_by_cause_and_block(fake):
@@ -293,7 +353,7 @@ def test_ceilings_from_store_bench_and_measured(tmpfs_dir):
                                           {"path": "nvme->host", "raw_gbps": 1.5}, {"path": "host->nvme", "raw_gbps": 1.2}]}
     assert ceilings_from_store_bench(results) == {"h2d": 50.0, "d2h": 40.0, "read": 1.5, "write": 1.2}
     with TierStore(StoreConfig(nvme_path=str(tmpfs_dir), host_budget_nbytes=1 << 20)) as store:
-        ceilings = measure_ceilings(store, nbytes=1 << 20, repeats=1)
+        ceilings = measure_ceilings(store, nbytes=1 << 20, repeats=1, disk_nbytes=4 << 20)
     assert set(ceilings) == {"h2d", "d2h", "read", "write"} and all(v > 0 for v in ceilings.values())
     assert not any(p.name.startswith(".tierstore-ceiling") for p in tmpfs_dir.iterdir())
 
@@ -304,7 +364,7 @@ def test_ceiling_probe_never_writes_through_a_planted_link(nvme_dir, tmp_path_fa
     victim.write_bytes(b"someone else's file\n")
     (nvme_dir / ".tierstore-ceiling-probe").symlink_to(victim)
     with TierStore(StoreConfig(nvme_path=str(nvme_dir), host_budget_nbytes=1 << 20)) as store:
-        assert measure_ceilings(store, nbytes=1 << 20, repeats=1)["write"] > 0
+        assert measure_ceilings(store, nbytes=1 << 20, repeats=1, disk_nbytes=4 << 20)["write"] > 0
     assert victim.read_bytes() == b"someone else's file\n"
     assert sorted(p.name for p in nvme_dir.iterdir() if not p.name.endswith(".lock")) == [".tierstore-ceiling-probe"]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from runtime.bench.store_bench import run_store_bench
 from runtime.cli import main
 
@@ -23,8 +25,30 @@ def test_store_bench_cli_writes_json(tmpfs_dir, capsys):
                  "--repeats", "1", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "store/raw" in printed and "nvme->host" in printed
+    assert "8 x 512KiB in flight" in printed and "single stream (dd" in printed and "not the ceiling" in printed
     data = json.loads(out.read_text())
     assert {r["path"] for r in data["results"]} == {"host->gpu", "gpu->host", "nvme->host", "host->nvme"}
+    assert data["single_stream"]["read_gbps"] > 0 and "1 stream" in data["single_stream"]["method"]
+
+
+def test_disk_ceiling_is_the_parallel_probe(tmpfs_dir, monkeypatch):
+    """The ratios use the disk ceiling with several IOs in flight over the store's bytes, not dd's one stream."""
+    from runtime.bench import store_bench
+    from runtime.profiler.ceilings import DiskCeiling
+
+    calls = []
+
+    def fake(directory, **kwargs):
+        calls.append(kwargs)
+        return DiskCeiling(read_gbps=2.0, write_gbps=1.0, io_mode="direct", ios_in_flight=kwargs["ios_in_flight"],
+                           block_nbytes=1 << 20, nbytes=kwargs["total_nbytes"])
+
+    monkeypatch.setattr(store_bench, "measure_disk_ceiling", fake)
+    results = run_store_bench(str(tmpfs_dir), total_nbytes=4 << 20, transfer_nbytes=1 << 20, repeats=1, ceiling_ios=6)
+    read, write = results[2:]
+    assert calls[0]["ios_in_flight"] == 6 and calls[0]["total_nbytes"] == 4 << 20
+    assert read.raw_gbps == pytest.approx(2.0) and write.raw_gbps == pytest.approx(1.0)
+    assert read.raw_method.startswith("6 x")
 
 
 def test_dd_file_never_written_through_a_planted_link(tmpfs_dir, tmp_path):
