@@ -83,7 +83,8 @@ def test_fp16_loss_scaler_resumes_exactly(corpus, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("after", [{"moments": "nvme", "optimizer__gpu_update_fraction": 0.3},
-                                   {"moments": "host", "placement__weights": "gpu"}], ids=["same", "resident-weights"])
+                                   {"moments": "host", "placement__weights": "gpu", "optimizer__gpu_update_fraction": 0.0,
+                                    "optimizer__gpu_stream_fraction": 0.0}], ids=["same", "resident-weights"])
 def test_resume_on_the_gpu_is_bit_identical(corpus, tmp_path, after):
     """bf16 compute on the GPU, part of the update on the device (GPU-home state), CUDA RNG restored."""
     cuda = {"device": "cuda", "dtype": "bf16"}
