@@ -129,8 +129,8 @@ class Placement:
 
 
 def blocks_within(block_numels: Sequence[int], fraction: float) -> int:
-    """How many first blocks hold at most ``fraction`` of the parameters: the count
-    ``runtime.controller.gpu_updated_blocks`` selects for the same fraction."""
+    """How many first blocks hold at most ``fraction`` of the parameters (``runtime.controller.gpu_updated_blocks``
+    selects them)."""
     if fraction <= 0:
         return 0
     limit = fraction * sum(block_numels) + 0.5

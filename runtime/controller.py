@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
+from runtime.autoplace import blocks_within
 from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
 from runtime.materialize import ParamInit, initialize
@@ -744,13 +745,5 @@ def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:
     """The first blocks in forward order holding at most ``fraction`` of the parameters: their gradients
     arrive last in backward and their weights are needed first in the next forward, so they are the
     updates a CPU optimizer cannot hide."""
-    if fraction <= 0:
-        return frozenset()
-    total = sum(b.numel for b in blocks)
-    chosen, running = set(), 0
-    for block in sorted(blocks, key=lambda b: b.index):
-        if running + block.numel > fraction * total + 0.5:
-            break
-        chosen.add(block.index)
-        running += block.numel
-    return frozenset(chosen)
+    ordered = sorted(blocks, key=lambda b: b.index)
+    return frozenset(b.index for b in ordered[: blocks_within([b.numel for b in ordered], fraction)])
