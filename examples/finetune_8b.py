@@ -1,0 +1,188 @@
+"""Full fine-tuning of an 8B Llama on a 24 GiB GPU: the workstation scenario (issue 15), as a script.
+
+An HF ``LlamaForCausalLM`` of the Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, ffn 14336,
+vocab 128256, untied) is built from a config with its parameters on the meta device (no download, random
+init), filled block by block as it is offloaded: bf16 compute, fp32 master weights, full AdamW. The process's
+GPU memory is capped (``--gpu-cap``, ``torch.cuda.set_per_process_memory_fraction``), tierstore's pinned
+memory is at most ``--host-budget``, and the moments that do not fit there go to NVMe swap files under
+``--nvme-dir`` (``placement.moments: auto``). Work: sequence ``--seq`` with activation checkpointing,
+gradient accumulation to ``--global-batch`` sequences per optimizer step, global-norm clipping 1.0.
+
+It prints the memory plan, a progress line per micro-batch, and per optimizer step the loss, tokens/s, model
+TFLOP/s (6 x parameters x tokens per second; recompute not counted), peak GPU memory, peak RSS and NVMe
+bytes; at the end, where the time went (the profiler's split).
+
+    python examples/finetune_8b.py --plan-only                          # the plan, nothing allocated
+    python examples/finetune_8b.py --nvme-dir /var/tmp/ts --steps 2     # train (on a GPU machine)
+
+Smaller shapes take the same flags (``--hidden --layers --heads --kv-heads --ffn --vocab``), which is how the
+tests run it on the CPU. Needs the ``hf`` extra (transformers, accelerate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+from runtime import offload
+from runtime.data import ByteBatches, stdlib_text_bytes
+from runtime.materialize import seeded_normal_init
+from runtime.plan import PlanError
+from runtime.profiler import Profiler, measure_ceilings
+from runtime.units import parse_size
+
+LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The Llama of the given shape, parameters on the meta device (buffers on the CPU), checkpointing on."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, intermediate_size=args.ffn, vocab_size=args.vocab,
+                         max_position_embeddings=max(args.seq, 128), tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    with init_empty_weights(include_buffers=False):  # rotary tables are computed buffers: keep them real
+        model = LlamaForCausalLM(config)
+    with warnings.catch_warnings():  # newer transformers renamed it; the name here works from 4.35 on
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.train()
+
+
+def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
+    """The scenario's config: weights and master in pinned memory, moments there as far as the budget allows."""
+    return {
+        "dtype": "bf16" if cuda else "fp32",
+        "optimizer": {"lr": args.lr, "grad_clip": 1.0, "accumulation_steps": args.global_batch // args.micro_batch},
+        "placement": {"weights": "host", "master": "host", "moments": "auto"},
+        "tiers": {"gpu": {"budget": args.gpu_cap if cuda else "auto"}, "host": {"budget": args.host_budget},
+                  "nvme": {"path": args.nvme_dir, "budget": args.nvme_budget, "io_threads": 8}},
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; the shape defaults to Llama-3-8B's."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, value in LLAMA3_8B.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=value, help=f"model shape (default {value})")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward (default 1)")
+    parser.add_argument("--global-batch", type=int, default=64, help="sequences per optimizer step (default 64)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--gpu-cap", default="24GiB", help="GPU memory for the whole process (default 24GiB)")
+    parser.add_argument("--host-budget", default="100GiB", help="tierstore's pinned memory at most (default 100GiB)")
+    parser.add_argument("--nvme-dir", default="tmp", help="directory for swap files ('tmp': a temporary one)")
+    parser.add_argument("--nvme-budget", default="56GiB")
+    parser.add_argument("--plan-only", action="store_true", help="print the memory plan and whether it fits, then exit")
+    args = parser.parse_args(argv)
+    if args.global_batch % args.micro_batch:
+        parser.error(f"--global-batch {args.global_batch} is not a multiple of --micro-batch {args.micro_batch}")
+    args.gpu_cap, args.host_budget = parse_size(args.gpu_cap), parse_size(args.host_budget)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plan (and with --plan-only stop), then train; 0 when the plan fits and the loss stayed finite and fell."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    cuda = torch.cuda.is_available()
+    if cuda:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
+    model = build_model(args)
+    num_params = sum(p.numel() for p in model.parameters())
+    config = tierstore_config(args, cuda)
+    print(f"model: {num_params / 1e9:.2f}B parameters (Llama, {args.layers} layers, hidden {args.hidden}, "
+          f"{args.kv_heads} KV heads, vocab {args.vocab}); sequence {args.seq}, {args.global_batch} sequences per "
+          f"step in micro-batches of {args.micro_batch}; GPU cap {args.gpu_cap / 2**30:.1f} GiB, host budget "
+          f"{args.host_budget / 2**30:.1f} GiB", file=sys.stderr)
+    if args.plan_only:
+        return plan_only(model, config)
+    start = time.perf_counter()
+    model, optimizer = offload(model, config, init=seeded_normal_init)
+    session = optimizer.session
+    print(session.plan.table(), file=sys.stderr)
+    print(f"setup (init, pin, write spilled moments) {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    losses = train(model, optimizer, args, num_params)
+    ok = bool(losses) and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}: {'finite and falling' if ok else 'NOT falling'}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def plan_only(model: torch.nn.Module, config: dict) -> int:
+    """Print the plan the config resolves to on this machine and whether it fits (1 when it does not)."""
+    from runtime.api import plan_model, resolve_device
+    from runtime.config import load_config
+
+    cfg = load_config(config)
+    try:
+        _, resolved, _ = plan_model(model, cfg, resolve_device(cfg))
+    except PlanError as refusal:
+        print(f"does not fit this machine: {refusal}")
+        return 1
+    print(resolved.plan.table())
+    print("fits this machine")
+    return 0
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace, num_params: int) -> list[float]:
+    """The scenario's loop on the bundled text; prints progress and the profiler's split. Returns the step losses."""
+    session = optimizer.session  # type: ignore[attr-defined]
+    device = session.store.device
+    data = ByteBatches(stdlib_text_bytes(1 << 24), batch_size=args.micro_batch, seq_len=args.seq, seed=0)
+    accumulation = args.global_batch // args.micro_batch
+    disk = {"read": 0, "write": 0}
+
+    def count_disk(event: object) -> None:
+        kind = getattr(event, "kind", "")
+        if kind in disk:
+            disk[kind] += event.nbytes  # type: ignore[attr-defined]
+
+    session.store.bus.subscribe(count_disk)
+    losses: list[float] = []
+    try:
+        with tempfile.TemporaryDirectory() as profile_dir:
+            profiler = Profiler(session, measure_ceilings(session.store)).start()
+            for step in range(1, args.steps + 1):
+                t0, before = time.perf_counter(), dict(disk)
+                total = 0.0
+                for micro in range(1, accumulation + 1):
+                    tokens, _ = data.next()
+                    tokens = tokens.to(device)
+                    loss = model(input_ids=tokens, labels=tokens).loss  # the model shifts the labels itself
+                    (loss / accumulation).backward()
+                    total += loss.item()
+                    print(f"\rstep {step}/{args.steps}: micro-batch {micro}/{accumulation}, loss {total / micro:.4f}",
+                          end="", file=sys.stderr, flush=True)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(total / accumulation)
+                seconds = time.perf_counter() - t0
+                tokens_per_s = args.global_batch * args.seq / seconds
+                peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+                print(f"\rstep {step}/{args.steps}: loss {losses[-1]:.4f}, {seconds:.1f} s, {tokens_per_s:,.0f} tokens/s, "
+                      f"{6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s, peak GPU {peak_gpu:.1f} GiB, peak RSS "
+                      f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, NVMe "
+                      f"{(disk['read'] - before['read']) / 1e9:.1f} GB read / {(disk['write'] - before['write']) / 1e9:.1f} GB "
+                      "written", file=sys.stderr)
+            optimizer.synchronize()  # type: ignore[attr-defined]
+            profiler.stop()
+            saved = profiler.save(profile_dir, trace=False, plot=False)
+            print((saved.directory / "report.txt").read_text())
+    finally:
+        session.close()
+    return losses
+
+
+if __name__ == "__main__":
+    sys.exit(main())
