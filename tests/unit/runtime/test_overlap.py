@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from runtime.adam import AdamWHyper, split_views
-from runtime.overlap import UpdateJob, UpdateWorker
+from runtime.overlap import JobPhase, UpdateJob, UpdateWorker
 from runtime.weights import WeightSource
 from tests.unit.runtime.test_weights import F32, Setup, make_setup
 from tierstore import CopyState, Handle, TierName
@@ -413,3 +414,96 @@ def test_stage_starts_reading_nvme_state_to_host(tmpfs_dir):
             assert s.store.state(block.key(kind), TierName.HOST).is_current
         assert torch.equal(s.store.tensor(block.key("master"), TierName.HOST), s.masters[1])
         assert all(s.store.state(b.key("master"), TierName.HOST) is CopyState.ABSENT for b in s.blocks if b is not block)
+
+
+# ---- updates before the commit (runtime.speculation) ------------------------------------------------------
+def wait_phase(job_: UpdateJob, phase: JobPhase, timeout_s: float = 10.0) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while job_.phase is not phase:
+        assert time.perf_counter() < deadline, f"job stuck in {job_.phase}"
+        time.sleep(0.001)
+
+
+def speculative(s: Setup, worker: UpdateWorker, index: int, step: int, **kwargs) -> UpdateJob:
+    assert worker.spares.can_speculate(s.blocks[index])
+    return job(s, index, step, speculative=True, **kwargs)
+
+
+def ordinary(spec: UpdateJob, **changes) -> UpdateJob:
+    return dataclasses.replace(spec, speculative=False, phase=JobPhase.QUEUED, verdict=None, **changes)
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_a_speculative_update_leaves_the_state_until_the_verdict(holds):
+    with make_setup() as s, running(s) as worker:
+        ref = Reference(s)
+        grads = set_grads(s, seed=1)
+        before = snapshot(s)
+        spec = speculative(s, worker, 2, 1)
+        worker.submit(spec)
+        wait_phase(spec, JobPhase.SPECULATED)
+        assert all(torch.equal(before[k], v) for k, v in snapshot(s).items())
+        assert not worker.is_updated(2, 1)
+        multiplier = None if holds else torch.tensor(0.25)
+        worker.resolve(spec, holds, ordinary(spec, grad_multiplier=multiplier))
+        worker.wait_updated(2, 1)
+        ref.step({2: grads[2] * (1.0 if holds else 0.25)})
+        for kind in KINDS:
+            assert torch.equal(host_state(s, 2, kind), ref.flat(2, kind)), kind
+        assert [float(t) for t in worker.param_steps[2]] == [1.0] * len(s.blocks[2].slots)
+        assert (worker.stats.published, worker.stats.redone) == ((1, 0) if holds else (0, 1))
+
+
+def test_a_verdict_that_comes_while_the_speculative_run_is_running_applies_when_it_ends():
+    with make_setup() as s, running(s) as worker:
+        ref = Reference(s)
+        grads = set_grads(s, seed=2)
+        gate = GatedHandle()
+        spec = speculative(s, worker, 1, 1, grad_handle=gate)
+        worker.submit(spec)
+        assert gate.entered.wait(10)
+        assert spec.phase is JobPhase.RUNNING
+        worker.resolve(spec, True, ordinary(spec))
+        gate.complete()
+        worker.wait_updated(1, 1)
+        ref.step({1: grads[1]})
+        assert torch.equal(host_state(s, 1, "master"), ref.flat(1, "master"))
+        assert worker.stats.published == 1
+
+
+def test_a_verdict_on_a_job_still_queued_runs_the_ordinary_update_in_its_place():
+    with make_setup() as s, running(s) as worker:
+        ref = Reference(s)
+        grads = set_grads(s, seed=3)
+        blocker_gate, spec_gate = GatedHandle(), GatedHandle()
+        worker.submit(job(s, 0, 1, grad_handle=blocker_gate))  # the oldest: the worker waits on it first
+        assert blocker_gate.entered.wait(10)
+        spec = speculative(s, worker, 3, 1, grad_handle=spec_gate)
+        worker.submit(spec)
+        worker.resolve(spec, False, ordinary(spec, grad_multiplier=torch.tensor(0.5)))
+        assert spec.phase is JobPhase.WITHDRAWN
+        blocker_gate.complete()
+        spec_gate.complete()
+        worker.wait_updated(0, 1)
+        worker.wait_updated(3, 1)
+        ref.step({0: grads[0], 3: grads[3] * 0.5})
+        for index in (0, 3):
+            assert torch.equal(host_state(s, index, "master"), ref.flat(index, "master"))
+        assert (worker.stats.published, worker.stats.redone) == (0, 0)  # the early run never happened
+
+
+def test_a_discarded_speculative_update_changes_nothing():
+    with make_setup() as s, running(s) as worker:
+        set_grads(s, seed=4)
+        before = snapshot(s)
+        spec = speculative(s, worker, 4, 1)
+        worker.submit(spec)
+        wait_phase(spec, JobPhase.SPECULATED)
+        worker.resolve(spec, False, None)
+        worker.submit(job(s, 0, 1))  # the worker goes on with other work
+        worker.wait_updated(0, 1)
+        assert not worker.is_updated(4, 1)
+        after = snapshot(s)
+        for kind in KINDS:
+            assert torch.equal(after[(4, kind)], before[(4, kind)])
+        assert [float(t) for t in worker.param_steps[4]] == [0.0] * len(s.blocks[4].slots)
