@@ -36,7 +36,7 @@ from runtime.data import ByteBatches, stdlib_text_bytes
 from runtime.materialize import seeded_normal_init
 from runtime.plan import PlanError
 from runtime.profiler import Profiler, measure_ceilings
-from runtime.units import parse_size
+from runtime.units import approx_size, parse_size
 
 LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
 
@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())
     config = tierstore_config(args, cuda)
-    print(f"model: {num_params / 1e9:.2f}B parameters (Llama, {args.layers} layers, hidden {args.hidden}, "
+    print(f"model: {num_params:,} parameters (Llama, {args.layers} layers, hidden {args.hidden}, "
           f"{args.kv_heads} KV heads, vocab {args.vocab}); sequence {args.seq}, {args.global_batch} sequences per "
-          f"step in micro-batches of {args.micro_batch}; GPU cap {args.gpu_cap / 2**30:.1f} GiB, host budget "
-          f"{args.host_budget / 2**30:.1f} GiB", file=sys.stderr)
+          f"step in micro-batches of {args.micro_batch}; GPU cap {approx_size(args.gpu_cap)}, host budget "
+          f"{approx_size(args.host_budget)}", file=sys.stderr)
     if args.plan_only:
         return plan_only(model, config)
     start = time.perf_counter()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the lent GPU machine, in one call: GPU tests, store bandwidth (disk and tmpfs),
 # the training benchmark. Writes logs under $OUT (or ./out). Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|train|all]
+#   bash tests/gpu_session.sh [tests|store|train|session|finetune|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -31,6 +31,11 @@ fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
   python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
+fi
+if [[ $what == finetune ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
+  mkdir -p /var/tmp/ts-8b
+  python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b 2>&1 | tee "$OUT/finetune_plan.log"
+  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} 2>&1 | tee "$OUT/finetune.log" | tail -40
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40

@@ -174,3 +174,21 @@ def test_a_retry_loop_after_failures_keeps_gpu_memory_flat(where, tmpfs_dir):
     # happen is growth from one failure to the next.
     half = len(allocated) // 2
     assert max(allocated[half:]) <= max(allocated[:half]), allocated
+
+
+def test_finetune_example_trains_under_a_gpu_cap(tmp_path, capsys):
+    """examples/finetune_8b.py on a small Llama on the GPU: the process's memory capped, a small pinned budget,
+    checkpointing, accumulation and clipping; the loss falls and the peak stays under the cap."""
+    from tests.integration.test_finetune_example import load_example
+
+    example = load_example()
+    try:
+        code = example.main(["--hidden", "256", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--ffn", "512",
+                             "--vocab", "1024", "--seq", "256", "--global-batch", "8", "--micro-batch", "2", "--steps", "4",
+                             "--lr", "3e-3", "--gpu-cap", "4GiB", "--host-budget", "48MiB", "--nvme-dir", str(tmp_path)])
+        peak = torch.cuda.max_memory_allocated()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the cap holds for the process: give the next tests the card
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert peak <= 4 * 2**30
