@@ -319,6 +319,11 @@ class UpdateWorker:
             [s for s, k in zip(job.spec_steps, keep) if k],
             [h for h, k in zip(job.hypers, keep) if k],
         )
+        if not all(keep):  # the spares replace whole buffers: parameters without a gradient keep their values
+            for kind in STATE_KINDS:
+                for source, target, k in zip(split_views(host[kind], sizes), split_views(targets[kind], sizes), keep):
+                    if not k:
+                        target.copy_(source)
         with self._cond:
             job.phase = JobPhase.SPECULATED
             verdict, job.verdict = job.verdict, None

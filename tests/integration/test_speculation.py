@@ -126,3 +126,49 @@ def test_abandoned_step_leaves_the_state_of_the_last_commit():
         assert_identical(session.master_state_dict(), reference)
     finally:
         session.close()
+
+
+class _PartlyUsedNet(torch.nn.Module):
+    """Two blocks whose second linear layer is skipped on odd steps: a block where only some parameters get a
+    gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "b": torch.nn.Linear(16, 16)})
+                                          for _ in range(2))
+
+    def forward(self, x: torch.Tensor, skip_b: bool) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer["a"](x))
+            if not skip_b:
+                x = torch.tanh(layer["b"](x))
+        return x.pow(2).mean()
+
+
+def test_parameters_without_a_gradient_keep_their_state_when_early_updates_are_published():
+    import copy
+
+    torch.manual_seed(0)
+    model = _PartlyUsedNet()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    config = {"dtype": "fp32", "blocks": {"modules": ["layers.*"]},
+              "optimizer": {"lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1e6}}
+    model, optimizer = offload(model, config)
+    session = optimizer.session
+    try:
+        for step in range(5):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            model(x, step % 2 == 1).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reference(x, step % 2 == 1).backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e6)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        weights = session.master_state_dict()
+        assert session.controller.worker.stats.published > 0
+    finally:
+        session.close()
+    for name, p in reference.named_parameters():
+        assert torch.equal(weights[name], p.detach()), name

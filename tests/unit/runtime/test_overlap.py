@@ -507,3 +507,22 @@ def test_a_discarded_speculative_update_changes_nothing():
         for kind in KINDS:
             assert torch.equal(after[(4, kind)], before[(4, kind)])
         assert [float(t) for t in worker.param_steps[4]] == [0.0] * len(s.blocks[4].slots)
+
+
+def test_a_published_speculative_update_keeps_the_state_of_parameters_without_a_gradient():
+    with make_setup() as s, running(s) as worker:
+        index = next(b.index for b in s.blocks if len(b.slots) > 1)
+        slots = len(s.blocks[index].slots)
+        mask = [position != 0 for position in range(slots)]  # the first parameter got no gradient
+        ref = Reference(s)
+        for step in (1, 2):  # the second run writes into the buffers the first one left behind
+            grads = set_grads(s, seed=10 + step)
+            spec = speculative(s, worker, index, step, mask=mask)
+            worker.submit(spec)
+            wait_phase(spec, JobPhase.SPECULATED)
+            worker.resolve(spec, True, ordinary(spec))
+            worker.wait_updated(index, step)
+            ref.step({index: grads[index]}, masks={index: mask})
+            for kind in KINDS:
+                got, want = host_state(s, index, kind), ref.flat(index, kind)
+                assert torch.equal(got, want), (step, kind)
