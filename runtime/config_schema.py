@@ -79,9 +79,12 @@ class HostTierConfig:
 
     budget: int | Literal["auto"] = _leaf(
         SizeSpec(min_nbytes=1, auto=True), "auto",
-        "Size of the pinned host arena. `auto`: sized by the memory plan. A size over the RAM this process "
-        "may use (the tightest cgroup limit or the machine's, less headroom) is refused before anything is "
-        "allocated.", "64GiB")
+        "Size of the pinned host arena. `auto`: sized by the memory plan, which includes second buffers for "
+        "the master and moments of CPU-updated blocks when updates wait for `optimizer.step()` (clipping, "
+        "fp16) and RAM has room, so those updates still run during backward. A size over the RAM this "
+        "process may use (the tightest cgroup limit or the machine's, less headroom) is refused before "
+        "anything is allocated; an explicit size with room to spare gives the second buffers what it "
+        "holds.", "64GiB")
     pin: bool | Literal["auto"] = _leaf(
         BoolSpec(auto=True), "auto",
         "Pin (page-lock) the arena so copies run at full PCIe speed. `auto`: pin when CUDA is "
