@@ -225,3 +225,31 @@ def test_pre_commit_buffers_are_given_up_before_any_moment_spills(tmp_path):
     tight = resolve_plan(blocks, load_config(base), resolve_device(cfg))
     assert not tight.spilled_blocks
     assert not any(kind == "pre-commit update buffers" for kind, _, _ in tight.plan.rows)
+
+
+def test_a_plan_without_pre_commit_buffers_gets_none_at_run_time(tmp_path):
+    # The budget spills moments, so the plan gives the second buffers up; the store must not allocate them
+    # anyway out of the room the plan keeps for staging the spilled moments.
+    from runtime.api import resolve_device, resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+
+    config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path)}}, "placement": {"moments": "auto"},
+              "optimizer": {"grad_clip": 1e6}}
+    cfg = load_config(config)
+    roomy = resolve_plan(build_blocks(ExampleLM(SHAPE), cfg.blocks.min_block_size), cfg, resolve_device(cfg)).plan
+    spares = sum(n for kind, _, n in roomy.rows if kind == "pre-commit update buffers")
+    config["tiers"]["host"] = {"budget": roomy.host_nbytes - spares - 4096}
+    torch.manual_seed(0)
+    model, optimizer = offload(ExampleLM(SHAPE), config)
+    session = optimizer.session
+    try:
+        assert session.controller.options.spilled_blocks
+        assert not any(kind == "pre-commit update buffers" for kind, _, _ in session.plan.rows)
+        tokens = torch.randint(0, SHAPE.vocab_size, (2, 17))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.synchronize()
+        assert session.store.usage()["host"]["used_nbytes"] == pytest.approx(_rest_nbytes(session.plan, "host"), rel=0.02)
+    finally:
+        session.close()
