@@ -52,6 +52,7 @@ class RuntimeOptions:
     spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
     keep_for_backward_nbytes: int = 0  # weights a training forward may leave on the device for its backward
     hold_updates: bool = False  # updates wait for optimizer.step() (the user's loop clips: optimizer.user_grad_clip)
+    speculate: bool = True  # the plan counts second state buffers: updates that wait for the commit may run early
 
 
 STATS_HISTORY = 1024  # entries kept of per-step statistics
@@ -491,7 +492,7 @@ class Controller:
             self.worker.submit(job)
             return
         self._deferred_jobs.append(job)
-        if not job.skip and self.worker.spares.can_speculate(block):
+        if not job.skip and self.options.speculate and self.worker.spares.can_speculate(block):
             job.speculative = True  # runs now, out of place; the commit publishes or redoes it
             self.worker.submit(job)
 
