@@ -432,4 +432,4 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
         gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
         hold_updates=opt.user_grad_clip,
-        speculate=any(kind == "pre-commit update buffers" for kind, _, _ in resolved.plan.rows))
+        speculate=resolved.plan.pre_commit_buffers)

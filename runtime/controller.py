@@ -536,7 +536,9 @@ class Controller:
                 scale_slots(flat, block, self.clipper.user_scales(block), coef)
             self._gpu_update(block, flat, has_grad, step, skip=skip or flat is None)
         self._deferred_gpu = []
-        for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
+        # Taken before any is resolved: a commit that raised part-way must not resolve a job twice when retried.
+        jobs, self._deferred_jobs = self._deferred_jobs, []
+        for job in sorted(jobs, key=lambda j: j.block.index):
             scales = self.clipper.user_scales(job.block)
             keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
             final = dataclasses.replace(
@@ -555,7 +557,6 @@ class Controller:
         if self.scaler is not None:
             self.scaler.update(self.found_inf)
             self.found_inf.zero_()
-        self._deferred_jobs = []
 
     def _gpu_update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int, skip: bool) -> None:
         """AdamW on the device, stream-ordered on the current stream (the gradient already scaled). A block whose

@@ -34,6 +34,7 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # memory the backward freed and within the GPU budget the plan leaves free, so they add nothing to it.
 STREAMED_IN_FLIGHT = 3
 STAGING_BLOCKS = 5  # NVMe-resident states staged in host memory at once: worker look-ahead + write-backs in flight
+PRE_COMMIT_BUFFERS = "pre-commit update buffers"  # the plan row of runtime.speculation's second state buffers
 UNBOUNDED = 1 << 62  # the GPU budget on the CPU when none is set
 
 
@@ -50,6 +51,11 @@ class MemoryPlan:
     weight_source: str  # master | weights | resident
     rows: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, tier, nbytes)
     notes: tuple[str, ...] = ()  # lines printed under the header: what `auto` placement chose and why
+
+    @property
+    def pre_commit_buffers(self) -> bool:
+        """True when the plan holds second state buffers, so updates that wait for the commit may run early."""
+        return any(kind == PRE_COMMIT_BUFFERS for kind, _, _ in self.rows)
 
     def tier_nbytes(self, tier: str) -> int:
         """Total bytes planned on one tier."""
@@ -123,7 +129,7 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     plan.rows.append(("gradients (fp32, offloaded)", "host", sum(host_bytes(n, 4) for n in block_numels[streamed:])))
     if spares and all(homes[kind] == "host" for kind in STATE_KINDS):
         speculating = block_numels[streamed:len(block_numels) - spilled]
-        plan.rows.append(("pre-commit update buffers", "host",
+        plan.rows.append((PRE_COMMIT_BUFFERS, "host",
                           len(STATE_KINDS) * sum(host_bytes(n, 4) for n in speculating)))
     if streamed:
         in_flight = min(streamed, STREAMED_IN_FLIGHT)
