@@ -48,6 +48,7 @@ from runtime.checkpoint_io import (
 from runtime.checkpoint_meta import FORMAT, VERSION, read_meta
 from runtime.checkpoint_root import CheckpointRoot
 from runtime.config import dump_config
+from runtime.plan import STATE_KINDS
 from runtime.state_access import refresh_compute_weights
 from runtime.weights import WeightSource
 from tierstore import CorruptFileError, TierName, TierStore
@@ -65,7 +66,6 @@ __all__ = ["CheckpointError", "CheckpointRoot", "bench_checkpoint", "find_checkp
            "resume_training", "save_checkpoint", "save_due", "verify_checkpoint"]
 
 CONFIG_NAME = "config.yaml"
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                                    "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}

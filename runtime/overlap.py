@@ -33,13 +33,12 @@ import torch
 from runtime.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, split_views
 from runtime.blocks import Block
 from runtime.clipping import scale_slots
+from runtime.plan import STATE_KINDS
 from runtime.speculation import SpareBuffers
 from runtime.weights import WeightManager, WeightSource
 from tierstore import CapacityError, Handle, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
-
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class JobPhase(enum.Enum):
@@ -200,7 +199,7 @@ class UpdateWorker:
                 self._stopping = True
                 self._cond.notify_all()
             self._thread.join()
-        if not self.store._closed:
+        if not self.store.closed:
             self.spares.close()
 
     # ---- the thread ----------------------------------------------------------------------------------

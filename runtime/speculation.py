@@ -30,11 +30,10 @@ import logging
 import torch
 
 from runtime.blocks import Block
+from runtime.plan import STATE_KINDS
 from tierstore import Allocation, CapacityError, TierName, TierStore
 
 log = logging.getLogger(__name__)
-
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class SpareBuffers:

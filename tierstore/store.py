@@ -414,6 +414,11 @@ class TierStore:
         tier = self.tiers.get(TierName.NVME)
         return tier.directory.io_mode if tier is not None else None  # type: ignore[attr-defined]
 
+    @property
+    def closed(self) -> bool:
+        """True once close() has run: every buffer is back with its tier."""
+        return self._closed
+
     def close(self) -> None:
         """Finish transfers, free everything, delete swap files and unlock the NVMe directory."""
         if self._closed:
