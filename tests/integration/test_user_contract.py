@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+from typing import Callable
 
 import pytest
 import torch
@@ -155,14 +156,24 @@ def test_zero_grad_before_step_drops_the_step_like_plain_pytorch(tmp_path):
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
     with optimizer.session:
-        for step, batch in enumerate(make_batches(4)):
-            for m, opt in ((plain, plain_opt), (model, optimizer)):
-                m(*batch).backward()
-                if step == 1:
-                    opt.zero_grad()  # the user drops this batch
-                opt.step()
-                opt.zero_grad()
+        def drop_the_second_batch(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+            if step == 1:
+                opt.zero_grad()  # the user drops this batch
+
+        train_side_by_side((plain, plain_opt), (model, optimizer), steps=4, after_backward=drop_the_second_batch)
         assert_same(model.state_dict(), plain.state_dict())
+
+
+def train_side_by_side(*pairs: tuple[nn.Module, torch.optim.Optimizer], steps: int,
+                       after_backward: Callable[[nn.Module, torch.optim.Optimizer, int], None]) -> None:
+    """The same batches through each (model, optimizer) pair; ``after_backward(model, optimizer, step)`` is the
+    user's code between a backward and its ``step()``."""
+    for step, batch in enumerate(make_batches(steps)):
+        for m, opt in pairs:
+            m(*batch).backward()
+            after_backward(m, opt, step)
+            opt.step()
+            opt.zero_grad()
 
 
 def test_param_groups_and_hyperparameter_changes_equal_torch_adamw(tmp_path):
@@ -386,13 +397,11 @@ def test_model_zero_grad_after_backward_drops_those_gradients(tmp_path):
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
     with optimizer.session:
-        for step, batch in enumerate(make_batches(3)):
-            for m, opt in ((plain, plain_opt), (model, optimizer)):
-                m(*batch).backward()
-                if step == 1:
-                    m.layers[1].zero_grad()  # this layer sits the step out
-                opt.step()
-                opt.zero_grad()
+        def layer_1_sits_out_the_second_step(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+            if step == 1:
+                m.layers[1].zero_grad()
+
+        train_side_by_side((plain, plain_opt), (model, optimizer), steps=3, after_backward=layer_1_sits_out_the_second_step)
         assert_same(model.state_dict(), plain.state_dict())
         assert_same(optimizer.state_dict()["state"][3], plain_opt.state_dict()["state"][3])
 
