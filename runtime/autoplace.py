@@ -54,10 +54,9 @@ from typing import Literal
 
 import torch
 
-from runtime.adam import AdamWHyper, adamw_update, split_views
 from runtime.plan import STREAMED_IN_FLIGHT
+from runtime.rates import cpu_adam_seconds, pinned_copy_gbps
 from runtime.units import approx_size
-from tierstore import PinnedArena
 
 log = logging.getLogger(__name__)
 
@@ -311,47 +310,13 @@ def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
 
 def _adam_rate(threads: int) -> float:
     """Parameters a second of torch's fused CPU AdamW, best of three after a warm-up (which faults the pages in)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        flat = torch.full((4 * ADAM_PROBE_NUMEL,), 1e-3)
-        size = ADAM_PROBE_NUMEL // ADAM_PROBE_TENSORS
-        master, grads, exp_avg, exp_avg_sq = (split_views(part, [size] * ADAM_PROBE_TENSORS)
-                                              for part in flat.chunk(4))
-        steps = [torch.zeros(()) for _ in range(ADAM_PROBE_TENSORS)]
-        best = float("inf")
-        for attempt in range(4):
-            start = time.perf_counter()
-            adamw_update(master, grads, exp_avg, exp_avg_sq, steps, AdamWHyper())
-            if attempt:
-                best = min(best, time.perf_counter() - start)
-        return ADAM_PROBE_NUMEL / best
-    finally:
-        torch.set_num_threads(previous)
+    return ADAM_PROBE_NUMEL / min(cpu_adam_seconds(ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS))
 
 
 def _copy_rates(device: torch.device, pin: bool) -> dict[str, float]:
-    """Bytes a second each way, best of three, over one buffer in host memory pinned as the host tier pins it
-    (an arena registered once, not torch's caching host allocator, which would keep it)."""
-    arena = PinnedArena(COPY_PROBE_NBYTES, pin=pin, name="rate probe")
-    try:
-        host = arena.view(0, COPY_PROBE_NBYTES)
-        gpu = torch.empty(COPY_PROBE_NBYTES, dtype=torch.uint8, device=device)
-        out = {}
-        for key, dst, src in (("h2d_bytes_per_s", gpu, host), ("d2h_bytes_per_s", host, gpu)):
-            best = float("inf")
-            for _ in range(3):
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                best = min(best, begin.elapsed_time(end) / 1e3)
-            out[key] = COPY_PROBE_NBYTES / best
-        del gpu, host
-        # The probe's device buffer must not stay in the allocator's cache: `tiers.gpu.budget: auto` is a share of
-        # the memory free after this.
-        torch.cuda.empty_cache()
-        return out
-    finally:
-        arena.close()
+    """Bytes a second each way, best of three, over one buffer in host memory pinned as the host tier pins it."""
+    h2d, d2h = pinned_copy_gbps(device, COPY_PROBE_NBYTES, 3, warmups=0, pin=pin)
+    # The probe's device buffer must not stay in the allocator's cache: `tiers.gpu.budget: auto` is a share of
+    # the memory free after this.
+    torch.cuda.empty_cache()
+    return {"h2d_bytes_per_s": h2d * 1e9, "d2h_bytes_per_s": d2h * 1e9}

@@ -40,6 +40,8 @@ from typing import Iterable
 
 import torch
 
+from runtime.rates import cpu_adam_seconds, pinned_copy_gbps
+
 log = logging.getLogger(__name__)
 
 FP32 = 4
@@ -230,23 +232,8 @@ def measure_cpu_adam_s_per_param(num_params: int, threads: int) -> float:
     """Seconds per parameter of one CPU fused AdamW step (the runtime's own kernel) with ``threads``
     threads, over min(num_params, 256 Mi) fp32 parameters: far beyond any cache, so the rate is the memory
     bound one a whole model's step runs at; median of three after a warm-up."""
-    from runtime.adam import AdamWHyper, adamw_update
-
     numel = max(1, min(num_params, ADAM_MEASURE_CAP_NUMEL))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        p, g, m, v = (torch.empty(numel).uniform_(0.5, 1.0) for _ in range(4))
-        steps = [torch.zeros(())]
-        adamw_update([p], [g], [m], [v], steps, AdamWHyper())
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            adamw_update([p], [g], [m], [v], steps, AdamWHyper())
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(previous)
-    return statistics.median(times) / numel
+    return statistics.median(cpu_adam_seconds(numel, threads)) / numel
 
 
 def measure_gpu_adam_s_per_param(num_params: int, device: torch.device) -> float:
@@ -269,20 +256,9 @@ def measure_gpu_adam_s_per_param(num_params: int, device: torch.device) -> float
 
 
 def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
-    """Raw pinned copy bandwidth (H2D, D2H) in GB/s, best of three."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = []
-    for to_dev in (True, False):
-        best = float("inf")
-        for _ in range(3):
-            _sync()
-            t0 = time.perf_counter()
-            (dev.copy_(host, non_blocking=True) if to_dev else host.copy_(dev, non_blocking=True))
-            _sync()
-            best = min(best, time.perf_counter() - t0)
-        out.append(nbytes / best / 1e9)
-    return out[0], out[1]
+    """Raw pinned copy bandwidth (H2D, D2H) in GB/s, best of three (``runtime.rates``, as the profiler's
+    ceilings and auto placement measure it)."""
+    return pinned_copy_gbps(torch.device("cuda"), nbytes, 3)
 
 
 def measure_disk_gbps(directory: str, total_nbytes: int = 2 << 30) -> tuple[float, float]:

@@ -28,12 +28,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from runtime.rates import pinned_copy_gbps
 from runtime.units import format_size
-from tierstore import CopyState, PinnedArena, TierName, TierStore
+from tierstore import CopyState, TierName, TierStore
 from tierstore.files import create_new
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,6 @@ STORE_BENCH_PATHS = {"host->gpu": "h2d", "gpu->host": "d2h", "nvme->host": "read
 # A copy this long (about 5 ms at 55 GB/s) dwarfs launch and sync overheads, and the warm-up copies bring the
 # link and clocks out of their idle state first; 32 MiB once each way was at the mercy of both.
 PCIE_PROBE_NBYTES = 256 << 20
-PCIE_MIN_NBYTES = 32 << 20  # the probe halves its buffer down to this when the GPU has no room for it
 WARMUP_COPIES = 2
 IO_ALIGNMENT = 4096  # O_DIRECT wants buffers, offsets and sizes aligned to the logical block; 4 KiB covers it
 PROBE_FILE = "probe"
@@ -111,62 +111,8 @@ def wait_for_idle_store(store: TierStore, timeout_s: float = IDLE_TIMEOUT_S) -> 
 # ---- PCIe -----------------------------------------------------------------------------------------------
 def pcie_ceilings_gbps(device: torch.device, nbytes: int = PCIE_PROBE_NBYTES, repeats: int = 5) -> tuple[float, float]:
     """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between pinned memory and ``device``, each the best of
-    ``repeats`` after ``WARMUP_COPIES``; on a GPU timed by CUDA events on a side stream (no launch or sync
-    overhead in the figure), on the CPU by the host clock."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    cuda = device.type == "cuda"
-    stream = torch.cuda.Stream(device) if cuda else None
-    with _probe_buffers(device, nbytes) as (host, target):
-
-        def copy_s(to_device: bool) -> float:
-            dst, src = (target, host) if to_device else (host, target)
-            if stream is None:
-                start = time.perf_counter()
-                dst.copy_(src)
-                return time.perf_counter() - start
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                begin.record(stream)
-                dst.copy_(src, non_blocking=True)
-                end.record(stream)
-            end.synchronize()
-            return begin.elapsed_time(end) / 1000.0
-
-        h2d_s = _best_s(repeats, lambda: copy_s(True), warmups=WARMUP_COPIES)
-        d2h_s = _best_s(repeats, lambda: copy_s(False), warmups=WARMUP_COPIES)
-        return host.numel() / h2d_s / 1e9, host.numel() / d2h_s / 1e9
-
-
-@contextmanager
-def _probe_buffers(device: torch.device, nbytes: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """A device buffer and a pinned host buffer of nbytes, halved (down to PCIE_MIN_NBYTES) while the device
-    has no room: the profiler probes beside a session that may fill the GPU. The host side is an exact-size
-    arena unpinned afterwards, not torch's caching host allocator, which would round the request up and keep
-    it pinned for the life of the process."""
-    while True:
-        try:
-            target = torch.empty(nbytes, dtype=torch.uint8, device=device)  # first: the device is what may be full
-            break
-        except torch.OutOfMemoryError:
-            if nbytes // 2 < PCIE_MIN_NBYTES:
-                raise
-            log.info("PCIe ceiling probe: no room for %s on %s, trying half", format_size(nbytes), device)
-            nbytes //= 2
-    arena = PinnedArena(nbytes, pin=device.type == "cuda", name="ceiling probe")
-    try:
-        yield arena.view(0, nbytes), target
-    finally:
-        del target
-        arena.close()
-
-
-def _best_s(repeats: int, run: Callable[[], float], warmups: int = 1) -> float:
-    """The fastest of ``repeats`` timed runs after ``warmups`` untimed ones (first touch of the pages, the
-    CUDA context, the file's blocks, clocks leaving idle): the ceiling is what the path can reach."""
-    for _ in range(warmups):
-        run()
-    return min(run() for _ in range(repeats))
+    ``repeats`` after ``WARMUP_COPIES`` (``runtime.rates.pinned_copy_gbps``)."""
+    return pinned_copy_gbps(device, nbytes, repeats, warmups=WARMUP_COPIES)
 
 
 # ---- disk -----------------------------------------------------------------------------------------------

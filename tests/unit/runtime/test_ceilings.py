@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from runtime import rates
 from runtime.profiler import ceilings
 from runtime.profiler.ceilings import (IO_ALIGNMENT, disk_ceiling_gbps, measure_ceilings, measure_disk_ceiling,
                                        pcie_ceilings_gbps)
@@ -176,12 +177,12 @@ def test_pcie_probe_halves_its_buffer_when_the_device_is_full(monkeypatch):
         return real_empty(*size, **kwargs)
 
     monkeypatch.setattr(torch, "empty", empty)
-    with ceilings._probe_buffers(torch.device("cpu"), 256 << 20) as (host, target):
+    with rates._probe_buffers(torch.device("cpu"), 256 << 20, False) as (host, target):
         assert host.numel() == target.numel() == 64 << 20 and asked == [256 << 20, 128 << 20, 64 << 20]
     room[0] = 0  # not even the smallest probe fits: the error is the caller's to see
     asked.clear()
     with pytest.raises(torch.OutOfMemoryError):
-        with ceilings._probe_buffers(torch.device("cpu"), 256 << 20):
+        with rates._probe_buffers(torch.device("cpu"), 256 << 20, False):
             pass
     assert asked == [256 << 20, 128 << 20, 64 << 20, 32 << 20]
 

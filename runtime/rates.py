@@ -1,0 +1,106 @@
+"""What this machine's paths and optimizer run at: the one copy probe and the one CPU AdamW timing.
+
+``auto`` placement (``runtime.autoplace``), the profiler's ceilings (``runtime.profiler.ceilings``) and the
+training benchmark's bound (``runtime.bench.train_bound``) all measure the same two things; they differ only
+in sizes, repeats and which statistic they keep. Pure measurement: nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from runtime.adam import AdamWHyper, adamw_update, split_views
+from runtime.units import format_size
+from tierstore import PinnedArena
+
+log = logging.getLogger(__name__)
+
+PCIE_MIN_NBYTES = 32 << 20  # the copy probe halves its buffer down to this when the GPU has no room for it
+
+
+def best_s(repeats: int, run: Callable[[], float], warmups: int = 1) -> float:
+    """The fastest of ``repeats`` timed runs after ``warmups`` untimed ones (first touch of the pages, the
+    CUDA context, the file's blocks, clocks leaving idle): a ceiling is what the path can reach."""
+    for _ in range(warmups):
+        run()
+    return min(run() for _ in range(repeats))
+
+
+def pinned_copy_gbps(device: torch.device, nbytes: int, repeats: int, *, warmups: int = 1,
+                     pin: bool | None = None) -> tuple[float, float]:
+    """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between host memory (pinned unless ``pin`` is False;
+    default: pinned on CUDA) and ``device``, each the best of ``repeats`` after ``warmups``; on a GPU timed by
+    CUDA events on a side stream (no launch or sync overhead in the figure), on the CPU by the host clock."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda else None
+    with _probe_buffers(device, nbytes, cuda if pin is None else pin) as (host, target):
+
+        def copy_s(to_device: bool) -> float:
+            dst, src = (target, host) if to_device else (host, target)
+            if stream is None:
+                start = time.perf_counter()
+                dst.copy_(src)
+                return time.perf_counter() - start
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                begin.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            end.synchronize()
+            return begin.elapsed_time(end) / 1000.0
+
+        h2d_s = best_s(repeats, lambda: copy_s(True), warmups=warmups)
+        d2h_s = best_s(repeats, lambda: copy_s(False), warmups=warmups)
+        return host.numel() / h2d_s / 1e9, host.numel() / d2h_s / 1e9
+
+
+@contextmanager
+def _probe_buffers(device: torch.device, nbytes: int, pin: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A device buffer and a host buffer of nbytes, halved (down to PCIE_MIN_NBYTES) while the device has no
+    room: the profiler probes beside a session that may fill the GPU. The host side is an exact-size arena,
+    pinned as the host tier pins it and unpinned afterwards, not torch's caching host allocator, which would
+    round the request up and keep it pinned for the life of the process."""
+    while True:
+        try:
+            target = torch.empty(nbytes, dtype=torch.uint8, device=device)  # first: the device is what may be full
+            break
+        except torch.OutOfMemoryError:
+            if nbytes // 2 < PCIE_MIN_NBYTES:
+                raise
+            log.info("copy probe: no room for %s on %s, trying half", format_size(nbytes), device)
+            nbytes //= 2
+    arena = PinnedArena(nbytes, pin=pin, name="copy probe")
+    try:
+        yield arena.view(0, nbytes), target
+    finally:
+        del target
+        arena.close()
+
+
+def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int = 3) -> list[float]:
+    """Seconds of each of ``repeats`` CPU fused AdamW steps (the runtime's own kernel) over ``numel`` fp32
+    parameters split into ``tensors`` views, with ``threads`` threads, after one untimed step that faults the
+    pages in. The caller keeps the statistic it needs (a ceiling the best, a typical step the median)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        size = max(1, numel // tensors)
+        flat = torch.full((4 * size * tensors,), 1e-3)
+        master, grads, exp_avg, exp_avg_sq = (split_views(part, [size] * tensors) for part in flat.chunk(4))
+        steps = [torch.zeros(()) for _ in range(tensors)]
+        times = []
+        for attempt in range(repeats + 1):
+            start = time.perf_counter()
+            adamw_update(master, grads, exp_avg, exp_avg_sq, steps, AdamWHyper())
+            if attempt:
+                times.append(time.perf_counter() - start)
+        return times
+    finally:
+        torch.set_num_threads(previous)
