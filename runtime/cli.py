@@ -72,6 +72,9 @@ def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
     btrain.add_argument("--nvme-dir", help="directory for the NVMe rows' swap files and the disk ceiling "
                                            "(default: a temporary one, and T_nvme is not measured)")
     btrain.add_argument("--json", type=Path, help="also write rows, rates and bounds as JSON here")
+    btrain.add_argument("--gpu-cap", type=_size, metavar="SIZE",
+                        help="GPU memory of the -cap rows (e.g. 24GiB: what a run would do on a card that size); "
+                             "default: the peak the ds-zero2-cpu row reserved in the same call")
     shape = btrain.add_argument_group("model shape", "defaults from --preset; every row trains the same model")
     shape.add_argument("--preset", default="1.35b", help="starting shape (tiny, small, 1.35b; default 1.35b)")
     shape.add_argument("--model", choices=MODEL_KINDS, default="example",

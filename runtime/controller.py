@@ -68,6 +68,10 @@ class StepStats:
     backward_end_s: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
     skipped_steps: int = 0
     grad_norms: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
+    # Steps whose updates waited for the commit without running early: the step before them would have
+    # redone its early updates (it clipped or overflowed), so this one was not expected to keep them.
+    speculation_paused: int = 0
+    early_updates: int = 0  # host updates queued to run before their commit (each is published or redone)
 
 
 # Why the training thread waited (StallEvent.cause).
@@ -165,6 +169,11 @@ class Controller:
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
         self.found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+        # Whether this step's host updates run before its commit (runtime.speculation): as long as the last
+        # commit kept (or would have kept) every early result. A run whose norm exceeds the clip every step
+        # would otherwise redo every early update, and the early runs take the cores and memory bandwidth
+        # that the backward's copies and the redo need.
+        self._speculate_this_step = True
 
     # ---- setup ---------------------------------------------------------------------------------------
     def _register_state(self, options: RuntimeOptions, init: ParamInit | None, uninitialized: set[int]) -> None:
@@ -492,8 +501,9 @@ class Controller:
             self.worker.submit(job)
             return
         self._deferred_jobs.append(job)
-        if not job.skip and self.options.speculate and self.worker.spares.can_speculate(block):
+        if not job.skip and self.options.speculate and self._speculate_this_step and self.worker.spares.can_speculate(block):
             job.speculative = True  # runs now, out of place; the commit publishes or redoes it
+            self.stats.early_updates += 1
             self.worker.submit(job)
 
     def _block_hypers(self, block: Block) -> list[AdamWHyper]:
@@ -538,6 +548,7 @@ class Controller:
         self._deferred_gpu = []
         # Taken before any is resolved: a commit that raised part-way must not resolve a job twice when retried.
         jobs, self._deferred_jobs = self._deferred_jobs, []
+        would_hold = True
         for job in sorted(jobs, key=lambda j: j.block.index):
             scales = self.clipper.user_scales(job.block)
             keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
@@ -546,10 +557,15 @@ class Controller:
                 slot_multipliers=None if scales is None else [s if s is None else s.to("cpu") for s in scales],
                 hypers=self._block_hypers(job.block),  # the param_groups as the commit finds them
                 mask=None if all(keep) else keep, skip=job.skip or skip or not any(keep))
+            holds = speculation_holds(job, final)
+            would_hold = would_hold and (holds or job.skip)
             if job.speculative:
-                self.worker.resolve(job, speculation_holds(job, final), final)
+                self.worker.resolve(job, holds, final)
             else:
                 self.worker.submit(final)
+        if self.options.speculate:
+            self.stats.speculation_paused += not self._speculate_this_step
+            self._speculate_this_step = would_hold
         if skip:
             self.stats.skipped_steps += 1
             log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,

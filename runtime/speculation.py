@@ -19,6 +19,9 @@ So the result is bit-identical to the deferred update in every case, reads betwe
 see the pre-step state (the store's copies never hold a speculative value), and a step that clips costs what
 it cost before. Blocks whose state lives on NVMe are not speculated (their staging copy is written back as
 it is updated). A block gets spares only when the host budget has room (``plan.make_plan`` counts them).
+A step runs early only when the step before kept (or would have kept) every early result: where the norm is
+above the clip every step, early runs would all be redone, and they take cores and memory bandwidth that the
+backward's copies and the redo need (``StepStats.speculation_paused`` counts the steps that waited).
 
 What it leaves out: deciding the verdict (``runtime.controller``), running jobs (``runtime.overlap``).
 """

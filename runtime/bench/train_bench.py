@@ -181,6 +181,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         pinned = session.store.tiers[list(session.store.tiers)[1]].capacity_nbytes
         spilled = len(controller.options.spilled_blocks)
         hit_rate, worker = controller.schedule.stats.hit_rate, controller.worker.stats
+        notes = list(session.plan.notes or ())
     finally:
         session.close()
     warm = max(1, steps // 3)
@@ -189,7 +190,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             "wait_update_s": statistics.median(wait_update[warm:]), "wait_fetch_s": statistics.median(wait_fetch[warm:]),
             "hit_rate": hit_rate, "adam_s_total": worker.adam_s, "jobs": worker.jobs,
             "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
-            "pinned_nbytes": pinned, "spilled_blocks": spilled,
+            "pinned_nbytes": pinned, "spilled_blocks": spilled, "placement_notes": notes, "steps_s": step_s,
             # A mean, not a median: IO completing after its step's end is counted in the next one.
             "moved_nbytes": {kind: statistics.mean(values[warm:]) for kind, values in per_step.items()}}
 
@@ -270,9 +271,10 @@ def _child_command(row: str, spec: BenchModel, args: argparse.Namespace, out: st
     if args.nvme_dir:
         cmd += ["--nvme-dir", args.nvme_dir]
     if row_options(row)[1].get("cap"):
-        cap = _measured(results, "ds-zero2-cpu", "peak_gpu_reserved_nbytes")
+        cap = (args.gpu_cap, "--gpu-cap") if getattr(args, "gpu_cap", None) else \
+            _measured(results, "ds-zero2-cpu", "peak_gpu_reserved_nbytes")
         if cap is None:
-            return "needs the ds-zero2-cpu row earlier in the same call"
+            return "needs the ds-zero2-cpu row earlier in the same call, or --gpu-cap"
         cmd += ["--gpu-cap", str(cap[0])]
     if row_options(row)[0] == "nvme-auto":
         host_cap = _host_cap(results)
@@ -395,6 +397,8 @@ def format_table(rows: list[str], results: dict[str, Any], bounds: dict[str, Bou
                      f"{r.get('peak_gpu_nbytes', 0) / 2**30:>9.1f}{r.get('peak_rss_nbytes', 0) / 2**30:>9.1f}{pinned:>8}"
                      f"  {describe_row(row)}")
     lines += [_bound_line(row, bounds[row], results[row]) for row in rows if row in bounds]
+    lines += [f"placement {row}: {note.strip()}" for row in rows for note in results.get(row, {}).get("placement_notes", [])
+              if row_options(row)[1].get("auto")]
     lines += [f"allocator {row}: {r['alloc_retries']} retries (cached memory given back under pressure), "
               f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, "
               f"peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"

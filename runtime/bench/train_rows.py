@@ -103,7 +103,7 @@ def describe_row(row: str) -> str:
     text += ", weights kept for backward" if options.get("keep") else ""
     text += ", GPU update / stream / keep shares chosen by the runtime (auto)" if options.get("auto") else ""
     text += f", clipping at {CLIP_NORM}" if options.get("clip") else ""
-    text += ", GPU memory capped at DeepSpeed ZeRO-2's peak" if options.get("cap") else ""
+    text += ", GPU memory capped (--gpu-cap, else DeepSpeed ZeRO-2's peak)" if options.get("cap") else ""
     return text + (", default CUDA allocator" if options.get("noseg") else "")
 
 

@@ -34,11 +34,46 @@ def test_clip_below_one_redoes_every_early_update_exactly():
     assert worker.redone > 0 and worker.published == 0
 
 
+def test_a_step_after_one_that_clipped_does_not_run_early():
+    # Every step clips: only the first step's early updates run (and are redone); the steps after a clipping
+    # step wait for their commit, and the result is still the plain loop's.
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 0.05}}, steps=4)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    controller, worker = stats[0], worker_stats(stats)
+    assert min(controller.grad_norms) > 0.05
+    assert controller.speculation_paused == 3
+    assert worker.published == 0
+    _, _, _, _, _, one = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 0.05}}, steps=1)
+    assert one[0].early_updates > 0
+    assert controller.early_updates == one[0].early_updates  # nothing was queued early after the first step
+
+
+def test_early_updates_resume_after_a_step_that_did_not_clip():
+    # Norms from an unclipped run; a threshold below the first step's norm and above the second's: step 1 clips
+    # (step 2 does not run early), step 2 does not clip (step 3 runs early again).
+    _, _, _, _, _, (probe, _, _) = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 1e6}}, steps=3)
+    norms = list(probe.grad_norms)
+    if not norms[0] > norms[1]:
+        pytest.fail(f"this model's first two gradient norms {norms[:2]} do not fall: the test's premise is wrong")
+    threshold = (norms[0] + norms[1]) / 2
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": threshold}}, steps=3)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert stats[0].speculation_paused == 1
+    _, _, _, _, _, one = run_both({"dtype": "fp32", "optimizer": {"grad_clip": threshold}}, steps=1)
+    assert one[0].early_updates > 0
+    assert stats[0].early_updates == 2 * one[0].early_updates  # steps 1 and 3
+
+
 def test_steps_that_clip_and_steps_that_do_not_mix_exactly():
-    # A threshold between the norms of an unclipped run: some steps clip, some do not.
+    # A threshold below the first norm of an unclipped run and above the next three: the first step clips, the
+    # next ones do not, so early updates are redone (step 1), paused (step 2), then run and kept (steps 3, 4).
     _, _, _, _, _, (probe, _, _) = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 1e6}}, steps=6)
-    norms = sorted(probe.grad_norms)
-    threshold = (norms[2] + norms[3]) / 2
+    norms = list(probe.grad_norms)
+    if not norms[0] > max(norms[1:4]):
+        pytest.fail(f"this model's gradient norms {norms} do not start with the largest: the test's premise is wrong")
+    threshold = (norms[0] + max(norms[1:4])) / 2
     ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": threshold}}, steps=6)
     assert ours == theirs
     assert_identical(weights, reference)
