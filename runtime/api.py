@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from runtime.adam import AdamWHyper
-from runtime.autoplace import Placement, PlacementInputs, Rates, choose_placement, measure_rates
+from runtime.autoplace import STATE_ITEMSIZE, Placement, PlacementInputs, Rates, choose_placement, measure_rates
+from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
 from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
@@ -265,11 +266,25 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         raise
     optimizer.session = session  # type: ignore[attr-defined]
     session.optimizer = optimizer
+    if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
+        install_oom_hint(session, lambda requested, allocated: _oom_hint(session, resolved.placement, requested, allocated))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
     # every weight back into the model first.
     session.on_close.append(stop_on_sigterm())
     return model, optimizer
+
+
+def _oom_hint(session: OffloadSession, placement: Placement, requested: int, allocated: int) -> str | None:
+    """``runtime.oom_hint``'s line for this session's auto placement (None once the session is closed)."""
+    if session.closed or session.store.closed:
+        return None
+    controller = session.controller
+    state = STATE_ITEMSIZE * sum(session.blocks[i].numel for i in controller.gpu_updated)
+    return reserve_hint(requested_nbytes=requested, allocated_nbytes=allocated,
+                        store_gpu_nbytes=session.store.tiers[TierName.GPU].used_nbytes,
+                        reserve_nbytes=placement.activation_reserve_nbytes,
+                        placed_nbytes=state + placement.keep_for_backward_nbytes)
 
 
 def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
@@ -329,7 +344,9 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
     inputs = PlacementInputs(block_numels=tuple(b.numel for b in ordered), gpu_budget_nbytes=gpu_budget_nbytes(cfg, device),
                              gpu_plan_nbytes=gpu_plan_nbytes, compute_itemsize=itemsize,
                              fetch_itemsize=4 if source is WeightSource.MASTER else itemsize,
-                             weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason)
+                             weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason,
+                             activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"
+                             else int(cfg.tiers.gpu.activation_reserve))
     return choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
 
 

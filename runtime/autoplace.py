@@ -96,6 +96,7 @@ class PlacementInputs:
     compute_itemsize: int  # bytes a parameter of the compute weights (what keep_for_backward counts)
     fetch_itemsize: int  # bytes a parameter of one weight fetch (4: the fp32 master, cast on the GPU)
     weights_resident: bool = False  # placement.weights: gpu
+    activation_reserve_nbytes: int | None = None  # tiers.gpu.activation_reserve; None: ACTIVATION_SHARE of what is free
     no_stream_reason: str | None = None  # why no block may be streamed; None: streaming is possible
 
 
@@ -125,6 +126,7 @@ class Placement:
     gpu_stream_fraction: float
     keep_for_backward_nbytes: int
     notes: tuple[str, ...] = ()
+    activation_reserve_nbytes: int = 0  # what the auto choices left for activations (0: nothing was auto on a GPU)
 
 
 def blocks_within(block_numels: Sequence[int], fraction: float) -> int:
@@ -153,8 +155,10 @@ def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed:
 
 
 def activation_reserve_nbytes(inputs: PlacementInputs) -> int:
-    """GPU bytes left for activations: ``ACTIVATION_SHARE`` of what the plan with nothing updated or streamed on
-    the GPU leaves free of the budget."""
+    """GPU bytes left for activations: ``tiers.gpu.activation_reserve`` when set, else ``ACTIVATION_SHARE`` of what
+    the plan with nothing updated or streamed on the GPU leaves free of the budget."""
+    if inputs.activation_reserve_nbytes is not None:
+        return inputs.activation_reserve_nbytes
     return int(ACTIVATION_SHARE * max(0, inputs.gpu_budget_nbytes - inputs.gpu_plan_nbytes(0, 0)))
 
 
@@ -212,7 +216,7 @@ def choose_placement(inputs: PlacementInputs, rates: Rates | None, *, update: fl
     _check_block_counts(numels, placement, updated, best.streamed)
     notes = _notes(inputs, rates, placement, update=update, stream=stream, keep=keep, updated=updated, best=best,
                    reserve=reserve, baseline=candidates[0])
-    return dataclasses.replace(placement, notes=notes)
+    return dataclasses.replace(placement, notes=notes, activation_reserve_nbytes=reserve)
 
 
 def _on_the_cpu(update: float | Auto, stream: float | Auto, keep: int | Auto) -> Placement:
@@ -271,10 +275,11 @@ def _notes(inputs: PlacementInputs, rates: Rates, placement: Placement, *, updat
     blocks = len(inputs.block_numels)
     state_nbytes = STATE_ITEMSIZE * sum(inputs.block_numels[:updated])
     keep_nbytes = placement.keep_for_backward_nbytes
+    reserve_set = " (set)" if inputs.activation_reserve_nbytes is not None else ""
     memory = (f"auto placement: gpu_update_fraction {placement.gpu_update_fraction:.2f} ({how(update)}first {updated} of "
               f"{blocks} blocks, {approx_size(state_nbytes)} of master + moments; GPU budget "
-              f"{approx_size(inputs.gpu_budget_nbytes)}, activation reserve {approx_size(reserve)}), keep_for_backward "
-              f"{approx_size(keep_nbytes) if keep_nbytes else 0}{'' if keep == 'auto' else ' (set)'}")
+              f"{approx_size(inputs.gpu_budget_nbytes)}, activation reserve {approx_size(reserve)}{reserve_set}), "
+              f"keep_for_backward {approx_size(keep_nbytes) if keep_nbytes else 0}{'' if keep == 'auto' else ' (set)'}")
     if stream != "auto":
         why = "set; "
     elif inputs.no_stream_reason is not None:

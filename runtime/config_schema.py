@@ -71,6 +71,14 @@ class GpuTierConfig:
         SizeSpec(min_nbytes=1, auto=True), "auto",
         "Bytes of device memory tierstore may hold. `auto`: 90% of the device memory free at "
         "start.", "20GiB")
+    activation_reserve: int | Literal["auto"] = _leaf(
+        SizeSpec(auto=True), "auto",
+        "Bytes of the GPU budget that `auto` placement (`optimizer.gpu_update_fraction`, "
+        "`optimizer.gpu_stream_fraction`, `prefetch.keep_for_backward`) leaves for activations and whatever "
+        "else the training step allocates. `auto`: three quarters of what the plan with nothing updated on "
+        "the GPU leaves free of the budget. Set it when a run with `auto` placement runs out of GPU memory "
+        "(the error says how much the step tried to use), or to hand the optimizer more of a card whose "
+        "activations are small. Not used when none of the three is `auto`.", "24GiB")
 
 
 @dataclass(frozen=True)

@@ -192,3 +192,30 @@ def test_finetune_example_trains_under_a_gpu_cap(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 0, err[-3000:]
     assert peak <= 4 * 2**30
+
+
+def test_out_of_memory_under_auto_placement_names_the_reserve_to_set(caplog):
+    # A reserve far below this step's activations: auto fills the budget with optimizer state, the first step
+    # runs out of memory, and the log says which setting to change and to what.
+    shape = ModelShape(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8, ffn_size=2816)
+    torch.manual_seed(0)
+    model = ExampleLM(shape)
+    budget = 6 << 30
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    config = {"dtype": "bf16", "placement": {"weights": "gpu"},
+              "tiers": {"gpu": {"budget": budget, "activation_reserve": 64 << 20}}}
+    try:
+        model, optimizer = offload(model, config)
+        session = optimizer.session
+        assert session.controller.gpu_updated  # auto put state on the GPU
+        tokens = torch.randint(0, shape.vocab_size, (16, 1025), device="cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.zero_grad()
+        session.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    hints = [r.getMessage() for r in caplog.records if "activation_reserve" in r.getMessage()]
+    assert hints and "CUDA out of memory with auto placement" in hints[0], [r.getMessage() for r in caplog.records][-5:]
