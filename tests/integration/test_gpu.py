@@ -182,6 +182,8 @@ def test_finetune_example_trains_under_a_gpu_cap(tmp_path, capsys):
     from tests.integration.test_finetune_example import load_example
 
     example = load_example()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()  # the peak since the earlier tests of this process is not the example's
     try:
         code = example.main(["--hidden", "256", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--ffn", "512",
                              "--vocab", "1024", "--seq", "256", "--global-batch", "8", "--micro-batch", "2", "--steps", "4",
