@@ -30,7 +30,8 @@ if [[ $what == store || $what == all ]]; then
 fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
-  python3 -m runtime.cli bench train --preset 1.35b --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
+  # BENCH_ARGS: another shape, e.g. "--model hf-llama --hidden 2048 --layers 28 --heads 16 --kv-heads 4 --tied --seq 2048"
+  python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
 fi
 if [[ $what == finetune ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
   mkdir -p /var/tmp/ts-8b
