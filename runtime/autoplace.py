@@ -54,7 +54,6 @@ from typing import Literal
 
 import torch
 
-from runtime.plan import STREAMED_IN_FLIGHT
 from runtime.rates import cpu_adam_seconds, pinned_copy_gbps
 from runtime.units import approx_size
 
