@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -13,12 +14,12 @@ from torch import nn
 
 from runtime.adam import AdamWHyper
 from runtime.autoplace import STATE_ITEMSIZE, Placement, PlacementInputs, Rates, choose_placement, measure_rates
-from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
 from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
 from runtime.hooks import HookSet, StateDictHooks
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
+from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.state_access import StateAccess
@@ -267,7 +268,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     optimizer.session = session  # type: ignore[attr-defined]
     session.optimizer = optimizer
     if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
-        install_oom_hint(session, lambda requested, allocated: _oom_hint(session, resolved.placement, requested, allocated))
+        install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
     # every weight back into the model first.
@@ -275,7 +276,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     return model, optimizer
 
 
-def _oom_hint(session: OffloadSession, placement: Placement, requested: int, allocated: int) -> str | None:
+def _oom_hint(placement: Placement, session: OffloadSession, requested: int, allocated: int) -> str | None:
     """``runtime.oom_hint``'s line for this session's auto placement (None once the session is closed)."""
     if session.closed or session.store.closed:
         return None

@@ -20,7 +20,7 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   extra blocks would have brought. Half was too small: the 1.35B benchmark model at sequence 1024,
   micro-batch 8 needs about 20 GiB of activations, and under DeepSpeed ZeRO-2's reservation (31 GiB; H100,
   2026-11-26) half of the free budget left it out of memory in its first forward. A run whose activations
-  need more lowers ``tiers.gpu.budget`` (which lowers every choice here) or sets the values.
+  need more sets ``tiers.gpu.activation_reserve`` (``runtime.oom_hint`` names the figure when it runs out).
 - ``k`` (auto): the most blocks whose plan, with the worst case of streamed state in flight (the largest
   remaining block, ``plan.STREAMED_IN_FLIGHT`` times), stays within budget minus the reserve. More ``k``
   shortens every term below, so the most that fits is the choice.

@@ -226,8 +226,8 @@ class OptimizerConfig:
         FloatSpec(min=0.0, max=1.0, auto=True), "auto",
         "Fraction of the parameters (the first blocks, whose updates the CPU cannot hide) whose master and "
         "moments live on the GPU and are updated there. `auto`: as many blocks as the GPU budget holds after "
-        "the plan's other GPU memory and a reserve for activations (three quarters of the budget the plan "
-        "leaves free); 0 on the CPU. The plan prints the choice and its numbers.", 0.25)
+        "the plan's other GPU memory and a reserve for activations (`tiers.gpu.activation_reserve`; by "
+        "default three quarters of the budget the plan leaves free); 0 on the CPU. The plan prints the choice and its numbers.", 0.25)
     gpu_stream_fraction: float | Literal["auto"] = _leaf(
         FloatSpec(min=0.0, max=1.0, auto=True), "auto",
         "Fraction of the parameters (the blocks right after the `gpu_update_fraction` ones) whose master "

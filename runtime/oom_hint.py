@@ -17,15 +17,16 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
-from runtime.units import approx_size
+from runtime.units import SIZE_UNITS, approx_size
 
 log = logging.getLogger(__name__)
 
-GiB = 1 << 30
+GiB = SIZE_UNITS["GiB"]
+Owner = TypeVar("Owner")
 HEADROOM = 1.1  # the suggested reserve over what the failed step reached: the step may grow after the failure
 
 
@@ -44,19 +45,22 @@ def reserve_hint(*, requested_nbytes: int, allocated_nbytes: int, store_gpu_nbyt
             f"(auto placement then puts less on the GPU), or lower tiers.gpu.budget / the batch size")
 
 
-def install_oom_hint(owner: object, describe: Callable[[int, int], str | None]) -> bool:
-    """Log ``describe(requested_nbytes, allocated_nbytes)`` when CUDA runs out of memory while ``owner`` is alive
-    (``describe`` returning None says nothing: e.g. the session is closed). False when this torch has no hook."""
+def install_oom_hint(owner: Owner, describe: Callable[[Owner, int, int], str | None]) -> bool:
+    """Log ``describe(owner, requested_nbytes, allocated_nbytes)`` when CUDA runs out of memory while ``owner`` is
+    alive (``describe`` returning None says nothing: e.g. the session is closed). ``describe`` gets the owner as an
+    argument and must not hold it itself: torch keeps the observer for the life of the process, and a reference
+    there would keep the owner (a whole session and its model) alive with it. False when this torch has no hook."""
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if attach is None:
         return False
     alive = weakref.ref(owner)
 
     def observer(device: int, requested: int, allocated: int, free: int) -> None:
-        if alive() is None:
+        owner = alive()
+        if owner is None:
             return
         try:
-            line = describe(int(requested), int(allocated))
+            line = describe(owner, int(requested), int(allocated))
         except Exception:  # never turn the user's OOM into a different error
             log.exception("the out-of-memory hint failed")
             return

@@ -271,7 +271,7 @@ def _child_command(row: str, spec: BenchModel, args: argparse.Namespace, out: st
     if args.nvme_dir:
         cmd += ["--nvme-dir", args.nvme_dir]
     if row_options(row)[1].get("cap"):
-        cap = (args.gpu_cap, "--gpu-cap") if getattr(args, "gpu_cap", None) else \
+        cap = (args.gpu_cap, "--gpu-cap") if args.gpu_cap else \
             _measured(results, "ds-zero2-cpu", "peak_gpu_reserved_nbytes")
         if cap is None:
             return "needs the ds-zero2-cpu row earlier in the same call, or --gpu-cap"

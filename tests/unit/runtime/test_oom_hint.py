@@ -33,12 +33,13 @@ def test_observer_is_silent_once_its_owner_is_gone(monkeypatch):
         pass
 
     owner = Owner()
-    assert install_oom_hint(owner, lambda requested, allocated: f"{requested} {allocated}")
+    owner.name = "session"
+    assert install_oom_hint(owner, lambda held, requested, allocated: f"{held.name} {requested} {allocated}")
     monkeypatch.setattr("runtime.oom_hint.log.error", lambda fmt, line: lines.append(line))
     observers[0](0, 5, 7, 0)
     del owner
     observers[0](0, 5, 7, 0)
-    assert lines == ["5 7"]
+    assert lines == ["session 5 7"]
 
 
 def test_activation_reserve_set_in_the_config_reaches_auto_placement():

@@ -130,7 +130,7 @@ def test_nvme_row_reads_and_writes_its_moments(tmpfs_dir):
 
 
 def test_rows_in_their_own_processes_and_the_table(tmpfs_dir):
-    args = argparse.Namespace(steps=3, nvme_dir=None)
+    args = argparse.Namespace(steps=3, nvme_dir=None, gpu_cap=None)
     results = run_rows(["torch", "host-clip", "nvme-auto"], TINY_HF, args)
     assert "needs the ds-zero3-cpu" in results["nvme-auto"]["error"]
     assert results["host-clip"]["num_params"] == spec_num_params(TINY_HF)
@@ -148,7 +148,7 @@ def test_rows_in_their_own_processes_and_the_table(tmpfs_dir):
 
 
 def test_nvme_auto_is_capped_by_zero3_cpu_first():
-    args = argparse.Namespace(steps=3, nvme_dir="/d")
+    args = argparse.Namespace(steps=3, nvme_dir="/d", gpu_cap=None)
     results = {"ds-zero3-nvme": {"peak_rss_nbytes": 30 << 30}, "ds-zero3-cpu-clip": {"peak_rss_nbytes": 20 << 30}}
     cmd = train_bench._child_command("nvme-auto", TINY_HF, args, "out.json", results)
     assert cmd[cmd.index("--host-cap") + 1] == str(20 << 30)
@@ -160,6 +160,9 @@ def test_nvme_auto_is_capped_by_zero3_cpu_first():
     results["ds-zero2-cpu-clip"] = {"peak_gpu_reserved_nbytes": 7 << 30}
     cmd = train_bench._child_command("host-cap", TINY_HF, args, "o.json", results)
     assert cmd[cmd.index("--gpu-cap") + 1] == str(7 << 30)
+    args.gpu_cap = 24 << 30  # --gpu-cap: the user's card size, over the DeepSpeed row's reservation
+    cmd = train_bench._child_command("host-cap", TINY_HF, args, "o.json", {})
+    assert cmd[cmd.index("--gpu-cap") + 1] == str(24 << 30)
     results = {"ds-zero3-cpu": {"step_s": 1.0, "peak_rss_nbytes": 20 << 30},
                "nvme-auto": {"step_s": 0.5, "peak_rss_nbytes": 19 << 30, "host_cap_from": "ds-zero3-cpu"}}
     lines = versus_deepspeed(results)
