@@ -26,7 +26,8 @@ from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
-from tierstore import CapacityError, CopyState, Handle, TensorMeta, TierName, TierStore
+from runtime.writeback import DeviceWritebacks
+from tierstore import CapacityError, CopyState, TensorMeta, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ class Controller:
         self._capacity_refused: set[int] = set()  # blocks whose prefetch the GPU budget refused (only with listeners)
         self._kept: dict[int, int] = {}  # blocks a training forward left on the device for backward -> bytes, oldest first
         self._stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
-        self._gpu_writebacks: list[Handle] = []  # streamed state on its way back to host (device copy freed on landing)
+        self.writebacks = DeviceWritebacks(self.device)  # streamed state on its way home ([Note: paced write-back])
+        self.pace_writebacks = True  # False queues each write-back at once (the bench's -nopace rows compare)
         # Streamed blocks whose new compute weights were cast on the device from the updated master: the next
         # forward uses them as they are (no wait for the write-back, no fetch).
         self._fresh: set[int] = set()
@@ -230,6 +232,7 @@ class Controller:
             if state.users == 0 and not self._in_backward_use[index] and index not in fresh:
                 self._release(index)
         self.weights.release_refreshes()  # no-op, unless a backward that held them raised before its end
+        self.writebacks.forward_begin()
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         self.schedule.begin(signature)
         if self.step_listeners:
@@ -238,6 +241,8 @@ class Controller:
     def acquire(self, indices: list[int], phase: str) -> None:
         """Blocks are about to be used: record the use, wait for their update and weights, prefetch ahead."""
         self.store.engine.poll()
+        if phase == "fwd" and self.gpu_streamed and indices and torch.is_grad_enabled():
+            self.writebacks.before_forward(indices[0])
         for index in indices:
             self.schedule.observe(index, phase)
             self._ready(index)
@@ -354,10 +359,12 @@ class Controller:
     # ---- backward ------------------------------------------------------------------------------------
     def on_backward_begin(self, indices: list[int]) -> None:
         """Gradients w.r.t. a module's outputs are ready: its backward is next."""
+        if self.gpu_streamed and not self._backward_active:
+            self.writebacks.forward_end()
         if self.gpu_streamed and self.last_micro:
             if not self._backward_active:
                 self._begin_streaming()
-            self._settle_writebacks()
+            self.writebacks.settle()
         self._backward_active = True
         for index in indices:
             self.schedule.observe(index, "bwd")
@@ -379,11 +386,6 @@ class Controller:
         self._stream_ceiling = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         if self.options.weight_source is WeightSource.RESIDENT and not self._deferred:
             self.weights.hold_refreshes()
-
-    def _settle_writebacks(self) -> None:
-        """Free the device copies of streamed state whose write-back has landed. Nothing else looks at those
-        copies during a backward, and their memory is what the next blocks' state is streamed into."""
-        self._gpu_writebacks = [h for h in self._gpu_writebacks if not h.done()]
 
     def _stream_in_order(self, indices: Iterable[int], always: int = 2) -> None:
         """Bring in the state of these blocks, nearest first: the first ``always`` at once, the rest while memory
@@ -539,7 +541,7 @@ class Controller:
             pending[position] = (block, flat, has_grad, step)
         for block, flat, has_grad, step in pending:
             if self.gpu_streamed:  # bring the next blocks' state in while this one updates
-                self._settle_writebacks()
+                self.writebacks.settle()  # landed write-backs free the memory the next blocks' state comes into
                 later = updating[updating.index(block.index):] if block.index in updating else []
                 self._stream_in_order(later[: self.options.gpu_stream_ahead + 1])
             if flat is not None and not skip:
@@ -604,7 +606,7 @@ class Controller:
             if streamed:
                 for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
                     self.store.mark_dirty(block.key(kind), TierName.GPU, step=step)
-                    self._gpu_writebacks.append(self.store.evict(block.key(kind), TierName.GPU))
+                    self.writebacks.add(self.store.evict(block.key(kind), TierName.GPU, background=self.pace_writebacks))
         self.worker.mark_updated(block.index, step)
 
     # ---- optimizer -----------------------------------------------------------------------------------
@@ -705,9 +707,7 @@ class Controller:
 
     def wait_device_writebacks(self) -> None:
         """Wait for streamed state still on its way back to host memory."""
-        for handle in self._gpu_writebacks:
-            handle.wait()
-        self._gpu_writebacks = []
+        self.writebacks.wait_all()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss times the current fp16 loss scale (identity without loss scaling)."""

@@ -207,9 +207,12 @@ class TierStore:
 
     prefetch = fetch  # a fetch issued early by the schedule; same mechanics, named for the reader
 
-    def evict(self, key: TensorKey | str, frm: TierName | str, to: TierName | str | None = None, release: bool = True) -> Handle:
+    def evict(self, key: TensorKey | str, frm: TierName | str, to: TierName | str | None = None, release: bool = True,
+              background: bool = False) -> Handle:
         """Write key's copy on ``frm`` back to ``to`` (default: home) and, when ``release``, drop ``frm``'s copy
-        once the write completes. A clean copy is simply released."""
+        once the write completes. A clean copy is simply released. ``background``: nothing waits for this
+        write soon; a GPU -> host copy is then paced so that it never holds up other device-to-host copies
+        (see ``tierstore.transfer._Pacer``)."""
         record = self.record(key)
         frm = TierName(frm)
         to = record.home if to is None else TierName(to)
@@ -231,7 +234,7 @@ class TierStore:
                 if release:
                     self.release(record.key, frm)
                 return done_handle(str(record.key), to.value)
-            handle = self._copy(record, frm, to, None, dirty=to is not record.home)
+            handle = self._copy(record, frm, to, None, dirty=to is not record.home, paced=background)
             if release:
                 handle.add_done_callback(lambda h: h.error is None and self._release_after_evict(record, frm))
             return handle
@@ -304,7 +307,8 @@ class TierStore:
             return old
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _copy(self, record: Record, frm: TierName, to: TierName, after: Handle | None, dirty: bool) -> Handle:
+    def _copy(self, record: Record, frm: TierName, to: TierName, after: Handle | None, dirty: bool,
+              paced: bool = False) -> Handle:
         """Reserve ``to``'s copy (if needed), issue the transfer, and settle the state when it completes."""
         target = record.copies[to]
         if target.allocation is None:
@@ -316,7 +320,7 @@ class TierStore:
         if (frm, to) == (TierName.HOST, TierName.GPU):
             handle = self.engine.h2d(name, src.tensor, dst.tensor, after)
         elif (frm, to) == (TierName.GPU, TierName.HOST):
-            handle = self.engine.d2h(name, src.tensor, dst.tensor, after)
+            handle = self.engine.d2h(name, src.tensor, dst.tensor, after, paced=paced)
         elif (frm, to) == (TierName.NVME, TierName.HOST):
             # The file must hold the step the store last wrote there: a rolled-back file reads as corrupt.
             handle = self.engine.read(name, self._nvme_dir, src.swap, host.io_buffer(dst), record.step)

@@ -2,7 +2,8 @@
 
 Host<->GPU copies run on two dedicated CUDA streams (one per direction, so both directions overlap) and
 are guarded by CUDA events; file IO runs on a thread pool whose size is the queue depth. Every transfer
-returns a :class:`Handle`; a completed transfer is published once on the event bus.
+returns a :class:`Handle`; a completed transfer is published once on the event bus. Background write-backs
+(``d2h(..., paced=True)``) are handed to the copy stream a piece at a time by :class:`_Pacer` (see there why).
 Without CUDA, host<->"GPU" copies are plain synchronous ``copy_`` and their handles are born done.
 """
 
@@ -169,6 +170,7 @@ class TransferEngine:
         self._unobserved: collections.deque[Handle] = collections.deque()
         self._unobserved_lock = threading.Lock()
         self._closed = False
+        self._pacer = _Pacer(device, PACED_IN_FLIGHT_NBYTES)
         close_at_exit(self, TransferEngine.close)  # queued writes land and the pool stops before Python's own exit
 
     # ---- host <-> device ----------------------------------------------------------------------------
@@ -179,10 +181,12 @@ class TransferEngine:
         just allocated there); pass False for a dst used only on the copy stream."""
         return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after, order_after_current)
 
-    def d2h(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None) -> Handle:
+    def d2h(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None,
+            paced: bool = False) -> Handle:
         """Copy device src into host dst. The copy is ordered after the work queued so far on the current
-        stream (which produced src); src's memory is kept alive until the copy ends."""
-        return self._device_copy("d2h", key, "gpu", "host", src, dst, self.d2h_stream, after)
+        stream (which produced src); src's memory is kept alive until the copy ends. ``paced``: a write-back
+        nobody waits for soon, given to the copy engine a piece at a time (see :class:`_Pacer`)."""
+        return self._device_copy("d2h", key, "gpu", "host", src, dst, self.d2h_stream, after, paced=paced)
 
     def h2d_then(self, key: str, src: torch.Tensor, dst: torch.Tensor, then: Callable[[torch.cuda.Stream | None], None],
                  after: Handle | None = None, order_after_current: bool = True) -> Handle:
@@ -192,7 +196,7 @@ class TransferEngine:
 
     def _device_copy(self, kind: str, key: str, src_tier: str, dst_tier: str, src: torch.Tensor, dst: torch.Tensor,
                      stream: torch.cuda.Stream | None, after: Handle | None, order_after_current: bool = True,
-                     then: Callable[[torch.cuda.Stream | None], None] | None = None) -> Handle:
+                     then: Callable[[torch.cuda.Stream | None], None] | None = None, paced: bool = False) -> Handle:
         if src.numel() != dst.numel() or src.dtype != dst.dtype:
             raise ValueError(f"copy of {key}: src {src.dtype} x{src.numel()} does not match dst {dst.dtype} x{dst.numel()}")
         handle = Handle(kind, key, src_tier, dst_tier, src.numel() * src.element_size(), self.bus)
@@ -230,7 +234,9 @@ class TransferEngine:
             except BaseException as exc:  # surfaces through wait()
                 handle._fail(exc)
 
-        if after is None or after.done() and after.error is None:
+        if paced and stream is not None and after is None:
+            self._pacer.submit(handle, issue)
+        elif after is None or after.done() and after.error is None:
             issue()
         else:
             def on_after(prev: Handle) -> None:
@@ -311,8 +317,75 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        self._pacer.close()  # every paced copy is issued before the streams are synchronized
         self._io_pool.shutdown(wait=True)
         self.synchronize()
+
+
+PACED_IN_FLIGHT_NBYTES = 64 << 20  # paced copies on the copy stream at once (at least one, whatever its size)
+
+
+class _Pacer:
+    """Hands background device->host copies to the copy stream a few at a time, in submission order.
+
+    Why: a GPU's copy engine serves the device->host copies of every stream in the order they were queued. The
+    state written back after the optimizer step (several GB of streamed master and moments) queued at once
+    would make any later device->host copy wait for all of it: the user's ``loss.item()``, and with it the
+    enqueueing of the next forward, behind ~0.1 s of write-back. Paced, such a copy waits for at most the
+    piece in flight. The pacer only issues the copies and waits for their CUDA events; their completion is
+    observed (callbacks run, device memory freed) by whoever polls the engine, as for any copy: running
+    callbacks here could wait on the store's lock while its holder waits for a copy only this thread issues.
+    """
+
+    def __init__(self, device: torch.device, in_flight_nbytes: int):
+        self.device = device
+        self.in_flight_nbytes = in_flight_nbytes
+        self._queue: collections.deque[tuple[Handle, Callable[[], None]]] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, handle: Handle, issue: Callable[[], None]) -> None:
+        """Queue ``issue`` (which enqueues handle's copy and marks it issued); after close(), issue at once."""
+        with self._cond:
+            if not self._closed:
+                self._queue.append((handle, issue))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tierstore-pacer", daemon=True)
+                    self._thread.start()
+                self._cond.notify()
+                return
+        issue()
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        in_flight: collections.deque[Handle] = collections.deque()
+        nbytes = 0
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                handle, issue = self._queue.popleft()
+            while in_flight and nbytes + handle.nbytes > self.in_flight_nbytes:
+                oldest = in_flight.popleft()
+                nbytes -= oldest.nbytes
+                if oldest._end_event is not None and oldest.error is None:
+                    oldest._end_event.synchronize()  # releases the GIL while the copy engine works
+            issue()
+            in_flight.append(handle)
+            nbytes += handle.nbytes
+
+    def close(self) -> None:
+        """Let the thread issue every queued copy, then stop it."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 def _closed_error(handle: Handle) -> RuntimeError:

@@ -125,7 +125,7 @@ def session_placement(session: Any, accumulation: int) -> RowPlacement:
 
 
 def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumulation: int,
-                   host_cap_nbytes: int | None) -> dict[str, Any]:
+                   host_cap_nbytes: int | None, nopace: bool = False) -> dict[str, Any]:
     """Train through ``runtime.offload``. ``host_cap_nbytes``: the peak RSS the process may reach; the pinned
     arena gets what is left of it after what the process holds with the model built, less 1 GiB of margin."""
     from runtime import offload
@@ -142,6 +142,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
     model, opt = offload(model, config, record_intervals=True)
     setup_s = time.perf_counter() - t_setup
     session = opt.session
+    session.controller.pace_writebacks = not nopace
     moved = {"h2d": 0, "d2h": 0, "read": 0, "write": 0}
 
     def count(event: Any) -> None:
@@ -181,6 +182,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         pinned = session.store.tiers[list(session.store.tiers)[1]].capacity_nbytes
         spilled = len(controller.options.spilled_blocks)
         hit_rate, worker = controller.schedule.stats.hit_rate, controller.worker.stats
+        writeback_waits = (controller.writebacks.waits, controller.writebacks.wait_s)
         notes = list(session.plan.notes or ())
     finally:
         session.close()
@@ -191,6 +193,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             "hit_rate": hit_rate, "adam_s_total": worker.adam_s, "jobs": worker.jobs,
             "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
             "pinned_nbytes": pinned, "spilled_blocks": spilled, "placement_notes": notes, "steps_s": step_s,
+            "writeback_waits": writeback_waits,  # forwards that waited for streamed state to go home, seconds
             # A mean, not a median: IO completing after its step's end is counted in the next one.
             "moved_nbytes": {kind: statistics.mean(values[warm:]) for kind, values in per_step.items()}}
 
@@ -237,7 +240,8 @@ def run_row(row: str, spec: BenchModel, steps: int, nvme_dir: str | None, gpu_ca
         config = row_config(row, nvme_dir)
         if gpu_cap_nbytes:
             config.setdefault("tiers", {}).setdefault("gpu", {})["budget"] = gpu_cap_nbytes
-        result = _tierstore_row(spec, steps, config, accumulation, host_cap_nbytes)
+        result = _tierstore_row(spec, steps, config, accumulation, host_cap_nbytes,
+                                nopace=bool(row_options(row)[1].get("nopace")))
     result["clipped"] = clipped_fraction(result.pop("grad_norms", [])) if clip else None
     result["peak_rss_nbytes"] = peak_rss_nbytes()
     result.update(allocator_counters())

@@ -12,7 +12,7 @@ from tests.unit.tierstore.tensors import as_bytes, random_tensor
 
 from tierstore import EventBus, NVMeDirectory, PinnedArena, TransferEngine, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
-from tierstore.transfer import Handle, done_handle
+from tierstore.transfer import Handle, _Pacer, done_handle
 
 
 
@@ -285,4 +285,100 @@ def test_device_copy_after_file_read_uses_the_staged_bytes(tmpfs_dir: Path) -> N
     finally:
         engine.close()
         directory.close()
+        arena.close()
+
+
+# ---- paced write-backs -------------------------------------------------------------------------------------
+class _FakeCopyEvent:
+    """Stands in for a copy's CUDA end event: 'completes' when the test releases it."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.released.wait(10), "the pacer waited for a copy the test never completed"
+
+
+def test_pacer_issues_in_order_and_keeps_at_most_its_bytes_in_flight() -> None:
+    pacer = _Pacer(torch.device("cpu"), in_flight_nbytes=100)
+    issued: list[int] = []
+    events: list[_FakeCopyEvent] = []
+    lock = threading.Lock()
+    try:
+        for i, nbytes in enumerate([60, 30, 50, 200, 10]):
+            handle = Handle("d2h", f"k{i}", "gpu", "host", nbytes, None)
+            event = _FakeCopyEvent()
+            events.append(event)
+
+            def issue(i: int = i, handle: Handle = handle, event: _FakeCopyEvent = event) -> None:
+                with lock:
+                    issued.append(i)
+                handle._set_issued(end_event=event)  # type: ignore[arg-type]
+
+            pacer.submit(handle, issue)
+
+        def issued_now() -> list[int]:
+            with lock:
+                return list(issued)
+
+        def settle_on(expected: list[int]) -> None:
+            for _ in range(1000):
+                if issued_now() == expected:
+                    return
+                threading.Event().wait(0.005)
+            assert issued_now() == expected
+
+        settle_on([0, 1])  # 60 + 30 fit in 100; + 50 would not
+        threading.Event().wait(0.05)
+        assert issued_now() == [0, 1]  # still held back while copy 0 is in flight
+        events[0].released.set()
+        settle_on([0, 1, 2])  # 30 + 50 in flight
+        events[1].released.set()
+        events[2].released.set()
+        settle_on([0, 1, 2, 3])  # 200 bytes: alone, larger than the limit
+        events[3].released.set()
+        settle_on([0, 1, 2, 3, 4])
+    finally:
+        for event in events:
+            event.released.set()
+        pacer.close()
+
+
+def test_pacer_issues_every_queued_copy_at_close() -> None:
+    pacer = _Pacer(torch.device("cpu"), in_flight_nbytes=1)
+    handles = []
+    for i in range(4):
+        handle = Handle("d2h", f"k{i}", "gpu", "host", 8, None)
+        event = _FakeCopyEvent()
+        event.released.set()
+        pacer.submit(handle, lambda handle=handle, event=event: handle._set_issued(end_event=event))  # type: ignore[misc]
+        handles.append(handle)
+    pacer.close()
+    assert all(h._issued.is_set() for h in handles)
+    late = Handle("d2h", "late", "gpu", "host", 8, None)
+    pacer.submit(late, lambda: late._set_issued())  # after close: issued at once, on the caller's thread
+    assert late._issued.is_set()
+
+
+@pytest.mark.gpu
+def test_a_device_to_host_copy_does_not_wait_for_queued_paced_write_backs() -> None:
+    """The user's loss.item() after optimizer.step(): a small copy on the compute stream completes while most
+    of a 2 GiB paced write-back is still queued (unpaced, the copy engine would serve it after all of it)."""
+    device = torch.device("cuda")
+    engine = TransferEngine(device)
+    pieces, piece_numel = 16, 32 << 20  # 16 x 128 MiB of fp32
+    arena = PinnedArena(pieces * piece_numel * 4, pin=True)
+    try:
+        sources = [torch.full((piece_numel,), float(i), device=device) for i in range(pieces)]
+        targets = [arena.view(arena.allocate(piece_numel * 4), piece_numel * 4, torch.float32) for _ in range(pieces)]
+        torch.cuda.synchronize()
+        handles = [engine.d2h(f"state{i}", src, dst, paced=True) for i, (src, dst) in enumerate(zip(sources, targets))]
+        loss = torch.ones((), device=device) * 3
+        assert loss.item() == 3.0  # a device->host copy on the compute stream, after the write-backs were queued
+        assert not handles[-1].done(), "the small copy waited for the whole paced write-back"
+        for i, handle in enumerate(handles):
+            handle.wait()
+            assert float(targets[i][0]) == float(i) and float(targets[i][-1]) == float(i)
+    finally:
+        engine.close()
         arena.close()

@@ -1,0 +1,108 @@
+"""Streamed state on its way back to host memory after a device update, and the forward that waits for it.
+
+One job: track the write-backs of streamed blocks' master and moments (``Controller._gpu_update`` starts
+them) and keep the next forward within device memory while they are in flight. What it leaves out: which
+blocks stream and when their state comes in (the controller), how copies are issued (``tierstore.transfer``).
+
+[Note: paced write-back]
+A streamed block's state is written back after its update, at ``optimizer.step()`` under clipping or fp16
+(the update waits for the whole gradient). The copies are paced (``TierStore.evict(background=True)``): the
+copy engine serves device->host copies in queue order, so several GB queued at once would hold the user's
+``loss.item()`` and with it the launch of the next forward. Paced, the next forward runs while the state
+goes home, and the state's device memory comes back piece by piece. Under a capped GPU that memory may be
+what the forward's activations need: ``before_forward`` waits on the host for the oldest write-backs when the
+block about to run would take the allocations past the allocator's limit (the growth each block's forward
+showed last time, the limit less a margin for fragmentation). Without such a wait the caching allocator
+would free its whole cache and synchronize the device to satisfy the request, or raise out of memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from tierstore import Handle
+
+FRAGMENTATION_MARGIN = 0.03  # share of the allocator's limit kept free of write-backs for fragmentation
+
+
+def allocator_limit_nbytes(device: torch.device) -> int | None:
+    """What the CUDA caching allocator may hold on ``device`` (the card's memory times the process's memory
+    fraction); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    return int(total * min(1.0, fraction))
+
+
+class DeviceWritebacks:
+    """Write-backs of streamed state in flight, and each block's forward memory growth (see the Note)."""
+
+    def __init__(self, device: torch.device, limit_nbytes: int | None = None,
+                 allocated: Callable[[], int] | None = None):
+        """``limit_nbytes`` / ``allocated``: the allocator's limit and its bytes in use now (default: read from
+        CUDA; no pacing of the forward off CUDA)."""
+        self.device = device
+        self.handles: list[Handle] = []
+        limit = allocator_limit_nbytes(device) if limit_nbytes is None else limit_nbytes
+        self.limit_nbytes = None if limit is None else int(limit * (1 - FRAGMENTATION_MARGIN))
+        self._allocated = allocated or (lambda: torch.cuda.memory_allocated(device))
+        self._growth: dict[int, int] = {}  # block -> bytes allocated during its forward, the last time it ran
+        self._marks: list[tuple[int, int]] = []  # this forward: (block, bytes allocated less write-backs held)
+        self.waits = 0  # forwards that waited for a write-back to make room
+        self.wait_s = 0.0
+
+    def add(self, handle: Handle) -> None:
+        """A write-back just started; its device copy is freed when it lands."""
+        self.handles.append(handle)
+
+    def settle(self) -> None:
+        """Observe the write-backs that landed (their device copies are freed then)."""
+        self.handles = [h for h in self.handles if not h.done()]
+
+    def wait_all(self) -> None:
+        """Wait for every write-back in flight."""
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+
+    def held_nbytes(self) -> int:
+        """Device bytes still held by write-backs nobody has seen land."""
+        return sum(h.nbytes for h in self.handles)
+
+    def forward_begin(self) -> None:
+        """A forward of the model starts: forget the marks of one that had no backward."""
+        self._marks = []
+
+    def before_forward(self, index: int) -> None:
+        """Block index's training forward is next: note the memory in use, and wait for write-backs while the
+        block's growth last time would take allocations past the limit."""
+        if self.limit_nbytes is None:
+            return
+        self.settle()
+        allocated = self._allocated()
+        self._marks.append((index, allocated - self.held_nbytes()))
+        growth = self._growth.get(index)
+        if growth is None or not self.handles or allocated + growth <= self.limit_nbytes:
+            return
+        t0 = time.perf_counter()
+        while self.handles and self._allocated() + growth > self.limit_nbytes:
+            self.handles.pop(0).wait()  # the oldest lands first (one copy stream, in order); its copy is freed
+        self.waits += 1
+        self.wait_s += time.perf_counter() - t0
+
+    def forward_end(self) -> None:
+        """The training forward ended (its backward begins): each block's growth is the memory allocated
+        between its start and the next block's (write-backs held excluded)."""
+        if self.limit_nbytes is None or not self._marks:
+            self._marks = []
+            return
+        self.settle()
+        end = self._allocated() - self.held_nbytes()
+        for (index, at), (_, following) in zip(self._marks, self._marks[1:] + [(-1, end)]):
+            self._growth[index] = max(0, following - at)
+        self._marks = []

@@ -1,0 +1,87 @@
+"""DeviceWritebacks: a forward waits for the write-backs it needs the memory of, and for no others."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.writeback import FRAGMENTATION_MARGIN, DeviceWritebacks
+
+
+class FakeMemory:
+    """Device bytes in use: what the forward allocated plus what write-backs still hold."""
+
+    def __init__(self) -> None:
+        self.forward = 0
+        self.held = 0
+
+    def allocated(self) -> int:
+        return self.forward + self.held
+
+
+class FakeWriteback:
+    def __init__(self, memory: FakeMemory, nbytes: int) -> None:
+        self.memory, self.nbytes, self.landed, self.waited = memory, nbytes, False, False
+        memory.held += nbytes
+
+    def land(self) -> None:
+        if not self.landed:
+            self.landed = True
+            self.memory.held -= self.nbytes
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> "FakeWriteback":
+        self.waited = True
+        self.land()
+        return self
+
+
+def _forward(writebacks: DeviceWritebacks, memory: FakeMemory, sizes: list[int], base: int = 100) -> None:
+    """One training forward over blocks 0.. with the given activation sizes."""
+    writebacks.forward_begin()
+    memory.forward = base
+    for index, size in enumerate(sizes):
+        writebacks.before_forward(index)
+        memory.forward += size
+    writebacks.forward_end()
+
+
+def test_forward_waits_for_the_oldest_write_backs_only_while_its_next_block_would_pass_the_limit() -> None:
+    memory = FakeMemory()
+    limit = 1000
+    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=limit, allocated=memory.allocated)
+    assert writebacks.limit_nbytes == int(limit * (1 - FRAGMENTATION_MARGIN))  # 970
+    _forward(writebacks, memory, [200, 300])  # learns each block's growth; nothing in flight, nothing waited
+    assert writebacks.waits == 0
+    first, second = FakeWriteback(memory, 200), FakeWriteback(memory, 200)
+    writebacks.add(first)  # type: ignore[arg-type]
+    writebacks.add(second)  # type: ignore[arg-type]
+    _forward(writebacks, memory, [200, 300])
+    # block 0: 100 + 400 held + 200 = 700 fits; block 1: 300 + 400 + 300 = 1000 > 970 -> the oldest lands (800 fits)
+    assert first.waited and not second.waited
+    assert writebacks.waits == 1
+    assert [h for h in writebacks.handles] == [second]
+
+
+def test_write_backs_that_landed_meanwhile_are_not_waited_for_and_growth_excludes_held_bytes() -> None:
+    memory = FakeMemory()
+    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=1000, allocated=memory.allocated)
+    early = FakeWriteback(memory, 500)
+    writebacks.add(early)  # type: ignore[arg-type]
+    _forward(writebacks, memory, [200, 300])  # no growth known yet: the first forward never waits
+    assert writebacks.waits == 0 and not early.waited
+    early.land()  # landed on its own: settle() observes it
+    late = FakeWriteback(memory, 100)
+    writebacks.add(late)  # type: ignore[arg-type]
+    _forward(writebacks, memory, [200, 300])  # growth learned as 200 / 300 (the 500 held bytes excluded)
+    assert writebacks.waits == 0 and not late.waited  # 100 + 100 + 200 + 300 = 700 fits
+
+
+def test_off_cuda_nothing_is_tracked() -> None:
+    writebacks = DeviceWritebacks(torch.device("cpu"))
+    assert writebacks.limit_nbytes is None
+    writebacks.forward_begin()
+    writebacks.before_forward(0)
+    writebacks.forward_end()
+    assert writebacks.waits == 0
