@@ -77,6 +77,7 @@ class WorkerStats:
     """Timing of the worker: seconds in Adam, in waiting for its inputs, and per-job intervals."""
 
     adam_s: float = 0.0
+    kernel_s: float = 0.0  # of adam_s, in the AdamW kernel itself (the rest: weight refreshes, write-backs)
     wait_inputs_s: float = 0.0
     jobs: int = 0
     published: int = 0  # updates run before their commit whose result the commit kept
@@ -103,6 +104,7 @@ class UpdateWorker:
         self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
         self._sequence = itertools.count()
         self._stopping = False
+        self._running = False  # a job taken from the queue has not finished
         self._writebacks: list[Handle] = []  # evictions to NVMe still in flight
         self.on_updated: Callable[[int], None] | None = None  # called in this thread after each update
         self._error: BaseException | None = None
@@ -167,6 +169,11 @@ class UpdateWorker:
         self._raise_if_failed()
         return time.perf_counter() - start
 
+    def busy(self) -> bool:
+        """True while an update is queued or running."""
+        with self._cond:
+            return self._running or bool(self._jobs)
+
     def synchronize(self, step: int) -> None:
         """Block until every block is updated to ``step`` and every write-back to NVMe has landed."""
         for index in range(len(self.blocks)):
@@ -223,6 +230,7 @@ class UpdateWorker:
             self._jobs.remove(chosen)
             heapq.heapify(self._jobs)
             chosen[-1].phase = JobPhase.RUNNING
+            self._running = True
         return chosen[-1]
 
     def _run(self) -> None:
@@ -233,6 +241,8 @@ class UpdateWorker:
             try:
                 self._fill_lookahead()
                 self._run_job(job)
+                with self._cond:
+                    self._running = False
             except BaseException as exc:  # surfaced to the training thread at its next wait
                 log.exception("update of %s failed", job.block.name)
                 with self._cond:
@@ -278,6 +288,7 @@ class UpdateWorker:
             def views(flat: torch.Tensor) -> list[torch.Tensor]:
                 return [v for v, k in zip(split_views(flat, sizes), keep) if k]
 
+            kernel_start = time.perf_counter()
             adamw_update_grouped(
                 views(host["master"]),
                 views(grad),
@@ -286,6 +297,7 @@ class UpdateWorker:
                 [s for s, k in zip(self.param_steps[index], keep) if k],
                 [h for h, k in zip(job.hypers, keep) if k],
             )
+            self.stats.kernel_s += time.perf_counter() - kernel_start
             for kind in STATE_KINDS:
                 self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
             refresh = self._refresh_weights(block, host["master"], job.step)

@@ -323,6 +323,16 @@ class TransferEngine:
 
 
 PACED_IN_FLIGHT_NBYTES = 64 << 20  # paced copies on the copy stream at once (at least one, whatever its size)
+POLL_S = 0.0002  # the pacer's sleep between looks at a copy in flight (a spinning wait would take a core)
+
+
+def _sleep_until_done(handle: Handle) -> None:
+    """Wait for a device copy's end event without spinning a core (CUDA's default event wait spins)."""
+    event = handle._end_event
+    if event is None or handle.error is not None:
+        return
+    while not event.query():
+        time.sleep(POLL_S)
 
 
 class _Pacer:
@@ -344,11 +354,18 @@ class _Pacer:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._failed: BaseException | None = None
+        self._index: int | None = None  # the CUDA device the thread issues on
+        # While this returns True no further copy is issued (e.g. while the CPU optimizer runs: its memory
+        # bandwidth is what a device->host copy into host memory takes). None: never held.
+        self.hold: Callable[[], bool] | None = None
 
     def submit(self, handle: Handle, issue: Callable[[], None]) -> None:
         """Queue ``issue`` (which enqueues handle's copy and marks it issued); after close(), issue at once."""
+        if self._index is None and self.device.type == "cuda":
+            self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         with self._cond:
-            if not self._closed:
+            if not self._closed and self._failed is None:
                 self._queue.append((handle, issue))
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="tierstore-pacer", daemon=True)
@@ -358,8 +375,19 @@ class _Pacer:
         issue()
 
     def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        try:
+            self._pace()
+        except BaseException as exc:  # a waiter must not hang on a copy nobody will issue
+            log.exception("the write-back pacer failed; queued copies fail with its error")
+            with self._cond:
+                self._failed, queued = exc, list(self._queue)
+                self._queue.clear()
+            for handle, _ in queued:
+                handle._fail(exc)
+
+    def _pace(self) -> None:
+        if self._index is not None:
+            torch.cuda.set_device(self._index)
         in_flight: collections.deque[Handle] = collections.deque()
         nbytes = 0
         while True:
@@ -372,8 +400,9 @@ class _Pacer:
             while in_flight and nbytes + handle.nbytes > self.in_flight_nbytes:
                 oldest = in_flight.popleft()
                 nbytes -= oldest.nbytes
-                if oldest._end_event is not None and oldest.error is None:
-                    oldest._end_event.synchronize()  # releases the GIL while the copy engine works
+                _sleep_until_done(oldest)
+            while self.hold is not None and not self._closed and self.hold():
+                time.sleep(POLL_S)
             issue()
             in_flight.append(handle)
             nbytes += handle.nbytes

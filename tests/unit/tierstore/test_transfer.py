@@ -295,8 +295,8 @@ class _FakeCopyEvent:
     def __init__(self) -> None:
         self.released = threading.Event()
 
-    def synchronize(self) -> None:
-        assert self.released.wait(10), "the pacer waited for a copy the test never completed"
+    def query(self) -> bool:
+        return self.released.is_set()
 
 
 def test_pacer_issues_in_order_and_keeps_at_most_its_bytes_in_flight() -> None:
@@ -382,3 +382,29 @@ def test_a_device_to_host_copy_does_not_wait_for_queued_paced_write_backs() -> N
     finally:
         engine.close()
         arena.close()
+
+
+def test_a_failed_pacer_fails_its_queued_copies_and_issues_later_ones_at_once() -> None:
+    pacer = _Pacer(torch.device("cpu"), in_flight_nbytes=1)
+    broken = RuntimeError("pacer broke")
+
+    def hold() -> bool:
+        raise broken
+
+    pacer.hold = hold
+    first = Handle("d2h", "first", "gpu", "host", 8, None)
+    queued = [Handle("d2h", f"k{i}", "gpu", "host", 8, None) for i in range(3)]
+    gate = threading.Event()
+    first_event = _FakeCopyEvent()
+    pacer.submit(first, lambda: (gate.wait(10), first._set_issued(end_event=first_event)))  # type: ignore[arg-type,func-returns-value]
+    for handle in queued:
+        pacer.submit(handle, lambda handle=handle: handle._set_issued())  # type: ignore[misc]
+    gate.set()
+    first_event.released.set()
+    for handle in queued:
+        with pytest.raises(RuntimeError, match="pacer broke"):
+            handle.wait()  # never hangs: the failure reaches every queued copy
+    late = Handle("d2h", "late", "gpu", "host", 8, None)
+    pacer.submit(late, lambda: late._set_issued())
+    assert late._issued.is_set()
+    pacer.close()
