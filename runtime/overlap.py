@@ -281,7 +281,8 @@ class UpdateWorker:
             self._count(job, adam_start)
             return
         if not job.skip:
-            scale_slots(grad, block, job.slot_multipliers, job.grad_multiplier)
+            # The user's per-parameter factors here; the clip coefficient inside the update, in cache.
+            scale_slots(grad, block, job.slot_multipliers, None)
             sizes = [slot.numel for slot in block.slots]
             keep = job.mask or [True] * len(sizes)
 
@@ -296,6 +297,7 @@ class UpdateWorker:
                 views(host["exp_avg_sq"]),
                 [s for s, k in zip(self.param_steps[index], keep) if k],
                 [h for h, k in zip(job.hypers, keep) if k],
+                grad_multiplier=job.grad_multiplier,
             )
             self.stats.kernel_s += time.perf_counter() - kernel_start
             for kind in STATE_KINDS:

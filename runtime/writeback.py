@@ -12,7 +12,8 @@ copy engine serves device->host copies in queue order, so several GB queued at o
 goes home, and the state's device memory comes back piece by piece. Under a capped GPU that memory may be
 what the forward's activations need: ``before_forward`` waits on the host for the oldest write-backs when the
 block about to run would take the allocations past the allocator's limit (the growth each block's forward
-showed last time, the limit less a margin for fragmentation). Without such a wait the caching allocator
+showed last time, the limit less a margin for fragmentation), and ``forward_end`` waits for the rest before
+the backward (which streams the next state into the memory it frees). Without such a wait the caching allocator
 would free its whole cache and synchronize the device to satisfy the request, or raise out of memory.
 """
 
@@ -97,8 +98,10 @@ class DeviceWritebacks:
 
     def forward_end(self) -> None:
         """The training forward ended (its backward begins): each block's growth is the memory allocated
-        between its start and the next block's (write-backs held excluded)."""
-        if self.limit_nbytes is None or not self._marks:
+        between its start and the next block's (write-backs held excluded); then every write-back still in
+        flight lands first, so the backward, and the state streamed in as it frees memory, start from the
+        memory the forward alone left."""
+        if self.limit_nbytes is None:
             self._marks = []
             return
         self.settle()
@@ -106,3 +109,8 @@ class DeviceWritebacks:
         for (index, at), (_, following) in zip(self._marks, self._marks[1:] + [(-1, end)]):
             self._growth[index] = max(0, following - at)
         self._marks = []
+        if self.handles:
+            t0 = time.perf_counter()
+            self.wait_all()
+            self.waits += 1
+            self.wait_s += time.perf_counter() - t0

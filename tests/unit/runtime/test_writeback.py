@@ -21,6 +21,7 @@ class FakeMemory:
 class FakeWriteback:
     def __init__(self, memory: FakeMemory, nbytes: int) -> None:
         self.memory, self.nbytes, self.landed, self.waited = memory, nbytes, False, False
+        self.waited_at: int | None = None  # the forward's own bytes when it was waited for
         memory.held += nbytes
 
     def land(self) -> None:
@@ -33,6 +34,7 @@ class FakeWriteback:
 
     def wait(self) -> "FakeWriteback":
         self.waited = True
+        self.waited_at = self.memory.forward
         self.land()
         return self
 
@@ -58,10 +60,10 @@ def test_forward_waits_for_the_oldest_write_backs_only_while_its_next_block_woul
     writebacks.add(first)  # type: ignore[arg-type]
     writebacks.add(second)  # type: ignore[arg-type]
     _forward(writebacks, memory, [200, 300])
-    # block 0: 100 + 400 held + 200 = 700 fits; block 1: 300 + 400 + 300 = 1000 > 970 -> the oldest lands (800 fits)
-    assert first.waited and not second.waited
-    assert writebacks.waits == 1
-    assert [h for h in writebacks.handles] == [second]
+    # block 0: 100 + 400 held + 200 = 700 fits; block 1: 300 + 400 + 300 = 1000 > 970 -> the oldest lands (800
+    # fits); the other only before the backward
+    assert first.waited_at == 300 and second.waited_at == 600
+    assert writebacks.waits == 2
 
 
 def test_write_backs_that_landed_meanwhile_are_not_waited_for_and_growth_excludes_held_bytes() -> None:
@@ -69,13 +71,14 @@ def test_write_backs_that_landed_meanwhile_are_not_waited_for_and_growth_exclude
     writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=1000, allocated=memory.allocated)
     early = FakeWriteback(memory, 500)
     writebacks.add(early)  # type: ignore[arg-type]
-    _forward(writebacks, memory, [200, 300])  # no growth known yet: the first forward never waits
-    assert writebacks.waits == 0 and not early.waited
-    early.land()  # landed on its own: settle() observes it
+    _forward(writebacks, memory, [200, 300])  # no growth known yet: the forward never waits, the backward does
+    assert early.waited_at == 600 and writebacks.waits == 1
     late = FakeWriteback(memory, 100)
     writebacks.add(late)  # type: ignore[arg-type]
-    _forward(writebacks, memory, [200, 300])  # growth learned as 200 / 300 (the 500 held bytes excluded)
-    assert writebacks.waits == 0 and not late.waited  # 100 + 100 + 200 + 300 = 700 fits
+    late.land()  # landed on its own: settle() observes it, nobody waits for it
+    _forward(writebacks, memory, [200, 300])
+    assert not late.waited and writebacks.waits == 1
+    assert writebacks._growth == {0: 200, 1: 300}  # learned with the 500 held bytes excluded
 
 
 def test_off_cuda_nothing_is_tracked() -> None:
@@ -85,3 +88,12 @@ def test_off_cuda_nothing_is_tracked() -> None:
     writebacks.before_forward(0)
     writebacks.forward_end()
     assert writebacks.waits == 0
+
+
+def test_the_backward_starts_after_every_write_back_landed() -> None:
+    memory = FakeMemory()
+    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=10_000, allocated=memory.allocated)
+    pending = FakeWriteback(memory, 300)
+    writebacks.add(pending)  # type: ignore[arg-type]
+    _forward(writebacks, memory, [200, 300])  # plenty of room: the forward itself never waits
+    assert pending.waited and writebacks.handles == [] and memory.held == 0
