@@ -69,15 +69,10 @@ def adamw_update_grouped(
     exp_avg_sq: list[torch.Tensor],
     steps: list[torch.Tensor],
     hypers: list[AdamWHyper],
-    grad_multiplier: torch.Tensor | None = None,
 ) -> None:
     """``adamw_update`` where each tensor has its own hyper-parameters (its parameter group's): one fused call
     per distinct setting, as torch.optim.AdamW makes one per group. The update is elementwise, so grouping
-    does not change a bit of the result. ``grad_multiplier`` (a 0-dim fp32 tensor on the grads' device: the
-    clip coefficient): the update uses ``grads * grad_multiplier`` (see ``adamw_update_scaled``)."""
-    if grad_multiplier is not None:
-        adamw_update_scaled(master, grads, exp_avg, exp_avg_sq, steps, hypers, grad_multiplier)
-        return
+    does not change a bit of the result."""
     groups: dict[AdamWHyper, list[int]] = {}
     for position, hyper in enumerate(hypers):
         groups.setdefault(hyper, []).append(position)
@@ -123,50 +118,6 @@ def adamw_update_out_of_place(
                 pick(new[0]), pick(grads), pick(new[1]), pick(new[2]), [], [steps[i] for i, _, _ in parts],
                 lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
                 amsgrad=False, maximize=False,
-            )
-
-
-def adamw_update_scaled(
-    master: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avg: list[torch.Tensor],
-    exp_avg_sq: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    hypers: list[AdamWHyper],
-    grad_multiplier: torch.Tensor,
-    piece_numel: int = OUT_OF_PLACE_PIECE,
-) -> None:
-    """``adamw_update_grouped`` over ``grads * grad_multiplier``, the product taken piece by piece into a
-    scratch buffer that is still in the CPU's caches when the piece's update reads it. Bit-identical to
-    multiplying the gradients in place and then updating (the product is the same IEEE multiply, and pieces
-    split tensors as ``adamw_update_out_of_place`` does), without that multiply's own pass over memory: on a
-    host whose updates wait for the clip coefficient, the pass cost nearly as much as the update. ``grads``
-    keep their values. Increments steps."""
-    if not grads:
-        return
-    torch._foreach_add_(steps, 1)
-    pieces = _pieces([g.numel() for g in grads], piece_numel)
-    align = 64  # each scaled range starts on a cache-line multiple of the scratch buffer
-    scratch = torch.empty(2 * piece_numel + align * max(len(p) for p in pieces), dtype=grads[0].dtype, device=grads[0].device)
-    for piece in pieces:
-        scaled: dict[int, torch.Tensor] = {}
-        offset = 0
-        for part, (i, a, b) in enumerate(piece):
-            out = scratch[offset : offset + b - a]
-            torch.mul(grads[i][a:b], grad_multiplier, out=out)
-            scaled[part] = out
-            offset += -(-(b - a) // align) * align
-        groups: dict[AdamWHyper, list[int]] = {}
-        for part, (i, _, _) in enumerate(piece):
-            groups.setdefault(hypers[i], []).append(part)
-        for hyper, parts in groups.items():
-            def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [tensors[piece[p][0]][piece[p][1] : piece[p][2]] for p in parts]
-
-            torch._fused_adamw_(
-                pick(master), [scaled[p] for p in parts], pick(exp_avg), pick(exp_avg_sq), [],
-                [steps[piece[p][0]] for p in parts], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-                weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False,
             )
 
 

@@ -104,7 +104,6 @@ class UpdateWorker:
         self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
         self._sequence = itertools.count()
         self._stopping = False
-        self._running = False  # a job taken from the queue has not finished
         self._writebacks: list[Handle] = []  # evictions to NVMe still in flight
         self.on_updated: Callable[[int], None] | None = None  # called in this thread after each update
         self._error: BaseException | None = None
@@ -169,11 +168,6 @@ class UpdateWorker:
         self._raise_if_failed()
         return time.perf_counter() - start
 
-    def busy(self) -> bool:
-        """True while an update is queued or running."""
-        with self._cond:
-            return self._running or bool(self._jobs)
-
     def synchronize(self, step: int) -> None:
         """Block until every block is updated to ``step`` and every write-back to NVMe has landed."""
         for index in range(len(self.blocks)):
@@ -230,7 +224,6 @@ class UpdateWorker:
             self._jobs.remove(chosen)
             heapq.heapify(self._jobs)
             chosen[-1].phase = JobPhase.RUNNING
-            self._running = True
         return chosen[-1]
 
     def _run(self) -> None:
@@ -241,8 +234,6 @@ class UpdateWorker:
             try:
                 self._fill_lookahead()
                 self._run_job(job)
-                with self._cond:
-                    self._running = False
             except BaseException as exc:  # surfaced to the training thread at its next wait
                 log.exception("update of %s failed", job.block.name)
                 with self._cond:
@@ -281,8 +272,7 @@ class UpdateWorker:
             self._count(job, adam_start)
             return
         if not job.skip:
-            # The user's per-parameter factors here; the clip coefficient inside the update, in cache.
-            scale_slots(grad, block, job.slot_multipliers, None)
+            scale_slots(grad, block, job.slot_multipliers, job.grad_multiplier)
             sizes = [slot.numel for slot in block.slots]
             keep = job.mask or [True] * len(sizes)
 
@@ -297,7 +287,6 @@ class UpdateWorker:
                 views(host["exp_avg_sq"]),
                 [s for s, k in zip(self.param_steps[index], keep) if k],
                 [h for h, k in zip(job.hypers, keep) if k],
-                grad_multiplier=job.grad_multiplier,
             )
             self.stats.kernel_s += time.perf_counter() - kernel_start
             for kind in STATE_KINDS:

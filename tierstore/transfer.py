@@ -356,9 +356,6 @@ class _Pacer:
         self._closed = False
         self._failed: BaseException | None = None
         self._index: int | None = None  # the CUDA device the thread issues on
-        # While this returns True no further copy is issued (e.g. while the CPU optimizer runs: its memory
-        # bandwidth is what a device->host copy into host memory takes). None: never held.
-        self.hold: Callable[[], bool] | None = None
 
     def submit(self, handle: Handle, issue: Callable[[], None]) -> None:
         """Queue ``issue`` (which enqueues handle's copy and marks it issued); after close(), issue at once."""
@@ -401,8 +398,6 @@ class _Pacer:
                 oldest = in_flight.popleft()
                 nbytes -= oldest.nbytes
                 _sleep_until_done(oldest)
-            while self.hold is not None and not self._closed and self.hold():
-                time.sleep(POLL_S)
             issue()
             in_flight.append(handle)
             nbytes += handle.nbytes

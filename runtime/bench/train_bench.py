@@ -125,7 +125,7 @@ def session_placement(session: Any, accumulation: int) -> RowPlacement:
 
 
 def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumulation: int,
-                   host_cap_nbytes: int | None, nopace: bool = False, wbhold: bool = False) -> dict[str, Any]:
+                   host_cap_nbytes: int | None, nopace: bool = False) -> dict[str, Any]:
     """Train through ``runtime.offload``. ``host_cap_nbytes``: the peak RSS the process may reach; the pinned
     arena gets what is left of it after what the process holds with the model built, less 1 GiB of margin."""
     from runtime import offload
@@ -143,8 +143,6 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
     setup_s = time.perf_counter() - t_setup
     session = opt.session
     session.controller.pace_writebacks = not nopace
-    if wbhold:
-        session.store.engine._pacer.hold = session.controller.worker.busy
     moved = {"h2d": 0, "d2h": 0, "read": 0, "write": 0}
 
     def count(event: Any) -> None:
@@ -243,7 +241,7 @@ def run_row(row: str, spec: BenchModel, steps: int, nvme_dir: str | None, gpu_ca
         if gpu_cap_nbytes:
             config.setdefault("tiers", {}).setdefault("gpu", {})["budget"] = gpu_cap_nbytes
         result = _tierstore_row(spec, steps, config, accumulation, host_cap_nbytes,
-                                nopace=bool(row_options(row)[1].get("nopace")), wbhold=bool(row_options(row)[1].get("wbhold")))
+                                nopace=bool(row_options(row)[1].get("nopace")))
     result["clipped"] = clipped_fraction(result.pop("grad_norms", [])) if clip else None
     result["peak_rss_nbytes"] = peak_rss_nbytes()
     result.update(allocator_counters())

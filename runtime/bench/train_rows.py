@@ -14,8 +14,7 @@ Suffixes, in this order when several are given:
   process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call; ``-noseg``
   PyTorch's default allocator (our rows otherwise run with ``expandable_segments:True`` unless
   ``PYTORCH_CUDA_ALLOC_CONF`` is set); ``-nopace`` streamed state's write-backs queued at once, not paced
-  (the comparison for [Note: paced write-back] in ``runtime/writeback.py``); ``-wbhold`` paced write-backs
-  wait while the CPU optimizer has work (an experiment: host memory bandwidth for CPU AdamW). A row without -f, -s, -keep or
+  (the comparison for [Note: paced write-back] in ``runtime/writeback.py``). A row without -f, -s, -keep or
   -auto sets those to 0.
 - every row: ``-clip`` global-norm clipping at 1.0 (tierstore ``optimizer.grad_clip``, DeepSpeed
   ``gradient_clipping``, ``clip_grad_norm_`` over the fp32 masters in the plain row).
@@ -39,7 +38,7 @@ ROWS = {
     "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (aio 8 MiB blocks, queue depth 8, 8 threads; "
                      "8 buffers, no pipelined read/write: DeepSpeed 0.19.8's pipelined swapper fails an assertion)",
 }
-FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace", "wbhold")
+FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace")
 NUMBERED = ("f", "s", "a", "t")
 ACCUMULATION = 8  # micro-batches per step of the -accum8 rows
 CLIP_NORM = 1.0  # the -clip rows' max global norm
@@ -108,7 +107,6 @@ def describe_row(row: str) -> str:
     text += f", clipping at {CLIP_NORM}" if options.get("clip") else ""
     text += ", GPU memory capped (--gpu-cap, else DeepSpeed ZeRO-2's peak)" if options.get("cap") else ""
     text += ", write-backs not paced" if options.get("nopace") else ""
-    text += ", write-backs held while the CPU updates" if options.get("wbhold") else ""
     return text + (", default CUDA allocator" if options.get("noseg") else "")
 
 

@@ -130,36 +130,3 @@ def test_out_of_place_update_is_bit_identical_and_leaves_the_old_state(piece):
             assert torch.equal(got, want)
             assert torch.equal(kept, before)
     assert [float(s) for s in steps] == [4.0] * len(sizes)
-
-
-@pytest.mark.parametrize("piece", [64, 4096, 1 << 20])
-def test_update_with_the_clip_coefficient_in_cache_is_bit_identical_to_multiplying_first(piece):
-    """The worker's clipped update: grads * coefficient taken piece by piece into scratch, then AdamW, equals the
-    plain loop's order (the gradient multiplied in place, then AdamW) to the bit; the gradient keeps its values."""
-    from runtime.adam import adamw_update_grouped, adamw_update_scaled
-
-    torch.manual_seed(1)
-    sizes = [3000, 70001, 17, 1 << 16, 5, 129]
-    hypers = [AdamWHyper(lr=1e-2), AdamWHyper(lr=1e-2), AdamWHyper(lr=3e-3, weight_decay=0.0), AdamWHyper(lr=1e-2),
-              AdamWHyper(lr=1e-2, eps=1e-6), AdamWHyper(lr=1e-2)]
-    grads = [torch.randn(n) * 7 for n in sizes]
-    coefficient = torch.tensor(1.0) / (torch.tensor(9.123) + 1e-6)  # a clip coefficient below 1, as fp32 computes it
-    state = [[torch.randn(n) for n in sizes], [torch.randn(n) for n in sizes], [torch.rand(n) for n in sizes]]
-    reference = [[t.clone() for t in kind] for kind in state]
-    multiplied = [g.clone().mul_(coefficient) for g in grads]
-    steps_reference = [torch.tensor(3.0) for _ in sizes]
-    adamw_update_grouped(reference[0], multiplied, reference[1], reference[2], steps_reference, hypers)
-    fused = [[t.clone() for t in kind] for kind in state]
-    untouched = [g.clone() for g in grads]
-    steps = [torch.tensor(3.0) for _ in sizes]
-    adamw_update_scaled(fused[0], grads, fused[1], fused[2], steps, hypers, coefficient, piece_numel=piece)
-    for kind in range(3):
-        for got, want in zip(fused[kind], reference[kind]):
-            assert torch.equal(got, want)
-    assert all(torch.equal(g, u) for g, u in zip(grads, untouched))
-    assert [float(s) for s in steps] == [4.0] * len(sizes)
-    # and through adamw_update_grouped's grad_multiplier, as the worker calls it
-    again = [[t.clone() for t in kind] for kind in state]
-    adamw_update_grouped(again[0], grads, again[1], again[2], [torch.tensor(3.0) for _ in sizes], hypers,
-                         grad_multiplier=coefficient)
-    assert all(torch.equal(got, want) for kind in range(3) for got, want in zip(again[kind], reference[kind]))

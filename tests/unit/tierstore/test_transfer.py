@@ -385,26 +385,19 @@ def test_a_device_to_host_copy_does_not_wait_for_queued_paced_write_backs() -> N
 
 
 def test_a_failed_pacer_fails_its_queued_copies_and_issues_later_ones_at_once() -> None:
-    pacer = _Pacer(torch.device("cpu"), in_flight_nbytes=1)
-    broken = RuntimeError("pacer broke")
-
-    def hold() -> bool:
-        raise broken
-
-    pacer.hold = hold
-    first = Handle("d2h", "first", "gpu", "host", 8, None)
+    """The thread cannot issue on its device (here: a CUDA device this machine lacks): every queued copy fails
+    with that error instead of leaving its waiters hanging, and later copies are issued by the caller."""
+    if torch.cuda.device_count() > 99:
+        pytest.skip("a machine with a 100th CUDA device")
+    pacer = _Pacer(torch.device("cuda", 99), in_flight_nbytes=1)
     queued = [Handle("d2h", f"k{i}", "gpu", "host", 8, None) for i in range(3)]
-    gate = threading.Event()
-    first_event = _FakeCopyEvent()
-    pacer.submit(first, lambda: (gate.wait(10), first._set_issued(end_event=first_event)))  # type: ignore[arg-type,func-returns-value]
     for handle in queued:
         pacer.submit(handle, lambda handle=handle: handle._set_issued())  # type: ignore[misc]
-    gate.set()
-    first_event.released.set()
     for handle in queued:
-        with pytest.raises(RuntimeError, match="pacer broke"):
+        with pytest.raises(Exception):
             handle.wait()  # never hangs: the failure reaches every queued copy
+        assert handle.error is not None
     late = Handle("d2h", "late", "gpu", "host", 8, None)
     pacer.submit(late, lambda: late._set_issued())
-    assert late._issued.is_set()
+    assert late._issued.is_set() and late.error is None
     pacer.close()
