@@ -16,7 +16,10 @@ on each resource (:func:`row_traffic`, pure arithmetic):
   except those kept from forward to backward (``-keep``'s budget, and always the last block of the forward:
   backward starts with it) and, in the first micro-batch's forward, the streamed ones (their update on the
   GPU leaves them there). Bytes per fetched weight are the source's: the fp32 master (4) or a bf16 copy (2);
-- the disk: ``T_nvme`` = state bytes read / read ceiling + written / write ceiling (one device serves both).
+- the disk: ``T_nvme`` = the longer of state bytes read / read ceiling and written / write ceiling. Not their
+  sum: a disk may serve both at once, and on the H100 box's virtio disk it did (the ``nvme`` row read 9.9 GiB
+  and wrote 9.5 GiB in a 10.3 s step, where the probed ceilings give 10.7 s for the reads and 4.7 s for the
+  writes, 2026-11-26), so the sum was no lower bound.
 
 Each term is the row's bytes or parameters over a rate measured in the same call (:class:`Rates`), and
 
@@ -217,7 +220,7 @@ def row_bound(placement: RowPlacement, rates: Rates, default_threads: int,
     per_param = rates.cpu_adam_s_per_param.get(placement.cpu_threads or default_threads)
     cpu = 0.0 if not t.cpu_update_numel else (None if per_param is None else t.cpu_update_numel * per_param)
     read, write = over(used["read"], rates.disk_read_gbps), over(used["write"], rates.disk_write_gbps)
-    nvme = None if read is None or write is None else read + write
+    nvme = None if read is None or write is None else max(read, write)  # both directions may overlap
     terms = {"T_gpu": gpu, "T_cpu_adam": cpu, "T_h2d": over(used["h2d"], rates.h2d_gbps),
              "T_d2h": over(used["d2h"], rates.d2h_gbps), "T_nvme": nvme}
     return Bound(terms, t, used, parts)

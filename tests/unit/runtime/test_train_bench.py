@@ -32,6 +32,8 @@ def test_row_names_and_their_errors():
     assert len(errors) == 4
     assert "applies to tierstore rows only" in errors[0] and "-auto chooses" in errors[2] and "unknown row 'bogus'" in errors[3]
     assert "clipping at 1.0" in describe_row("ds-zero3-cpu-clip") and "(auto)" in describe_row("host-auto")
+    assert row_options("gpu-weights-f10-s40-clip-cap-nopace")[1] == {"f": 10, "s": 40, "clip": True, "cap": True, "nopace": True}
+    assert "write-backs not paced" in describe_row("host-s40-nopace") and row_errors(["torch-nopace"])
 
 
 def test_row_config_emits_auto_only_for_auto_rows():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from runtime.bench.deepspeed_rows import deepspeed_placement
@@ -114,3 +116,13 @@ def test_bound_uses_the_bytes_moved_when_fewer_and_names_missing_rates():
     assert missing.seconds == pytest.approx(1.0) and "T_gpu not measured" in missing.describe()
     nvme = row_bound(RowPlacement(num_params=N, resident_numel=N, disk_state_nbytes=12), Rates(), default_threads=4)
     assert nvme.terms["T_nvme"] is None and nvme.terms["T_cpu_adam"] == 0.0
+
+
+def test_disk_term_is_the_longer_direction_not_their_sum():
+    """Reads and writes of swapped state may overlap on the disk: the lower bound is the slower direction."""
+    moments_on_disk = row_traffic(deepspeed_placement("ds-zero3-nvme", N))
+    rates = dataclasses.replace(RATES, disk_read_gbps=1e-6, disk_write_gbps=2e-6)
+    b = row_bound(deepspeed_placement("ds-zero3-nvme", N), rates, default_threads=8)
+    read_s = moments_on_disk.disk_read_nbytes / 1e3
+    write_s = moments_on_disk.disk_write_nbytes / 2e3
+    assert b.terms["T_nvme"] == pytest.approx(max(read_s, write_s)) and read_s > write_s > 0
