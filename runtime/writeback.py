@@ -19,12 +19,15 @@ would free its whole cache and synchronize the device to satisfy the request, or
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
 import torch
 
 from tierstore import Handle
+
+log = logging.getLogger(__name__)
 
 FRAGMENTATION_MARGIN = 0.03  # share of the allocator's limit kept free of write-backs for fragmentation
 
@@ -35,7 +38,10 @@ def allocator_limit_nbytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     total = torch.cuda.get_device_properties(device).total_memory
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    if get_fraction is None:
+        log.warning("this torch cannot report the process's GPU memory fraction: a capped forward is paced as if "
+                    "it had the whole card")
     fraction = get_fraction(device) if get_fraction is not None else 1.0
     return int(total * min(1.0, fraction))
 
@@ -52,7 +58,9 @@ class DeviceWritebacks:
         limit = allocator_limit_nbytes(device) if limit_nbytes is None else limit_nbytes
         self.limit_nbytes = None if limit is None else int(limit * (1 - FRAGMENTATION_MARGIN))
         self._allocated = allocated or (lambda: torch.cuda.memory_allocated(device))
-        self._growth: dict[int, int] = {}  # block -> bytes allocated during its forward, the last time it ran
+        # (position in the forward, block) -> bytes allocated from its start to the next block's, the last time.
+        # Keyed by position too: a block used twice (tied embedding and head) grows differently each time.
+        self._growth: dict[tuple[int, int], int] = {}
         self._marks: list[tuple[int, int]] = []  # this forward: (block, bytes allocated less write-backs held)
         self.waits = 0  # forwards that waited for a write-back to make room
         self.wait_s = 0.0
@@ -66,10 +74,16 @@ class DeviceWritebacks:
         self.handles = [h for h in self.handles if not h.done()]
 
     def wait_all(self) -> None:
-        """Wait for every write-back in flight."""
-        for handle in self.handles:
-            handle.wait()
-        self.handles = []
+        """Wait for every write-back in flight (all of them, even when one failed; then its error is raised)."""
+        handles, self.handles = self.handles, []
+        error: BaseException | None = None
+        for handle in handles:
+            try:
+                handle.wait()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def held_nbytes(self) -> int:
         """Device bytes still held by write-backs nobody has seen land."""
@@ -86,8 +100,8 @@ class DeviceWritebacks:
             return
         self.settle()
         allocated = self._allocated()
+        growth = self._growth.get((len(self._marks), index))
         self._marks.append((index, allocated - self.held_nbytes()))
-        growth = self._growth.get(index)
         if growth is None or not self.handles or allocated + growth <= self.limit_nbytes:
             return
         t0 = time.perf_counter()
@@ -106,8 +120,8 @@ class DeviceWritebacks:
             return
         self.settle()
         end = self._allocated() - self.held_nbytes()
-        for (index, at), (_, following) in zip(self._marks, self._marks[1:] + [(-1, end)]):
-            self._growth[index] = max(0, following - at)
+        for position, ((index, at), (_, following)) in enumerate(zip(self._marks, self._marks[1:] + [(-1, end)])):
+            self._growth[(position, index)] = max(0, following - at)
         self._marks = []
         if self.handles:
             t0 = time.perf_counter()

@@ -306,7 +306,8 @@ class TransferEngine:
                     self._unobserved.popleft()
 
     def synchronize(self) -> None:
-        """Wait for every queued device copy (not file IO) and publish them."""
+        """Wait for every device copy on the copy streams (not file IO, not paced copies the pacer has yet to
+        issue) and publish them."""
         for stream in (self.h2d_stream, self.d2h_stream):
             if stream is not None:
                 stream.synchronize()
@@ -362,11 +363,17 @@ class _Pacer:
         if self._index is None and self.device.type == "cuda":
             self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         with self._cond:
+            if self._thread is None and not self._closed and self._failed is None:
+                thread = threading.Thread(target=self._run, name="tierstore-pacer", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # no thread to be had (a pids limit): every copy is issued at once
+                    log.warning("the write-back pacer could not start (%s); write-backs are issued unpaced", exc)
+                    self._failed = exc
+                else:
+                    self._thread = thread
             if not self._closed and self._failed is None:
                 self._queue.append((handle, issue))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="tierstore-pacer", daemon=True)
-                    self._thread.start()
                 self._cond.notify()
                 return
         issue()
@@ -394,11 +401,17 @@ class _Pacer:
                 if not self._queue:
                     return
                 handle, issue = self._queue.popleft()
-            while in_flight and nbytes + handle.nbytes > self.in_flight_nbytes:
-                oldest = in_flight.popleft()
-                nbytes -= oldest.nbytes
-                _sleep_until_done(oldest)
+            try:
+                while in_flight and nbytes + handle.nbytes > self.in_flight_nbytes:
+                    oldest = in_flight.popleft()
+                    nbytes -= oldest.nbytes
+                    _sleep_until_done(oldest)  # may raise (a CUDA error of another kernel)
+            except BaseException:
+                with self._cond:
+                    self._queue.appendleft((handle, issue))  # failed by _run with the rest, not lost
+                raise
             issue()
+            del issue  # the closure holds the copy's tensors: an idle pacer must not keep them allocated
             in_flight.append(handle)
             nbytes += handle.nbytes
 

@@ -78,7 +78,7 @@ def test_write_backs_that_landed_meanwhile_are_not_waited_for_and_growth_exclude
     late.land()  # landed on its own: settle() observes it, nobody waits for it
     _forward(writebacks, memory, [200, 300])
     assert not late.waited and writebacks.waits == 1
-    assert writebacks._growth == {0: 200, 1: 300}  # learned with the 500 held bytes excluded
+    assert writebacks._growth == {(0, 0): 200, (1, 1): 300}  # learned with the 500 held bytes excluded
 
 
 def test_off_cuda_nothing_is_tracked() -> None:
@@ -97,3 +97,25 @@ def test_the_backward_starts_after_every_write_back_landed() -> None:
     writebacks.add(pending)  # type: ignore[arg-type]
     _forward(writebacks, memory, [200, 300])  # plenty of room: the forward itself never waits
     assert pending.waited and writebacks.handles == [] and memory.held == 0
+
+
+def test_a_block_used_twice_in_a_forward_keeps_each_use_s_growth() -> None:
+    """Tied embedding and head: block 0 runs first (small) and last (the logits, large)."""
+    memory = FakeMemory()
+    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=1000, allocated=memory.allocated)
+
+    def forward() -> None:
+        writebacks.forward_begin()
+        memory.forward = 100
+        for index, size in ((0, 10), (1, 200), (0, 400)):
+            writebacks.before_forward(index)
+            memory.forward += size
+        writebacks.forward_end()
+
+    forward()
+    pending = FakeWriteback(memory, 600)
+    writebacks.add(pending)  # type: ignore[arg-type]
+    forward()
+    # first use: 100 + 600 held + 10 fits (keyed by block alone it would have taken the head's 400: 1100);
+    # at the head: 310 + 600 + 400 = 1310 > 970, waited there
+    assert pending.waited_at == 310

@@ -391,8 +391,9 @@ def test_a_failed_pacer_fails_its_queued_copies_and_issues_later_ones_at_once() 
         pytest.skip("a machine with a 100th CUDA device")
     pacer = _Pacer(torch.device("cuda", 99), in_flight_nbytes=1)
     queued = [Handle("d2h", f"k{i}", "gpu", "host", 8, None) for i in range(3)]
-    for handle in queued:
-        pacer.submit(handle, lambda handle=handle: handle._set_issued())  # type: ignore[misc]
+    with pacer._cond:  # held: the thread cannot record its failure before all three are queued
+        for handle in queued:
+            pacer.submit(handle, lambda handle=handle: handle._set_issued())  # type: ignore[misc]
     for handle in queued:
         with pytest.raises(Exception):
             handle.wait()  # never hangs: the failure reaches every queued copy
@@ -401,3 +402,70 @@ def test_a_failed_pacer_fails_its_queued_copies_and_issues_later_ones_at_once() 
     pacer.submit(late, lambda: late._set_issued())
     assert late._issued.is_set() and late.error is None
     pacer.close()
+
+
+def test_a_copy_taken_for_issue_is_failed_not_lost_when_the_pacer_breaks_waiting_for_room() -> None:
+    class BrokenEvent:
+        def query(self) -> bool:
+            raise RuntimeError("a CUDA error of another kernel")
+
+    pacer = _Pacer(torch.device("cpu"), in_flight_nbytes=8)
+    first = Handle("d2h", "first", "gpu", "host", 8, None)
+    second = Handle("d2h", "second", "gpu", "host", 8, None)
+    with pacer._cond:
+        pacer.submit(first, lambda: first._set_issued(end_event=BrokenEvent()))  # type: ignore[arg-type]
+        pacer.submit(second, lambda: second._set_issued())
+    with pytest.raises(RuntimeError, match="another kernel"):
+        second.wait()  # it was off the queue, waiting for room behind 'first': failed with the error, no hang
+    pacer.close()
+
+
+def test_an_idle_pacer_holds_no_copy_s_tensors() -> None:
+    import gc
+    import weakref
+
+    pacer = _Pacer(torch.device("cpu"), in_flight_nbytes=1 << 20)
+    source = torch.ones(16)
+    alive = weakref.ref(source)
+    handle = Handle("d2h", "k", "gpu", "host", 64, None)
+    done = threading.Event()
+    event = _FakeCopyEvent()
+    event.released.set()
+
+    def issue(src: torch.Tensor = source) -> None:
+        handle._set_issued(end_event=event)  # type: ignore[arg-type]
+        done.set()
+
+    pacer.submit(handle, issue)
+    del source, issue
+    assert done.wait(10)
+    for _ in range(100):  # the thread drops its reference right after issuing
+        gc.collect()
+        if alive() is None:
+            break
+        threading.Event().wait(0.01)
+    assert alive() is None
+    pacer.close()
+
+
+def test_a_pacer_without_a_thread_issues_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    pacer = _Pacer(torch.device("cpu"), in_flight_nbytes=8)
+    handle = Handle("d2h", "k", "gpu", "host", 8, None)
+    pacer.submit(handle, lambda: handle._set_issued())
+    assert handle._issued.is_set()
+    pacer.close()  # nothing to join
+
+
+def test_paced_copies_without_cuda_are_plain_synchronous_copies() -> None:
+    engine = TransferEngine(torch.device("cpu"))
+    try:
+        src, dst = torch.arange(10.0), torch.zeros(10)
+        handle = engine.d2h("k", src, dst, paced=True)
+        assert handle.done() and torch.equal(dst, src)
+        assert engine._pacer._thread is None  # nothing to pace: no thread was started
+    finally:
+        engine.close()
