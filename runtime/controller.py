@@ -672,6 +672,11 @@ class Controller:
             if job.speculative:
                 self.worker.resolve(job, False, None)  # its result in the spares is simply never published
         self._deferred_jobs, self._deferred_gpu = [], []
+        if self._updating and not self._deferred:
+            # Updates of the dropped step already queued run to the end (the blocks are then at two steps, which
+            # the next step refuses); nothing below may race them for the blocks' state (releases, a checkpoint
+            # reading a swap file the worker is writing).
+            self.worker.drain()
         self.wait_device_writebacks()  # updates of this step already written back stay (see _interrupted)
         for index in self.gpu_streamed:  # state brought in for the dropped step: clean copies, let them go
             for kind in STATE_KINDS:

@@ -104,6 +104,7 @@ class UpdateWorker:
         self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
         self._sequence = itertools.count()
         self._stopping = False
+        self._running = False  # a job taken from the queue has not finished (drain() waits for it)
         self._writebacks: list[Handle] = []  # evictions to NVMe still in flight
         self.on_updated: Callable[[int], None] | None = None  # called in this thread after each update
         self._error: BaseException | None = None
@@ -168,6 +169,16 @@ class UpdateWorker:
         self._raise_if_failed()
         return time.perf_counter() - start
 
+    def drain(self) -> None:
+        """Wait until no update is queued or running and the NVMe write-backs they started have landed (a failed
+        worker or a stopping one ends the wait; its error surfaces at the next submit)."""
+        with self._cond:
+            while (self._jobs or self._running) and self._error is None and not self._stopping:
+                self._cond.wait(0.1)
+            writebacks, self._writebacks = self._writebacks, []
+        for handle in writebacks:
+            handle._wait_complete()
+
     def synchronize(self, step: int) -> None:
         """Block until every block is updated to ``step`` and every write-back to NVMe has landed."""
         for index in range(len(self.blocks)):
@@ -224,6 +235,7 @@ class UpdateWorker:
             self._jobs.remove(chosen)
             heapq.heapify(self._jobs)
             chosen[-1].phase = JobPhase.RUNNING
+            self._running = True
         return chosen[-1]
 
     def _run(self) -> None:
@@ -234,6 +246,9 @@ class UpdateWorker:
             try:
                 self._fill_lookahead()
                 self._run_job(job)
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
             except BaseException as exc:  # surfaced to the training thread at its next wait
                 log.exception("update of %s failed", job.block.name)
                 with self._cond:

@@ -526,3 +526,32 @@ def test_a_published_speculative_update_keeps_the_state_of_parameters_without_a_
             for kind in KINDS:
                 got, want = host_state(s, index, kind), ref.flat(index, kind)
                 assert torch.equal(got, want), (step, kind)
+
+
+def test_drain_waits_for_the_queued_and_running_updates_only() -> None:
+    """discard_pending's wait: returns once every queued job has run, without waiting for steps never submitted."""
+    import threading
+    import time as _time
+
+    from runtime.overlap import UpdateWorker
+
+    worker = UpdateWorker.__new__(UpdateWorker)  # the queue machinery alone, no store
+    worker._cond = threading.Condition()
+    worker._jobs, worker._running, worker._error, worker._stopping, worker._writebacks = [], False, None, False, []
+    worker._jobs.append(("queued",))
+    finished = threading.Event()
+
+    def run_it() -> None:
+        _time.sleep(0.2)
+        with worker._cond:
+            worker._jobs.clear()
+            worker._running = True
+        _time.sleep(0.2)
+        with worker._cond:
+            finished.set()  # the job's work is done before it stops counting as running
+            worker._running = False
+            worker._cond.notify_all()
+
+    threading.Thread(target=run_it).start()
+    worker.drain()
+    assert finished.is_set()
