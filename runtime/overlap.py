@@ -171,11 +171,12 @@ class UpdateWorker:
 
     def drain(self) -> None:
         """Wait until no update is queued or running and the NVMe write-backs they started have landed (a failed
-        worker or a stopping one ends the wait; its error surfaces at the next submit)."""
+        worker or a stopping one ends the wait; its error surfaces at the next submit). The write-backs stay
+        listed: a failed one still raises at ``synchronize``."""
         with self._cond:
             while (self._jobs or self._running) and self._error is None and not self._stopping:
                 self._cond.wait(0.1)
-            writebacks, self._writebacks = self._writebacks, []
+            writebacks = list(self._writebacks)
         for handle in writebacks:
             handle._wait_complete()
 

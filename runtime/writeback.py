@@ -55,8 +55,9 @@ class DeviceWritebacks:
         CUDA; no pacing of the forward off CUDA)."""
         self.device = device
         self.handles: list[Handle] = []
-        limit = allocator_limit_nbytes(device) if limit_nbytes is None else limit_nbytes
-        self.limit_nbytes = None if limit is None else int(limit * (1 - FRAGMENTATION_MARGIN))
+        self._limit_arg = limit_nbytes
+        self._limit: int | None = None
+        self._limit_known = False  # read at the first forward that may wait: a session streaming nothing never asks
         self._allocated = allocated or (lambda: torch.cuda.memory_allocated(device))
         # (position in the forward, block) -> bytes allocated from its start to the next block's, the last time.
         # Keyed by position too: a block used twice (tied embedding and head) grows differently each time.
@@ -64,6 +65,15 @@ class DeviceWritebacks:
         self._marks: list[tuple[int, int]] = []  # this forward: (block, bytes allocated less write-backs held)
         self.waits = 0  # forwards that waited for a write-back to make room
         self.wait_s = 0.0
+
+    @property
+    def limit_nbytes(self) -> int | None:
+        """The allocations a forward may reach while write-backs are in flight (None off CUDA: no waiting)."""
+        if not self._limit_known:
+            limit = allocator_limit_nbytes(self.device) if self._limit_arg is None else self._limit_arg
+            self._limit = None if limit is None else int(limit * (1 - FRAGMENTATION_MARGIN))
+            self._limit_known = True
+        return self._limit
 
     def add(self, handle: Handle) -> None:
         """A write-back just started; its device copy is freed when it lands."""

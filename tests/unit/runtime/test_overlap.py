@@ -552,6 +552,11 @@ def test_drain_waits_for_the_queued_and_running_updates_only() -> None:
             worker._running = False
             worker._cond.notify_all()
 
+    from tierstore.transfer import done_handle
+
+    written = done_handle("block0.exp_avg", "nvme")
+    worker._writebacks = [written]
     threading.Thread(target=run_it).start()
     worker.drain()
     assert finished.is_set()
+    assert worker._writebacks == [written]  # left for synchronize(), which raises a failed one's error

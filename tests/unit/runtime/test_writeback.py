@@ -39,20 +39,26 @@ class FakeWriteback:
         return self
 
 
-def _forward(writebacks: DeviceWritebacks, memory: FakeMemory, sizes: list[int], base: int = 100) -> None:
-    """One training forward over blocks 0.. with the given activation sizes."""
+def _tracked(limit: int) -> tuple[FakeMemory, DeviceWritebacks]:
+    """Fake device memory and the write-backs tracked against it, under an allocator limit of ``limit`` bytes."""
+    memory = FakeMemory()
+    return memory, DeviceWritebacks(torch.device("cuda"), limit_nbytes=limit, allocated=memory.allocated)
+
+
+def _forward(writebacks: DeviceWritebacks, memory: FakeMemory, sizes: list[int], base: int = 100,
+             order: list[int] | None = None) -> None:
+    """One training forward over blocks 0.. (or ``order``) with the given activation sizes."""
     writebacks.forward_begin()
     memory.forward = base
-    for index, size in enumerate(sizes):
+    for index, size in zip(order or range(len(sizes)), sizes):
         writebacks.before_forward(index)
         memory.forward += size
     writebacks.forward_end()
 
 
 def test_forward_waits_for_the_oldest_write_backs_only_while_its_next_block_would_pass_the_limit() -> None:
-    memory = FakeMemory()
     limit = 1000
-    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=limit, allocated=memory.allocated)
+    memory, writebacks = _tracked(limit)
     assert writebacks.limit_nbytes == int(limit * (1 - FRAGMENTATION_MARGIN))  # 970
     _forward(writebacks, memory, [200, 300])  # learns each block's growth; nothing in flight, nothing waited
     assert writebacks.waits == 0
@@ -67,8 +73,7 @@ def test_forward_waits_for_the_oldest_write_backs_only_while_its_next_block_woul
 
 
 def test_write_backs_that_landed_meanwhile_are_not_waited_for_and_growth_excludes_held_bytes() -> None:
-    memory = FakeMemory()
-    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=1000, allocated=memory.allocated)
+    memory, writebacks = _tracked(1000)
     early = FakeWriteback(memory, 500)
     writebacks.add(early)  # type: ignore[arg-type]
     _forward(writebacks, memory, [200, 300])  # no growth known yet: the forward never waits, the backward does
@@ -91,31 +96,20 @@ def test_off_cuda_nothing_is_tracked() -> None:
 
 
 def test_the_backward_starts_after_every_write_back_landed() -> None:
-    memory = FakeMemory()
-    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=10_000, allocated=memory.allocated)
+    memory, writebacks = _tracked(10_000)
     pending = FakeWriteback(memory, 300)
     writebacks.add(pending)  # type: ignore[arg-type]
     _forward(writebacks, memory, [200, 300])  # plenty of room: the forward itself never waits
-    assert pending.waited and writebacks.handles == [] and memory.held == 0
+    assert pending.waited_at == 600 and writebacks.handles == [] and memory.held == 0  # at the end, not before
 
 
 def test_a_block_used_twice_in_a_forward_keeps_each_use_s_growth() -> None:
     """Tied embedding and head: block 0 runs first (small) and last (the logits, large)."""
-    memory = FakeMemory()
-    writebacks = DeviceWritebacks(torch.device("cuda"), limit_nbytes=1000, allocated=memory.allocated)
-
-    def forward() -> None:
-        writebacks.forward_begin()
-        memory.forward = 100
-        for index, size in ((0, 10), (1, 200), (0, 400)):
-            writebacks.before_forward(index)
-            memory.forward += size
-        writebacks.forward_end()
-
-    forward()
+    memory, writebacks = _tracked(1000)
+    _forward(writebacks, memory, [10, 200, 400], order=[0, 1, 0])
     pending = FakeWriteback(memory, 600)
     writebacks.add(pending)  # type: ignore[arg-type]
-    forward()
+    _forward(writebacks, memory, [10, 200, 400], order=[0, 1, 0])
     # first use: 100 + 600 held + 10 fits (keyed by block alone it would have taken the head's 400: 1100);
     # at the head: 310 + 600 + 400 = 1310 > 970, waited there
     assert pending.waited_at == 310
