@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -296,16 +297,28 @@ def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierNam
     gpu_updated = gpu_updated_blocks(blocks, placement.gpu_update_fraction)
     streamed = len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction))
     return _plan_of(blocks, cfg, homes, source, dtype, updated=gpu_updated, streamed=streamed, spilled=spilled,
-                    spares=spares)
+                    spares=spares, host_sums=placement.host_sums)
 
 
 def _plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
              dtype: torch.dtype, *, updated: frozenset[int], streamed: int, spilled: int = 0,
-             spares: bool = False) -> MemoryPlan:
+             spares: bool = False, host_sums: bool = False) -> MemoryPlan:
     return make_plan([b.numel for b in blocks if b.index not in updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
                      cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
-                     spilled=spilled, streamed=streamed, spares=spares)
+                     spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums)
+
+
+def sums_on_host(blocks: list[Block], cfg: TierstoreConfig, device: torch.device) -> bool:
+    """``optimizer.accumulate_on`` resolved: True when the micro-batches' gradients are summed in host memory
+    (``auto``: when the model's gradients in the compute dtype would take more than a quarter of the GPU budget)."""
+    opt = cfg.optimizer
+    if opt.accumulation_steps == 1 or opt.accumulate_on == "gpu":
+        return False
+    if opt.accumulate_on == "host":
+        return True
+    itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+    return sum(b.numel for b in blocks) * itemsize * 4 > gpu_budget_nbytes(cfg, device)
 
 
 @dataclass(frozen=True)
@@ -326,8 +339,9 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
     numbers: explicit values as written, ``auto`` chosen by ``runtime.autoplace`` (0 on the CPU). ``rates``: the
     speeds to plan with on CUDA (default: measured once per process)."""
     opt, keep = cfg.optimizer, cfg.prefetch.keep_for_backward
+    host_sums = sums_on_host(blocks, cfg, device)
     if "auto" not in (opt.gpu_update_fraction, opt.gpu_stream_fraction, keep):
-        return Placement(float(opt.gpu_update_fraction), float(opt.gpu_stream_fraction), int(keep))
+        return Placement(float(opt.gpu_update_fraction), float(opt.gpu_stream_fraction), int(keep), host_sums=host_sums)
     if device.type != "cuda":
         rates = None
     elif rates is None:  # before the budget is read: the probe gives its device memory back
@@ -340,7 +354,8 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
 
     def gpu_plan_nbytes(updated: int, streamed: int) -> int:
         first = frozenset(b.index for b in ordered[:updated])
-        return _plan_of(blocks, cfg, homes, source, dtype, updated=first, streamed=streamed).gpu_nbytes
+        return _plan_of(blocks, cfg, homes, source, dtype, updated=first, streamed=streamed,
+                        host_sums=host_sums).gpu_nbytes
 
     inputs = PlacementInputs(block_numels=tuple(b.numel for b in ordered), gpu_budget_nbytes=gpu_budget_nbytes(cfg, device),
                              gpu_plan_nbytes=gpu_plan_nbytes, compute_itemsize=itemsize,
@@ -348,7 +363,8 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
                              weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason,
                              activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"
                              else int(cfg.tiers.gpu.activation_reserve))
-    return choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
+    chosen = choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
+    return dataclasses.replace(chosen, host_sums=host_sums)
 
 
 def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, *,
@@ -379,6 +395,10 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     spilled_blocks = frozenset(host_updated[len(host_updated) - spilled:]) if spilled else frozenset()
     plan = plan_for(blocks, cfg, homes, source, dtype, spilled, spares, placement=placement)
     plan.notes = placement.notes
+    if cfg.optimizer.accumulate_on == "auto" and cfg.optimizer.accumulation_steps > 1:
+        plan.notes = (*plan.notes, "optimizer.accumulate_on: auto -> " + (
+            "host (the model's gradients take more than a quarter of the GPU budget)" if placement.host_sums
+            else "gpu (the model's gradients fit a quarter of the GPU budget)"))
     return ResolvedPlan(homes, source, spilled_blocks, plan, placement)
 
 
@@ -449,5 +469,5 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
         record_intervals=record_intervals, gpu_update_fraction=placement.gpu_update_fraction,
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
         gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
-        hold_updates=opt.user_grad_clip,
+        hold_updates=opt.user_grad_clip, host_sums=placement.host_sums,
         speculate=resolved.plan.pre_commit_buffers)

@@ -126,6 +126,7 @@ class Placement:
     keep_for_backward_nbytes: int
     notes: tuple[str, ...] = ()
     activation_reserve_nbytes: int = 0  # what the auto choices left for activations (0: nothing was auto on a GPU)
+    host_sums: bool = False  # optimizer.accumulate_on resolved: micro-batch gradients summed in host memory
 
 
 def blocks_within(block_numels: Sequence[int], fraction: float) -> int:

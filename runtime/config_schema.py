@@ -215,6 +215,16 @@ class OptimizerConfig:
         "or fp16) updates start as gradients land, and a clip in the loop raises an error instead of being ignored.")
     accumulation_steps: int = _leaf(IntSpec(min=1), 1,
                                     "Micro-batches whose gradients are summed per update.")
+    accumulate_on: str = _leaf(
+        ChoiceSpec(choices=("auto", "gpu", "host")), "auto",
+        "Where the micro-batches' gradients of one step are summed (with `accumulation_steps` above 1). `gpu`: "
+        "in each parameter's `.grad` on the device, in the compute dtype; the whole model's gradients stay on the "
+        "GPU between micro-batches. `host`: each micro-batch's block gradient leaves the device when the block's "
+        "backward is done and a CPU thread sums it in fp32 in the block's host gradient buffer; the GPU holds one "
+        "block's gradient at a time (for models whose gradients do not fit beside the rest, such as 8B on a 24 GiB "
+        "card); the sum is exact to fp32, the plain loop's for fp32 parameters. Blocks updated on the GPU "
+        "(`gpu_update_fraction`, `gpu_stream_fraction`) always sum on the device. `auto`: `host` when the model's "
+        "gradients in the compute dtype would take more than a quarter of the GPU budget, else `gpu`.")
     overlap: str = _leaf(
         ChoiceSpec(choices=("exact", "delayed")), "exact",
         "`exact`: results equal a plain PyTorch AdamW loop. `delayed`: opt-in one-step-delayed "

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from runtime.accumulate import HostGradSums
 from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.autoplace import blocks_within
 from runtime.blocks import Block
@@ -27,7 +28,7 @@ from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
-from tierstore import CapacityError, CopyState, TensorMeta, TierName, TierStore
+from tierstore import CapacityError, CopyState, TensorMeta, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RuntimeOptions:
     cpu_threads: int
     record_intervals: bool = False
     gpu_update_fraction: float = 0.0  # share of parameters (first blocks) whose AdamW runs on the device
+    host_sums: bool = False  # micro-batch gradients of host-updated blocks summed in host memory (runtime.accumulate)
     gpu_stream_fraction: float = 0.0  # share (next blocks) updated on the device over state streamed from host
     gpu_stream_ahead: int = 8  # streamed blocks whose state may be brought in ahead of the block in backward
     spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
@@ -152,6 +154,11 @@ class Controller:
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
+        hosted = [b for b in blocks if b.index not in self.gpu_updated and b.index not in self.gpu_streamed]
+        self.sums: HostGradSums | None = None  # [Note: host gradient sums]
+        if options.host_sums and options.accumulation_steps > 1 and hosted:
+            self.sums = HostGradSums(store, hosted)
+            close_at_exit(self.sums, HostGradSums.close)  # its thread stops before the store it sums into
         self.stats = StepStats()
         # Optional observers (the profiler). Empty lists cost one truth test per wait / step boundary.
         self.stall_listeners: list[Callable[[StallEvent], None]] = []
@@ -458,14 +465,43 @@ class Controller:
         self._in_backward_use[index] = False
         if self.last_micro:
             self._offload_grads(block)
+        elif self.sums is not None and self.sums.holds(index):
+            self._send_to_host_sum(block)
         state = self.weights.states[index]
         if state.users == 0 and index not in self._fresh:
             self._release(index)
 
+    def _assemble(self, block: Block, present: list[bool], dtype: torch.dtype) -> torch.Tensor:
+        """The block's gradients as one flat device tensor of ``dtype`` (zeros for parameters not ``present``),
+        taken off the parameters."""
+        flat = torch.empty(block.numel, dtype=dtype, device=self.device)
+        with torch.no_grad():
+            for slot, has in zip(block.slots, present):
+                view = flat[slot.offset : slot.offset + slot.numel]
+                if has:
+                    view.copy_(slot.param.grad.reshape(-1))
+                else:
+                    view.zero_()
+                slot.param.grad = None
+        return flat
+
+    def _send_to_host_sum(self, block: Block) -> None:
+        """A micro-batch that does not end the step: the block's gradient joins its host sum, in its own dtype
+        when every parameter's gradient has the same one (half the PCIe bytes of fp32 for bf16)."""
+        present = [slot.param.grad is not None for slot in block.slots]
+        if not any(present):
+            return
+        dtypes = {slot.param.grad.dtype for slot, has in zip(block.slots, present) if has}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.sums.add(block, self._assemble(block, present, dtype), present)  # type: ignore[union-attr]
+
     def _offload_grads(self, block: Block) -> None:
-        """Assemble the block's fp32 gradient on the device, check / unscale / take norms, copy it to host."""
+        """Assemble the block's fp32 gradient on the device (adding the host sum of the step's earlier
+        micro-batches when there is one), check / unscale / take norms, copy it to host."""
         self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
-        has_grad = [slot.param.grad is not None for slot in block.slots]
+        present = [slot.param.grad is not None for slot in block.slots]
+        earlier = self.sums.finish(block.index) if self.sums is not None and self.sums.holds(block.index) else None
+        has_grad = present if earlier is None else [a or b for a, b in zip(present, earlier)]
         step = self.optimizer_step + 1
         on_device = block.index in self.gpu_updated or block.index in self.gpu_streamed
         if not any(has_grad) and on_device:
@@ -477,15 +513,10 @@ class Controller:
         if not any(has_grad):
             job = UpdateJob(block, None, step, self._block_hypers(block), skip=True)
         else:
-            flat = torch.empty(block.numel, dtype=torch.float32, device=self.device)
+            flat = self._assemble(block, present, torch.float32)  # parameters without any gradient: excluded below
             with torch.no_grad():
-                for slot, present in zip(block.slots, has_grad):
-                    view = flat[slot.offset : slot.offset + slot.numel]
-                    if present:
-                        view.copy_(slot.param.grad.reshape(-1))
-                    else:
-                        view.zero_()  # such a parameter is excluded from the update below
-                    slot.param.grad = None
+                if earlier is not None:  # g_last + sum: fp32 addition commutes, so the plain loop's bits
+                    flat.add_(self.store.tensor(block.key("grad"), TierName.HOST).to(self.device, non_blocking=True))
                 views = [v for v, present in zip(split_views(flat, [s.numel for s in block.slots]), has_grad) if present]
                 if self.scaler is not None:
                     torch._amp_foreach_non_finite_check_and_unscale_(views, self.found_inf, self.scaler.inv_scale())
@@ -686,6 +717,8 @@ class Controller:
                     self.store.release(key, TierName.GPU)
         self.found_inf.zero_()
         self.clipper.reset()
+        if self.sums is not None:
+            self.sums.reset()
         self._update_pending = False
         self._backward_active = False
         self.micro = 0
@@ -719,7 +752,9 @@ class Controller:
         return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
 
     def close(self) -> None:
-        """Stop the worker (finishing queued updates)."""
+        """Stop the host sums and the worker (finishing queued updates)."""
+        if self.sums is not None:
+            self.sums.close()
         self.worker.close()
         sys.setswitchinterval(self._switch_interval)
 

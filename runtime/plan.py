@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from runtime.accumulate import STAGING_SLOTS
 from runtime.config import TierstoreConfig
 from runtime.hostmem import HostMemory, host_memory, ram_backed
 from runtime.units import approx_size
@@ -89,7 +90,7 @@ class MemoryPlan:
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
               prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None,
-              spilled: int = 0, streamed: int = 0, spares: bool = False) -> MemoryPlan:
+              spilled: int = 0, streamed: int = 0, spares: bool = False, host_sums: bool = False) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
     (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
     blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction). ``spilled``:
@@ -98,7 +99,9 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     the first that many of ``block_numels`` are updated on the GPU over state streamed from host
     (``optimizer.gpu_stream_fraction``): no host gradient, a few blocks of device state in flight. ``spares``:
     the CPU-updated blocks whose state lives in host memory get second buffers for their master and moments,
-    so their updates run before the step commits (see [Note: speculative updates] in runtime.speculation)."""
+    so their updates run before the step commits (see [Note: speculative updates] in runtime.speculation).
+    ``host_sums``: the micro-batches' gradients of the host-updated blocks are summed in their host gradient
+    buffers (``optimizer.accumulate_on: host``; see [Note: host gradient sums] in runtime.accumulate)."""
     gpu_updated_numels = gpu_updated_numels or []
     plan_homes = dict(homes)
     if spilled and homes["exp_avg"] == "host":
@@ -145,7 +148,15 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
         if weight_source == "master" and compute_itemsize != 4:
             plan.rows.append(("fetch staging (fp32)", "gpu", in_flight * largest * 4))
     plan.rows.append(("gradient assembly (fp32)", "gpu", largest * 4))
-    if accumulation_steps > 1:
+    if accumulation_steps > 1 and host_sums:
+        on_device = sum(gpu_updated_numels) + sum(block_numels[:streamed])
+        if on_device:
+            plan.rows.append(("accumulated gradients (GPU-updated)", "gpu", on_device * compute_itemsize))
+        if block_numels[streamed:]:
+            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS} blocks)", "host",
+                              STAGING_SLOTS * host_bytes(max(block_numels[streamed:]), 4)))
+            plan.rows.append(("gradient assembly: host sum (fp32)", "gpu", max(block_numels[streamed:]) * 4))
+    elif accumulation_steps > 1:
         plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))
     return plan
 

@@ -60,9 +60,9 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, armed: dict[str, boo
 
 
 @pytest.mark.parametrize("where,layer", [("forward", 0), ("forward", 2), ("backward", 0), ("backward", 1), ("backward", 2)])
-@pytest.mark.parametrize("mode", ["user_clip", "config_clip", "accumulation"])
+@pytest.mark.parametrize("mode", ["user_clip", "config_clip", "accumulation", "host_sums"])
 def test_a_caught_failure_drops_the_step_exactly(tmp_path, where, layer, mode):
-    accumulation = 2 if mode == "accumulation" else 1
+    accumulation = 2 if mode in ("accumulation", "host_sums") else 1
     clip = 0.05 if mode == "user_clip" else None
     fail_at = {(1, accumulation - 1), (3, 0)}
     batches = make_batches(5 * accumulation)
@@ -74,6 +74,8 @@ def test_a_caught_failure_drops_the_step_exactly(tmp_path, where, layer, mode):
     opt_cfg = {"user_grad_clip": True, "accumulation_steps": accumulation}
     if mode == "config_clip":
         opt_cfg = {"grad_clip": 0.05}
+    if mode == "host_sums":  # a failure after micro-batch 0 was summed on the host drops that sum too
+        opt_cfg["accumulate_on"] = "host"
     model = fresh_model()
     armed = plant(model, layer, where)
     model, optimizer = offload(model, config(tmp_path, **opt_cfg))

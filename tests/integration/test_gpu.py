@@ -55,15 +55,18 @@ def test_bf16_parity_on_gpu(placement, fraction, keep, stream, ahead, tmpfs_dir)
     _assert_close(ours, reference)
 
 
-@pytest.mark.parametrize("clip,stream", [(0.1, 0.0), (1e6, 0.0), (0.1, 0.4), (1e6, 0.4)])
-def test_bf16_clipping_and_accumulation_on_gpu(clip, stream):
-    """Updates run before the commit on the GPU too: published when the clip does not bind, redone when it does."""
+@pytest.mark.parametrize("clip,stream,sums", [(0.1, 0.0, "gpu"), (1e6, 0.0, "gpu"), (0.1, 0.4, "gpu"), (1e6, 0.4, "gpu"),
+                                              (0.1, 0.0, "host"), (1e6, 0.4, "host")])
+def test_bf16_clipping_and_accumulation_on_gpu(clip, stream, sums):
+    """Updates run before the commit on the GPU too: published when the clip does not bind, redone when it does.
+    With host sums the CPU-updated blocks' gradients of the first micro-batch leave the device and come back."""
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=clip, accumulation_steps=2)
     model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": clip, "accumulation_steps": 2,
                                                                       "gpu_update_fraction": 0.3,
-                                                                      "gpu_stream_fraction": stream}})
+                                                                      "gpu_stream_fraction": stream,
+                                                                      "accumulate_on": sums}})
     session = optimizer.session
     batches = make_batches(8)
     try:
@@ -75,10 +78,15 @@ def test_bf16_clipping_and_accumulation_on_gpu(clip, stream):
             reference.train_step(batches[i : i + 2])
         ours = session.master_state_dict()
         worker = session.controller.worker.stats
+        host_sums = session.controller.sums
     finally:
         session.close()
     _assert_close(ours, reference)
     assert (worker.published > 0, worker.redone > 0) == ((False, True) if clip < 1 else (True, False))
+    if sums == "host":  # 4 steps x 1 non-final micro-batch x the host-updated blocks' bf16 gradients
+        hosted = sum(b.numel for b in session.blocks if b.index not in session.controller.gpu_updated
+                     and b.index not in session.controller.gpu_streamed)
+        assert host_sums is not None and host_sums.stats.nbytes == 4 * hosted * 2
 
 
 @pytest.mark.parametrize("clip", [None, 1e6])

@@ -24,23 +24,31 @@ def _rest_nbytes(plan, tier: str) -> int:
                and "assembly" not in kind)
 
 
-@pytest.mark.parametrize("placement,fraction", [
-    ({"weights": "host", "master": "host", "moments": "host"}, 0.0),
-    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.0),
-    ({"weights": "host", "master": "nvme", "moments": "nvme"}, 0.0),
-    ({"weights": "gpu", "master": "host", "moments": "host"}, 0.0),
-    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.5),
+@pytest.mark.parametrize("placement,fraction,host_sums", [
+    ({"weights": "host", "master": "host", "moments": "host"}, 0.0, False),
+    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.0, False),
+    ({"weights": "host", "master": "nvme", "moments": "nvme"}, 0.0, False),
+    ({"weights": "gpu", "master": "host", "moments": "host"}, 0.0, False),
+    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.5, False),
+    # optimizer.accumulate_on: host pins the sum buffers beside the gradients, no model-sized device gradient
+    ({"weights": "host", "master": "host", "moments": "host"}, 0.0, True),
 ])
-def test_plan_matches_the_store_accounting(placement, fraction, tmpfs_dir):
+def test_plan_matches_the_store_accounting(placement, fraction, host_sums, tmpfs_dir):
     torch.manual_seed(0)
-    config = {"dtype": "fp32", "placement": placement, "optimizer": {"gpu_update_fraction": fraction, "grad_clip": None},
+    micro_batches = 2 if host_sums else 1
+    config = {"dtype": "fp32", "placement": placement, "optimizer": {
+                  "gpu_update_fraction": fraction, "grad_clip": None, "accumulation_steps": micro_batches,
+                  "accumulate_on": "host" if host_sums else "gpu"},
               "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
     model, optimizer = offload(ExampleLM(SHAPE), config)
     session = optimizer.session
     plan = session.plan
+    assert (session.controller.sums is not None) == host_sums
+    assert not any(kind == "accumulated gradients" for kind, _, _ in plan.rows)
     try:
-        tokens = torch.randint(0, SHAPE.vocab_size, (2, 17))
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        for _ in range(micro_batches):
+            tokens = torch.randint(0, SHAPE.vocab_size, (2, 17))
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.synchronize()
         usage = session.store.usage()
@@ -253,3 +261,31 @@ def test_a_plan_without_pre_commit_buffers_gets_none_at_run_time(tmp_path):
         assert session.store.usage()["host"]["used_nbytes"] == pytest.approx(_rest_nbytes(session.plan, "host"), rel=0.02)
     finally:
         session.close()
+
+
+def test_host_sums_leave_device_updated_blocks_summing_on_the_device():
+    homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
+    on_gpu = make_plan([10**6] * 10, homes, "master", 2, 2, 4)
+    on_host = make_plan([10**6] * 8, homes, "master", 2, 2, 4, gpu_updated_numels=[10**6] * 2, streamed=3,
+                        host_sums=True)
+    rows = {kind: (tier, nbytes) for kind, tier, nbytes in on_host.rows}
+    assert dict((k, n) for k, _, n in on_gpu.rows)["accumulated gradients"] == 10 * 10**6 * 2
+    assert rows["accumulated gradients (GPU-updated)"] == ("gpu", 5 * 10**6 * 2)  # 2 updated + 3 streamed
+    assert rows["gradient sum buffers (3 blocks)"][0] == "host"
+
+
+@pytest.mark.parametrize("budget_grads,accumulate_on,steps,expected", [
+    (3, "auto", 4, True),  # the gradients are a third of the GPU budget: summed on the host
+    (5, "auto", 4, False),  # a fifth: they stay on the device
+    (3, "gpu", 4, False), (100, "host", 4, True), (3, "auto", 1, False),  # nothing to sum without accumulation
+])
+def test_accumulate_on_resolves_from_the_gpu_budget(budget_grads, accumulate_on, steps, expected):
+    from runtime.api import sums_on_host
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+
+    blocks = build_blocks(ExampleLM(SHAPE), 1)
+    grads_nbytes = 2 * sum(block.numel for block in blocks)  # bf16
+    cfg = load_config({"dtype": "bf16", "tiers": {"gpu": {"budget": budget_grads * grads_nbytes}},
+                       "optimizer": {"accumulation_steps": steps, "accumulate_on": accumulate_on}})
+    assert sums_on_host(blocks, cfg, torch.device("cpu")) is expected

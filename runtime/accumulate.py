@@ -1,0 +1,193 @@
+"""Gradient accumulation in pinned host memory, for models whose summed gradients do not fit the GPU.
+
+With ``optimizer.accumulate_on: host`` the gradient of a micro-batch that does not end the step leaves the device
+as soon as its block's backward is done, in the gradient's own dtype, and a CPU thread adds it in fp32 to the
+block's host gradient buffer, the buffer the optimizer reads at the step. The GPU then holds one block's
+gradient at a time instead of the whole model's (16 GB of bf16 for an 8B model). The step's last micro-batch is
+summed on the device: the controller brings the host sum in, adds it, and sends the total through the usual
+offload (norms, clipping, unscaling).
+
+[Note: host gradient sums]
+Each micro-batch's gradient is converted to fp32 and the sums run in micro-batch order, ((g1 + g2) + g3) + ...:
+what a plain loop's ``.grad`` holds for fp32 parameters, bit for bit (a plain loop with bf16 parameters sums in
+bf16; this sum is exact to fp32). A parameter without a gradient in some micro-batch adds zero there, and it is
+updated at the step when any micro-batch of the step gave it a gradient. The copies off the device go through a
+few block-sized pinned staging buffers (``STAGING_SLOTS``): the backward waits for a free one only when the CPU
+sums fall behind, which bounds the pinned memory and paces the backward to the host's summing rate.
+
+What it leaves out: when a block's gradient is done and the last micro-batch's device-side sum
+(``runtime.controller``), the update itself (``runtime.overlap``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from runtime.blocks import Block
+from tierstore import Handle, TensorMeta, TierName, TierStore
+
+log = logging.getLogger(__name__)
+
+STAGING_SLOTS = 3  # block-sized pinned buffers the gradients leave the device through
+SUM_CHUNK = 1 << 22  # elements converted to fp32 and added at a time (a mixed-dtype add_ is not vectorized)
+_STAGING_KEY = "grad_sum_staging.{}"
+
+
+@dataclass
+class _Pending:
+    """One micro-batch's block gradient on its way into the block's host sum."""
+
+    block: Block
+    handle: Handle  # the copy filling the staging buffer
+    slot: int
+    dtype: torch.dtype  # the gradient's dtype as it left the device
+    first: bool  # the step's first micro-batch for this block: the sum starts from it
+
+
+@dataclass
+class SumStats:
+    """What the host sums cost: seconds the CPU thread spent adding, seconds the backward waited for a staging
+    buffer, and the gradient bytes that left the device."""
+
+    sum_s: float = 0.0
+    staging_wait_s: float = 0.0
+    nbytes: int = 0
+
+
+class HostGradSums:
+    """Sums micro-batch gradients of the given blocks in their host gradient buffers, on one CPU thread."""
+
+    def __init__(self, store: TierStore, blocks: list[Block], slots: int = STAGING_SLOTS):
+        self.store = store
+        self.blocks = {block.index: block for block in blocks}
+        largest = max((block.numel for block in blocks), default=0)
+        self._staging = [_STAGING_KEY.format(i) for i in range(slots)]
+        for key in self._staging:  # fp32-sized: a gradient of any dtype up to fp32 fits
+            store.register(key, TensorMeta(torch.float32, max(largest, 1)), TierName.HOST)
+        self._chunk = torch.empty(min(SUM_CHUNK, max(largest, 1)), dtype=torch.float32)
+        self._cond = threading.Condition()
+        self._free = list(range(slots))
+        self._queue: deque[_Pending] = deque()
+        self._sent = {index: 0 for index in self.blocks}  # micro-batches sent this step (training thread)
+        self._landed = {index: 0 for index in self.blocks}  # of those, summed (this thread)
+        self._had_grad: dict[int, list[bool]] = {}  # per block: parameters with a gradient in a sent micro-batch
+        self._error: BaseException | None = None
+        self._stopping = False
+        self.stats = SumStats()
+        self._thread = threading.Thread(target=self._run, name="tierstore-gradsum", daemon=True)
+        self._thread.start()
+
+    def holds(self, index: int) -> bool:
+        """True when block index's gradients are summed on the host."""
+        return index in self.blocks
+
+    def add(self, block: Block, grad: torch.Tensor, has_grad: list[bool]) -> None:
+        """Send one micro-batch's flat gradient of block (on the device, zeros where ``has_grad`` is False) to its
+        host sum. Returns once the copy is queued; grad's memory is kept until the copy ends."""
+        self._raise_if_failed()
+        index = block.index
+        start = time.perf_counter()
+        with self._cond:
+            while not self._free and self._error is None:
+                self._cond.wait(1.0)
+            self._raise_if_failed()
+            slot = self._free.pop()
+        self.stats.staging_wait_s += time.perf_counter() - start
+        staging = self.store.tensor(self._staging[slot], TierName.HOST).view(grad.dtype)[: grad.numel()]
+        with torch.profiler.record_function("tierstore.grad_to_host_sum"):
+            handle = self.store.engine.d2h(block.key("grad"), grad, staging)
+        self.stats.nbytes += grad.numel() * grad.element_size()
+        previous = self._had_grad.get(index)
+        self._had_grad[index] = has_grad if previous is None else [a or b for a, b in zip(previous, has_grad)]
+        first = self._sent[index] == 0
+        self._sent[index] += 1
+        with self._cond:
+            self._queue.append(_Pending(block, handle, slot, grad.dtype, first))
+            self._cond.notify_all()
+
+    def finish(self, index: int) -> list[bool] | None:
+        """Wait until every micro-batch sent for block index is in its host sum and start the next step's sum.
+        Returns which parameters got a gradient in those micro-batches, or None when none was sent."""
+        with self._cond:
+            while self._landed[index] < self._sent[index] and self._error is None:
+                self._cond.wait(1.0)
+        self._raise_if_failed()
+        had_grad = self._had_grad.pop(index, None)
+        self._sent[index] = self._landed[index] = 0
+        return had_grad
+
+    def reset(self) -> None:
+        """Drop the step's sums (a discarded step): wait for sums in flight, then the next step starts afresh."""
+        with self._cond:
+            while self._queue and self._error is None:
+                self._cond.wait(0.1)
+            for index in self._sent:
+                self._sent[index] = self._landed[index] = 0
+        self._had_grad.clear()
+
+    def close(self) -> None:
+        """Finish the sums in flight, stop the thread and give the staging buffers back (idempotent)."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+        if not self.store.closed:
+            for key in self._staging:
+                self.store.unregister(key)
+
+    # ---- the thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                pending = self._queue[0]
+            try:
+                self._sum(pending)
+            except BaseException as exc:  # surfaced to the training thread at its next add / finish
+                log.exception("summing %s's gradient on the host failed", pending.block.name)
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._queue.popleft()
+                self._free.append(pending.slot)
+                self._landed[pending.block.index] += 1
+                self._cond.notify_all()
+
+    def _sum(self, pending: _Pending) -> None:
+        pending.handle.wait()
+        start = time.perf_counter()
+        numel = pending.block.numel
+        total = self.store.tensor(pending.block.key("grad"), TierName.HOST)
+        grad = self.store.tensor(self._staging[pending.slot], TierName.HOST).view(pending.dtype)[:numel]
+        with torch.profiler.record_function("tierstore.host_grad_sum"):
+            if pending.first:
+                total.copy_(grad)  # a widening copy is vectorized
+            elif grad.dtype == torch.float32:
+                total.add_(grad)
+            else:
+                # A mixed-dtype add_ is not vectorized (10x slower, measured): widen a cache-sized piece at a
+                # time. fp32(g) is exact, so the sum is the same single fp32 addition.
+                for begin in range(0, numel, self._chunk.numel()):
+                    end = min(numel, begin + self._chunk.numel())
+                    piece = self._chunk[: end - begin]
+                    piece.copy_(grad[begin:end])
+                    total[begin:end].add_(piece)
+        self.stats.sum_s += time.perf_counter() - start
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"summing gradients on the host failed: {self._error!r}") from self._error

@@ -1,0 +1,109 @@
+"""HostGradSums on its own (runtime.accumulate): sums in micro-batch order, widens low-precision gradients exactly,
+reports which parameters got a gradient, starts afresh after finish / reset, and surfaces a failed sum."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.accumulate import HostGradSums
+from runtime.blocks import build_blocks
+from tierstore import StoreConfig, TensorMeta, TierName, TierStore
+
+
+@pytest.fixture
+def setup():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    blocks = build_blocks(model, 1)
+    store = TierStore(StoreConfig(device="cpu", pin=False))
+    for block in blocks:
+        store.register(block.key("grad"), TensorMeta(torch.float32, block.numel), TierName.HOST)
+    sums = HostGradSums(store, blocks, slots=2)
+    yield blocks, store, sums
+    sums.close()
+    store.close()
+
+
+def host_sum(store: TierStore, block) -> torch.Tensor:
+    return store.tensor(block.key("grad"), TierName.HOST)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sums_run_in_micro_batch_order_in_fp32(setup, dtype, monkeypatch):
+    monkeypatch.setattr("runtime.accumulate.SUM_CHUNK", 5)  # several widened pieces per block
+    blocks, store, sums = setup
+    sums._chunk = torch.empty(5)
+    block = blocks[0]
+    grads = [torch.randn(block.numel).to(dtype) for _ in range(3)]
+    for grad in grads:
+        sums.add(block, grad, [True] * len(block.slots))
+    assert sums.finish(block.index) == [True] * len(block.slots)
+    expected = (grads[0].float() + grads[1].float()) + grads[2].float()
+    assert torch.equal(host_sum(store, block), expected)
+    assert sums.stats.nbytes == 3 * block.numel * grads[0].element_size()
+
+
+def test_parameters_with_a_gradient_in_any_micro_batch_are_reported(setup):
+    blocks, _, sums = setup
+    block = blocks[0]
+    assert len(block.slots) == 2
+    sums.add(block, torch.zeros(block.numel), [True, False])
+    sums.add(block, torch.zeros(block.numel), [False, False])
+    assert sums.finish(block.index) == [True, False]
+    assert sums.finish(block.index) is None  # nothing sent since: the next step starts afresh
+
+
+def test_after_finish_or_reset_the_next_micro_batch_starts_the_sum(setup):
+    blocks, store, sums = setup
+    block = blocks[1]
+    ones = torch.ones(block.numel)
+    sums.add(block, ones, [True] * len(block.slots))
+    sums.reset()  # a dropped step
+    sums.add(block, 2 * ones, [True] * len(block.slots))
+    sums.finish(block.index)
+    assert torch.equal(host_sum(store, block), 2 * ones)
+
+
+def test_the_backward_waits_for_a_free_staging_buffer(setup, monkeypatch):
+    blocks, _, sums = setup
+    release = threading.Event()
+    original = sums._sum
+    monkeypatch.setattr(sums, "_sum", lambda pending: (release.wait(5), original(pending)))
+    block = blocks[0]
+    sums.add(block, torch.ones(block.numel), [True] * len(block.slots))
+    sums.add(block, torch.ones(block.numel), [True] * len(block.slots))  # both slots taken now
+    third = threading.Thread(target=sums.add, args=(block, torch.ones(block.numel), [True] * len(block.slots)))
+    third.start()
+    third.join(0.2)
+    assert third.is_alive()  # no slot free until a sum lands
+    release.set()
+    third.join(5)
+    assert not third.is_alive()
+    sums.finish(block.index)
+    assert sums.stats.staging_wait_s >= 0.1
+
+
+def test_a_failed_sum_raises_at_finish_and_at_the_next_add(setup, monkeypatch):
+    blocks, _, sums = setup
+
+    def fail(pending):
+        raise OSError("planted")
+
+    monkeypatch.setattr(sums, "_sum", fail)
+    block = blocks[0]
+    sums.add(block, torch.ones(block.numel), [True] * len(block.slots))
+    with pytest.raises(RuntimeError, match="summing gradients on the host failed.*planted"):
+        sums.finish(block.index)
+    with pytest.raises(RuntimeError, match="planted"):
+        sums.add(block, torch.ones(block.numel), [True] * len(block.slots))
+
+
+def test_close_is_idempotent_and_returns_the_staging_buffers(setup):
+    _, store, sums = setup
+    used = store.usage()["host"]["used_nbytes"]
+    sums.close()
+    sums.close()
+    assert store.usage()["host"]["used_nbytes"] < used
