@@ -155,19 +155,21 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
             profiler = Profiler(session, measure_ceilings(session.store)).start()
             for step in range(1, args.steps + 1):
                 t0, before = time.perf_counter(), dict(disk)
-                total = 0.0
+                summed = _sum_counters(session)
+                total = torch.zeros((), device=device)
                 for micro in range(1, accumulation + 1):
                     tokens, _ = data.next()
                     tokens = tokens.to(device)
                     loss = model(input_ids=tokens, labels=tokens).loss  # the model shifts the labels itself
                     (loss / accumulation).backward()
-                    total += loss.item()
-                    print(f"\rstep {step}/{args.steps}: micro-batch {micro}/{accumulation}, loss {total / micro:.4f}",
-                          end="", file=sys.stderr, flush=True)
+                    total += loss.detach()  # no .item() per micro-batch: it would wait for the GPU each time
+                    print(f"\rstep {step}/{args.steps}: micro-batch {micro}/{accumulation}", end="", file=sys.stderr,
+                          flush=True)
                 optimizer.step()
                 optimizer.zero_grad()
-                losses.append(total / accumulation)
+                losses.append(total.item() / accumulation)
                 seconds = time.perf_counter() - t0
+                summed = [after - b for after, b in zip(_sum_counters(session), summed)]
                 tokens_per_s = args.global_batch * args.seq / seconds
                 peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
                 print(f"\rstep {step}/{args.steps}: loss {losses[-1]:.4f}, {seconds:.1f} s, {tokens_per_s:,.0f} tokens/s, "
@@ -175,6 +177,9 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                       f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, NVMe "
                       f"{(disk['read'] - before['read']) / 1e9:.1f} GB read / {(disk['write'] - before['write']) / 1e9:.1f} GB "
                       "written", file=sys.stderr)
+                if session.controller.sums is not None:
+                    print(f"  host gradient sums: {summed[0]:.1f} s of CPU summing, the backward waited {summed[1]:.1f} s "
+                          f"for a sum buffer, {summed[2] / 1e9:.1f} GB off the GPU", file=sys.stderr)
             optimizer.synchronize()  # type: ignore[attr-defined]
             profiler.stop()
             saved = profiler.save(profile_dir, trace=False, plot=False)
@@ -182,6 +187,12 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
     finally:
         session.close()
     return losses
+
+
+def _sum_counters(session) -> list[float]:  # type: ignore[no-untyped-def]
+    """The host gradient sums' counters now (seconds summing, seconds waited for a buffer, bytes)."""
+    sums = session.controller.sums
+    return [0.0, 0.0, 0.0] if sums is None else [sums.stats.sum_s, sums.stats.staging_wait_s, float(sums.stats.nbytes)]
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ Each micro-batch's gradient is converted to fp32 and the sums run in micro-batch
 what a plain loop's ``.grad`` holds for fp32 parameters, bit for bit (a plain loop with bf16 parameters sums in
 bf16; this sum is exact to fp32). A parameter without a gradient in some micro-batch adds zero there, and it is
 updated at the step when any micro-batch of the step gave it a gradient. The copies off the device go through a
-few block-sized pinned staging buffers (``STAGING_SLOTS``): the backward waits for a free one only when the CPU
-sums fall behind, which bounds the pinned memory and paces the backward to the host's summing rate.
+few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
+pieces): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
+(1 GiB, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
 
 What it leaves out: when a block's gradient is done and the last micro-batch's device-side sum
 (``runtime.controller``), the update itself (``runtime.overlap``).
@@ -34,20 +35,23 @@ from tierstore import Handle, TensorMeta, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
-STAGING_SLOTS = 3  # block-sized pinned buffers the gradients leave the device through
+STAGING_SLOTS = 4  # pinned buffers the gradients leave the device through, a piece at a time
+PIECE_NUMEL = 1 << 26  # elements per piece: a buffer holds 256 MiB of fp32, whatever the block's size
 SUM_CHUNK = 1 << 22  # elements converted to fp32 and added at a time (a mixed-dtype add_ is not vectorized)
 _STAGING_KEY = "grad_sum_staging.{}"
 
 
 @dataclass
 class _Pending:
-    """One micro-batch's block gradient on its way into the block's host sum."""
+    """A piece of one micro-batch's block gradient on its way into the block's host sum."""
 
     block: Block
     handle: Handle  # the copy filling the staging buffer
     slot: int
     dtype: torch.dtype  # the gradient's dtype as it left the device
     first: bool  # the step's first micro-batch for this block: the sum starts from it
+    begin: int  # the piece's elements in the block's flat gradient
+    end: int
 
 
 @dataclass
@@ -66,15 +70,15 @@ class HostGradSums:
     def __init__(self, store: TierStore, blocks: list[Block], slots: int = STAGING_SLOTS):
         self.store = store
         self.blocks = {block.index: block for block in blocks}
-        largest = max((block.numel for block in blocks), default=0)
+        self.piece_numel = max(1, min(PIECE_NUMEL, max((block.numel for block in blocks), default=1)))
         self._staging = [_STAGING_KEY.format(i) for i in range(slots)]
         for key in self._staging:  # fp32-sized: a gradient of any dtype up to fp32 fits
-            store.register(key, TensorMeta(torch.float32, max(largest, 1)), TierName.HOST)
-        self._chunk = torch.empty(min(SUM_CHUNK, max(largest, 1)), dtype=torch.float32)
+            store.register(key, TensorMeta(torch.float32, self.piece_numel), TierName.HOST)
+        self._chunk = torch.empty(min(SUM_CHUNK, self.piece_numel), dtype=torch.float32)
         self._cond = threading.Condition()
         self._free = list(range(slots))
         self._queue: deque[_Pending] = deque()
-        self._sent = {index: 0 for index in self.blocks}  # micro-batches sent this step (training thread)
+        self._sent = {index: 0 for index in self.blocks}  # pieces sent this step (training thread)
         self._landed = {index: 0 for index in self.blocks}  # of those, summed (this thread)
         self._had_grad: dict[int, list[bool]] = {}  # per block: parameters with a gradient in a sent micro-batch
         self._error: BaseException | None = None
@@ -92,6 +96,23 @@ class HostGradSums:
         host sum. Returns once the copy is queued; grad's memory is kept until the copy ends."""
         self._raise_if_failed()
         index = block.index
+        previous = self._had_grad.get(index)
+        self._had_grad[index] = has_grad if previous is None else [a or b for a, b in zip(previous, has_grad)]
+        first = self._sent[index] == 0
+        for begin in range(0, block.numel, self.piece_numel):
+            end = min(block.numel, begin + self.piece_numel)
+            slot = self._free_slot()
+            staging = self.store.tensor(self._staging[slot], TierName.HOST).view(grad.dtype)[: end - begin]
+            with torch.profiler.record_function("tierstore.grad_to_host_sum"):
+                handle = self.store.engine.d2h(block.key("grad"), grad[begin:end], staging)
+            self.stats.nbytes += (end - begin) * grad.element_size()
+            self._sent[index] += 1
+            with self._cond:
+                self._queue.append(_Pending(block, handle, slot, grad.dtype, first, begin, end))
+                self._cond.notify_all()
+
+    def _free_slot(self) -> int:
+        """A staging buffer no sum is using (waits for one)."""
         start = time.perf_counter()
         with self._cond:
             while not self._free and self._error is None:
@@ -99,17 +120,7 @@ class HostGradSums:
             self._raise_if_failed()
             slot = self._free.pop()
         self.stats.staging_wait_s += time.perf_counter() - start
-        staging = self.store.tensor(self._staging[slot], TierName.HOST).view(grad.dtype)[: grad.numel()]
-        with torch.profiler.record_function("tierstore.grad_to_host_sum"):
-            handle = self.store.engine.d2h(block.key("grad"), grad, staging)
-        self.stats.nbytes += grad.numel() * grad.element_size()
-        previous = self._had_grad.get(index)
-        self._had_grad[index] = has_grad if previous is None else [a or b for a, b in zip(previous, has_grad)]
-        first = self._sent[index] == 0
-        self._sent[index] += 1
-        with self._cond:
-            self._queue.append(_Pending(block, handle, slot, grad.dtype, first))
-            self._cond.notify_all()
+        return slot
 
     def finish(self, index: int) -> list[bool] | None:
         """Wait until every micro-batch sent for block index is in its host sum and start the next step's sum.
@@ -170,8 +181,8 @@ class HostGradSums:
     def _sum(self, pending: _Pending) -> None:
         pending.handle.wait()
         start = time.perf_counter()
-        numel = pending.block.numel
-        total = self.store.tensor(pending.block.key("grad"), TierName.HOST)
+        numel = pending.end - pending.begin
+        total = self.store.tensor(pending.block.key("grad"), TierName.HOST)[pending.begin : pending.end]
         grad = self.store.tensor(self._staging[pending.slot], TierName.HOST).view(pending.dtype)[:numel]
         with torch.profiler.record_function("tierstore.host_grad_sum"):
             if pending.first:

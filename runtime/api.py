@@ -25,7 +25,8 @@ from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
-from runtime.plan import Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments
+from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
+                          spill_order)
 from runtime.signals import stop_on_sigterm
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
@@ -392,7 +393,9 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     # the first thing given up (before spilling moments to disk): without them a step is only slower.
     spares = not spilled and waits_for_commit(cfg) and planned_ram_nbytes(
         plan_for(blocks, cfg, homes, source, dtype, spares=True, placement=placement), cfg.tiers.nvme.path) <= limit
-    spilled_blocks = frozenset(host_updated[len(host_updated) - spilled:]) if spilled else frozenset()
+    streamed = len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction))
+    order = spill_order([blocks[i].numel for i in host_updated], streamed)
+    spilled_blocks = frozenset(host_updated[p] for p in order[:spilled])
     plan = plan_for(blocks, cfg, homes, source, dtype, spilled, spares, placement=placement)
     plan.notes = placement.notes
     if cfg.optimizer.accumulate_on == "auto" and cfg.optimizer.accumulation_steps > 1:

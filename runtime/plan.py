@@ -14,11 +14,11 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from runtime.accumulate import STAGING_SLOTS
+from runtime.accumulate import PIECE_NUMEL, STAGING_SLOTS
 from runtime.config import TierstoreConfig
 from runtime.hostmem import HostMemory, host_memory, ram_backed
 from runtime.units import approx_size
@@ -116,14 +116,16 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     def host_bytes(numel: int, itemsize: int) -> int:
         return align_up(max(numel * itemsize, 1), IO_ALIGNMENT)
 
-    kept = len(block_numels) - spilled
+    on_disk = set(spill_order(block_numels, streamed)[:spilled])
+    kept_numels = [n for p, n in enumerate(block_numels) if p not in on_disk]
+    spilled_numels = [n for p, n in enumerate(block_numels) if p in on_disk]
     for kind in STATE_KINDS:
         tier = homes[kind]
         if tier == "host" and kind != "master" and spilled:
-            plan.rows.append((f"{kind} (fp32, first {kept} blocks)", "host", sum(host_bytes(n, 4) for n in block_numels[:kept])))
-            plan.rows.append((f"{kind} (fp32, last {spilled} blocks)", "nvme",
-                              sum(HEADER_NBYTES + host_bytes(n, 4) for n in block_numels[kept:])))
-            plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, spilled) * host_bytes(max(block_numels[kept:]), 4)))
+            plan.rows.append((f"{kind} (fp32, {len(kept_numels)} blocks)", "host", sum(host_bytes(n, 4) for n in kept_numels)))
+            plan.rows.append((f"{kind} (fp32, {spilled} spilled blocks)", "nvme",
+                              sum(HEADER_NBYTES + host_bytes(n, 4) for n in spilled_numels)))
+            plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, spilled) * host_bytes(max(spilled_numels), 4)))
         elif tier == "host":
             plan.rows.append((f"{kind} (fp32)", "host", sum(host_bytes(n, 4) for n in block_numels)))
         elif tier == "nvme":
@@ -131,7 +133,7 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
             plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * host_bytes(largest, 4)))
     plan.rows.append(("gradients (fp32, offloaded)", "host", sum(host_bytes(n, 4) for n in block_numels[streamed:])))
     if spares and all(homes[kind] == "host" for kind in STATE_KINDS):
-        speculating = block_numels[streamed:len(block_numels) - spilled]
+        speculating = [n for p, n in enumerate(block_numels) if p >= streamed and p not in on_disk]
         plan.rows.append((PRE_COMMIT_BUFFERS, "host",
                           len(STATE_KINDS) * sum(host_bytes(n, 4) for n in speculating)))
     if streamed:
@@ -153,19 +155,32 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
         if on_device:
             plan.rows.append(("accumulated gradients (GPU-updated)", "gpu", on_device * compute_itemsize))
         if block_numels[streamed:]:
-            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS} blocks)", "host",
-                              STAGING_SLOTS * host_bytes(max(block_numels[streamed:]), 4)))
+            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS})", "host",
+                              STAGING_SLOTS * host_bytes(min(PIECE_NUMEL, max(block_numels[streamed:])), 4)))
             plan.rows.append(("gradient assembly: host sum (fp32)", "gpu", max(block_numels[streamed:]) * 4))
     elif accumulation_steps > 1:
         plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))
     return plan
 
 
+def spill_order(block_numels: Sequence[int], streamed: int = 0) -> list[int]:
+    """Positions of the host-updated blocks (``block_numels``, forward order; the first ``streamed`` never spill) in
+    the order their moments go to NVMe. The last blocks first: their gradients arrive first in backward, so their
+    updates have the most time to hide the disk, and the next forward needs them last. But blocks more than twice
+    the median size (a large vocabulary's embedding and head) go after all the others: every staging room for
+    spilled moments is as large as the largest spilled block, so one such block spilled would multiply them."""
+    candidates = list(range(len(block_numels) - 1, streamed - 1, -1))
+    if not candidates:
+        return []
+    sizes = sorted(block_numels[p] for p in candidates)
+    oversized = 2 * sizes[len(sizes) // 2]
+    return [p for p in candidates if block_numels[p] <= oversized] + [p for p in candidates if block_numels[p] > oversized]
+
+
 def spill_moments(make: Callable[[int], MemoryPlan], num_blocks: int, host_limit_nbytes: int) -> int:
-    """How many of the last blocks must keep their moments on NVMe for the plan's pinned memory to fit
-    ``host_limit_nbytes``: the fewest that fit, or ``num_blocks`` (all that may spill) when even that does
-    not. ``make(spilled)`` builds the plan for a count. The last blocks spill first: their gradients arrive first in backward, so their
-    updates have the most time to hide the disk, and the next forward needs them last."""
+    """How many blocks must keep their moments on NVMe for the plan's pinned memory to fit ``host_limit_nbytes``,
+    taken in ``spill_order``: the fewest that fit, or ``num_blocks`` (all that may spill) when even that does not.
+    ``make(spilled)`` builds the plan for a count."""
     for spilled in range(num_blocks + 1):
         if make(spilled).host_nbytes <= host_limit_nbytes:
             return spilled

@@ -35,8 +35,9 @@ if [[ $what == train || $what == all ]]; then
 fi
 if [[ $what == finetune ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
   mkdir -p /var/tmp/ts-8b
-  python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b 2>&1 | tee "$OUT/finetune_plan.log"
-  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} 2>&1 | tee "$OUT/finetune.log" | tail -40
+  # FT_ARGS: e.g. "--global-batch 8 --micro-batch 2" (a shorter step, another micro-batch)
+  python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan.log"
+  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune.log" | tr '\r' '\n' | tail -60
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40

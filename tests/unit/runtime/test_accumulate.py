@@ -22,6 +22,7 @@ def setup():
     for block in blocks:
         store.register(block.key("grad"), TensorMeta(torch.float32, block.numel), TierName.HOST)
     sums = HostGradSums(store, blocks, slots=2)
+    sums.piece_numel = 16  # blocks of 72 and 27 elements travel in several pieces (buffers hold 72)
     yield blocks, store, sums
     sums.close()
     store.close()
@@ -69,6 +70,7 @@ def test_after_finish_or_reset_the_next_micro_batch_starts_the_sum(setup):
 
 def test_the_backward_waits_for_a_free_staging_buffer(setup, monkeypatch):
     blocks, _, sums = setup
+    sums.piece_numel = blocks[0].numel  # one piece a micro-batch
     release = threading.Event()
     original = sums._sum
     monkeypatch.setattr(sums, "_sum", lambda pending: (release.wait(5), original(pending)))
@@ -94,6 +96,7 @@ def test_a_failed_sum_raises_at_finish_and_at_the_next_add(setup, monkeypatch):
 
     monkeypatch.setattr(sums, "_sum", fail)
     block = blocks[0]
+    sums.piece_numel = block.numel  # one piece: the add returns before the sum fails
     sums.add(block, torch.ones(block.numel), [True] * len(block.slots))
     with pytest.raises(RuntimeError, match="summing gradients on the host failed.*planted"):
         sums.finish(block.index)

@@ -271,7 +271,7 @@ def test_host_sums_leave_device_updated_blocks_summing_on_the_device():
     rows = {kind: (tier, nbytes) for kind, tier, nbytes in on_host.rows}
     assert dict((k, n) for k, _, n in on_gpu.rows)["accumulated gradients"] == 10 * 10**6 * 2
     assert rows["accumulated gradients (GPU-updated)"] == ("gpu", 5 * 10**6 * 2)  # 2 updated + 3 streamed
-    assert rows["gradient sum buffers (3 blocks)"][0] == "host"
+    assert rows["gradient sum buffers (4)"][0] == "host"
 
 
 @pytest.mark.parametrize("budget_grads,accumulate_on,steps,expected", [
@@ -289,3 +289,16 @@ def test_accumulate_on_resolves_from_the_gpu_budget(budget_grads, accumulate_on,
     cfg = load_config({"dtype": "bf16", "tiers": {"gpu": {"budget": budget_grads * grads_nbytes}},
                        "optimizer": {"accumulation_steps": steps, "accumulate_on": accumulate_on}})
     assert sums_on_host(blocks, cfg, torch.device("cpu")) is expected
+
+
+def test_oversized_blocks_spill_their_moments_last():
+    """An embedding-sized block spilled would make every staging room its size: it spills after the layers."""
+    from runtime.plan import spill_order
+
+    numels = [50, 10, 10, 10, 10, 50]  # embedding, four layers, head
+    assert spill_order(numels) == [4, 3, 2, 1, 5, 0]
+    assert spill_order(numels, streamed=2) == [4, 3, 2, 5]  # streamed blocks never spill
+    homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
+    plan = make_plan([n * 1024 for n in numels], homes, "master", 2, 2, 1, spilled=3)
+    rows = {kind: nbytes for kind, _, nbytes in plan.rows}
+    assert rows["exp_avg staging"] == 3 * 10 * 1024 * 4  # rooms of a layer's size, not the head's
