@@ -75,6 +75,7 @@ class StepStats:
     # redone its early updates (it clipped or overflowed), so this one was not expected to keep them.
     speculation_paused: int = 0
     early_updates: int = 0  # host updates queued to run before their commit (each is published or redone)
+    early_reads: int = 0  # spilled blocks whose moments were read from NVMe during the micro-batches, before the commit
 
 
 # Why the training thread waited (StallEvent.cause).
@@ -155,6 +156,7 @@ class Controller:
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
         hosted = [b for b in blocks if b.index not in self.gpu_updated and b.index not in self.gpu_streamed]
+        self._spilled_in_update_order = sorted(options.spilled_blocks)  # deferred updates run in forward order
         self.sums: HostGradSums | None = None  # [Note: host gradient sums]
         if options.host_sums and options.accumulation_steps > 1 and hosted:
             self.sums = HostGradSums(store, hosted)
@@ -372,6 +374,8 @@ class Controller:
             if not self._backward_active:
                 self._begin_streaming()
             self.writebacks.settle()
+        if not self._backward_active and self._deferred and self._spilled_in_update_order:
+            self._read_spilled_early()
         self._backward_active = True
         for index in indices:
             self.schedule.observe(index, "bwd")
@@ -384,6 +388,18 @@ class Controller:
                 self._stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1),
                                       always=0 if self._deferred else 2)
         self._prefetch()
+
+    def _read_spilled_early(self) -> None:
+        """Updates that wait for the commit run in forward order, and each spilled block's update first reads its
+        moments from NVMe. The moments of this step's updates are fixed since the last commit, so read the first
+        spilled blocks' into the host staging room now, while the micro-batches compute: at the commit their updates
+        find them in memory. Asked at every backward (a room still held by the last step's write-backs may be free
+        by the next); a full room stops it quietly."""
+        for index in self._spilled_in_update_order:
+            staged, accepted = self.worker.stage(self.blocks[index])
+            if not accepted:
+                return
+            self.stats.early_reads += staged
 
     def _begin_streaming(self) -> None:
         """The backward that ends in an update starts: note the memory in use now, at the end of the forward
@@ -486,14 +502,10 @@ class Controller:
         return flat
 
     def _send_to_host_sum(self, block: Block) -> None:
-        """A micro-batch that does not end the step: the block's gradient joins its host sum, in its own dtype
-        when every parameter's gradient has the same one (half the PCIe bytes of fp32 for bf16)."""
+        """A micro-batch that does not end the step: the block's gradient, as fp32, joins its host sum."""
         present = [slot.param.grad is not None for slot in block.slots]
-        if not any(present):
-            return
-        dtypes = {slot.param.grad.dtype for slot, has in zip(block.slots, present) if has}
-        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self.sums.add(block, self._assemble(block, present, dtype), present)  # type: ignore[union-attr]
+        if any(present):
+            self.sums.add(block, self._assemble(block, present, torch.float32), present)  # type: ignore[union-attr]
 
     def _offload_grads(self, block: Block) -> None:
         """Assemble the block's fp32 gradient on the device (adding the host sum of the step's earlier

@@ -36,7 +36,7 @@ from runtime.clipping import scale_slots
 from runtime.plan import STATE_KINDS
 from runtime.speculation import SpareBuffers
 from runtime.weights import WeightManager, WeightSource
-from tierstore import CapacityError, Handle, TierName, TierStore, close_at_exit
+from tierstore import CapacityError, CopyState, Handle, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,11 @@ class UpdateWorker:
     def _publish_job(job: UpdateJob) -> UpdateJob:
         return dataclasses.replace(job, speculative=False, publish=True, phase=JobPhase.QUEUED, verdict=None)
 
-    def stage(self, block: Block) -> None:
-        """Start bringing block's optimizer state to host early (e.g. when its backward begins)."""
-        self._issue_staging(block)
+    def stage(self, block: Block) -> tuple[bool, bool]:
+        """Start bringing block's optimizer state to host early (e.g. when its backward begins). Returns whether
+        a read from NVMe started now, and whether the state is (or will be) on host: False when the host staging
+        room is full."""
+        return self._issue_staging(block)
 
     # ---- consumer side -------------------------------------------------------------------------------
     def is_updated(self, index: int, step: int) -> bool:
@@ -264,12 +266,17 @@ class UpdateWorker:
         for job in upcoming:
             self._issue_staging(job.block)
 
-    def _issue_staging(self, block: Block) -> None:
+    def _issue_staging(self, block: Block) -> tuple[bool, bool]:
+        started = False
         for kind in STATE_KINDS:
+            key = block.key(kind)
+            absent = self.store.state(key, TierName.HOST) is CopyState.ABSENT
             try:
-                self.store.fetch(block.key(kind), TierName.HOST)
+                self.store.fetch(key, TierName.HOST)
+                started |= absent
             except CapacityError:
-                return  # host staging room is full: the job fetches when it runs
+                return started, False  # host staging room is full: the job fetches when it runs
+        return started, True
 
     def _run_job(self, job: UpdateJob) -> None:
         if job.publish:

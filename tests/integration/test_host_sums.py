@@ -46,8 +46,7 @@ def train_both(config: dict, accumulation: int, *, shape: ModelShape = SHAPE, ch
         weights = session.master_state_dict()
         stats = session.controller.stats
     hosted = sum(block.numel for block in session.blocks)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    assert sums.stats.nbytes == steps * (accumulation - 1) * hosted * itemsize  # every non-final gradient left
+    assert sums.stats.nbytes == steps * (accumulation - 1) * hosted * 4  # every non-final gradient left, as fp32
     return ours, theirs, weights, reference, stats
 
 

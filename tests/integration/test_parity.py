@@ -315,3 +315,28 @@ def test_streaming_ahead_stays_within_the_planned_gpu_budget():
     (free_early, streamed), (capped_early, _) = counts
     assert streamed > 4 and free_early == streamed  # unbounded: every streamed block before the first write-back
     assert capped_early == 3, counts  # the plan's three: the next, the updated, the written back
+
+
+def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
+    """Clipping, accumulation summed on the host and moments spilled past the host budget (the 8B scenario's
+    configuration): the first spilled blocks' moments are read while the micro-batches compute, and training is
+    unchanged."""
+    from runtime.api import resolve_plan, resolve_device
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.plan import PRE_COMMIT_BUFFERS
+
+    base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
+            "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}}
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    blocks = build_blocks(ExampleLM(shape), load_config(base).blocks.min_block_size)
+    plan = resolve_plan(blocks, load_config(base), resolve_device(load_config(base))).plan
+    spares = sum(nbytes for kind, _, nbytes in plan.rows if kind == PRE_COMMIT_BUFFERS)  # given up first
+    base["tiers"]["host"] = {"budget": plan.host_nbytes - spares - 8192}
+    resolved = resolve_plan(blocks, load_config(base), resolve_device(load_config(base)))
+    assert 0 < len(resolved.spilled_blocks) < len(blocks)
+    ours, theirs, weights, reference, events, (stats, _, _) = run_both(base, shape=shape)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert stats.early_reads > 0
+    assert nbytes_moved(events, "read") > 0

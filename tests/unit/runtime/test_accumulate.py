@@ -1,5 +1,4 @@
-"""HostGradSums on its own (runtime.accumulate): sums in micro-batch order, widens low-precision gradients exactly,
-reports which parameters got a gradient, starts afresh after finish / reset, and surfaces a failed sum."""
+"""HostGradSums on its own (runtime.accumulate): sums in micro-batch order piece by piece, reports which parameters got a gradient, starts afresh after finish / reset, and surfaces a failed sum."""
 
 from __future__ import annotations
 
@@ -32,19 +31,21 @@ def host_sum(store: TierStore, block) -> torch.Tensor:
     return store.tensor(block.key("grad"), TierName.HOST)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sums_run_in_micro_batch_order_in_fp32(setup, dtype, monkeypatch):
-    monkeypatch.setattr("runtime.accumulate.SUM_CHUNK", 5)  # several widened pieces per block
+def test_sums_run_in_micro_batch_order_piece_by_piece(setup):
     blocks, store, sums = setup
-    sums._chunk = torch.empty(5)
     block = blocks[0]
-    grads = [torch.randn(block.numel).to(dtype) for _ in range(3)]
+    grads = [torch.randn(block.numel) for _ in range(3)]
     for grad in grads:
         sums.add(block, grad, [True] * len(block.slots))
     assert sums.finish(block.index) == [True] * len(block.slots)
-    expected = (grads[0].float() + grads[1].float()) + grads[2].float()
-    assert torch.equal(host_sum(store, block), expected)
-    assert sums.stats.nbytes == 3 * block.numel * grads[0].element_size()
+    assert torch.equal(host_sum(store, block), (grads[0] + grads[1]) + grads[2])
+    assert sums.stats.nbytes == 3 * block.numel * 4
+
+
+def test_a_gradient_other_than_the_block_s_flat_fp32_is_refused(setup):
+    blocks, _, sums = setup
+    with pytest.raises(ValueError, match="flat fp32 gradient"):
+        sums.add(blocks[0], torch.zeros(blocks[0].numel, dtype=torch.bfloat16), [True] * len(blocks[0].slots))
 
 
 def test_parameters_with_a_gradient_in_any_micro_batch_are_reported(setup):
