@@ -38,6 +38,35 @@ from runtime.plan import PlanError
 from runtime.profiler import Profiler, measure_ceilings
 from runtime.units import approx_size, parse_size
 
+class PiecewiseLossLM(torch.nn.Module):
+    """The causal LM with its loss taken a piece of the sequence at a time: the logits of a 128k vocabulary for a
+    whole micro-batch never exist at once (4 sequences of 4096 tokens: 8.4 GB in fp32, as much again for their
+    gradient, more than the rest of a step under a 24 GiB cap). Each piece's logits are recomputed in backward
+    (activation checkpointing), so the head runs once per piece in each pass. The mean over tokens is the same
+    sum HF's loss takes, added piece by piece."""
+
+    def __init__(self, lm: torch.nn.Module, piece_tokens: int):
+        super().__init__()
+        self.lm = lm
+        self.piece_tokens = piece_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        hidden = self.lm.model(input_ids=input_ids).last_hidden_state[:, :-1]
+        labels = input_ids[:, 1:]
+        positions = max(1, self.piece_tokens // input_ids.shape[0])
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, labels.shape[1], positions):
+            piece = slice(start, start + positions)
+            total = total + checkpoint(self._piece_loss, hidden[:, piece], labels[:, piece], use_reentrant=False)
+        return total / labels.numel()
+
+    def _piece_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm.lm_head(hidden).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+
+
 LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
 
 
@@ -56,6 +85,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if args.loss_piece:
+        return PiecewiseLossLM(model, args.loss_piece).train()
     return model.train()
 
 
@@ -79,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward (default 1)")
     parser.add_argument("--global-batch", type=int, default=64, help="sequences per optimizer step (default 64)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
+    parser.add_argument("--loss-piece", type=int, default=2048,
+                        help="tokens whose logits exist at once in the loss (default 2048; 0: HF's own loss, all at once)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--gpu-cap", default="24GiB", help="GPU memory for the whole process (default 24GiB)")
     parser.add_argument("--host-budget", default="100GiB", help="tierstore's pinned memory at most (default 100GiB)")
@@ -160,7 +193,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                 for micro in range(1, accumulation + 1):
                     tokens, _ = data.next()
                     tokens = tokens.to(device)
-                    loss = model(input_ids=tokens, labels=tokens).loss  # the model shifts the labels itself
+                    loss = model(tokens) if args.loss_piece else model(input_ids=tokens, labels=tokens).loss
                     (loss / accumulation).backward()
                     total += loss.detach()  # no .item() per micro-batch: it would wait for the GPU each time
                     print(f"\rstep {step}/{args.steps}: micro-batch {micro}/{accumulation}", end="", file=sys.stderr,

@@ -34,6 +34,18 @@ def test_trains_with_falling_loss_and_prints_each_step(tmp_path, capsys):
     assert err.count("model TFLOP/s") == 4 and "micro-batch 2/2" in err
 
 
+@pytest.mark.parametrize("piece", [0, 40])
+def test_the_loss_taken_piecewise_trains_like_hf_s_own(tmp_path, capsys, piece):
+    """--loss-piece 40: the head runs on 20 positions of 2 sequences at a time (4 pieces of 63), HF's loss not at
+    all; 0: HF's own loss. Both train with falling loss."""
+    example = load_example()
+    code = example.main(SMALL + ["--global-batch", "4", "--micro-batch", "2", "--steps", "4", "--lr", "3e-3",
+                                 "--nvme-dir", str(tmp_path), "--host-budget", "1GiB", "--loss-piece", str(piece)])
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    assert "finite and falling" in err
+
+
 def test_plan_only_shows_the_spill_and_whether_it_fits(tmp_path, capsys):
     example = load_example()
     # A host budget too small for every block's moments: the last blocks' moments are planned on NVMe.
@@ -49,3 +61,24 @@ def test_plan_only_refuses_what_this_machine_cannot_hold(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert "does not fit this machine" in out and "tiers.host.budget" in out
+
+
+def test_the_piecewise_loss_and_its_gradients_equal_hf_s():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    example = load_example()
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=97, max_position_embeddings=64)
+    hf = LlamaForCausalLM(config)
+    tokens = torch.randint(0, 97, (3, 50))
+    expected = hf(input_ids=tokens, labels=tokens).loss
+    expected.backward()
+    grads = {name: p.grad.clone() for name, p in hf.named_parameters()}
+    hf.zero_grad()
+    loss = example.PiecewiseLossLM(hf, piece_tokens=40)(tokens)  # 13 positions of 3 sequences a piece: 4 pieces
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)
