@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in LLAMA3_8B.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value, help=f"model shape (default {value})")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward (default 1)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward (default 4)")
     parser.add_argument("--global-batch", type=int, default=64, help="sequences per optimizer step (default 64)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps (default 2)")
     parser.add_argument("--loss-piece", type=int, default=2048,
