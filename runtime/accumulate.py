@@ -11,8 +11,10 @@ offload (norms, clipping, unscaling).
 Each micro-batch's gradient is converted to fp32 on the device and the sums run in micro-batch order,
 ((g1 + g2) + g3) + ...:
 what a plain loop's ``.grad`` holds for fp32 parameters, bit for bit (a plain loop with bf16 parameters sums in
-bf16; this sum is exact to fp32). A parameter without a gradient in some micro-batch adds zero there, and it is
-updated at the step when any micro-batch of the step gave it a gradient. The copies off the device go through a
+bf16; this sum is exact to fp32). A parameter without a gradient in some micro-batch adds zero there (exact, but
+for the sign of a zero), and it is updated at the step when any micro-batch of the step gave it a gradient.
+Between micro-batches the parameter's ``.grad`` is an ``OffloadedGrad`` standing for the host sum (runtime.clipping):
+``model.zero_grad()`` (either form) drops it, as plain PyTorch drops its ``.grad``; reading its values raises. The copies off the device go through a
 few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
 pieces): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
 (1 GiB, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate. fp32
@@ -92,9 +94,10 @@ class HostGradSums:
         """True when block index's gradients are summed on the host."""
         return index in self.blocks
 
-    def add(self, block: Block, grad: torch.Tensor, has_grad: list[bool]) -> None:
+    def add(self, block: Block, grad: torch.Tensor, has_grad: list[bool]) -> float:
         """Send one micro-batch's flat fp32 gradient of block (on the device, zeros where ``has_grad`` is False) to
-        its host sum. Returns once the copies are queued; grad's memory is kept until they end."""
+        its host sum. Returns once the copies are queued (grad's memory is kept until they end), with the seconds
+        it waited for a free staging buffer."""
         if grad.dtype != torch.float32 or grad.numel() != block.numel:
             raise ValueError(f"{block.name}: a host sum takes the block's flat fp32 gradient, got {grad.dtype} x{grad.numel()}")
         self._raise_if_failed()
@@ -102,34 +105,70 @@ class HostGradSums:
         previous = self._had_grad.get(index)
         self._had_grad[index] = has_grad if previous is None else [a or b for a, b in zip(previous, has_grad)]
         first = self._sent[index] == 0
+        waited = 0.0
         for begin in range(0, block.numel, self.piece_numel):
             end = min(block.numel, begin + self.piece_numel)
-            slot = self._free_slot()
-            staging = self.store.tensor(self._staging[slot], TierName.HOST)[: end - begin]
-            with torch.profiler.record_function("tierstore.grad_to_host_sum"):
-                handle = self.store.engine.d2h(block.key("grad"), grad[begin:end], staging)
+            slot, seconds = self._free_slot()
+            waited += seconds
+            try:
+                staging = self.store.tensor(self._staging[slot], TierName.HOST)[: end - begin]
+                with torch.profiler.record_function("tierstore.grad_to_host_sum"):
+                    handle = self.store.engine.d2h(block.key("grad"), grad[begin:end], staging)
+            except BaseException:
+                with self._cond:  # the buffer was never handed to a copy: give it back
+                    self._free.append(slot)
+                    self._cond.notify_all()
+                raise
             self.stats.nbytes += (end - begin) * 4
-            self._sent[index] += 1
             with self._cond:
+                self._sent[index] += 1
                 self._queue.append(_Pending(block, handle, slot, first, begin, end))
                 self._cond.notify_all()
+        return waited
 
-    def _free_slot(self) -> int:
-        """A staging buffer no sum is using (waits for one)."""
-        start = time.perf_counter()
+    def _free_slot(self) -> tuple[int, float]:
+        """A staging buffer no sum is using (waits for one), and the seconds waited (0 when one was free)."""
         with self._cond:
-            while not self._free and self._error is None:
+            if self._free:
+                return self._free.pop(), 0.0
+            start = time.perf_counter()
+            while not self._free and self._error is None and not self._stopping:
                 self._cond.wait(1.0)
             self._raise_if_failed()
+            if not self._free:
+                raise RuntimeError("the host gradient sums were closed while a gradient was being sent")
             slot = self._free.pop()
-        self.stats.staging_wait_s += time.perf_counter() - start
-        return slot
+        waited = time.perf_counter() - start
+        self.stats.staging_wait_s += waited
+        return slot, waited
+
+    def has_grad(self, index: int, position: int) -> bool:
+        """Whether parameter ``position`` of block index got a gradient in a micro-batch sent this step."""
+        had_grad = self._had_grad.get(index)
+        return had_grad is not None and had_grad[position]
+
+    def drop(self, index: int, position: int) -> None:
+        """``p.grad = None`` between micro-batches for parameter ``position`` of block index: as plain PyTorch drops
+        the gradient summed so far, zero that parameter's part of the host sum (once the pieces in flight have
+        landed) and forget that it had one; a later micro-batch's gradient then starts it afresh (0 + g = g)."""
+        if index not in self.blocks:
+            return
+        with self._cond:
+            while self._landed[index] < self._sent[index] and self._error is None and not self._stopping:
+                self._cond.wait(1.0)
+        self._raise_if_failed()
+        had_grad = self._had_grad.get(index)
+        if not self._sent[index] or had_grad is None or not had_grad[position]:
+            return
+        slot = self.blocks[index].slots[position]
+        self.store.tensor(self.blocks[index].key("grad"), TierName.HOST)[slot.offset : slot.offset + slot.numel].zero_()
+        had_grad[position] = False
 
     def finish(self, index: int) -> list[bool] | None:
         """Wait until every micro-batch sent for block index is in its host sum and start the next step's sum.
         Returns which parameters got a gradient in those micro-batches, or None when none was sent."""
         with self._cond:
-            while self._landed[index] < self._sent[index] and self._error is None:
+            while self._landed[index] < self._sent[index] and self._error is None and not self._stopping:
                 self._cond.wait(1.0)
         self._raise_if_failed()
         had_grad = self._had_grad.pop(index, None)
@@ -154,6 +193,10 @@ class HostGradSums:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join()
+        with self._cond:  # a failed thread left pieces queued: their copies may still write into the buffers
+            left, self._queue = list(self._queue), deque()
+        for pending in left:
+            pending.handle._wait_complete()
         if not self.store.closed:
             for key in self._staging:
                 self.store.unregister(key)

@@ -99,7 +99,10 @@ class GradClipper:
         """``param.grad`` as the user sees it: the real one, or the stand-in of one that left the device."""
         slot = self.controller.param_slot.get(id(param))
         if slot is None or slot not in self._proxies:
-            return torch.Tensor.grad.__get__(param)
+            grad = torch.Tensor.grad.__get__(param)
+            if grad is None and slot is not None and self.controller.host_sum_holds(slot):
+                return OffloadedGrad(param, self, slot)  # between micro-batches, summed in host memory
+            return grad
         proxy = self._proxies[slot]
         if proxy is None:
             proxy = self._proxies[slot] = OffloadedGrad(param, self, slot)
@@ -110,6 +113,9 @@ class GradClipper:
         update, as plain PyTorch skips a parameter without gradient; with streaming updates, which already ran,
         it raises. Assigning a gradient there raises."""
         slot = self.controller.param_slot.get(id(param))
+        if slot is not None and slot not in self._proxies:
+            # Between micro-batches: what the step summed on the host so far goes, as the plain .grad would.
+            self.controller.drop_host_sum(slot)
         if slot is None or slot not in self._proxies:
             return
         name = self.controller.blocks[slot[0]].slots[slot[1]].name
@@ -136,6 +142,8 @@ class GradClipper:
             if func in _GRAD_METADATA:
                 return func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
+        if grads[0].slot not in self._proxies:  # between micro-batches: the gradient is a sum in host memory
+            return self._host_sum_call(func, name, args, grads[0])
         if func is torch._foreach_norm or func in _NORM_CALLS:
             order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
             if order not in (2, 2.0, "fro", None) or kwargs.get("dim") is not None:
@@ -151,6 +159,23 @@ class GradClipper:
             f"{name} on the gradient of {self._name(grads[0])}: that gradient already left the device for the "
             "pending step. Its norm and clip_grad_norm_ work; for the last step's global norm read "
             "optimizer.last_grad_norm")
+
+    def _host_sum_call(self, func: Any, name: str, args: tuple[Any, ...], grad: OffloadedGrad) -> Any:
+        """A call on a gradient summed in host memory between micro-batches: what ``model.zero_grad()`` does to it
+        (with ``set_to_none=False``: ``grad_fn``, ``detach_``, ``zero_``) drops the sum so far, as plain PyTorch
+        zeroes its ``.grad``; anything else raises."""
+        if func == torch.Tensor.grad_fn.__get__:
+            return None
+        if func == torch.Tensor.detach_:
+            return args[0]
+        if func == torch.Tensor.zero_:
+            self.controller.drop_host_sum(grad.slot)
+            return args[0]
+        raise RuntimeError(
+            f"{name} on the gradient of {self._name(grad)}: between micro-batches it is summed in host memory "
+            "(optimizer.accumulate_on: host), not on the device. After the last micro-batch's backward its norm and "
+            "clip_grad_norm_ work; model.zero_grad() drops it; to read .grad on the device between micro-batches "
+            "set optimizer.accumulate_on: gpu")
 
     def _norm(self, grad: OffloadedGrad) -> torch.Tensor:
         if grad.slot not in self._norms:

@@ -222,7 +222,9 @@ class OptimizerConfig:
         "GPU between micro-batches. `host`: each micro-batch's block gradient leaves the device when the block's "
         "backward is done and a CPU thread sums it in fp32 in the block's host gradient buffer; the GPU holds one "
         "block's gradient at a time (for models whose gradients do not fit beside the rest, such as 8B on a 24 GiB "
-        "card); the sum is exact to fp32, the plain loop's for fp32 parameters. Blocks updated on the GPU "
+        "card); the sum is exact to fp32, the plain loop's for fp32 parameters. Between micro-batches such a "
+        "parameter's `.grad` stands for the host sum: `model.zero_grad()` drops it, reading its values raises. "
+        "Blocks updated on the GPU "
         "(`gpu_update_fraction`, `gpu_stream_fraction`) always sum on the device. `auto`: `host` when the model's "
         "gradients in the compute dtype would take more than a quarter of the GPU budget, else `gpu`.")
     overlap: str = _leaf(

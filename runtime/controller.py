@@ -25,6 +25,7 @@ from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
+from runtime.plan import MOMENT_KINDS
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
@@ -83,6 +84,7 @@ STALL_FETCH_HOST = "fetch_host"  # an on-demand weight fetch from pinned host me
 STALL_FETCH_NVME = "fetch_nvme"  # an on-demand weight fetch whose bytes had to be staged from NVMe first
 STALL_UPDATE = "update"  # the block's CPU Adam update had not landed yet
 STALL_CAPACITY = "capacity"  # an on-demand fetch of a block whose prefetch the full GPU budget refused
+STALL_GRAD_SUM = "grad_sum"  # a micro-batch's gradient waited for a host-sum buffer (the CPU sums fell behind)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,10 @@ class Controller:
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
         hosted = [b for b in blocks if b.index not in self.gpu_updated and b.index not in self.gpu_streamed]
-        self._spilled_in_update_order = sorted(options.spilled_blocks)  # deferred updates run in forward order
+        # Spilled blocks whose moments are read early (see _read_spilled_early), in the order deferred updates run;
+        # none when the master lives on NVMe too: the first updates would need the room for their masters.
+        self._spilled_in_update_order = sorted(options.spilled_blocks) if options.homes["master"] is not TierName.NVME else []
+        self._read_early: set[int] = set()  # spilled blocks whose moments this step read early
         self.sums: HostGradSums | None = None  # [Note: host gradient sums]
         if options.host_sums and options.accumulation_steps > 1 and hosted:
             self.sums = HostGradSums(store, hosted)
@@ -396,10 +401,19 @@ class Controller:
         find them in memory. Asked at every backward (a room still held by the last step's write-backs may be free
         by the next); a full room stops it quietly."""
         for index in self._spilled_in_update_order:
-            staged, accepted = self.worker.stage(self.blocks[index])
+            staged, accepted = self.worker.stage(self.blocks[index], MOMENT_KINDS)
+            self.stats.early_reads += staged
+            if staged or accepted:
+                self._read_early.add(index)
             if not accepted:
                 return
-            self.stats.early_reads += staged
+
+    def _release_read_early(self) -> None:
+        """A dropped step: the moments read early for its updates give their room back (they are clean copies)."""
+        for index in sorted(self._read_early):
+            for kind in MOMENT_KINDS:
+                self.store.release_read_ahead(self.blocks[index].key(kind), TierName.HOST)
+        self._read_early.clear()
 
     def _begin_streaming(self) -> None:
         """The backward that ends in an update starts: note the memory in use now, at the end of the forward
@@ -501,18 +515,33 @@ class Controller:
                 slot.param.grad = None
         return flat
 
+    def host_sum_holds(self, slot: tuple[int, int]) -> bool:
+        """Between micro-batches: parameter ``slot`` has a gradient summed in host memory this step."""
+        return (self.sums is not None and self.micro > 0 and not self._backward_active and not self._update_pending
+                and self.sums.has_grad(*slot))
+
+    def drop_host_sum(self, slot: tuple[int, int]) -> None:
+        """``p.grad`` assigned between micro-batches (``model.zero_grad()``): the parameter's host sum of the step
+        so far is dropped, as plain PyTorch drops its accumulated ``.grad`` (no-op unless sums run on the host)."""
+        if self.sums is not None and self.micro > 0 and not self._backward_active:
+            self.sums.drop(*slot)
+
     def _send_to_host_sum(self, block: Block) -> None:
         """A micro-batch that does not end the step: the block's gradient, as fp32, joins its host sum."""
         present = [slot.param.grad is not None for slot in block.slots]
-        if any(present):
-            self.sums.add(block, self._assemble(block, present, torch.float32), present)  # type: ignore[union-attr]
+        if not any(present):
+            return
+        start = time.perf_counter()
+        waited = self.sums.add(block, self._assemble(block, present, torch.float32), present)  # type: ignore[union-attr]
+        if waited > 0.0 and self.stall_listeners:
+            self._emit_stall(block.index, STALL_GRAD_SUM, waited, start)
 
     def _offload_grads(self, block: Block) -> None:
         """Assemble the block's fp32 gradient on the device (adding the host sum of the step's earlier
         micro-batches when there is one), check / unscale / take norms, copy it to host."""
-        self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         present = [slot.param.grad is not None for slot in block.slots]
         earlier = self.sums.finish(block.index) if self.sums is not None and self.sums.holds(block.index) else None
+        self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         has_grad = present if earlier is None else [a or b for a, b in zip(present, earlier)]
         step = self.optimizer_step + 1
         on_device = block.index in self.gpu_updated or block.index in self.gpu_streamed
@@ -593,6 +622,7 @@ class Controller:
         self._deferred_gpu = []
         # Taken before any is resolved: a commit that raised part-way must not resolve a job twice when retried.
         jobs, self._deferred_jobs = self._deferred_jobs, []
+        self._read_early.clear()  # the updates queued now use (and free) what was read early
         would_hold = True
         for job in sorted(jobs, key=lambda j: j.block.index):
             scales = self.clipper.user_scales(job.block)
@@ -723,14 +753,12 @@ class Controller:
         self.wait_device_writebacks()  # updates of this step already written back stay (see _interrupted)
         for index in self.gpu_streamed:  # state brought in for the dropped step: clean copies, let them go
             for kind in STATE_KINDS:
-                key = self.blocks[index].key(kind)
-                if self.store.state(key, TierName.GPU) is not CopyState.ABSENT:
-                    self.store.tensor(key, TierName.GPU)  # a copy in flight lands first
-                    self.store.release(key, TierName.GPU)
+                self.store.release_read_ahead(self.blocks[index].key(kind), TierName.GPU)
         self.found_inf.zero_()
         self.clipper.reset()
         if self.sums is not None:
             self.sums.reset()
+        self._release_read_early()
         self._update_pending = False
         self._backward_active = False
         self.micro = 0

@@ -149,11 +149,11 @@ class UpdateWorker:
     def _publish_job(job: UpdateJob) -> UpdateJob:
         return dataclasses.replace(job, speculative=False, publish=True, phase=JobPhase.QUEUED, verdict=None)
 
-    def stage(self, block: Block) -> tuple[bool, bool]:
-        """Start bringing block's optimizer state to host early (e.g. when its backward begins). Returns whether
-        a read from NVMe started now, and whether the state is (or will be) on host: False when the host staging
-        room is full."""
-        return self._issue_staging(block)
+    def stage(self, block: Block, kinds: tuple[str, ...] = STATE_KINDS) -> tuple[bool, bool]:
+        """Start bringing block's optimizer state (``kinds`` of it) to host early (e.g. when its backward begins).
+        Returns whether a read from NVMe started now, and whether the state is (or will be) on host: False when the
+        host staging room is full."""
+        return self._issue_staging(block, kinds)
 
     # ---- consumer side -------------------------------------------------------------------------------
     def is_updated(self, index: int, step: int) -> bool:
@@ -232,6 +232,11 @@ class UpdateWorker:
         # done() may publish transfer events to listeners: never call it holding the lock.
         ready = [item for item in candidates if item[-1].grad_handle is None or item[-1].grad_handle.done()]
         chosen = ready[0] if ready else min(candidates, key=lambda item: item[2])
+        if self._state_on_disk(chosen[-1].block, staged=False):
+            # Its state needs host room that the state already read for other jobs (look-ahead, early reads) may
+            # hold until they run: run one of those first, or this thread would wait for room only it can free.
+            holding = [item for item in candidates if self._state_on_disk(item[-1].block, staged=True)]
+            chosen = holding[0] if holding else chosen
         with self._cond:
             if chosen not in self._jobs:  # withdrawn by a verdict meanwhile
                 return self._next_job()
@@ -240,6 +245,15 @@ class UpdateWorker:
             chosen[-1].phase = JobPhase.RUNNING
             self._running = True
         return chosen[-1]
+
+    def _state_on_disk(self, block: Block, staged: bool) -> bool:
+        """Whether some of block's state lives on NVMe with (``staged``) or without a copy in host memory."""
+        for kind in STATE_KINDS:
+            key = block.key(kind)
+            if self.store.record(key).home is TierName.NVME:
+                if (self.store.state(key, TierName.HOST) is not CopyState.ABSENT) == staged:
+                    return True
+        return False
 
     def _run(self) -> None:
         while True:
@@ -266,9 +280,9 @@ class UpdateWorker:
         for job in upcoming:
             self._issue_staging(job.block)
 
-    def _issue_staging(self, block: Block) -> tuple[bool, bool]:
+    def _issue_staging(self, block: Block, kinds: tuple[str, ...] = STATE_KINDS) -> tuple[bool, bool]:
         started = False
-        for kind in STATE_KINDS:
+        for kind in kinds:
             key = block.key(kind)
             absent = self.store.state(key, TierName.HOST) is CopyState.ABSENT
             try:
@@ -286,6 +300,11 @@ class UpdateWorker:
         start = time.perf_counter()
         if job.grad_handle is not None:
             job.grad_handle.wait()
+        if job.skip:  # nothing changes: state read ahead for it (look-ahead, early reads) gives its room back
+            self._release_read_ahead(block)
+            self._count(job, start)
+            self._finish(job)
+            return
         host = {kind: self._host_tensor(block.key(kind)) for kind in STATE_KINDS}
         grad = self.store.tensor(block.key("grad"), TierName.HOST)
         adam_start = time.perf_counter()
@@ -294,36 +313,40 @@ class UpdateWorker:
             self._speculate(job, host, grad)
             self._count(job, adam_start)
             return
-        if not job.skip:
-            scale_slots(grad, block, job.slot_multipliers, job.grad_multiplier)
-            sizes = [slot.numel for slot in block.slots]
-            keep = job.mask or [True] * len(sizes)
+        scale_slots(grad, block, job.slot_multipliers, job.grad_multiplier)
+        sizes = [slot.numel for slot in block.slots]
+        keep = job.mask or [True] * len(sizes)
 
-            def views(flat: torch.Tensor) -> list[torch.Tensor]:
-                return [v for v, k in zip(split_views(flat, sizes), keep) if k]
+        def views(flat: torch.Tensor) -> list[torch.Tensor]:
+            return [v for v, k in zip(split_views(flat, sizes), keep) if k]
 
-            kernel_start = time.perf_counter()
-            adamw_update_grouped(
-                views(host["master"]),
-                views(grad),
-                views(host["exp_avg"]),
-                views(host["exp_avg_sq"]),
-                [s for s, k in zip(self.param_steps[index], keep) if k],
-                [h for h, k in zip(job.hypers, keep) if k],
-            )
-            self.stats.kernel_s += time.perf_counter() - kernel_start
-            for kind in STATE_KINDS:
-                self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
-            refresh = self._refresh_weights(block, host["master"], job.step)
-            for kind in STATE_KINDS:
-                if self.store.record(block.key(kind)).home is TierName.NVME:
-                    if kind == "master" and refresh is not None:
-                        refresh.wait()  # the H2D still reads the host copy the eviction will free
-                    handle = self.store.evict(block.key(kind), TierName.HOST)  # written back, then released
-                    with self._cond:
-                        self._writebacks = [h for h in self._writebacks if not h.done()] + [handle]
+        kernel_start = time.perf_counter()
+        adamw_update_grouped(
+            views(host["master"]),
+            views(grad),
+            views(host["exp_avg"]),
+            views(host["exp_avg_sq"]),
+            [s for s, k in zip(self.param_steps[index], keep) if k],
+            [h for h, k in zip(job.hypers, keep) if k],
+        )
+        self.stats.kernel_s += time.perf_counter() - kernel_start
+        for kind in STATE_KINDS:
+            self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
+        refresh = self._refresh_weights(block, host["master"], job.step)
+        for kind in STATE_KINDS:
+            if self.store.record(block.key(kind)).home is TierName.NVME:
+                if kind == "master" and refresh is not None:
+                    refresh.wait()  # the H2D still reads the host copy the eviction will free
+                handle = self.store.evict(block.key(kind), TierName.HOST)  # written back, then released
+                with self._cond:
+                    self._writebacks = [h for h in self._writebacks if not h.done()] + [handle]
         self._count(job, adam_start)
         self._finish(job)
+
+    def _release_read_ahead(self, block: Block) -> None:
+        for kind in STATE_KINDS:
+            if self.store.record(block.key(kind)).home is TierName.NVME:
+                self.store.release_read_ahead(block.key(kind), TierName.HOST)
 
     def _speculate(self, job: UpdateJob, host: dict[str, torch.Tensor], grad: torch.Tensor) -> None:
         """AdamW into the block's spares with the gradient as backward left it; the store's state is untouched.

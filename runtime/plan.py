@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 IO_ALIGNMENT = 4096
 HEADER_NBYTES = 4096
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 # Streamed blocks' master + moments on the device at once outside the activations' memory: the one being
 # updated, the next, one being written back. Blocks further ahead (optimizer.gpu_stream_ahead) only use
 # memory the backward freed and within the GPU budget the plan leaves free, so they add nothing to it.

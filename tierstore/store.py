@@ -239,6 +239,14 @@ class TierStore:
                 handle.add_done_callback(lambda h: h.error is None and self._release_after_evict(record, frm))
             return handle
 
+    def release_read_ahead(self, key: TensorKey | str, tier: TierName | str) -> None:
+        """Release key's copy on tier if it has one, once a transfer still filling it has landed: a copy read ahead
+        for work that will not run (a dropped step, a skipped update). ``release``'s refusals apply."""
+        handle = self.record(key).copies[TierName(tier)].handle
+        if handle is not None:
+            handle.wait()
+        self.release(key, tier)
+
     def release(self, key: TensorKey | str, tier: TierName | str) -> None:
         """Drop key's copy on tier without writing it anywhere. Refused for the home copy and for the last
         current copy (evict it instead)."""

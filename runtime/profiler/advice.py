@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
+from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
 from runtime.profiler.shares import share_text
 
 MIN_STALL_S = 1e-3  # waits below this per step are noise
@@ -73,6 +73,11 @@ def advise(summary: dict[str, Any]) -> list[dict[str, Any]]:
             f"{waits[STALL_CAPACITY]:.3f} s/step waited on fetches whose prefetch the full GPU budget refused")
     if waits.get(STALL_UPDATE, 0.0) >= threshold:
         _update_advice(summary, cfg, waits[STALL_UPDATE], steady, threshold, add)
+    if waits.get(STALL_GRAD_SUM, 0.0) >= threshold:
+        add("raise the micro-batch size and lower optimizer.accumulation_steps to match (each micro-batch's gradient "
+            "is summed on the host once, whatever its tokens)", waits[STALL_GRAD_SUM], waits[STALL_GRAD_SUM],
+            f"{waits[STALL_GRAD_SUM]:.3f} s/step the backward waited for the host gradient sums "
+            "(optimizer.accumulate_on: host) to free a buffer")
     if not items:
         share = total / step_s if step_s > 0 else 0.0
         return [{"change": "none", "saves_s": 0.0, "measured_s": total, "why": "stalls are small",

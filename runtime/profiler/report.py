@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
+from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
 from runtime.profiler.advice import size_text
 from runtime.profiler.analysis import PATH_NAMES, PATHS
 from runtime.profiler.shares import OVER_CEILING_NOTE, over_ceiling, share_text
 
 CAUSE_NAMES = {STALL_FETCH_HOST: "fetch host", STALL_FETCH_NVME: "fetch NVMe", STALL_UPDATE: "Adam not done",
-               STALL_CAPACITY: "GPU full"}
+               STALL_CAPACITY: "GPU full", STALL_GRAD_SUM: "sum buffer"}
 MAX_STEP_ROWS = 40  # longer runs show the first and last steps
 MIB = 2**20
 

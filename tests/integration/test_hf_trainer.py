@@ -31,11 +31,12 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in rows]
 
 
-def train(tmp_path, offloaded: bool):
+def train(tmp_path, offloaded: bool, accumulation: int = 1):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config())
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / ("ours" if offloaded else "plain")), per_device_train_batch_size=4, max_steps=STEPS,
+        output_dir=str(tmp_path / ("ours" if offloaded else "plain")), per_device_train_batch_size=4 // accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=STEPS,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
         optim="adamw_torch_fused", lr_scheduler_type="linear", warmup_steps=1)
     optimizers = (None, None)
@@ -46,7 +47,8 @@ def train(tmp_path, offloaded: bool):
             "device": "cpu", "dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path / "swap")}},
             "placement": {"moments": "nvme"},
             "optimizer": {"lr": args.learning_rate, "weight_decay": args.weight_decay, "grad_clip": None,
-                          "user_grad_clip": True, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}})
+                          "user_grad_clip": True, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
+                          "accumulation_steps": accumulation, "accumulate_on": "host" if accumulation > 1 else "gpu"}})
         optimizers = (optimizer, None)
         session = optimizer.session
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(), optimizers=optimizers)
@@ -57,9 +59,11 @@ def train(tmp_path, offloaded: bool):
     return logs, weights, session
 
 
-def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path):
-    plain_logs, plain_weights, _ = train(tmp_path, offloaded=False)
-    ours_logs, ours_weights, session = train(tmp_path, offloaded=True)
+@pytest.mark.parametrize("accumulation", [1, 2])  # 2: the micro-batches' gradients summed in host memory
+def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumulation):
+    plain_logs, plain_weights, _ = train(tmp_path, offloaded=False, accumulation=accumulation)
+    ours_logs, ours_weights, session = train(tmp_path, offloaded=True, accumulation=accumulation)
+    assert (session.controller.sums is not None) == (accumulation > 1)
     session.close()
     assert len(ours_logs) == STEPS
     assert ours_logs == plain_logs  # the same losses and the same logged grad_norm (the Trainer clips at 1.0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runtime import offload
+from runtime.clipping import OffloadedGrad
 from runtime.example_model import ExampleLM, ModelShape
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches
@@ -39,7 +40,9 @@ def train_both(config: dict, accumulation: int, *, shape: ModelShape = SHAPE, ch
                 ours.append(loss.item())
                 optimizer.scale_loss(loss).backward()
                 if position < accumulation - 1:  # the device keeps nothing between micro-batches
-                    assert all(p.grad is None for p in model.parameters())
+                    assert all(isinstance(p.grad, OffloadedGrad) for p in model.parameters())
+                    with pytest.raises(RuntimeError, match="summed in host memory.*accumulate_on: gpu"):
+                        next(model.parameters()).grad.norm()
             optimizer.step()
             optimizer.zero_grad()
             theirs += reference.train_step(micro)
@@ -91,3 +94,89 @@ def test_host_sums_of_fp16_gradients_skip_overflow_steps_like_the_reference():
     expected = reference.master_state()
     for name in expected:
         torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=1e-4)
+
+
+def test_a_backward_waiting_for_the_host_sums_is_reported_as_its_own_stall():
+    """When the CPU sums fall behind, the backward waits for a buffer: the profiler hears it as a 'grad_sum'
+    stall (shown as 'sum buffer'), not as time nobody accounts for."""
+    import time
+
+    from runtime.controller import STALL_GRAD_SUM
+    from runtime.profiler.report import CAUSE_NAMES
+
+    torch.manual_seed(0)
+    model, optimizer = offload(ExampleLM(SHAPE), {"dtype": "fp32", "optimizer": {
+        "grad_clip": None, "accumulation_steps": 2, "accumulate_on": "host"}})
+    session = optimizer.session
+    sums = session.controller.sums
+    slow = sums._sum
+    sums._sum = lambda pending: (time.sleep(0.05), slow(pending))  # a CPU that sums slowly
+    stalls = []
+    session.controller.stall_listeners.append(stalls.append)
+    with session:
+        assert len(session.blocks) > len(sums._staging)  # more blocks than buffers: a backward must wait
+        for x, y in make_batches(2):
+            model(x, y).backward()
+        optimizer.step()
+    waits = [s for s in stalls if s.cause == STALL_GRAD_SUM]
+    assert waits and sum(s.seconds for s in waits) > 0.02
+    assert CAUSE_NAMES[STALL_GRAD_SUM] == "sum buffer"
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_between_micro_batches_drops_the_host_sum_like_plain_pytorch(set_to_none):
+    """A plain loop's model.zero_grad() after micro-batch 1 of 3 drops what .grad summed so far; the host sums
+    drop it too (before, the host kept it and the weights came out different)."""
+    import copy
+
+    torch.manual_seed(0)
+    plain = ExampleLM(SHAPE)
+    model = copy.deepcopy(plain)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {
+        "grad_clip": None, "accumulation_steps": 3, "accumulate_on": "host"}})
+    batches = make_batches(6)
+    with optimizer.session as session:
+        for step in range(2):
+            for which, opt in ((model, optimizer), (plain, plain_opt)):
+                for micro, (x, y) in enumerate(batches[3 * step : 3 * step + 3]):
+                    which(x, y).backward()
+                    if micro == 1 and step == 0:
+                        which.zero_grad(set_to_none=set_to_none)
+                opt.step()
+                opt.zero_grad()
+        weights = session.master_state_dict()
+    expected = dict(plain.named_parameters())
+    for name, value in weights.items():
+        assert torch.equal(value, expected[name].detach()), name
+
+
+def test_a_dropped_step_gives_back_the_room_of_the_moments_read_early(tmpfs_dir):
+    """Moments spilled to NVMe are read during the micro-batches; optimizer.zero_grad() before step() drops the
+    step, and those copies must give their room back: reading the optimizer state afterwards needs it."""
+    from runtime.api import resolve_device, resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.plan import PRE_COMMIT_BUFFERS
+
+    base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
+            "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}}
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    blocks = build_blocks(ExampleLM(shape), load_config(base).blocks.min_block_size)
+    plan = resolve_plan(blocks, load_config(base), resolve_device(load_config(base))).plan
+    spares = sum(nbytes for kind, _, nbytes in plan.rows if kind == PRE_COMMIT_BUFFERS)
+    base["tiers"]["host"] = {"budget": plan.host_nbytes - spares - 8192}
+    torch.manual_seed(0)
+    model, optimizer = offload(ExampleLM(shape), base)
+    batches = make_batches(4)
+    with optimizer.session as session:
+        assert session.controller.options.spilled_blocks
+        for x, y in batches[:2]:
+            model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model(*batches[2]).backward()  # micro-batch 0 of step 2: the early reads start
+        assert session.controller.stats.early_reads > 0
+        optimizer.zero_grad()  # the step is dropped
+        state = optimizer.state_dict()  # reads every block's moments through the same room
+        assert len(state["state"]) == sum(len(b.slots) for b in session.blocks)

@@ -340,3 +340,37 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
     assert_identical(weights, reference)
     assert stats.early_reads > 0
     assert nbytes_moved(events, "read") > 0
+
+
+def test_skipped_fp16_steps_with_every_moment_on_nvme_do_not_hold_the_staging_room(tmpfs_dir):
+    """fp16 overflow steps skip every update; a skipped update read its (NVMe) state and never gave the room
+    back, so with more blocks than staging rooms the worker waited for room forever. Now skipped updates read
+    nothing and release what was read ahead for them; training then matches the reference."""
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=8, num_heads=4, ffn_size=64, max_seq_len=64)
+    config = {"dtype": "fp16", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "nvme"},
+              "optimizer": {"grad_clip": 1.0, "loss_scale": {"initial": 2.0**18}}}
+    ours, theirs, weights, reference, _, (stats, _, _) = run_both(config, shape=shape, steps=6, dtype=torch.float16,
+                                                                 loss_scale=2.0**18)
+    assert 1 <= reference.skipped < 6 and stats.skipped_steps == reference.skipped
+    assert ours == theirs
+    assert_identical(weights, reference)
+
+
+def test_master_on_nvme_with_spilled_moments_and_clipping_bit_identical(tmpfs_dir):
+    """Master on NVMe, moments spilled past the budget, clipping: the first updates need host room for their
+    masters, so the spilled moments are not read early (they filled that room and the worker gave up)."""
+    from runtime.api import resolve_plan, resolve_device
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+
+    base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}},
+            "placement": {"moments": "auto", "master": "nvme"}, "optimizer": {"grad_clip": 0.05}}
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    blocks = build_blocks(ExampleLM(shape), load_config(base).blocks.min_block_size)
+    plan = resolve_plan(blocks, load_config(base), resolve_device(load_config(base))).plan
+    base["tiers"]["host"] = {"budget": plan.host_nbytes - 8192}
+    assert resolve_plan(blocks, load_config(base), resolve_device(load_config(base))).spilled_blocks
+    ours, theirs, weights, reference, _, (stats, _, _) = run_both(base, shape=shape)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert stats.early_reads == 0

@@ -164,6 +164,18 @@ def test_fetch_of_a_current_copy_moves_nothing(make_store, nvme_dir: Path) -> No
     assert moved.count == events
 
 
+def test_a_copy_read_ahead_is_released_once_it_lands(make_store, nvme_dir: Path) -> None:
+    store = make_store(nvme_path=str(nvme_dir))
+    store.register("k", TensorMeta(torch.float32, 1000), "nvme", init=torch.ones(1000))
+    used = store.usage()["host"]["used_nbytes"]
+    store.fetch("k", "host")  # not waited for: release_read_ahead waits for the read first
+    store.release_read_ahead("k", "host")
+    assert store.state("k", "host") is CopyState.ABSENT and store.usage()["host"]["used_nbytes"] == used
+    store.release_read_ahead("k", "host")  # no copy: nothing to do
+    with pytest.raises(RuntimeError, match="home copy"):
+        store.release_read_ahead("k", "nvme")
+
+
 def test_register_without_init_on_nvme_reads_zeros(make_store, nvme_dir: Path) -> None:
     store = make_store(nvme_path=str(nvme_dir))
     store.register("z", TensorMeta(torch.float16, 3000), "nvme")
