@@ -96,7 +96,7 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
         "dtype": "bf16" if cuda else "fp32",
         "optimizer": {"lr": args.lr, "grad_clip": 1.0, "accumulation_steps": args.global_batch // args.micro_batch},
         "placement": {"weights": "host", "master": "host", "moments": "auto"},
-        "tiers": {"gpu": {"budget": args.gpu_cap if cuda or args.plan_only else "auto"}, "host": {"budget": args.host_budget},
+        "tiers": {"gpu": {"budget": args.gpu_cap}, "host": {"budget": args.host_budget},
                   "nvme": {"path": args.nvme_dir, "budget": args.nvme_budget, "io_threads": 8}},
     }
 

@@ -82,3 +82,19 @@ def test_the_piecewise_loss_and_its_gradients_equal_hf_s():
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
     for name, p in hf.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_under_a_tight_gpu_budget_the_gradients_are_summed_on_the_host(tmp_path, capsys):
+    """The scenario's path on the CPU: a GPU budget four times smaller than the model's gradients makes
+    accumulate_on: auto sum them on the host, the loss is taken piecewise, moments spill past the host budget;
+    it trains with falling loss and prints what the host sums cost."""
+    example = load_example()
+    deeper = list(SMALL)
+    deeper[SMALL.index("--layers") + 1] = "8"  # with 8 layers, spilling the last ones' moments saves host memory
+    code = example.main(deeper + ["--global-batch", "4", "--micro-batch", "2", "--steps", "4", "--lr", "3e-3",
+                                  "--nvme-dir", str(tmp_path), "--host-budget", "6MiB", "--gpu-cap", "4MiB",
+                                  "--loss-piece", "40"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert "accumulate_on: auto -> host" in err and "spilled blocks" in err
+    assert "finite and falling" in err and err.count("host gradient sums:") == 4
