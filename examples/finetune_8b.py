@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     """Plan (and with --plan-only stop), then train; 0 when the plan fits and the loss stayed finite and fell."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    for name in ("runtime.api", "runtime.controller"):  # setup's progress (pinning, blocks set up) and the spill
+        logging.getLogger(name).setLevel(logging.INFO)
     cuda = torch.cuda.is_available()
     if cuda:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))

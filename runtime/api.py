@@ -28,6 +28,7 @@ from runtime.hostmem import host_memory
 from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
                           spill_order)
 from runtime.signals import stop_on_sigterm
+from runtime.units import approx_size
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
 
@@ -238,6 +239,9 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     pin = None if cfg.tiers.host.pin == "auto" else bool(cfg.tiers.host.pin)
     direct = cfg.tiers.nvme.direct_io
     direct = {True: "on", False: "off"}.get(direct, direct)  # type: ignore[arg-type]
+    if budgets.host_nbytes >= LONG_SETUP_NBYTES:  # pinning runs at about 2 GB/s: say so before a long silence
+        log.info("%s %s of host memory for tierstore's tiers", "pinning" if device.type == "cuda" and pin is not False
+                 else "reserving", approx_size(budgets.host_nbytes))
     store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes, host_budget_nbytes=budgets.host_nbytes,
                                   pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
                                   nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
@@ -308,6 +312,9 @@ def _plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierNam
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
                      cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
                      spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums)
+
+
+LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
 
 
 def sums_on_host(blocks: list[Block], cfg: TierstoreConfig, device: torch.device) -> bool:

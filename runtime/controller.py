@@ -60,6 +60,7 @@ class RuntimeOptions:
 
 
 STATS_HISTORY = 1024  # entries kept of per-step statistics
+SETUP_PROGRESS_S = 10.0  # seconds between progress lines while blocks are registered (init, first writes)
 
 
 @dataclass
@@ -198,7 +199,11 @@ class Controller:
         copy (when that is the weight source) in the store. Each block's host parameters are freed as soon
         as the block is in the store, so the model never exists twice on the host."""
         homes = options.homes
-        for block in self.blocks:
+        start = reported = time.perf_counter()
+        for position, block in enumerate(self.blocks):
+            if time.perf_counter() - reported >= SETUP_PROGRESS_S:  # a large model takes minutes: show progress
+                reported = time.perf_counter()
+                log.info("setting up block %d of %d (%.0f s so far)", position + 1, len(self.blocks), reported - start)
             fresh = [(slot.name, slot.param) for slot in block.slots if id(slot.param) in uninitialized]
             if fresh and init is not None:
                 initialize(fresh, init)

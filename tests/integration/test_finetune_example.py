@@ -98,3 +98,19 @@ def test_under_a_tight_gpu_budget_the_gradients_are_summed_on_the_host(tmp_path,
     assert code == 0, err[-3000:]
     assert "accumulate_on: auto -> host" in err and "spilled blocks" in err
     assert "finite and falling" in err and err.count("host gradient sums:") == 4
+
+
+def test_a_long_setup_reports_its_progress(tmp_path, caplog, monkeypatch):
+    """Setting up 8B takes about two minutes (pinning 100 GiB, initializing and writing blocks): the pinning and
+    the blocks set up so far are logged as they go (here with the thresholds at zero)."""
+    import logging
+
+    monkeypatch.setattr("runtime.controller.SETUP_PROGRESS_S", 0.0)
+    monkeypatch.setattr("runtime.api.LONG_SETUP_NBYTES", 0)
+    caplog.set_level(logging.INFO, logger="runtime")
+    example = load_example()
+    assert example.main(SMALL + ["--global-batch", "2", "--micro-batch", "2", "--steps", "1",
+                                 "--nvme-dir", str(tmp_path), "--host-budget", "1GiB"]) in (0, 1)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith(("pinning ", "reserving ")) and "of host memory" in m for m in messages)
+    assert any(m.startswith("setting up block 2 of ") for m in messages)
