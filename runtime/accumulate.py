@@ -153,10 +153,7 @@ class HostGradSums:
         landed) and forget that it had one; a later micro-batch's gradient then starts it afresh (0 + g = g)."""
         if index not in self.blocks:
             return
-        with self._cond:
-            while self._landed[index] < self._sent[index] and self._error is None and not self._stopping:
-                self._cond.wait(1.0)
-        self._raise_if_failed()
+        self._wait_landed(index)
         had_grad = self._had_grad.get(index)
         if not self._sent[index] or had_grad is None or not had_grad[position]:
             return
@@ -167,13 +164,17 @@ class HostGradSums:
     def finish(self, index: int) -> list[bool] | None:
         """Wait until every micro-batch sent for block index is in its host sum and start the next step's sum.
         Returns which parameters got a gradient in those micro-batches, or None when none was sent."""
+        self._wait_landed(index)
+        had_grad = self._had_grad.pop(index, None)
+        self._sent[index] = self._landed[index] = 0
+        return had_grad
+
+    def _wait_landed(self, index: int) -> None:
+        """Wait until every piece sent for block index is in its host sum (a failed sum raises)."""
         with self._cond:
             while self._landed[index] < self._sent[index] and self._error is None and not self._stopping:
                 self._cond.wait(1.0)
         self._raise_if_failed()
-        had_grad = self._had_grad.pop(index, None)
-        self._sent[index] = self._landed[index] = 0
-        return had_grad
 
     def reset(self) -> None:
         """Drop the step's sums (a discarded step): wait for sums in flight, then the next step starts afresh."""

@@ -379,30 +379,27 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
                  rates: Rates | None = None) -> ResolvedPlan:
     """Homes, weight source, the ``auto`` placement knobs (``resolve_placement``) and the plan.
     ``placement.moments: auto`` with an NVMe path keeps the moments in pinned host memory as far as
-    ``tiers.host.budget`` allows (``auto``: the RAM available now, less headroom) and spills the last blocks'
-    moments to NVMe, only as many as needed."""
+    ``tiers.host.budget`` allows (``auto``: the RAM available now, less headroom) and spills blocks' moments to
+    NVMe in ``spill_order``, only as many as needed."""
     homes, source = resolve_homes(cfg, device)
     dtype = DTYPES[cfg.dtype]
     if cfg.optimizer.overlap != "exact":
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
     placement = resolve_placement(blocks, cfg, device, homes, source, rates=rates)
     limit = host_memory().usable_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
-    spilled, host_updated, fits = _spill(blocks, cfg, homes, source, dtype, placement, limit)
+    spilled_blocks, host_updated, fits = _spill(blocks, cfg, homes, source, dtype, placement, limit)
     if not fits and cfg.optimizer.gpu_stream_fraction == "auto" and placement.gpu_stream_fraction > 0:
         # Streamed blocks keep their moments in pinned memory: give them up before refusing the plan.
         placement = resolve_placement(blocks, cfg, device, homes, source, rates=rates, no_stream_reason=(
             "host RAM holds the moments of no streamed block beside the rest"))
-        spilled, host_updated, fits = _spill(blocks, cfg, homes, source, dtype, placement, limit)
+        spilled_blocks, host_updated, fits = _spill(blocks, cfg, homes, source, dtype, placement, limit)
+    spilled = len(spilled_blocks)
     if spilled:
-        log.info("placement.moments: auto: the moments of the last %d of %d host-updated blocks go to NVMe",
-                 spilled, len(host_updated))
+        log.info("placement.moments: auto: the moments of %d of %d host-updated blocks go to NVMe", spilled, host_updated)
     # Updates that wait for the commit run ahead into second buffers when the host has room for them; they are
     # the first thing given up (before spilling moments to disk): without them a step is only slower.
     spares = not spilled and waits_for_commit(cfg) and planned_ram_nbytes(
         plan_for(blocks, cfg, homes, source, dtype, spares=True, placement=placement), cfg.tiers.nvme.path) <= limit
-    streamed = len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction))
-    order = spill_order([blocks[i].numel for i in host_updated], streamed)
-    spilled_blocks = frozenset(host_updated[p] for p in order[:spilled])
     plan = plan_for(blocks, cfg, homes, source, dtype, spilled, spares, placement=placement)
     plan.notes = placement.notes
     if cfg.optimizer.accumulate_on == "auto" and cfg.optimizer.accumulation_steps > 1:
@@ -413,13 +410,13 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
 
 
 def _spill(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
-           dtype: torch.dtype, placement: Placement, limit: int) -> tuple[int, list[int], bool]:
-    """How many of the last host-updated blocks spill their moments to NVMe (``placement.moments: auto``) for the
-    plan's pinned memory to fit ``limit``, the host-updated blocks, and whether the plan then fits."""
+           dtype: torch.dtype, placement: Placement, limit: int) -> tuple[frozenset[int], int, bool]:
+    """The host-updated blocks that spill their moments to NVMe (``placement.moments: auto``, in ``spill_order``) for
+    the plan's pinned memory to fit ``limit``, how many blocks are host-updated, and whether the plan then fits."""
     gpu_updated = gpu_updated_blocks(blocks, placement.gpu_update_fraction)
     host_updated = [b.index for b in blocks if b.index not in gpu_updated]
     if not (cfg.placement.moments == "auto" and cfg.tiers.nvme.path is not None and homes["exp_avg"] is TierName.HOST):
-        return 0, host_updated, True
+        return frozenset(), len(host_updated), True
     # Streamed blocks (the first host-updated ones) copy their moments from pinned memory: never spilled.
     streamed = gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction)
     spillable = len(host_updated) - len(streamed)
@@ -428,7 +425,9 @@ def _spill(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName]
         return plan_for(blocks, cfg, homes, source, dtype, count, placement=placement)
 
     spilled = spill_moments(make, spillable, limit)
-    return spilled, host_updated, spilled < spillable or make(spilled).host_nbytes <= limit
+    order = spill_order([blocks[i].numel for i in host_updated], len(streamed))
+    spilled_blocks = frozenset(host_updated[p] for p in order[:spilled])
+    return spilled_blocks, len(host_updated), spilled < spillable or make(spilled).host_nbytes <= limit
 
 
 def waits_for_commit(cfg: TierstoreConfig) -> bool:

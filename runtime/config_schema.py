@@ -146,8 +146,9 @@ class PlacementConfig:
     master: str = _leaf(ChoiceSpec(choices=_TIER), "host", "fp32 master weights. `auto`: host.")
     moments: str = _leaf(ChoiceSpec(choices=_TIER), "host",
                          "Adam first and second moments. `auto`: pinned host memory as far as `tiers.host.budget` "
-                         "allows (`auto` budget: the RAM available at start, less headroom); the moments of the "
-                         "last blocks that do not fit go to NVMe (needs `tiers.nvme.path`; without one, host).")
+                         "allows (`auto` budget: the RAM available at start, less headroom); the moments that do not "
+                         "fit go to NVMe, the last blocks' first and blocks over twice the median size (a large "
+                         "vocabulary's embedding and head) last (needs `tiers.nvme.path`; without one, host).")
 
 
 @dataclass(frozen=True)

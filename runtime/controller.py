@@ -536,8 +536,9 @@ class Controller:
         present = [slot.param.grad is not None for slot in block.slots]
         if not any(present):
             return
+        flat = self._assemble(block, present, torch.float32)
         start = time.perf_counter()
-        waited = self.sums.add(block, self._assemble(block, present, torch.float32), present)  # type: ignore[union-attr]
+        waited = self.sums.add(block, flat, present)  # type: ignore[union-attr]
         if waited > 0.0 and self.stall_listeners:
             self._emit_stall(block.index, STALL_GRAD_SUM, waited, start)
 

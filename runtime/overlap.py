@@ -302,7 +302,9 @@ class UpdateWorker:
             job.grad_handle.wait()
         if job.skip:  # nothing changes: state read ahead for it (look-ahead, early reads) gives its room back
             self._release_read_ahead(block)
-            self._count(job, start)
+            skip_start = time.perf_counter()
+            self.stats.wait_inputs_s += skip_start - start
+            self._count(job, skip_start)
             self._finish(job)
             return
         host = {kind: self._host_tensor(block.key(kind)) for kind in STATE_KINDS}
