@@ -180,3 +180,30 @@ def test_a_dropped_step_gives_back_the_room_of_the_moments_read_early(tmpfs_dir)
         optimizer.zero_grad()  # the step is dropped
         state = optimizer.state_dict()  # reads every block's moments through the same room
         assert len(state["state"]) == sum(len(b.slots) for b in session.blocks)
+
+
+def test_a_script_that_ends_mid_accumulation_without_close_exits_cleanly():
+    """The sums' thread and buffers go at interpreter exit (before the store they write into), with a
+    micro-batch's gradient still on its way into the host sum and no close() called."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from runtime import offload\n"
+        "from runtime.example_model import ExampleLM\n"
+        "from tests.integration.test_parity import SHAPE, make_batches\n"
+        "model, optimizer = offload(ExampleLM(SHAPE), {'dtype': 'fp32', 'optimizer': {'grad_clip': None,\n"
+        "    'accumulation_steps': 4, 'accumulate_on': 'host'}})\n"
+        "assert optimizer.session.controller.sums is not None\n"
+        "for i, (x, y) in enumerate(make_batches(6)):\n"
+        "    model(x, y).backward()\n"
+        "    if i % 4 == 3:\n"
+        "        optimizer.step()\n"
+        "        optimizer.zero_grad()\n"
+        "assert optimizer.session.controller.micro == 2  # two micro-batches summed on the host, no step\n"
+        "print('END', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("END") and "Traceback" not in done.stderr and "Fatal" not in done.stderr
