@@ -70,17 +70,18 @@ class PiecewiseLossLM(torch.nn.Module):
 LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """The Llama of the given shape, parameters on the meta device (buffers on the CPU), checkpointing on."""
-    from accelerate import init_empty_weights
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The HF ``LlamaConfig`` of the shape on the command line (untied, SDPA attention, no KV cache)."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, intermediate_size=args.ffn, vocab_size=args.vocab,
-                         max_position_embeddings=max(args.seq, 128), tie_word_embeddings=False,
-                         attn_implementation="sdpa")
-    with init_empty_weights(include_buffers=False):  # rotary tables are computed buffers: keep them real
-        model = LlamaForCausalLM(config)
+    return LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.kv_heads, intermediate_size=args.ffn, vocab_size=args.vocab,
+                       max_position_embeddings=max(args.seq, 128), tie_word_embeddings=False,
+                       attn_implementation="sdpa", use_cache=False)
+
+
+def for_training(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """Checkpointing on (non-reentrant), wrapped in the piecewise loss unless ``--loss-piece 0``; train mode."""
     with warnings.catch_warnings():  # newer transformers renamed it; the name here works from 4.35 on
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -90,20 +91,31 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return model.train()
 
 
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The Llama of the given shape, parameters on the meta device (buffers on the CPU), checkpointing on."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+
+    with init_empty_weights(include_buffers=False):  # rotary tables are computed buffers: keep them real
+        model = LlamaForCausalLM(llama_config(args))
+    return for_training(model, args)
+
+
 def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
     """The scenario's config: weights and master in pinned memory, moments there as far as the budget allows."""
     return {
         "dtype": "bf16" if cuda else "fp32",
         "optimizer": {"lr": args.lr, "grad_clip": 1.0, "accumulation_steps": args.global_batch // args.micro_batch},
         "placement": {"weights": "host", "master": "host", "moments": "auto"},
-        "tiers": {"gpu": {"budget": args.gpu_cap}, "host": {"budget": args.host_budget},
+        "tiers": {"gpu": {"budget": args.gpu_cap, "activation_reserve": args.activation_reserve},
+                  "host": {"budget": args.host_budget},
                   "nvme": {"path": args.nvme_dir, "budget": args.nvme_budget, "io_threads": 8}},
     }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line; the shape defaults to Llama-3-8B's."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_scenario_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the scenario's work, shared with the DeepSpeed baseline: shape (default Llama-3-8B's),
+    sequence, batch, steps, loss pieces, learning rate, GPU cap."""
     for name, value in LLAMA3_8B.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value, help=f"model shape (default {value})")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
@@ -114,14 +126,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tokens whose logits exist at once in the loss (default 2048; 0: HF's own loss, all at once)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--gpu-cap", default="24GiB", help="GPU memory for the whole process (default 24GiB)")
+
+
+def check_scenario_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a global batch that micro-batches do not divide; sizes to bytes."""
+    if args.global_batch % args.micro_batch:
+        parser.error(f"--global-batch {args.global_batch} is not a multiple of --micro-batch {args.micro_batch}")
+    args.gpu_cap = parse_size(args.gpu_cap)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; the shape defaults to Llama-3-8B's."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_scenario_args(parser)
+    parser.add_argument("--activation-reserve", default="auto",
+                        help="GPU memory left for activations (tiers.gpu.activation_reserve; default auto: three quarters "
+                             "of what the plan leaves free). Lower it to the activations' real need (the peak GPU "
+                             "memory a run prints, less the plan's GPU total) and the plan updates the first blocks "
+                             "on the GPU: their state then leaves host memory, and fewer moments spill to disk")
     parser.add_argument("--host-budget", default="100GiB", help="tierstore's pinned memory at most (default 100GiB)")
     parser.add_argument("--nvme-dir", default="tmp", help="directory for swap files ('tmp': a temporary one)")
     parser.add_argument("--nvme-budget", default="56GiB")
     parser.add_argument("--plan-only", action="store_true", help="print the memory plan and whether it fits, then exit")
     args = parser.parse_args(argv)
-    if args.global_batch % args.micro_batch:
-        parser.error(f"--global-batch {args.global_batch} is not a multiple of --micro-batch {args.micro_batch}")
-    args.gpu_cap, args.host_budget = parse_size(args.gpu_cap), parse_size(args.host_budget)
+    check_scenario_args(parser, args)
+    args.host_budget = parse_size(args.host_budget)
     return args
 
 

@@ -39,6 +39,10 @@ if [[ $what == finetune ]]; then  # the 8B workstation scenario (issue 15): its 
   python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan.log"
   python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune.log" | tr '\r' '\n' | tail -60
 fi
+if [[ $what == deepspeed ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 20")
+  mkdir -p /var/tmp/ds-8b
+  python3 examples/finetune_8b_deepspeed.py --steps ${STEPS:-2} ${DS_ARGS:-} 2>&1 | tee "$OUT/deepspeed.log" | tr '\r' '\n' | grep -v "^step .*micro-batch" | tail -40
+fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40
   python3 -m runtime.bench.profiler_bench --row host-s40-keep --preset 1.35b --seq-len 1024 --batch-size 8 --steps 8 --rounds 3 2>&1 | tee "$OUT/profiler_overhead.log" | tail -12

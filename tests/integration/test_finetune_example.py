@@ -114,3 +114,45 @@ def test_a_long_setup_reports_its_progress(tmp_path, caplog, monkeypatch):
     messages = [record.getMessage() for record in caplog.records]
     assert any(m.startswith(("pinning ", "reserving ")) and "of host memory" in m for m in messages)
     assert any(m.startswith("setting up block 2 of ") for m in messages)
+
+
+def load_deepspeed_baseline():
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    spec = importlib.util.spec_from_file_location("finetune_8b_deepspeed", examples / "finetune_8b_deepspeed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_deepspeed_baseline_s_watchdog_names_the_phase_that_passed_the_limit():
+    """DeepSpeed has no host budget: the baseline's watchdog enforces the scenario's limit from outside, once."""
+    baseline = load_deepspeed_baseline()
+    readings = iter([10, 20, 150, 160, 170])
+    seen = []
+    watchdog = baseline.RssWatchdog(100, lambda rss, phase: seen.append((rss, phase)), interval_s=0.01,
+                                    rss=lambda: next(readings, 170))
+    watchdog.phase = "deepspeed.initialize"
+    watchdog.start()
+    watchdog._thread.join(timeout=5)
+    assert seen == [(150, "deepspeed.initialize")] and watchdog.peak_nbytes == 150
+
+
+def test_the_deepspeed_baseline_does_the_scenario_s_work():
+    """Same batch, accumulation, clipping, dtype and AdamW as the tierstore script; nvme gets the tuned aio."""
+    baseline = load_deepspeed_baseline()
+    args = baseline.parse_args(["--offload", "nvme", "--nvme-dir", "/somewhere"])
+    config = baseline.ds_config(args, args.global_batch // args.micro_batch)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (4, 16)
+    assert config["gradient_clipping"] == 1.0 and config["bf16"]["enabled"]
+    assert config["optimizer"]["params"]["weight_decay"] == 0.01
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu"
+    assert zero["offload_optimizer"]["nvme_path"] == "/somewhere" and config["aio"]["thread_count"] == 8
+    assert baseline.ds_config(baseline.parse_args([]), 16)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_a_set_activation_reserve_reaches_the_config():
+    example = load_example()
+    args = example.parse_args(["--activation-reserve", "5GiB"])
+    assert example.tierstore_config(args, cuda=True)["tiers"]["gpu"]["activation_reserve"] == "5GiB"
+    assert example.tierstore_config(example.parse_args([]), cuda=True)["tiers"]["gpu"]["activation_reserve"] == "auto"

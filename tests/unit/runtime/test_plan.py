@@ -302,3 +302,17 @@ def test_oversized_blocks_spill_their_moments_last():
     plan = make_plan([n * 1024 for n in numels], homes, "master", 2, 2, 1, spilled=3)
     rows = {kind: nbytes for kind, _, nbytes in plan.rows}
     assert rows["exp_avg staging"] == 3 * 10 * 1024 * 4  # rooms of a layer's size, not the head's
+
+
+def test_weights_in_flight_are_the_largest_run_of_neighbouring_blocks():
+    """The window of fetched weights holds neighbours in the schedule: an embedding-sized head counts once in it,
+    not once per slot."""
+    from runtime.plan import largest_window
+
+    numels = [50, 10, 10, 10, 10, 50]  # embedding, four layers, head
+    assert largest_window(numels, 4) == 80 and largest_window(numels, 1) == 50
+    assert largest_window(numels, 9) == 140 and largest_window(numels, 0) == 0 and largest_window([], 3) == 0
+    homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
+    plan = make_plan([n * 1024 for n in numels], homes, "master", 2, 2, 1)  # depth 2: four blocks in flight
+    rows = {kind: nbytes for kind, _, nbytes in plan.rows}
+    assert rows["weights (4 blocks in flight)"] == 80 * 1024 * 2 and rows["fetch staging (fp32)"] == 80 * 1024 * 4
