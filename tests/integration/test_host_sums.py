@@ -96,7 +96,7 @@ def test_host_sums_of_fp16_gradients_skip_overflow_steps_like_the_reference():
         torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=1e-4)
 
 
-def test_a_backward_waiting_for_the_host_sums_is_reported_as_its_own_stall():
+def test_a_backward_waiting_for_the_host_sums_is_reported_as_its_own_stall(monkeypatch):
     """When the CPU sums fall behind, the backward waits for a buffer: the profiler hears it as a 'grad_sum'
     stall (shown as 'sum buffer'), not as time nobody accounts for."""
     import time
@@ -104,6 +104,9 @@ def test_a_backward_waiting_for_the_host_sums_is_reported_as_its_own_stall():
     from runtime.controller import STALL_GRAD_SUM
     from runtime.profiler.report import CAUSE_NAMES
 
+    import runtime.accumulate
+
+    monkeypatch.setattr(runtime.accumulate, "STAGING_SLOTS", 2)  # fewer buffers than this model's blocks
     torch.manual_seed(0)
     model, optimizer = offload(ExampleLM(SHAPE), {"dtype": "fp32", "optimizer": {
         "grad_clip": None, "accumulation_steps": 2, "accumulate_on": "host"}})
