@@ -17,12 +17,12 @@ Between micro-batches the parameter's ``.grad`` is an ``OffloadedGrad`` standing
 ``model.zero_grad()`` (either form) drops it, as plain PyTorch drops its ``.grad``; reading its values raises. The copies off the device go through a
 few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
 pieces): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
-(3 GiB, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
-A piece holds its buffer from the moment the backward queues its copy, while the GPU is still computing it,
-until its sum is done, so the buffers also bound how far the training thread may run ahead of the GPU: with
-four (one Llama-3-8B layer), the thread waited for each layer's sum before queueing the next layer's
-backward, the GPU idled in between, and the backward waited 16-17 s a step of its 56 (8B scenario, H200,
-2026-11-26); twelve let it queue two layers ahead. fp32
+(1 GiB, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
+A piece holds its buffer from the moment the backward queues its copy, while the GPU may still be computing
+it, so the backward's wait for a buffer is the training thread running ahead of the GPU as much as the GPU
+idling: twelve buffers cut that wait from 16-17 s to 3.6 s a step of the 8B scenario but not its
+micro-batches (41.8 s against 40.7 with four), and their 2 GiB more pinned memory spilled two more blocks'
+moments to disk (59 s steady steps against 56; H200, 2026-11-26). fp32
 crosses PCIe rather than bf16 because the host adds fp32 to fp32 fastest: on the H100 box, 10.8 G elements/s
 against 6.9-8.4 for a bf16 gradient widened piece by piece (a mixed-dtype ``add_`` is 10x slower still), while
 the device-to-host copy, otherwise idle during accumulation, carries 13 G fp32 elements/s.
@@ -46,7 +46,7 @@ from tierstore import Handle, TensorMeta, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
-STAGING_SLOTS = 12  # pinned buffers the gradients leave the device through, a piece at a time
+STAGING_SLOTS = 4  # pinned buffers the gradients leave the device through, a piece at a time
 PIECE_NUMEL = 1 << 26  # elements per piece: a buffer holds 256 MiB of fp32, whatever the block's size
 _STAGING_KEY = "grad_sum_staging.{}"
 
