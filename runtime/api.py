@@ -54,6 +54,7 @@ class OffloadSession:
     guard: ParamGuard
     state_dict_hooks: StateDictHooks
     optimizer: Any = None  # the OffloadAdamW this session serves (set by offload)
+    placement: Placement | None = None  # the resolved placement knobs and the activation reserve (set by offload)
     closed: bool = False
     on_close: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run by close(), last
 
@@ -273,6 +274,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         raise
     optimizer.session = session  # type: ignore[attr-defined]
     session.optimizer = optimizer
+    session.placement = resolved.placement
     if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
         install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its

@@ -250,6 +250,12 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
     else:
         device_name = "CPU (no CUDA)"
     usage = store.usage()
+    placement = session.placement
+    gpu_peak = None
+    if device.type == "cuda":
+        import torch
+
+        gpu_peak = int(torch.cuda.max_memory_allocated(device))
     return {
         "device": device_name,
         "device_type": device.type,
@@ -265,10 +271,16 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
             "homes": homes,
             "gpu_budget_nbytes": usage.get(TierName.GPU.value, {}).get("capacity_nbytes", 0),
             "host_budget_nbytes": usage.get(TierName.HOST.value, {}).get("capacity_nbytes", 0),
+            "gpu_update_fraction_auto": cfg.optimizer.gpu_update_fraction == "auto",
+            # What auto placement left for activations (0: nothing auto on a GPU) and what it planned beside them.
+            "activation_reserve_nbytes": placement.activation_reserve_nbytes if placement else 0,
+            "gpu_plan_nbytes": session.plan.gpu_nbytes,
+            "keep_for_backward_nbytes": controller.options.keep_for_backward_nbytes,
         },
         "blocks": [{"index": b.index, "name": b.name, "numel": b.numel, "weight_nbytes": controller.weights.nbytes(b.index),
                     "source_key": controller.weights.source_key(b), "gpu_updated": b.index in controller.gpu_updated}
                    for b in blocks],
         "memory": {"host_available_nbytes": int(psutil.virtual_memory().available),
-                   "moments_offloaded_nbytes": int(moment_nbytes)},
+                   "moments_offloaded_nbytes": int(moment_nbytes),
+                   "gpu_peak_nbytes": gpu_peak},  # torch.cuda.max_memory_allocated: the process's peak so far
     }

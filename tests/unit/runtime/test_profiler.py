@@ -382,3 +382,62 @@ def test_profiler_cannot_start_twice(fake):
     _, profiler = fake
     with pytest.raises(RuntimeError, match="already running"):
         profiler.start()
+
+
+def _llama8b_meta(*, embedding_on_gpu: bool, reserve_gib: float, plan_gib: float, keep_gib: float, peak_gib: float,
+                  fraction_auto: bool = True) -> dict[str, Any]:
+    """The 8B scenario's blocks (embedding, 32 layers, head) on a 24 GiB GPU with moments spilled to NVMe."""
+    gib = 2**30
+    numels = [525_336_576] + [218_112_000] * 32 + [525_336_576]
+    blocks = [{"index": i, "name": name, "numel": n, "weight_nbytes": 2 * n, "source_key": f"b{i}.master",
+               "gpu_updated": embedding_on_gpu and i == 0}
+              for i, (n, name) in enumerate(zip(numels, ["embed"] + [f"layers.{i}" for i in range(32)] + ["head"]))]
+    config = {**META["config"], "homes": {**META["config"]["homes"], "exp_avg": "host+nvme", "exp_avg_sq": "host+nvme"},
+              "gpu_update_fraction": 0.0654 if embedding_on_gpu else 0.0, "gpu_update_fraction_auto": fraction_auto,
+              "gpu_budget_nbytes": 24 * gib, "activation_reserve_nbytes": int(reserve_gib * gib),
+              "gpu_plan_nbytes": int(plan_gib * gib), "keep_for_backward_nbytes": int(keep_gib * gib)}
+    return {**META, "device_type": "cuda", "config": config, "blocks": blocks, "totals": {"paths": {}},
+            "memory": {"host_available_nbytes": 20 * gib, "moments_offloaded_nbytes": int(29.3 * gib),
+                       "gpu_peak_nbytes": int(peak_gib * gib)}}
+
+
+def _spilled_update_stall() -> dict[str, Any]:
+    return _steady(update=20.0, inputs=18.0, by_block={str(i): 2.5 for i in range(25, 33)})
+
+
+def test_a_gpu_peak_far_below_the_budget_advises_the_reserve_that_moves_the_embedding():
+    """Auto placement kept 10.1 GiB for activations; the step peaked at 12 GiB with 13.5 planned: the reserve the
+    peak supports (2.5 GiB: none beyond the plan, 10% margin) lets auto placement update the embedding on the
+    GPU, whose host state then leaves RAM and 8.4 GB fewer bytes of moments spill."""
+    summary = {**_llama8b_meta(embedding_on_gpu=False, reserve_gib=10.1, plan_gib=10.5, keep_gib=3.0, peak_gib=12.0),
+               "steady": _spilled_update_stall()}
+    advice = advise(summary)
+    reserve = next(a for a in advice if "activation_reserve" in a["change"])
+    assert reserve["change"].startswith("lower tiers.gpu.activation_reserve from 10.1 GiB to 2.5 GiB")
+    assert "1 more block(s) on the GPU (embed, 7.8 GiB)" in reserve["change"]  # layer 0 too would pass the room
+    assert reserve["saves_s"] == pytest.approx(18.0 * 16 * 525_336_576 / (29.3 * 2**30), rel=1e-6)
+    assert not any("gpu_update_fraction" in a["change"] for a in advice)  # the unbounded advice is replaced
+
+
+def test_a_gpu_peak_near_the_budget_advises_nothing_more_on_the_gpu():
+    """The 8B run with the embedding on the GPU peaked at 18.9 of 24 GiB: a layer's 3.25 GiB does not fit beside
+    the margin, so neither the reserve nor gpu_update_fraction is advised (before: 'raise it to 0.95, 88 GiB')."""
+    summary = {**_llama8b_meta(embedding_on_gpu=True, reserve_gib=5.0, plan_gib=18.33, keep_gib=0.0, peak_gib=18.9),
+               "steady": _spilled_update_stall()}
+    changes = [a["change"] for a in advise(summary)]
+    assert not any("activation_reserve" in c or "gpu_update_fraction" in c for c in changes), changes
+
+
+def test_with_a_set_update_fraction_the_advice_is_capped_by_the_measured_peak():
+    """gpu_update_fraction written by hand: the advice raises it only to the blocks that fit beside the peak, with
+    a fraction that selects exactly them."""
+    from runtime.autoplace import blocks_within
+
+    meta = _llama8b_meta(embedding_on_gpu=True, reserve_gib=5.0, plan_gib=12.0, keep_gib=0.0, peak_gib=12.5,
+                         fraction_auto=False)
+    advice = advise({**meta, "steady": _spilled_update_stall()})
+    raise_it = next(a for a in advice if "gpu_update_fraction" in a["change"])
+    fraction = float(raise_it["change"].split(" to ")[1].split(" ")[0])
+    room = 24 - 12.5 - 2.4  # GiB: 9.1, two layers of 3.25 GiB
+    assert blocks_within([b["numel"] for b in meta["blocks"]], fraction) == 1 + int(room // 3.25)
+    assert "the step's peak left" in raise_it["change"]
