@@ -141,9 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_scenario_args(parser)
     parser.add_argument("--activation-reserve", default="auto",
                         help="GPU memory left for activations (tiers.gpu.activation_reserve; default auto: three quarters "
-                             "of what the plan leaves free). Lower it to the activations' real need (the peak GPU "
-                             "memory a run prints, less the plan's GPU total) and the plan updates the first blocks "
-                             "on the GPU: their state then leaves host memory, and fewer moments spill to disk")
+                             "of what the plan leaves free). Lower, the plan updates the first blocks on the GPU: their "
+                             "state leaves host memory and fewer moments spill to disk. The profile's advice at the "
+                             "end of a run names the reserve its measured peak supports")
     parser.add_argument("--host-budget", default="100GiB", help="tierstore's pinned memory at most (default 100GiB)")
     parser.add_argument("--nvme-dir", default="tmp", help="directory for swap files ('tmp': a temporary one)")
     parser.add_argument("--nvme-budget", default="56GiB")

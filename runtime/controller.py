@@ -26,7 +26,7 @@ from runtime.clipping import GradClipper, scale_slots
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
 from runtime.plan import MOMENT_KINDS
-from runtime.schedule import PrefetchSchedule
+from runtime.schedule import PrefetchSchedule, window_bound
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
 from tierstore import CapacityError, CopyState, TensorMeta, TierName, TierStore, close_at_exit
@@ -180,8 +180,8 @@ class Controller:
         # forward uses them as they are (no wait for the write-back, no fetch).
         self._fresh: set[int] = set()
         # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
-        self._weights_window_nbytes = 0 if options.weight_source is WeightSource.RESIDENT else \
-            min(len(blocks), options.prefetch_depth + 2) * max((self.weights.nbytes(b.index) for b in blocks), default=0)
+        self._weights_window_nbytes = 0 if options.weight_source is WeightSource.RESIDENT else window_bound(
+            [self.weights.nbytes(b.index) for b in blocks if b.index not in self.gpu_updated], options.prefetch_depth + 2)
         self.scaler: _LossScaler | None = None
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]

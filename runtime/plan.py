@@ -10,8 +10,6 @@ through ``runtime.api.plan_model``.
 
 from __future__ import annotations
 
-import itertools
-
 import logging
 import os
 import shutil
@@ -23,6 +21,7 @@ import torch
 from runtime.accumulate import PIECE_NUMEL, STAGING_SLOTS
 from runtime.config import TierstoreConfig
 from runtime.hostmem import HostMemory, host_memory, ram_backed
+from runtime.schedule import window_bound
 from runtime.units import approx_size
 from tierstore import swap_tmp_root
 from tierstore.allocator import align_up
@@ -149,7 +148,7 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
         plan.rows.append(("refresh staging (fp32)", "gpu", largest * 4))
     else:
         in_flight = min(len(block_numels), prefetch_depth + 2) if block_numels else 0
-        window = largest_window(block_numels, in_flight)
+        window = window_bound(block_numels, in_flight)
         plan.rows.append((f"weights ({in_flight} blocks in flight)", "gpu", window * compute_itemsize))
         if weight_source == "master" and compute_itemsize != 4:
             plan.rows.append(("fetch staging (fp32)", "gpu", window * 4))
@@ -165,19 +164,6 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     elif accumulation_steps > 1:
         plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))
     return plan
-
-
-def largest_window(block_numels: Sequence[int], count: int) -> int:
-    """The most parameters any ``count`` consecutive blocks (forward order) hold. The weights on the GPU are the
-    block in use, the ones fetched ahead and the one being released: neighbours in the schedule, which runs the
-    blocks forward and then backward in reverse, so neighbours in forward order. Counting ``count`` times the
-    largest block instead would charge a 128k vocabulary's head (2.4x a Llama-3-8B layer) to every slot: 5.2 GiB
-    more than the 8B plan can ever hold."""
-    if count <= 0 or not block_numels:
-        return 0
-    sums = [0, *itertools.accumulate(block_numels)]
-    count = min(count, len(block_numels))
-    return max(sums[i + count] - sums[i] for i in range(len(block_numels) - count + 1))
 
 
 def spill_order(block_numels: Sequence[int], streamed: int = 0) -> list[int]:

@@ -144,7 +144,13 @@ def test_the_deepspeed_baseline_does_the_scenario_s_work():
     config = baseline.ds_config(args, args.global_batch // args.micro_batch)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (4, 16)
     assert config["gradient_clipping"] == 1.0 and config["bf16"]["enabled"]
-    assert config["optimizer"]["params"]["weight_decay"] == 0.01
+    from runtime.config import load_config
+
+    ours = load_config(load_example().tierstore_config(load_example().parse_args([]), cuda=True)).optimizer
+    params = config["optimizer"]["params"]
+    assert (params["lr"], tuple(params["betas"]), params["eps"], params["weight_decay"]) == (
+        ours.lr, tuple(ours.betas), ours.eps, ours.weight_decay)
+    assert (config["gradient_clipping"], config["gradient_accumulation_steps"]) == (ours.grad_clip, ours.accumulation_steps)
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu"
     assert zero["offload_optimizer"]["nvme_path"] == "/somewhere" and config["aio"]["thread_count"] == 8

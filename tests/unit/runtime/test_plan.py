@@ -304,15 +304,20 @@ def test_oversized_blocks_spill_their_moments_last():
     assert rows["exp_avg staging"] == 3 * 10 * 1024 * 4  # rooms of a layer's size, not the head's
 
 
-def test_weights_in_flight_are_the_largest_run_of_neighbouring_blocks():
-    """The window of fetched weights holds neighbours in the schedule: an embedding-sized head counts once in it,
-    not once per slot."""
-    from runtime.plan import largest_window
+def test_weights_in_flight_are_the_largest_blocks_the_window_can_hold():
+    """The weights on the GPU are the window's blocks, whichever they are (a tied head held through the backward,
+    a checkpoint segment of several blocks): the plan counts the largest that many, not the largest block once
+    per slot (a 128k vocabulary's head charged to every slot of the 8B plan: 5.2 GiB it can never hold)."""
+    from runtime.schedule import window_bound
 
     numels = [50, 10, 10, 10, 10, 50]  # embedding, four layers, head
-    assert largest_window(numels, 4) == 80 and largest_window(numels, 1) == 50
-    assert largest_window(numels, 9) == 140 and largest_window(numels, 0) == 0 and largest_window([], 3) == 0
+    assert window_bound(numels, 4) == 120 and window_bound(numels, 1) == 50
+    assert window_bound(numels, 9) == 140 and window_bound(numels, 0) == 0 and window_bound([], 3) == 0
     homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
     plan = make_plan([n * 1024 for n in numels], homes, "master", 2, 2, 1)  # depth 2: four blocks in flight
     rows = {kind: nbytes for kind, _, nbytes in plan.rows}
-    assert rows["weights (4 blocks in flight)"] == 80 * 1024 * 2 and rows["fetch staging (fp32)"] == 80 * 1024 * 4
+    assert rows["weights (4 blocks in flight)"] == 120 * 1024 * 2 and rows["fetch staging (fp32)"] == 120 * 1024 * 4
+    # A block updated on the GPU is not fetched: the window is the others' (the head and three layers).
+    plan = make_plan([n * 1024 for n in numels[1:]], homes, "master", 2, 2, 1, gpu_updated_numels=[50 * 1024])
+    rows = {kind: nbytes for kind, _, nbytes in plan.rows}
+    assert rows["weights (4 blocks in flight)"] == 80 * 1024 * 2
