@@ -33,13 +33,14 @@ if [[ $what == train || $what == all ]]; then
   # BENCH_ARGS: another shape, e.g. "--model hf-llama --hidden 2048 --layers 28 --heads 16 --kv-heads 4 --tied --seq 2048"
   python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
 fi
-if [[ $what == finetune ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
+if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
+  # compare: this, then DeepSpeed (the block below) in one call; give both the shape: FT_ARGS="--layers 16" DS_ARGS="--layers 16 ..."
   mkdir -p /var/tmp/ts-8b
   # FT_ARGS: e.g. "--global-batch 8 --micro-batch 2" (a shorter step, another micro-batch)
   python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan.log"
   python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune.log" | tr '\r' '\n' | tail -60
 fi
-if [[ $what == deepspeed ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 20")
+if [[ $what == deepspeed || $what == compare ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 16 --offload nvme")
   mkdir -p /var/tmp/ds-8b
   python3 examples/finetune_8b_deepspeed.py --steps ${STEPS:-2} ${DS_ARGS:-} 2>&1 | tee "$OUT/deepspeed.log" | tr '\r' '\n' | grep -v "^step .*micro-batch" | tail -40
 fi
