@@ -377,6 +377,20 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
     return dataclasses.replace(chosen, host_sums=host_sums)
 
 
+def placement_at_reserve(session: OffloadSession, reserve_nbytes: int) -> Placement:
+    """What auto placement would choose for this session's blocks and config with ``tiers.gpu.activation_reserve``
+    at ``reserve_nbytes`` and the GPU budget the store has (the profiler's advice asks; the rates measured at
+    offload are cached). A session that streams nothing keeps streaming nothing: its plan may have given
+    streaming up for host memory, which this does not re-check."""
+    cfg, device = session.config, session.store.device
+    gpu = dataclasses.replace(cfg.tiers.gpu, activation_reserve=int(reserve_nbytes),
+                              budget=session.store.tiers[TierName.GPU].capacity_nbytes)
+    cfg = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, gpu=gpu))
+    homes, source = resolve_homes(cfg, device)
+    no_stream = None if session.controller.gpu_streamed else "this session streams nothing"
+    return resolve_placement(session.blocks, cfg, device, homes, source, no_stream_reason=no_stream)
+
+
 def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, *,
                  rates: Rates | None = None) -> ResolvedPlan:
     """Homes, weight source, the ``auto`` placement knobs (``resolve_placement``) and the plan.

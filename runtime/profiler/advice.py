@@ -11,10 +11,10 @@ a change can at most remove the waiting it targets. The rules, by cause of the w
 - Adam not done: take the worker's input waits away (moments from NVMe to host when RAM has room; more IO
   threads while NVMe reads are below their ceiling), run the first blocks' update on the GPU (``optimizer.gpu_update_fraction``: those are the
   updates the CPU cannot hide), and amortise Adam over more tokens (``optimizer.accumulation_steps``).
-  On a GPU, the measured peak bounds what may move there: the blocks whose device-side state fits the
-  memory the peak left unused, less ``GPU_MARGIN`` of the budget. Under ``auto`` placement the change is the
-  activation reserve it planned with: the step's peak beyond the plan (what the activations really took,
-  the plan's over-count netted out) plus the margin; auto placement then fills the rest.
+  On a GPU, the steps' measured peak bounds what may move there: with a hand-set fraction, the blocks whose
+  device-side state fits the memory the peak left unused, less ``GPU_MARGIN`` of the budget; under ``auto``
+  placement, the activation reserve the peak supports and what auto placement chooses with it
+  (``runtime.profiler.collect.reserve_probe`` asks it), when that is more blocks on the GPU.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import math
 from typing import Any
 
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
+from runtime.profiler.collect import GPU_MARGIN
 from runtime.profiler.shares import share_text
 
 MIN_STALL_S = 1e-3  # waits below this per step are noise
 MIN_STALL_SHARE = 0.02  # ... and so are waits below this share of the step
 RAM_MARGIN = 1.25  # moving state to pinned memory wants this much more free RAM than it takes
 READ_SATURATED = 0.8  # NVMe reads at this share of the ceiling gain nothing from more threads
-GPU_MARGIN = 0.1  # of the GPU budget, left free beyond a measured peak when advising more state onto the GPU
 DEVICE_STATE_ITEMSIZE = 12  # fp32 master + two moments, per parameter of a block updated on the GPU
 HOST_STATE_ITEMSIZE = 16  # ... and what the same block holds in host memory: those plus its fp32 gradient
 
@@ -166,12 +166,12 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
         last = b["index"]
         if covered >= 0.8 * stalled:
             break
+    if summary.get("device_type") == "cuda" and cfg.get("gpu_update_fraction_auto"):
+        _reserve_advice(summary, cfg, wait, steady, add, blocks, by_block)  # auto placement chooses the blocks
+        return
     room = _room(summary, cfg)
     prefix = [b for b in blocks if b["index"] <= last]
     if room is not None:
-        if cfg.get("gpu_update_fraction_auto") and cfg.get("activation_reserve_nbytes"):
-            _reserve_advice(summary, cfg, wait, steady, add, blocks, by_block)
-            return
         prefix = _fitting(blocks, room)
         if not any(not b.get("gpu_updated") for b in prefix):
             return
@@ -179,7 +179,7 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
         covered = sum(by_block.get(b["index"], 0.0) for b in prefix)
     total_numel = sum(b["numel"] for b in blocks)
     # Without a peak, a round figure; with one, the prefix's own share (rounded up at the fourth digit, so that
-    # runtime.controller.gpu_updated_blocks selects exactly the prefix and not a block that does not fit).
+    # runtime.controller.gpu_updated_blocks selects the prefix and not a block that does not fit).
     digits = 20 if room is None else 10_000
     fraction = math.ceil(sum(b["numel"] for b in prefix) / total_numel * digits) / digits
     current = float(cfg.get("gpu_update_fraction", 0.0))
@@ -189,8 +189,8 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
     saves = min(wait, covered + _spill_saved(summary, steady, prefix))
     note = "; on this CPU-only run the 'GPU' update also runs on the CPU" if summary.get("device_type") == "cpu" else ""
     left = f"; the step's peak left {size_text(room)} free beside a {GPU_MARGIN:.0%} margin" if room is not None else ""
-    shown = f"{fraction:.2f}" if room is None else f"{fraction:.4f}"
-    add(f"raise optimizer.gpu_update_fraction from {current:.2f} to {shown} (needs about {size_text(extra)} "
+    shown = (lambda x: f"{x:.2f}") if room is None else (lambda x: f"{x:.4f}")
+    add(f"raise optimizer.gpu_update_fraction from {shown(current)} to {shown(fraction)} (needs about {size_text(extra)} "
         f"more GPU memory{left})", saves, wait,
         f"blocks 0..{last} waited {covered:.3f} s/step for their CPU update: the first blocks' updates finish last and "
         f"are needed first{note}")
@@ -198,28 +198,25 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
 
 def _reserve_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], add: Any,
                     blocks: list[dict[str, Any]], by_block: dict[int, float]) -> None:
-    """Auto placement reserved more for activations than the step used: name the reserve the peak supports and
-    the blocks auto placement could then update on the GPU."""
-    budget, reserve = cfg["gpu_budget_nbytes"], cfg["activation_reserve_nbytes"]
-    peak = summary["memory"]["gpu_peak_nbytes"]
-    plan, keep = cfg.get("gpu_plan_nbytes", 0), cfg.get("keep_for_backward_nbytes", 0)
-    beyond_plan = max(0, peak - plan - keep)
-    suggested = math.ceil((beyond_plan + GPU_MARGIN * budget) / 2**28) * 2**28  # a quarter GiB up
-    if suggested >= reserve:
+    """Auto placement reserved more for activations than the step used: the reserve the peak supports and what
+    auto placement chose with it (``runtime.profiler.collect.reserve_probe`` asked it), when that is more
+    blocks on the GPU."""
+    memory = summary.get("memory") or {}
+    probe = memory.get("reserve_probe")
+    updated = sum(1 for b in blocks if b.get("gpu_updated"))
+    if not probe or probe["updated"] <= updated:
         return
-    # The weights kept for backward take what the blocks leave: blocks first, as auto placement places them.
-    moved = _fitting(blocks, budget - suggested - plan)
-    new = [b for b in moved if not b.get("gpu_updated")]
-    if not new:
-        return
+    new = blocks[updated : probe["updated"]]  # forward order: gpu_updated_blocks takes the first ones
     covered = sum(by_block.get(b["index"], 0.0) for b in new)
     saves = min(wait, covered + _spill_saved(summary, steady, new))
     names = new[0]["name"] if len(new) == 1 else f"{new[0]['name']} .. {new[-1]['name']}"
-    add(f"lower tiers.gpu.activation_reserve from {size_text(reserve)} to {size_text(suggested)}: auto placement "
-        f"then updates {len(new)} more block(s) on the GPU ({names}, {size_text(sum(_device_nbytes(b) for b in new))})",
+    reserve, budget, peak = cfg["activation_reserve_nbytes"], cfg["gpu_budget_nbytes"], memory["gpu_peak_nbytes"]
+    add(f"lower tiers.gpu.activation_reserve from {size_text(reserve)} to {size_text(probe['reserve_nbytes'])}: auto "
+        f"placement then updates {len(new)} more block(s) on the GPU ({names}), streams {probe['streamed']} and keeps "
+        f"{size_text(probe['keep_for_backward_nbytes'])} for backward",
         saves, wait,
-        f"the step peaked at {size_text(peak)} of the {size_text(budget)} GPU budget against {size_text(plan + keep)} "
-        f"planned: activations took {size_text(beyond_plan)} beyond the plan, {GPU_MARGIN:.0%} of the budget kept free; "
+        f"the steps peaked at {size_text(peak)} of the {size_text(budget)} GPU budget: the activations took "
+        f"{size_text(probe['beyond_plan_nbytes'])} beyond the plan, and {GPU_MARGIN:.0%} of the budget stays free; "
         f"a block updated on the GPU leaves host memory ({size_text(sum(HOST_STATE_ITEMSIZE * b['numel'] for b in new))}), "
         "so fewer moments spill to NVMe")
 
@@ -258,5 +255,6 @@ def _spill_saved(summary: dict[str, Any], steady: dict[str, Any], moved: list[di
     if (summary.get("config") or {}).get("homes", {}).get("exp_avg") != "host+nvme":
         return 0.0
     offloaded = (summary.get("memory") or {}).get("moments_offloaded_nbytes", 0)
-    freed = sum(HOST_STATE_ITEMSIZE * b["numel"] for b in moved if not b.get("gpu_updated"))
+    # Streamed blocks already keep no host gradient and never spill: moving them frees little.
+    freed = sum(HOST_STATE_ITEMSIZE * b["numel"] for b in moved if not b.get("gpu_updated") and not b.get("gpu_streamed"))
     return steady.get("adam_wait_inputs_s", 0.0) * min(1.0, freed / offloaded) if offloaded else 0.0

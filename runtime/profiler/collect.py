@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from runtime.controller import StallEvent, StepEvent
+from runtime.api import placement_at_reserve
+from runtime.controller import StallEvent, StepEvent, gpu_streamed_blocks, gpu_updated_blocks
 from tierstore import TierName, TransferEvent
 
 if TYPE_CHECKING:
@@ -118,6 +119,10 @@ class Profiler:
         self._restore_intervals = False
         self._unsubscribe: Any = None
         self._meta: dict[str, Any] = {}
+        # torch.cuda.max_memory_allocated at start and at the last commit: the steps' peak is known when it rose
+        # above what setup reached (None off a GPU)
+        self._gpu_peak_at_start: int | None = None
+        self._gpu_peak: int | None = None
 
     # ---- lifetime ------------------------------------------------------------------------------------
     @property
@@ -131,6 +136,7 @@ class Profiler:
             raise RuntimeError("the profiler is already running")
         controller = self.session.controller
         self._meta = session_meta(self.session)
+        self._gpu_peak_at_start = self._gpu_peak = _gpu_peak_now(self.session)
         schedule = controller.schedule.stats
         self._hits0, self._misses0 = schedule.hits, schedule.misses
         self._wait_inputs0 = controller.worker.stats.wait_inputs_s
@@ -194,6 +200,7 @@ class Profiler:
         ends = controller.stats.backward_end_s
         backward_end = ends[-1] if ends and ends[-1] >= begin else event.time_s
         usage = {tier: figures["used_nbytes"] for tier, figures in self.session.store.usage().items()}
+        self._gpu_peak = _gpu_peak_now(self.session)
         stats = controller.schedule.stats
         with self._lock:
             mark = StepMark(event.step, begin, backward_end, event.time_s, len(self._transfers), len(self._stalls),
@@ -215,7 +222,18 @@ class Profiler:
                 transfers=list(self._transfers), stalls=list(self._stalls), adam=list(intervals), marks=list(self._marks),
                 counters=self._counters.copy(), hits=stats.hits - self._hits0, misses=stats.misses - self._misses0,
                 wait_inputs_s=controller.worker.stats.wait_inputs_s - self._wait_inputs0, dropped_events=self._dropped,
-                meta=dict(self._meta), ceilings_gbps=dict(self.ceilings_gbps))
+                meta=self._meta_with_peak(), ceilings_gbps=dict(self.ceilings_gbps))
+
+    def _meta_with_peak(self) -> dict[str, Any]:
+        """The session's metadata with the steps' GPU peak and, under auto placement, the reserve it supports."""
+        meta = dict(self._meta)
+        if not meta:
+            return meta
+        peak = self._gpu_peak if self._gpu_peak and self._gpu_peak > (self._gpu_peak_at_start or 0) else None
+        memory = {**meta.get("memory", {}), "gpu_peak_nbytes": peak}
+        memory["reserve_probe"] = reserve_probe(self.session, meta.get("config") or {}, peak)
+        meta["memory"] = memory
+        return meta
 
     def summary(self) -> dict[str, Any]:
         """The machine-readable summary (what summary.json holds), advice included."""
@@ -229,6 +247,40 @@ class Profiler:
         from runtime.profiler.outputs import save_profile
 
         return save_profile(self.raw(), directory, trace=trace, plot=plot)
+
+
+GPU_MARGIN = 0.1  # of the GPU budget, left free beyond a measured peak when advising more state onto the GPU
+
+
+def _gpu_peak_now(session: "OffloadSession") -> int | None:
+    device = session.store.device
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def reserve_probe(session: "OffloadSession", config: Mapping[str, Any], peak: int | None) -> dict[str, Any] | None:
+    """Under auto placement, the activation reserve a measured step peak supports and what auto placement would
+    choose with it; None with a hand-set update fraction, off a GPU, without a peak or when the reserve would
+    not fall. The reserve: the peak beyond the plan (what the activations took, the plan's over-count netted
+    out; weights kept for backward by ``auto`` are counted in neither, as auto fills the room with them again)
+    plus ``GPU_MARGIN`` of the budget, rounded up to a quarter GiB."""
+    if peak is None or not config.get("gpu_update_fraction_auto") or not config.get("activation_reserve_nbytes"):
+        return None
+    budget = int(config["gpu_budget_nbytes"])
+    keep = int(config.get("keep_for_backward_nbytes", 0)) if config.get("keep_auto") else 0
+    beyond = max(0, peak - int(config.get("gpu_plan_nbytes", 0)) - keep)
+    reserve = -(-int(beyond + GPU_MARGIN * budget) // 2**28) * 2**28
+    if reserve >= config["activation_reserve_nbytes"]:
+        return None
+    placement = placement_at_reserve(session, reserve)
+    blocks = session.blocks
+    return {"reserve_nbytes": reserve, "beyond_plan_nbytes": beyond,
+            "updated": len(gpu_updated_blocks(blocks, placement.gpu_update_fraction)),
+            "streamed": len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction)),
+            "keep_for_backward_nbytes": placement.keep_for_backward_nbytes}
 
 
 def session_meta(session: "OffloadSession") -> dict[str, Any]:
@@ -251,11 +303,6 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
         device_name = "CPU (no CUDA)"
     usage = store.usage()
     placement = session.placement
-    gpu_peak = None
-    if device.type == "cuda":
-        import torch
-
-        gpu_peak = int(torch.cuda.max_memory_allocated(device))
     return {
         "device": device_name,
         "device_type": device.type,
@@ -276,11 +323,12 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
             "activation_reserve_nbytes": placement.activation_reserve_nbytes if placement else 0,
             "gpu_plan_nbytes": session.plan.gpu_nbytes,
             "keep_for_backward_nbytes": controller.options.keep_for_backward_nbytes,
+            "keep_auto": cfg.prefetch.keep_for_backward == "auto",
         },
         "blocks": [{"index": b.index, "name": b.name, "numel": b.numel, "weight_nbytes": controller.weights.nbytes(b.index),
-                    "source_key": controller.weights.source_key(b), "gpu_updated": b.index in controller.gpu_updated}
+                    "source_key": controller.weights.source_key(b), "gpu_updated": b.index in controller.gpu_updated,
+                    "gpu_streamed": b.index in controller.gpu_streamed}
                    for b in blocks],
         "memory": {"host_available_nbytes": int(psutil.virtual_memory().available),
-                   "moments_offloaded_nbytes": int(moment_nbytes),
-                   "gpu_peak_nbytes": gpu_peak},  # torch.cuda.max_memory_allocated: the process's peak so far
+                   "moments_offloaded_nbytes": int(moment_nbytes)},
     }

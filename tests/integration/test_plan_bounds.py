@@ -44,3 +44,31 @@ def test_the_gpu_tier_holds_no_more_weights_than_the_plan_counts(tie, checkpoint
     assert largest < peak <= row  # the bytes moved through the tier, and stayed within the plan
     if tie:  # the tied embedding's block is held through the backward beside three layers far from it:
         assert peak == row  # the bound is tight there
+
+
+def test_auto_placement_can_be_asked_again_at_another_reserve():
+    """The profiler's advice asks auto placement what it would choose at a lower activation reserve: the session's
+    config with that reserve and the store's GPU budget. On the CPU every auto is 0 (the device is the CPU)."""
+    from runtime.api import placement_at_reserve
+
+    model, optimizer = offload(ExampleLM(ModelShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                                                    ffn_size=128, max_seq_len=32)), {"dtype": "fp32"})
+    with optimizer.session as session:
+        placement = placement_at_reserve(session, 1 << 30)
+    assert (placement.gpu_update_fraction, placement.gpu_stream_fraction, placement.keep_for_backward_nbytes) == (0, 0, 0)
+    assert any("the device is the CPU" in note for note in placement.notes)
+
+
+@pytest.mark.gpu
+def test_a_lower_reserve_puts_no_fewer_blocks_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA; run on the GPU machine")
+    from runtime.api import placement_at_reserve
+    from runtime.controller import gpu_updated_blocks
+
+    model, optimizer = offload(ExampleLM(ModelShape(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8,
+                                                    ffn_size=2816)), {"dtype": "bf16", "tiers": {"gpu": {"budget": "3GiB"}}})
+    with optimizer.session as session:
+        counts = [len(gpu_updated_blocks(session.blocks, placement_at_reserve(session, reserve << 20).gpu_update_fraction))
+                  for reserve in (2048, 1024, 256)]
+        assert counts == sorted(counts) and counts[-1] > len(session.controller.gpu_updated), counts

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_UPDATE, Controller, StallEvent, StepEvent, StepStats
 from runtime.overlap import WorkerStats
@@ -40,7 +41,7 @@ class FakeSession:
     """Just what the profiler reads of a session: bus, usage, controller hooks and stats."""
 
     def __init__(self) -> None:
-        self.store = SimpleNamespace(bus=EventBus(), usage=lambda: {"gpu": {"used_nbytes": 1, "capacity_nbytes": 9},
+        self.store = SimpleNamespace(bus=EventBus(), device=torch.device("cpu"), usage=lambda: {"gpu": {"used_nbytes": 1, "capacity_nbytes": 9},
                                                                      "host": {"used_nbytes": 2, "capacity_nbytes": 9},
                                                                      "nvme": {"used_nbytes": 3, "capacity_nbytes": 9}})
         self.controller = SimpleNamespace(
@@ -405,27 +406,53 @@ def _spilled_update_stall() -> dict[str, Any]:
     return _steady(update=20.0, inputs=18.0, by_block={str(i): 2.5 for i in range(25, 33)})
 
 
-def test_a_gpu_peak_far_below_the_budget_advises_the_reserve_that_moves_the_embedding():
-    """Auto placement kept 10.1 GiB for activations; the step peaked at 12 GiB with 13.5 planned: the reserve the
-    peak supports (2.5 GiB: none beyond the plan, 10% margin) lets auto placement update the embedding on the
-    GPU, whose host state then leaves RAM and 8.4 GB fewer bytes of moments spill."""
+def test_the_reserve_probe_asks_auto_placement_at_the_reserve_the_peak_supports(monkeypatch):
+    """Auto placement kept 10.1 GiB for activations; the steps peaked at 12 GiB with 10.5 planned and 3 kept for
+    backward by auto: nothing beyond the plan, so the reserve is the 10% margin (2.4 GiB, to 2.5), and auto
+    placement itself is asked what it would choose there. A hand-set keep counts as activations' room (auto
+    placement does not fill it again); a hand-set fraction, no peak or no lower reserve: no probe."""
+    from runtime.autoplace import Placement
+    from runtime.profiler.collect import reserve_probe
+
+    gib = 2**30
+    numels = [525_336_576] + [218_112_000] * 32 + [525_336_576]
+    session = SimpleNamespace(blocks=[SimpleNamespace(index=i, numel=n) for i, n in enumerate(numels)])
+    asked = []
+
+    def placement_at_reserve(session_, reserve):
+        asked.append(reserve)
+        return Placement(numels[0] / sum(numels) + 1e-9, 0.0, 3 * gib)  # the embedding
+
+    monkeypatch.setattr(collect_module, "placement_at_reserve", placement_at_reserve)
+    config = {"gpu_update_fraction_auto": True, "activation_reserve_nbytes": int(10.1 * gib), "gpu_budget_nbytes": 24 * gib,
+              "gpu_plan_nbytes": int(10.5 * gib), "keep_for_backward_nbytes": 3 * gib, "keep_auto": True}
+    probe = reserve_probe(session, config, 12 * gib)
+    assert asked == [int(2.5 * gib)] and probe["reserve_nbytes"] == int(2.5 * gib) and probe["beyond_plan_nbytes"] == 0
+    assert (probe["updated"], probe["streamed"], probe["keep_for_backward_nbytes"]) == (1, 0, 3 * gib)
+    probe = reserve_probe(session, {**config, "keep_auto": False}, 15 * gib)  # 4.5 GiB beyond the plan
+    assert probe["beyond_plan_nbytes"] == int(4.5 * gib) and probe["reserve_nbytes"] == 7 * gib
+    assert reserve_probe(session, {**config, "gpu_update_fraction_auto": False}, 12 * gib) is None
+    assert reserve_probe(session, config, None) is None
+    assert reserve_probe(session, config, 22 * gib) is None  # 8.5 beyond + 2.4: not below 10.1
+
+
+def test_a_reserve_probe_with_more_blocks_on_the_gpu_is_advised():
+    """The probe's answer becomes the advice: the reserve, the blocks auto placement then updates on the GPU,
+    and the NVMe wait their host state frees (8.4 GB of 29.3 GiB of spilled moments)."""
+    gib = 2**30
     summary = {**_llama8b_meta(embedding_on_gpu=False, reserve_gib=10.1, plan_gib=10.5, keep_gib=3.0, peak_gib=12.0),
                "steady": _spilled_update_stall()}
+    summary["memory"]["reserve_probe"] = {"reserve_nbytes": int(2.5 * gib), "beyond_plan_nbytes": 0, "updated": 1,
+                                          "streamed": 0, "keep_for_backward_nbytes": 3 * gib}
     advice = advise(summary)
     reserve = next(a for a in advice if "activation_reserve" in a["change"])
-    assert reserve["change"].startswith("lower tiers.gpu.activation_reserve from 10.1 GiB to 2.5 GiB")
-    assert "1 more block(s) on the GPU (embed, 7.8 GiB)" in reserve["change"]  # layer 0 too would pass the room
-    assert reserve["saves_s"] == pytest.approx(18.0 * 16 * 525_336_576 / (29.3 * 2**30), rel=1e-6)
-    assert not any("gpu_update_fraction" in a["change"] for a in advice)  # the unbounded advice is replaced
-
-
-def test_a_gpu_peak_near_the_budget_advises_nothing_more_on_the_gpu():
-    """The 8B run with the embedding on the GPU peaked at 18.9 of 24 GiB: a layer's 3.25 GiB does not fit beside
-    the margin, so neither the reserve nor gpu_update_fraction is advised (before: 'raise it to 0.95, 88 GiB')."""
-    summary = {**_llama8b_meta(embedding_on_gpu=True, reserve_gib=5.0, plan_gib=18.33, keep_gib=0.0, peak_gib=18.9),
-               "steady": _spilled_update_stall()}
-    changes = [a["change"] for a in advise(summary)]
-    assert not any("activation_reserve" in c or "gpu_update_fraction" in c for c in changes), changes
+    assert reserve["change"].startswith("lower tiers.gpu.activation_reserve from 10.1 GiB to 2.5 GiB: auto placement "
+                                        "then updates 1 more block(s) on the GPU (embed)")
+    assert reserve["saves_s"] == pytest.approx(18.0 * 16 * 525_336_576 / (29.3 * gib), rel=1e-6)
+    assert not any("gpu_update_fraction" in a["change"] for a in advice)  # auto chooses the blocks, not the user
+    summary["memory"]["reserve_probe"] = None  # the peak supports no lower reserve: no reserve advice, and no
+    changes = [a["change"] for a in advise(summary)]  # 'raise gpu_update_fraction to 0.95, 88 GiB more' either
+    assert changes and not any("activation_reserve" in c or "gpu_update_fraction" in c for c in changes), changes
 
 
 def test_with_a_set_update_fraction_the_advice_is_capped_by_the_measured_peak():
