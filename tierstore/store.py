@@ -413,7 +413,8 @@ class TierStore:
             host.free(staging)
 
     def _write_zeros(self, record: Record) -> None:
-        self._write_home_nvme(record, torch.zeros(record.meta.numel, dtype=record.meta.dtype))
+        """A new NVMe home reads as zeros already (preallocated): only its header is written."""
+        self._nvme_dir.write_zeros(record.copies[TierName.NVME].allocation.swap, record.step)
 
     # ---- accounting & lifetime -----------------------------------------------------------------------
     def usage(self) -> dict[str, dict[str, int]]:

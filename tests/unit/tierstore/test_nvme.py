@@ -92,6 +92,32 @@ def test_round_trip_is_bit_exact(nvme_dir: Path, direct_io: str, buffer: str, dt
     assert swap_files(nvme_dir) == []
 
 
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_a_new_file_holds_zeros_with_only_its_header_written(nvme_dir: Path, direct_io: str, monkeypatch) -> None:
+    """write_zeros writes the header alone (the preallocated payload reads as zeros): the file reads back as
+    zeros with a valid checksum, a flipped payload byte still reads as corrupt, and a file once written refuses it."""
+    meta = TensorMeta(torch.float32, 3 * (1 << 20) + 5)  # several IO blocks and a tail
+    directory = NVMeDirectory(nvme_dir, 64 << 20, direct_io=direct_io, block_nbytes=1 << 20)
+    writes: list[int] = []
+    real_write = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: writes.append(len(data)) or real_write(fd, data, offset))
+    try:
+        swap = directory.create(TensorKey("zeros"), meta)
+        assert directory.write_zeros(swap, step=3) == meta.nbytes
+        assert 0 < sum(writes) <= HEADER_NBYTES  # the header, not the 12 MiB payload
+        dst = torch.full((NVMeDirectory.file_size(meta),), 0xA5, dtype=torch.uint8)
+        assert directory.read(swap, dst, expected_step=3) == meta.nbytes and not dst[: meta.nbytes].any()
+        with open(swap.path, "r+b") as f:  # one bit of the payload flipped: the checksum no longer matches
+            f.seek(HEADER_NBYTES + 12345)
+            f.write(b"\x01")
+        with pytest.raises(CorruptFileError):
+            directory.read(swap, dst)
+        with pytest.raises(RuntimeError, match="already written"):
+            directory.write_zeros(swap)
+    finally:
+        directory.close()
+
+
 def test_multi_block_transfer_with_small_blocks(nvme_dir: Path) -> None:
     """A payload spanning many IO blocks (and ending mid-block) is chunked without losing a byte."""
     data = random_tensor(torch.uint8, 5 * IO_ALIGNMENT + 123, seed=3)
