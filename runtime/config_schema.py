@@ -70,7 +70,8 @@ class GpuTierConfig:
     budget: int | Literal["auto"] = _leaf(
         SizeSpec(min_nbytes=1, auto=True), "auto",
         "Bytes of device memory tierstore may hold. `auto`: 90% of the device memory free at "
-        "start.", "20GiB")
+        "start, and of what the process may still allocate under a "
+        "`torch.cuda.set_per_process_memory_fraction` cap.", "20GiB")
     activation_reserve: int | Literal["auto"] = _leaf(
         SizeSpec(auto=True), "auto",
         "Bytes of the GPU budget that `auto` placement (`optimizer.gpu_update_fraction`, "

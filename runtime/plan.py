@@ -23,6 +23,7 @@ from runtime.config import TierstoreConfig
 from runtime.hostmem import HostMemory, host_memory, ram_backed
 from runtime.schedule import window_bound
 from runtime.units import approx_size
+from runtime.writeback import allocator_limit_nbytes
 from tierstore import swap_tmp_root
 from tierstore.allocator import align_up
 
@@ -199,12 +200,16 @@ class Budgets:
 
 
 def gpu_budget_nbytes(cfg: TierstoreConfig, device: torch.device) -> int:
-    """``tiers.gpu.budget``; ``auto``: 90% of the device memory free now (unbounded on the CPU, where host memory
+    """``tiers.gpu.budget``; ``auto``: 90% of the device memory free now, and of what the process may still
+    allocate under a ``torch.cuda.set_per_process_memory_fraction`` cap (unbounded on the CPU, where host memory
     is planned separately). The store enforces it on the CPU too, so an explicit budget is checked there."""
     if cfg.tiers.gpu.budget != "auto":
         return int(cfg.tiers.gpu.budget)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
+        limit = allocator_limit_nbytes(device)
+        if limit is not None:  # under set_per_process_memory_fraction the cap, not the card, is what is left
+            free = min(free, max(0, limit - torch.cuda.memory_reserved(device)))
         return int(free * 0.9)
     return UNBOUNDED
 

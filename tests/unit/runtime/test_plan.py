@@ -321,3 +321,20 @@ def test_weights_in_flight_are_the_largest_blocks_the_window_can_hold():
     plan = make_plan([n * 1024 for n in numels[1:]], homes, "master", 2, 2, 1, gpu_updated_numels=[50 * 1024])
     rows = {kind: nbytes for kind, _, nbytes in plan.rows}
     assert rows["weights (4 blocks in flight)"] == 80 * 1024 * 2
+
+
+def test_an_auto_gpu_budget_stays_under_the_process_s_memory_cap(monkeypatch):
+    """A process capped with torch.cuda.set_per_process_memory_fraction (24 GiB of an 80 GiB card, 2 GiB already
+    held) plans with 90% of what the cap leaves, not of the card's free memory."""
+    import runtime.plan as plan_module
+    from runtime.config import load_config
+    from runtime.plan import gpu_budget_nbytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
+    monkeypatch.setattr(plan_module, "allocator_limit_nbytes", lambda device: 24 * gib)
+    cfg = load_config({})
+    assert gpu_budget_nbytes(cfg, torch.device("cuda")) == int(0.9 * 22 * gib)
+    monkeypatch.setattr(plan_module, "allocator_limit_nbytes", lambda device: 80 * gib)  # uncapped: the card's free
+    assert gpu_budget_nbytes(cfg, torch.device("cuda")) == int(0.9 * 70 * gib)
