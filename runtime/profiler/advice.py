@@ -84,7 +84,8 @@ def advise(summary: dict[str, Any]) -> list[dict[str, Any]]:
         add("raise the micro-batch size and lower optimizer.accumulation_steps to match (each micro-batch's gradient "
             "is summed on the host once, whatever its tokens)", waits[STALL_GRAD_SUM], waits[STALL_GRAD_SUM],
             f"{waits[STALL_GRAD_SUM]:.3f} s/step the backward waited for the host gradient sums "
-            "(optimizer.accumulate_on: host) to free a buffer")
+            "(optimizer.accumulate_on: host) to free a buffer; host time: the GPU may still be working through "
+            "what was queued, so the step gains less when the sums are not what holds it")
     if not items:
         share = total / step_s if step_s > 0 else 0.0
         return [{"change": "none", "saves_s": 0.0, "measured_s": total, "why": "stalls are small",
