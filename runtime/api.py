@@ -23,6 +23,7 @@ from runtime.materialize import ParamInit, initialize, materialize_meta_paramete
 from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
+from runtime.peak_hint import FirstStepHint, cuda_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
 from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
@@ -277,6 +278,10 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     session.placement = resolved.placement
     if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
         install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
+        if cfg.optimizer.gpu_update_fraction == "auto":  # after the first step: would a lower reserve do more?
+            controller.step_listeners.append(FirstStepHint(
+                placement_figures(session), blocks, len(controller.gpu_updated),
+                functools.partial(placement_at_reserve, session), cuda_peak(device)))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
     # every weight back into the model first.
@@ -389,6 +394,19 @@ def placement_at_reserve(session: OffloadSession, reserve_nbytes: int) -> Placem
     homes, source = resolve_homes(cfg, device)
     no_stream = None if session.controller.gpu_streamed else "this session streams nothing"
     return resolve_placement(session.blocks, cfg, device, homes, source, no_stream_reason=no_stream)
+
+
+def placement_figures(session: OffloadSession) -> dict[str, Any]:
+    """What ``runtime.peak_hint`` (and the profiler's advice) read of a session's placement: whether the update
+    fraction and keep were auto, the activation reserve (0: nothing auto on a GPU), the GPU budget the store
+    has, the plan's GPU bytes and the weights kept for backward."""
+    cfg, placement = session.config, session.placement
+    return {"gpu_update_fraction_auto": cfg.optimizer.gpu_update_fraction == "auto",
+            "keep_auto": cfg.prefetch.keep_for_backward == "auto",
+            "activation_reserve_nbytes": placement.activation_reserve_nbytes if placement else 0,
+            "gpu_budget_nbytes": session.store.tiers[TierName.GPU].capacity_nbytes,
+            "gpu_plan_nbytes": session.plan.gpu_nbytes,
+            "keep_for_backward_nbytes": session.controller.options.keep_for_backward_nbytes}
 
 
 def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, *,

@@ -14,7 +14,7 @@ a change can at most remove the waiting it targets. The rules, by cause of the w
   On a GPU, the steps' measured peak bounds what may move there: with a hand-set fraction, the blocks whose
   device-side state fits the memory the peak left unused, less ``GPU_MARGIN`` of the budget; under ``auto``
   placement, the activation reserve the peak supports and what auto placement chooses with it
-  (``runtime.profiler.collect.reserve_probe`` asks it), when that is more blocks on the GPU.
+  (``runtime.peak_hint.reserve_probe`` asks it), when that is more blocks on the GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
-from runtime.profiler.collect import GPU_MARGIN
+from runtime.peak_hint import GPU_MARGIN
 from runtime.profiler.shares import share_text
 
 MIN_STALL_S = 1e-3  # waits below this per step are noise
@@ -200,7 +200,7 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
 def _reserve_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], add: Any,
                     blocks: list[dict[str, Any]], by_block: dict[int, float]) -> None:
     """Auto placement reserved more for activations than the step used: the reserve the peak supports and what
-    auto placement chose with it (``runtime.profiler.collect.reserve_probe`` asked it), when that is more
+    auto placement chose with it (``runtime.peak_hint.reserve_probe`` asked it), when that is more
     blocks on the GPU."""
     memory = summary.get("memory") or {}
     probe = memory.get("reserve_probe")

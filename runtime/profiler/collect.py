@@ -10,14 +10,16 @@ exactly to the totals.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from runtime.api import placement_at_reserve
-from runtime.controller import StallEvent, StepEvent, gpu_streamed_blocks, gpu_updated_blocks
+from runtime.api import placement_at_reserve, placement_figures
+from runtime.peak_hint import cuda_peak, reserve_probe
+from runtime.controller import StallEvent, StepEvent
 from tierstore import TierName, TransferEvent
 
 if TYPE_CHECKING:
@@ -231,7 +233,8 @@ class Profiler:
             return meta
         peak = self._gpu_peak if self._gpu_peak and self._gpu_peak > (self._gpu_peak_at_start or 0) else None
         memory = {**meta.get("memory", {}), "gpu_peak_nbytes": peak}
-        memory["reserve_probe"] = reserve_probe(self.session, meta.get("config") or {}, peak)
+        memory["reserve_probe"] = None if peak is None else reserve_probe(
+            meta.get("config") or {}, peak, self.session.blocks, functools.partial(placement_at_reserve, self.session))
         meta["memory"] = memory
         return meta
 
@@ -249,38 +252,11 @@ class Profiler:
         return save_profile(self.raw(), directory, trace=trace, plot=plot)
 
 
-GPU_MARGIN = 0.1  # of the GPU budget, left free beyond a measured peak when advising more state onto the GPU
-
-
 def _gpu_peak_now(session: "OffloadSession") -> int | None:
     device = session.store.device
     if device.type != "cuda":
         return None
-    import torch
-
-    return int(torch.cuda.max_memory_allocated(device))
-
-
-def reserve_probe(session: "OffloadSession", config: Mapping[str, Any], peak: int | None) -> dict[str, Any] | None:
-    """Under auto placement, the activation reserve a measured step peak supports and what auto placement would
-    choose with it; None with a hand-set update fraction, off a GPU, without a peak or when the reserve would
-    not fall. The reserve: the peak beyond the plan (what the activations took, the plan's over-count netted
-    out; weights kept for backward by ``auto`` are counted in neither, as auto fills the room with them again)
-    plus ``GPU_MARGIN`` of the budget, rounded up to a quarter GiB."""
-    if peak is None or not config.get("gpu_update_fraction_auto") or not config.get("activation_reserve_nbytes"):
-        return None
-    budget = int(config["gpu_budget_nbytes"])
-    keep = int(config.get("keep_for_backward_nbytes", 0)) if config.get("keep_auto") else 0
-    beyond = max(0, peak - int(config.get("gpu_plan_nbytes", 0)) - keep)
-    reserve = -(-int(beyond + GPU_MARGIN * budget) // 2**28) * 2**28
-    if reserve >= config["activation_reserve_nbytes"]:
-        return None
-    placement = placement_at_reserve(session, reserve)
-    blocks = session.blocks
-    return {"reserve_nbytes": reserve, "beyond_plan_nbytes": beyond,
-            "updated": len(gpu_updated_blocks(blocks, placement.gpu_update_fraction)),
-            "streamed": len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction)),
-            "keep_for_backward_nbytes": placement.keep_for_backward_nbytes}
+    return cuda_peak(device)()
 
 
 def session_meta(session: "OffloadSession") -> dict[str, Any]:
@@ -302,7 +278,6 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
     else:
         device_name = "CPU (no CUDA)"
     usage = store.usage()
-    placement = session.placement
     return {
         "device": device_name,
         "device_type": device.type,
@@ -316,14 +291,8 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
             "cpu_threads": controller.options.cpu_threads,
             "weight_source": controller.options.weight_source.value,
             "homes": homes,
-            "gpu_budget_nbytes": usage.get(TierName.GPU.value, {}).get("capacity_nbytes", 0),
             "host_budget_nbytes": usage.get(TierName.HOST.value, {}).get("capacity_nbytes", 0),
-            "gpu_update_fraction_auto": cfg.optimizer.gpu_update_fraction == "auto",
-            # What auto placement left for activations (0: nothing auto on a GPU) and what it planned beside them.
-            "activation_reserve_nbytes": placement.activation_reserve_nbytes if placement else 0,
-            "gpu_plan_nbytes": session.plan.gpu_nbytes,
-            "keep_for_backward_nbytes": controller.options.keep_for_backward_nbytes,
-            "keep_auto": cfg.prefetch.keep_for_backward == "auto",
+            **placement_figures(session),  # the GPU budget; auto or not, the activation reserve, plan bytes, keep
         },
         "blocks": [{"index": b.index, "name": b.name, "numel": b.numel, "weight_nbytes": controller.weights.nbytes(b.index),
                     "source_key": controller.weights.source_key(b), "gpu_updated": b.index in controller.gpu_updated,

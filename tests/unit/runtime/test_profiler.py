@@ -406,36 +406,6 @@ def _spilled_update_stall() -> dict[str, Any]:
     return _steady(update=20.0, inputs=18.0, by_block={str(i): 2.5 for i in range(25, 33)})
 
 
-def test_the_reserve_probe_asks_auto_placement_at_the_reserve_the_peak_supports(monkeypatch):
-    """Auto placement kept 10.1 GiB for activations; the steps peaked at 12 GiB with 10.5 planned and 3 kept for
-    backward by auto: nothing beyond the plan, so the reserve is the 10% margin (2.4 GiB, to 2.5), and auto
-    placement itself is asked what it would choose there. A hand-set keep counts as activations' room (auto
-    placement does not fill it again); a hand-set fraction, no peak or no lower reserve: no probe."""
-    from runtime.autoplace import Placement
-    from runtime.profiler.collect import reserve_probe
-
-    gib = 2**30
-    numels = [525_336_576] + [218_112_000] * 32 + [525_336_576]
-    session = SimpleNamespace(blocks=[SimpleNamespace(index=i, numel=n) for i, n in enumerate(numels)])
-    asked = []
-
-    def placement_at_reserve(session_, reserve):
-        asked.append(reserve)
-        return Placement(numels[0] / sum(numels) + 1e-9, 0.0, 3 * gib)  # the embedding
-
-    monkeypatch.setattr(collect_module, "placement_at_reserve", placement_at_reserve)
-    config = {"gpu_update_fraction_auto": True, "activation_reserve_nbytes": int(10.1 * gib), "gpu_budget_nbytes": 24 * gib,
-              "gpu_plan_nbytes": int(10.5 * gib), "keep_for_backward_nbytes": 3 * gib, "keep_auto": True}
-    probe = reserve_probe(session, config, 12 * gib)
-    assert asked == [int(2.5 * gib)] and probe["reserve_nbytes"] == int(2.5 * gib) and probe["beyond_plan_nbytes"] == 0
-    assert (probe["updated"], probe["streamed"], probe["keep_for_backward_nbytes"]) == (1, 0, 3 * gib)
-    probe = reserve_probe(session, {**config, "keep_auto": False}, 15 * gib)  # 4.5 GiB beyond the plan
-    assert probe["beyond_plan_nbytes"] == int(4.5 * gib) and probe["reserve_nbytes"] == 7 * gib
-    assert reserve_probe(session, {**config, "gpu_update_fraction_auto": False}, 12 * gib) is None
-    assert reserve_probe(session, config, None) is None
-    assert reserve_probe(session, config, 22 * gib) is None  # 8.5 beyond + 2.4: not below 10.1
-
-
 def test_a_reserve_probe_with_more_blocks_on_the_gpu_is_advised():
     """The probe's answer becomes the advice: the reserve, the blocks auto placement then updates on the GPU,
     and the NVMe wait their host state frees (8.4 GB of 29.3 GiB of spilled moments)."""

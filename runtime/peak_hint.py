@@ -1,0 +1,92 @@
+"""What a training step's measured GPU peak says about auto placement's activation reserve.
+
+``auto`` placement (``runtime.autoplace``) keeps a reserve for activations it cannot know before the first
+forward: three quarters of what the plan leaves free. On a card with room to spare that is often far more
+than the step uses (the 8B scenario under a 24 GiB cap: 10.1 GiB reserved, its first step peaked with about
+5 GiB of activations), and the state that could have been updated on the GPU stays in host memory, where it
+pushes moments out to NVMe. After the first committed step this module compares the step's peak with the
+plan and, when a lower reserve would put more blocks on the GPU, logs the setting and what auto placement
+chooses with it (asked, not re-derived). The profiler's advice uses the same figures.
+
+The reserve the peak supports: the peak's bytes beyond the plan (what the activations really took, the
+plan's over-count netted out; weights kept for backward by ``auto`` counted in neither, since auto placement
+fills the room with them again, a hand-set keep counted as the activations' room) plus ``GPU_MARGIN`` of the
+budget, rounded up to a quarter GiB.
+
+What it leaves out: changing anything in the running session (the placement is fixed at ``offload()``; the
+log names the setting for the next run), and runs whose update fraction is hand-set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from runtime.autoplace import Placement
+from runtime.blocks import Block
+from runtime.controller import StepEvent, gpu_streamed_blocks, gpu_updated_blocks
+from runtime.units import approx_size
+
+log = logging.getLogger(__name__)
+
+GPU_MARGIN = 0.1  # of the GPU budget, left free beyond a measured peak when advising more state onto the GPU
+QUARTER_GIB = 1 << 28
+
+
+def reserve_probe(config: dict[str, Any], peak_nbytes: int | None, blocks: Sequence[Block],
+                  ask: Callable[[int], Placement]) -> dict[str, Any] | None:
+    """The reserve ``peak_nbytes`` supports and what auto placement (``ask(reserve)``) chooses with it, for a
+    session described by ``config`` (``gpu_update_fraction_auto``, ``activation_reserve_nbytes``,
+    ``gpu_budget_nbytes``, ``gpu_plan_nbytes``, ``keep_for_backward_nbytes``, ``keep_auto``). None with a
+    hand-set update fraction, without a peak or reserve, or when the reserve would not fall."""
+    if peak_nbytes is None or not config.get("gpu_update_fraction_auto") or not config.get("activation_reserve_nbytes"):
+        return None
+    budget = int(config["gpu_budget_nbytes"])
+    keep = int(config.get("keep_for_backward_nbytes", 0)) if config.get("keep_auto") else 0
+    beyond = max(0, peak_nbytes - int(config.get("gpu_plan_nbytes", 0)) - keep)
+    reserve = -(-int(beyond + GPU_MARGIN * budget) // QUARTER_GIB) * QUARTER_GIB
+    if reserve >= config["activation_reserve_nbytes"]:
+        return None
+    placement = ask(reserve)
+    blocks = list(blocks)
+    return {"reserve_nbytes": reserve, "beyond_plan_nbytes": beyond,
+            "updated": len(gpu_updated_blocks(blocks, placement.gpu_update_fraction)),
+            "streamed": len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction)),
+            "keep_for_backward_nbytes": placement.keep_for_backward_nbytes}
+
+
+class FirstStepHint:
+    """A controller step listener: at the first committed step, the log line ``reserve_probe`` supports (once).
+    ``peak``: the process's peak GPU bytes now; ``config``: as ``reserve_probe`` reads it; ``updated``: the
+    blocks the session updates on the GPU."""
+
+    def __init__(self, config: dict[str, Any], blocks: Sequence[Block], updated: int, ask: Callable[[int], Placement],
+                 peak: Callable[[], int]):
+        self.config, self.blocks, self.updated, self.ask, self.peak = config, blocks, updated, ask, peak
+        self.peak_at_setup = peak()
+        self.done = False
+
+    def __call__(self, event: StepEvent) -> None:
+        if self.done or event.kind != "commit":
+            return
+        self.done = True
+        peak = self.peak()
+        if peak <= self.peak_at_setup:  # the step stayed below what setup reached: its own peak is unknown
+            return
+        probe = reserve_probe(self.config, peak, self.blocks, self.ask)
+        if probe is None or probe["updated"] <= self.updated:
+            return
+        log.info("the first step peaked at %s of the %s GPU budget (%s beyond the plan): "
+                 "tiers.gpu.activation_reserve: %s (auto placement reserved %s) would update %d more block(s) on the "
+                 "GPU, whose state then leaves host memory; the profile's advice says what it would save",
+                 approx_size(peak), approx_size(self.config["gpu_budget_nbytes"]), approx_size(probe["beyond_plan_nbytes"]),
+                 approx_size(probe["reserve_nbytes"]), approx_size(self.config["activation_reserve_nbytes"]),
+                 probe["updated"] - self.updated)
+
+
+def cuda_peak(device: torch.device) -> Callable[[], int]:
+    """The process's peak allocated bytes on ``device`` (``torch.cuda.max_memory_allocated``), as a callable."""
+    return lambda: int(torch.cuda.max_memory_allocated(device))
