@@ -7,6 +7,7 @@ import functools
 import gc
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -279,9 +280,10 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
         install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
         if cfg.optimizer.gpu_update_fraction == "auto":  # after the first step: would a lower reserve do more?
+            alive = weakref.ref(session)  # the controller must not keep its session alive through a listener
             controller.step_listeners.append(FirstStepHint(
                 placement_figures(session), blocks, len(controller.gpu_updated),
-                functools.partial(placement_at_reserve, session), cuda_peak(device)))
+                lambda reserve: placement_at_reserve(alive(), reserve), cuda_peak(device)))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
     # every weight back into the model first.
