@@ -24,7 +24,7 @@ from runtime.materialize import ParamInit, initialize, materialize_meta_paramete
 from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
-from runtime.peak_hint import FirstStepHint, cuda_peak
+from runtime.peak_hint import PeakHint, cuda_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
 from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
@@ -280,15 +280,25 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
         install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
         if cfg.optimizer.gpu_update_fraction == "auto":  # after the first step: would a lower reserve do more?
-            alive = weakref.ref(session)  # the controller must not keep its session alive through a listener
-            controller.step_listeners.append(FirstStepHint(
-                placement_figures(session), blocks, len(controller.gpu_updated),
-                lambda reserve: placement_at_reserve(alive(), reserve), cuda_peak(device)))
+            controller.step_listeners.append(PeakHint(placement_figures(session), blocks, _asker(session),
+                                                      cuda_peak(device)))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
     # every weight back into the model first.
     session.on_close.append(stop_on_sigterm())
     return model, optimizer
+
+
+def _asker(session: OffloadSession) -> Callable[[int], Placement | None]:
+    """``placement_at_reserve`` for this session, through a weak reference (the controller must not keep its
+    session alive through a listener); None once the session is gone or closed."""
+    alive = weakref.ref(session)
+
+    def ask(reserve_nbytes: int) -> Placement | None:
+        live = alive()
+        return None if live is None or live.closed else placement_at_reserve(live, reserve_nbytes)
+
+    return ask
 
 
 def _oom_hint(placement: Placement, session: OffloadSession, requested: int, allocated: int) -> str | None:
@@ -381,7 +391,7 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
                              activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"
                              else int(cfg.tiers.gpu.activation_reserve))
     chosen = choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
-    return dataclasses.replace(chosen, host_sums=host_sums)
+    return dataclasses.replace(chosen, host_sums=host_sums, rates=rates)
 
 
 def placement_at_reserve(session: OffloadSession, reserve_nbytes: int) -> Placement:
@@ -395,7 +405,8 @@ def placement_at_reserve(session: OffloadSession, reserve_nbytes: int) -> Placem
     cfg = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, gpu=gpu))
     homes, source = resolve_homes(cfg, device)
     no_stream = None if session.controller.gpu_streamed else "this session streams nothing"
-    return resolve_placement(session.blocks, cfg, device, homes, source, no_stream_reason=no_stream)
+    rates = session.placement.rates if session.placement else None  # never timed again mid-training
+    return resolve_placement(session.blocks, cfg, device, homes, source, rates=rates, no_stream_reason=no_stream)
 
 
 def placement_figures(session: OffloadSession) -> dict[str, Any]:
@@ -405,6 +416,7 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
     cfg, placement = session.config, session.placement
     return {"gpu_update_fraction_auto": cfg.optimizer.gpu_update_fraction == "auto",
             "keep_auto": cfg.prefetch.keep_for_backward == "auto",
+            "activation_reserve_auto": cfg.tiers.gpu.activation_reserve == "auto",
             "activation_reserve_nbytes": placement.activation_reserve_nbytes if placement else 0,
             "gpu_budget_nbytes": session.store.tiers[TierName.GPU].capacity_nbytes,
             "gpu_plan_nbytes": session.plan.gpu_nbytes,

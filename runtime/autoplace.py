@@ -127,6 +127,7 @@ class Placement:
     notes: tuple[str, ...] = ()
     activation_reserve_nbytes: int = 0  # what the auto choices left for activations (0: nothing was auto on a GPU)
     host_sums: bool = False  # optimizer.accumulate_on resolved: micro-batch gradients summed in host memory
+    rates: Rates | None = None  # the speeds the auto choices were made with (None: nothing auto on a GPU)
 
 
 def blocks_within(block_numels: Sequence[int], fraction: float) -> int:

@@ -4,9 +4,9 @@
 forward: three quarters of what the plan leaves free. On a card with room to spare that is often far more
 than the step uses (the 8B scenario under a 24 GiB cap: 10.1 GiB reserved, its first step peaked with about
 5 GiB of activations), and the state that could have been updated on the GPU stays in host memory, where it
-pushes moments out to NVMe. After the first committed step this module compares the step's peak with the
-plan and, when a lower reserve would put more blocks on the GPU, logs the setting and what auto placement
-chooses with it (asked, not re-derived). The profiler's advice uses the same figures.
+pushes moments out to NVMe. After the first steps this module compares their peak with the plan and, when
+a lower reserve would put more blocks on the GPU, logs the setting and what auto placement chooses with it
+(asked, with the rates it was chosen with, not re-derived). The profiler's advice uses the same figures.
 
 The reserve the peak supports: the peak's bytes beyond the plan (what the activations really took, the
 plan's over-count netted out; weights kept for backward by ``auto`` counted in neither, since auto placement
@@ -14,7 +14,9 @@ fills the room with them again, a hand-set keep counted as the activations' room
 budget, rounded up to a quarter GiB.
 
 What it leaves out: changing anything in the running session (the placement is fixed at ``offload()``; the
-log names the setting for the next run), and runs whose update fraction is hand-set.
+log names the setting for the next run), runs whose update fraction or reserve is hand-set, and
+fragmentation (the peak is allocated bytes; a memory-fraction cap applies to reserved ones: the margin
+covers it).
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ QUARTER_GIB = 1 << 28
 
 
 def reserve_probe(config: dict[str, Any], peak_nbytes: int | None, blocks: Sequence[Block],
-                  ask: Callable[[int], Placement]) -> dict[str, Any] | None:
-    """The reserve ``peak_nbytes`` supports and what auto placement (``ask(reserve)``) chooses with it, for a
-    session described by ``config`` (``gpu_update_fraction_auto``, ``activation_reserve_nbytes``,
-    ``gpu_budget_nbytes``, ``gpu_plan_nbytes``, ``keep_for_backward_nbytes``, ``keep_auto``). None with a
-    hand-set update fraction, without a peak or reserve, or when the reserve would not fall."""
+                  ask: Callable[[int], Placement | None]) -> dict[str, Any] | None:
+    """The reserve ``peak_nbytes`` supports and what auto placement (``ask(reserve)``; None: it cannot be asked
+    any more) chooses with it, for a session described by ``config`` (``runtime.api.placement_figures``). None
+    with a hand-set update fraction, without a peak or reserve, or when the reserve would not fall. The
+    baseline is auto placement asked again at the reserve it has, so the two counts differ by the reserve
+    alone (not by a budget or a gradient-sum choice read again later)."""
     if peak_nbytes is None or not config.get("gpu_update_fraction_auto") or not config.get("activation_reserve_nbytes"):
         return None
     budget = int(config["gpu_budget_nbytes"])
@@ -50,41 +53,48 @@ def reserve_probe(config: dict[str, Any], peak_nbytes: int | None, blocks: Seque
     reserve = -(-int(beyond + GPU_MARGIN * budget) // QUARTER_GIB) * QUARTER_GIB
     if reserve >= config["activation_reserve_nbytes"]:
         return None
-    placement = ask(reserve)
+    placement, baseline = ask(reserve), ask(int(config["activation_reserve_nbytes"]))
+    if placement is None or baseline is None:
+        return None
     blocks = list(blocks)
     return {"reserve_nbytes": reserve, "beyond_plan_nbytes": beyond,
+            "baseline_updated": len(gpu_updated_blocks(blocks, baseline.gpu_update_fraction)),
             "updated": len(gpu_updated_blocks(blocks, placement.gpu_update_fraction)),
             "streamed": len(gpu_streamed_blocks(blocks, placement.gpu_update_fraction, placement.gpu_stream_fraction)),
             "keep_for_backward_nbytes": placement.keep_for_backward_nbytes}
 
 
-class FirstStepHint:
-    """A controller step listener: at the first committed step, the log line ``reserve_probe`` supports (once).
-    ``peak``: the process's peak GPU bytes now; ``config``: as ``reserve_probe`` reads it; ``updated``: the
-    blocks the session updates on the GPU."""
+class PeakHint:
+    """A controller step listener: after ``after_steps`` committed steps (the peak only grows; the second step is
+    the first whose forward overlaps a previous step's write-backs), the log line ``reserve_probe`` supports,
+    once. ``peak``: the process's peak GPU bytes now; ``config``: ``runtime.api.placement_figures``. Silent
+    when the reserve was set by hand (the user chose it, perhaps on an out-of-memory hint), and when the steps
+    stayed below the peak setup reached (a model built on the GPU before ``offload()``, or peak statistics
+    reset since, hide it)."""
 
-    def __init__(self, config: dict[str, Any], blocks: Sequence[Block], updated: int, ask: Callable[[int], Placement],
-                 peak: Callable[[], int]):
-        self.config, self.blocks, self.updated, self.ask, self.peak = config, blocks, updated, ask, peak
+    def __init__(self, config: dict[str, Any], blocks: Sequence[Block], ask: Callable[[int], Placement | None],
+                 peak: Callable[[], int], after_steps: int = 2):
+        self.config, self.blocks, self.ask, self.peak, self.after_steps = config, blocks, ask, peak, after_steps
         self.peak_at_setup = peak()
-        self.done = False
+        self.done = not config.get("activation_reserve_auto", True)
 
     def __call__(self, event: StepEvent) -> None:
-        if self.done or event.kind != "commit":
+        if self.done or event.kind != "commit" or event.step < self.after_steps:
             return
         self.done = True
         peak = self.peak()
-        if peak <= self.peak_at_setup:  # the step stayed below what setup reached: its own peak is unknown
+        if peak <= self.peak_at_setup:  # the steps stayed below what setup reached: their own peak is unknown
             return
         probe = reserve_probe(self.config, peak, self.blocks, self.ask)
-        if probe is None or probe["updated"] <= self.updated:
+        if probe is None or probe["updated"] <= probe["baseline_updated"]:
             return
-        log.info("the first step peaked at %s of the %s GPU budget (%s beyond the plan): "
-                 "tiers.gpu.activation_reserve: %s (auto placement reserved %s) would update %d more block(s) on the "
-                 "GPU, whose state then leaves host memory; the profile's advice says what it would save",
-                 approx_size(peak), approx_size(self.config["gpu_budget_nbytes"]), approx_size(probe["beyond_plan_nbytes"]),
-                 approx_size(probe["reserve_nbytes"]), approx_size(self.config["activation_reserve_nbytes"]),
-                 probe["updated"] - self.updated)
+        log.info("the first %d steps peaked at %s of the %s GPU budget (%s beyond the plan): for the next run on "
+                 "this budget, tiers.gpu.activation_reserve: %s (auto: %s) would update %d more block(s) on the GPU, "
+                 "whose state then leaves host memory (a profile's advice, tierstore train --profile DIR or "
+                 "runtime.profiler.Profiler, says what it would save)",
+                 event.step, approx_size(peak), approx_size(self.config["gpu_budget_nbytes"]),
+                 approx_size(probe["beyond_plan_nbytes"]), approx_size(probe["reserve_nbytes"]),
+                 approx_size(self.config["activation_reserve_nbytes"]), probe["updated"] - probe["baseline_updated"])
 
 
 def cuda_peak(device: torch.device) -> Callable[[], int]:

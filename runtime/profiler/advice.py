@@ -205,7 +205,7 @@ def _reserve_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, s
     memory = summary.get("memory") or {}
     probe = memory.get("reserve_probe")
     updated = sum(1 for b in blocks if b.get("gpu_updated"))
-    if not probe or probe["updated"] <= updated:
+    if not probe or probe["updated"] <= probe.get("baseline_updated", updated):
         return
     new = blocks[updated : probe["updated"]]  # forward order: gpu_updated_blocks takes the first ones
     covered = sum(by_block.get(b["index"], 0.0) for b in new)

@@ -1,5 +1,6 @@
-"""runtime.peak_hint: after the first committed step, the reserve the measured GPU peak supports and what auto
-placement chooses with it, logged once, only when that puts more blocks on the GPU."""
+"""runtime.peak_hint: after the first steps, the reserve the measured GPU peak supports and what auto placement
+chooses with it, logged once, only when that puts more blocks on the GPU than auto placement asked again at
+the reserve it has."""
 
 from __future__ import annotations
 
@@ -8,54 +9,72 @@ from types import SimpleNamespace
 
 from runtime.autoplace import Placement
 from runtime.controller import StepEvent
-from runtime.peak_hint import FirstStepHint, reserve_probe
+from runtime.peak_hint import PeakHint, reserve_probe
 
 GIB = 2**30
 NUMELS = [525_336_576] + [218_112_000] * 32 + [525_336_576]  # Llama-3-8B: embedding, 32 layers, head
 BLOCKS = [SimpleNamespace(index=i, numel=n) for i, n in enumerate(NUMELS)]
-CONFIG = {"gpu_update_fraction_auto": True, "activation_reserve_nbytes": int(10.1 * GIB), "gpu_budget_nbytes": 24 * GIB,
-          "gpu_plan_nbytes": int(10.5 * GIB), "keep_for_backward_nbytes": 3 * GIB, "keep_auto": True}
+CONFIG = {"gpu_update_fraction_auto": True, "keep_auto": True, "activation_reserve_auto": True,
+          "activation_reserve_nbytes": int(10.1 * GIB), "gpu_budget_nbytes": 24 * GIB,
+          "gpu_plan_nbytes": int(10.5 * GIB), "keep_for_backward_nbytes": 3 * GIB}
 
 
-def embedding_on_gpu(reserve: int) -> Placement:
-    return Placement(NUMELS[0] / sum(NUMELS) + 1e-9, 0.0, 3 * GIB)
+def ask(reserve: int) -> Placement:
+    """Auto placement of the 8B under 24 GiB: below 5 GiB of reserve the embedding is updated on the GPU."""
+    return Placement(NUMELS[0] / sum(NUMELS) + 1e-9 if reserve < 5 * GIB else 0.0, 0.0, 3 * GIB)
 
 
-def test_the_probe_asks_auto_placement_at_the_reserve_the_peak_supports():
+def test_the_probe_asks_auto_placement_at_the_reserve_the_peak_supports_and_at_its_own():
     """Peak 12 GiB with 10.5 planned and 3 kept by auto: nothing beyond the plan, so the reserve is the 10% margin
-    (2.4 GiB, up to 2.5). A hand-set keep counts as the activations' room; a hand-set fraction, no peak or no
-    lower reserve: no probe."""
+    (2.4 GiB, up to 2.5). A hand-set keep counts as the activations' room; a hand-set fraction, no peak, no
+    lower reserve or a session no longer there: no probe."""
     asked = []
-
-    def ask(reserve):
-        asked.append(reserve)
-        return embedding_on_gpu(reserve)
-
-    probe = reserve_probe(CONFIG, 12 * GIB, BLOCKS, ask)
-    assert asked == [int(2.5 * GIB)] and probe["reserve_nbytes"] == int(2.5 * GIB) and probe["beyond_plan_nbytes"] == 0
-    assert (probe["updated"], probe["streamed"], probe["keep_for_backward_nbytes"]) == (1, 0, 3 * GIB)
+    probe = reserve_probe(CONFIG, 12 * GIB, BLOCKS, lambda r: asked.append(r) or ask(r))
+    assert asked == [int(2.5 * GIB), int(10.1 * GIB)]
+    assert probe["reserve_nbytes"] == int(2.5 * GIB) and probe["beyond_plan_nbytes"] == 0
+    assert (probe["baseline_updated"], probe["updated"], probe["streamed"]) == (0, 1, 0)
     probe = reserve_probe({**CONFIG, "keep_auto": False}, 15 * GIB, BLOCKS, ask)  # 4.5 GiB beyond the plan
     assert probe["beyond_plan_nbytes"] == int(4.5 * GIB) and probe["reserve_nbytes"] == 7 * GIB
     assert reserve_probe({**CONFIG, "gpu_update_fraction_auto": False}, 12 * GIB, BLOCKS, ask) is None
     assert reserve_probe(CONFIG, None, BLOCKS, ask) is None
     assert reserve_probe(CONFIG, 22 * GIB, BLOCKS, ask) is None  # 8.5 beyond + 2.4: not below 10.1
+    assert reserve_probe(CONFIG, 12 * GIB, BLOCKS, lambda r: None) is None
 
 
-def test_the_first_step_logs_the_reserve_once(caplog):
-    peaks = iter([1 * GIB, 12 * GIB, 13 * GIB])
-    hint = FirstStepHint(CONFIG, BLOCKS, 0, embedding_on_gpu, lambda: next(peaks))
+def hint_lines(caplog, hint: PeakHint, steps: int) -> list[str]:
     with caplog.at_level(logging.INFO, logger="runtime.peak_hint"):
         hint(StepEvent("begin", 0, 0.0, "train"))
-        hint(StepEvent("commit", 1, 1.0))
-        hint(StepEvent("commit", 2, 2.0))
-    lines = [r.getMessage() for r in caplog.records if r.name == "runtime.peak_hint"]
+        for step in range(1, steps + 1):
+            hint(StepEvent("commit", step, float(step)))
+    return [r.getMessage() for r in caplog.records if r.name == "runtime.peak_hint"]
+
+
+def test_after_two_steps_the_reserve_is_logged_once(caplog):
+    peaks = iter([1 * GIB, 12 * GIB, 13 * GIB])  # setup, then read once: at the second commit
+    lines = hint_lines(caplog, PeakHint(CONFIG, BLOCKS, ask, lambda: next(peaks)), steps=4)
     assert len(lines) == 1, lines
-    assert "first step peaked at 12.00 GiB of the 24.00 GiB GPU budget" in lines[0]
-    assert "tiers.gpu.activation_reserve: 2.50 GiB (auto placement reserved 10.10 GiB) would update 1 more" in lines[0]
+    assert "the first 2 steps peaked at 12.00 GiB of the 24.00 GiB GPU budget" in lines[0]
+    assert "tiers.gpu.activation_reserve: 2.50 GiB (auto: 10.10 GiB) would update 1 more block(s)" in lines[0]
 
 
-def test_no_line_when_the_step_s_peak_is_unknown_or_nothing_more_fits(caplog):
-    with caplog.at_level(logging.INFO, logger="runtime.peak_hint"):
-        FirstStepHint(CONFIG, BLOCKS, 0, embedding_on_gpu, lambda: 12 * GIB)(StepEvent("commit", 1, 1.0))  # setup's
-        FirstStepHint(CONFIG, BLOCKS, 1, embedding_on_gpu, iter([GIB, 12 * GIB]).__next__)(StepEvent("commit", 1, 1.0))
-    assert not [r for r in caplog.records if r.name == "runtime.peak_hint"]
+def test_no_line_when_the_peak_is_unknown_nothing_more_fits_or_the_reserve_was_set(caplog):
+    setup_peak = PeakHint(CONFIG, BLOCKS, ask, lambda: 12 * GIB)  # the steps never passed setup's peak
+    same = PeakHint(CONFIG, BLOCKS, lambda r: ask(0), iter([GIB, 12 * GIB]).__next__)  # the embedding either way
+    chosen = PeakHint({**CONFIG, "activation_reserve_auto": False}, BLOCKS, ask, iter([GIB, 12 * GIB]).__next__)
+    gone = PeakHint(CONFIG, BLOCKS, lambda r: None, iter([GIB, 12 * GIB]).__next__)
+    for hint in (setup_peak, same, chosen, gone):
+        assert hint_lines(caplog, hint, steps=3) == []
+
+
+def test_a_session_describes_what_the_probe_reads():
+    """runtime.api.placement_figures gives every key reserve_probe and the profiler's advice read."""
+    from runtime import offload
+    from runtime.api import placement_figures
+    from runtime.example_model import ExampleLM, ModelShape
+
+    model, optimizer = offload(ExampleLM(ModelShape(vocab_size=256, hidden_size=32, num_layers=2, num_heads=2,
+                                                    ffn_size=64, max_seq_len=16)), {"dtype": "fp32"})
+    with optimizer.session as session:
+        figures = placement_figures(session)
+    assert set(figures) == set(CONFIG)
+    assert figures["gpu_update_fraction_auto"] and figures["activation_reserve_auto"] and figures["keep_auto"]

@@ -412,7 +412,7 @@ def test_a_reserve_probe_with_more_blocks_on_the_gpu_is_advised():
     gib = 2**30
     summary = {**_llama8b_meta(embedding_on_gpu=False, reserve_gib=10.1, plan_gib=10.5, keep_gib=3.0, peak_gib=12.0),
                "steady": _spilled_update_stall()}
-    summary["memory"]["reserve_probe"] = {"reserve_nbytes": int(2.5 * gib), "beyond_plan_nbytes": 0, "updated": 1,
+    summary["memory"]["reserve_probe"] = {"reserve_nbytes": int(2.5 * gib), "beyond_plan_nbytes": 0, "updated": 1, "baseline_updated": 0,
                                           "streamed": 0, "keep_for_backward_nbytes": 3 * gib}
     advice = advise(summary)
     reserve = next(a for a in advice if "activation_reserve" in a["change"])
