@@ -279,7 +279,8 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     session.placement = resolved.placement
     if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
         install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
-        if cfg.optimizer.gpu_update_fraction == "auto":  # after the first step: would a lower reserve do more?
+        if cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto":
+            # after the first steps: would a lower reserve put more on the GPU?
             controller.step_listeners.append(PeakHint(placement_figures(session), blocks, _asker(session),
                                                       cuda_peak(device)))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its

@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
+import torch
+
 from runtime.autoplace import Placement
 from runtime.controller import StepEvent
 from runtime.peak_hint import PeakHint, reserve_probe
@@ -78,3 +81,28 @@ def test_a_session_describes_what_the_probe_reads():
         figures = placement_figures(session)
     assert set(figures) == set(CONFIG)
     assert figures["gpu_update_fraction_auto"] and figures["activation_reserve_auto"] and figures["keep_auto"]
+
+
+def _peak_hints(config: dict) -> int:
+    from runtime import offload
+    from runtime.example_model import ExampleLM, ModelShape
+
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_seq_len=16)
+    _, optimizer = offload(ExampleLM(shape), config)
+    with optimizer.session as session:
+        return sum(isinstance(listener, PeakHint) for listener in session.controller.step_listeners)
+
+
+def test_on_the_cpu_offload_listens_for_no_gpu_peak():
+    assert _peak_hints({"dtype": "fp32"}) == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_offload_listens_for_the_peak_only_with_auto_placement():
+    """Installed by offload() on CUDA when the update fraction and the reserve are auto; a hand-set fraction or
+    reserve gets none."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA; run on the GPU machine")
+    assert _peak_hints({"dtype": "bf16"}) == 1
+    assert _peak_hints({"dtype": "bf16", "optimizer": {"gpu_update_fraction": 0.5}}) == 0
+    assert _peak_hints({"dtype": "bf16", "tiers": {"gpu": {"activation_reserve": "1GiB"}}}) == 0
