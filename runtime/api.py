@@ -281,7 +281,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
         if cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto":
             # after the first steps: would a lower reserve put more on the GPU?
-            controller.step_listeners.append(PeakHint(placement_figures(session), blocks, _asker(session),
+            controller.step_listeners.append(PeakHint(placement_figures(session), blocks, placement_asker(session),
                                                       cuda_peak(device)))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
@@ -290,9 +290,10 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     return model, optimizer
 
 
-def _asker(session: OffloadSession) -> Callable[[int], Placement | None]:
+def placement_asker(session: OffloadSession) -> Callable[[int], Placement | None]:
     """``placement_at_reserve`` for this session, through a weak reference (the controller must not keep its
-    session alive through a listener); None once the session is gone or closed."""
+    session alive through a listener); None once the session is gone or closed (a profile saved after
+    ``close()`` asks nothing of a closed store)."""
     alive = weakref.ref(session)
 
     def ask(reserve_nbytes: int) -> Placement | None:

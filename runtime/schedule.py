@@ -16,14 +16,15 @@ from typing import Callable
 Use = tuple[int, str]
 
 
-
 def window_bound(sizes: list[int], count: int) -> int:
     """The most that ``count`` distinct blocks of these sizes can hold together: the sum of the ``count`` largest.
     The weights on the GPU are the block in use, those fetched ahead and the one being released; in the
     usual schedule neighbours, but a tied head held through the backward, a checkpoint segment of several
     blocks or a fetch raced by an update make other sets, so the plan and the controller count the largest
-    ones (for Llama-3-8B: the head and three layers, not four times the head)."""
+    ones (for Llama-3-8B with its embedding updated on the GPU: the head and three layers, not four times the
+    head)."""
     return sum(sorted(sizes, reverse=True)[: max(0, count)])
+
 
 @dataclass
 class ScheduleStats:

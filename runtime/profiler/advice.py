@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from runtime.autoplace import STATE_ITEMSIZE
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
 from runtime.peak_hint import GPU_MARGIN
 from runtime.profiler.shares import share_text
@@ -30,8 +31,7 @@ MIN_STALL_S = 1e-3  # waits below this per step are noise
 MIN_STALL_SHARE = 0.02  # ... and so are waits below this share of the step
 RAM_MARGIN = 1.25  # moving state to pinned memory wants this much more free RAM than it takes
 READ_SATURATED = 0.8  # NVMe reads at this share of the ceiling gain nothing from more threads
-DEVICE_STATE_ITEMSIZE = 12  # fp32 master + two moments, per parameter of a block updated on the GPU
-HOST_STATE_ITEMSIZE = 16  # ... and what the same block holds in host memory: those plus its fp32 gradient
+HOST_STATE_ITEMSIZE = STATE_ITEMSIZE + 4  # what a host-updated block holds in pinned memory: state and fp32 gradient
 
 
 def size_text(nbytes: float) -> str:
@@ -234,7 +234,7 @@ def _room(summary: dict[str, Any], cfg: dict[str, Any]) -> int | None:
 def _device_nbytes(block: dict[str, Any]) -> int:
     """GPU bytes a block takes when updated there, as the plan counts them: master and moments, its weights and
     its summed gradient in the compute dtype."""
-    return DEVICE_STATE_ITEMSIZE * block["numel"] + 2 * block["weight_nbytes"]
+    return STATE_ITEMSIZE * block["numel"] + 2 * block["weight_nbytes"]
 
 
 def _fitting(blocks: list[dict[str, Any]], room: float) -> list[dict[str, Any]]:

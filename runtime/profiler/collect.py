@@ -10,14 +10,13 @@ exactly to the totals.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from runtime.api import placement_at_reserve, placement_figures
+from runtime.api import placement_asker, placement_figures
 from runtime.peak_hint import cuda_peak, reserve_probe
 from runtime.controller import StallEvent, StepEvent
 from tierstore import TierName, TransferEvent
@@ -234,7 +233,7 @@ class Profiler:
         peak = self._gpu_peak if self._gpu_peak and self._gpu_peak > (self._gpu_peak_at_start or 0) else None
         memory = {**meta.get("memory", {}), "gpu_peak_nbytes": peak}
         memory["reserve_probe"] = None if peak is None else reserve_probe(
-            meta.get("config") or {}, peak, self.session.blocks, functools.partial(placement_at_reserve, self.session))
+            meta.get("config") or {}, peak, self.session.blocks, placement_asker(self.session))
         meta["memory"] = memory
         return meta
 

@@ -49,12 +49,15 @@ def test_the_gpu_tier_holds_no_more_weights_than_the_plan_counts(tie, checkpoint
 def test_auto_placement_can_be_asked_again_at_another_reserve():
     """The profiler's advice asks auto placement what it would choose at a lower activation reserve: the session's
     config with that reserve and the store's GPU budget. On the CPU every auto is 0 (the device is the CPU)."""
-    from runtime.api import placement_at_reserve
+    from runtime.api import placement_asker, placement_at_reserve
 
     model, optimizer = offload(ExampleLM(ModelShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                                                     ffn_size=128, max_seq_len=32)), {"dtype": "fp32"})
     with optimizer.session as session:
         placement = placement_at_reserve(session, 1 << 30)
+        ask = placement_asker(session)
+        assert ask(1 << 30) == placement
+    assert ask(1 << 30) is None  # a closed session (a profile saved after close()) is asked nothing
     assert (placement.gpu_update_fraction, placement.gpu_stream_fraction, placement.keep_for_backward_nbytes) == (0, 0, 0)
     assert any("the device is the CPU" in note for note in placement.notes)
 
