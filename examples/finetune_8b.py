@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     """Plan (and with --plan-only stop), then train; 0 when the plan fits and the loss stayed finite and fell."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    for name in ("runtime.api", "runtime.controller"):  # setup's progress (pinning, blocks set up) and the spill
+    for name in ("runtime.api", "runtime.controller", "runtime.peak_hint"):  # setup's progress, the spill, the reserve hint
         logging.getLogger(name).setLevel(logging.INFO)
     cuda = torch.cuda.is_available()
     if cuda:  # the cap holds for everything the process allocates: tierstore's tiers and the activations

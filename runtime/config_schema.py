@@ -138,7 +138,11 @@ class PlacementConfig:
     """Where each kind of training state lives between uses."""
 
     weights: str = _leaf(ChoiceSpec(choices=_TIER), "host",
-                         "Compute-dtype weights. `auto`: the fastest tier with room.")
+                         "Where the GPU fetches compute weights from. `host` / `auto`: with the master in pinned "
+                         "memory, the fp32 master itself (cast on the GPU), or, on a GPU with gradient "
+                         "accumulation, a compute-dtype copy in pinned memory when it fits beside the rest without "
+                         "spilling moments or streaming less (half the bytes a fetch; the plan says which); with the "
+                         "master on NVMe, a compute-dtype copy. `gpu`: resident on the GPU.")
     gradients: str = _leaf(
         ChoiceSpec(choices=("gpu", "host"),
                    note="Gradients are produced on the GPU and consumed by the CPU optimizer, "

@@ -82,7 +82,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         """A table for a person: one row per kind and tier, then totals."""
-        lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {self.weight_source}",
+        source = {"weights": "a compute-dtype copy in pinned memory"}.get(self.weight_source, self.weight_source)
+        lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {source}",
                  *(f"  {note}" for note in self.notes), f"  {'state':<32}{'tier':<6}{'bytes':>14}"]
         for kind, tier, nbytes in self.rows:
             lines.append(f"  {kind:<32}{tier:<6}{approx_size(nbytes):>14}")

@@ -20,9 +20,9 @@ def make_batches(num: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkpointing: bool = False,
-             dtype: torch.dtype = torch.float32, loss_scale: float | None = None):
+             dtype: torch.dtype = torch.float32, loss_scale: float | None = None, inspect=None):
     """Train the same model with offload and with the reference; return both loss lists, both weights,
-    the transfer events and the session's stats."""
+    the transfer events and the session's stats. ``inspect(session)`` runs after training, before close."""
     torch.manual_seed(0)
     model = ExampleLM(shape, activation_checkpointing=checkpointing)
     opt_cfg = config.setdefault("optimizer", {})
@@ -48,6 +48,8 @@ def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkp
             theirs += reference.train_step(micro)
         weights = session.master_state_dict()
         stats = (session.controller.stats, session.controller.schedule.stats, session.controller.worker.stats)
+        if inspect is not None:
+            inspect(session)
     finally:
         session.close()
     return ours, theirs, weights, reference, events, stats
@@ -116,6 +118,36 @@ def test_fp32_weights_resident_on_device():
     ours, theirs, weights, reference, _, _ = run_both({"dtype": "fp32", "placement": {"weights": "gpu"}})
     assert ours == theirs
     assert_identical(weights, reference)
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_bf16_weights_from_a_host_copy_under_accumulation_bit_identical(monkeypatch, clip):
+    """The plan's compute-dtype copy of the weights (master in pinned memory, accumulation; on a GPU the plan
+    takes it when it fits): the optimizer worker refreshes it after every update, and training matches the
+    mixed-precision reference bit for bit, also when every step clips. The plan is made to take it on the CPU."""
+    import runtime.api as api
+    from runtime.weights import WeightSource
+
+    monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
+                        and cfg.optimizer.accumulation_steps > 1)
+    seen = {}
+
+    def inspect(session):
+        seen["source"] = session.controller.options.weight_source
+        seen["table"] = session.plan.table()
+
+    config = {"dtype": "bf16", "optimizer": {"accumulation_steps": 3, "grad_clip": clip}}
+    ours, theirs, weights, reference, events, (stats, _, _) = run_both(config, dtype=torch.bfloat16, inspect=inspect)
+    assert seen["source"] is WeightSource.WEIGHTS and "a compute-dtype copy in pinned memory" in seen["table"]
+    assert "placement.weights: a bf16 copy" in seen["table"]
+    assert ours == theirs
+    assert_identical(weights, reference)
+    if clip:
+        assert len(stats.grad_norms) == STEPS and min(stats.grad_norms) > clip  # every step clipped
+    # Every fetch read the 2-byte copy, never the fp32 master: each block's copy once per micro-batch at least.
+    fetched = [e for e in events if e.kind == "h2d"]
+    assert fetched and all(e.key.endswith("weights") for e in fetched), {e.key for e in fetched}
+    assert sum(e.nbytes for e in fetched) >= 2 * sum(p.numel() for p in reference.masters) * 3 * STEPS
 
 
 def test_fp32_tied_embeddings():

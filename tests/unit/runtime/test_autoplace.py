@@ -309,3 +309,67 @@ def test_prefix_sums_are_block_boundaries():
     ends = {0.0, *(end / sum(LLAMA) for end in itertools.accumulate(LLAMA))}
     assert chosen.gpu_update_fraction in ends
     assert any(abs(chosen.gpu_update_fraction + chosen.gpu_stream_fraction - end) < 1e-12 for end in ends)
+
+
+def _copy_case(**optimizer) -> tuple[list, dict]:
+    """The CUDA path of resolve_plan (planned without CUDA) for a bf16 model under accumulation, nothing streamed."""
+    blocks = build_blocks(ExampleLM(SHAPE), 1)
+    total = sum(b.numel for b in blocks)
+    config = {"dtype": "bf16", "tiers": {"gpu": {"budget": 64 * total}},
+              "optimizer": {"accumulation_steps": 16, "gpu_update_fraction": 0.25, "gpu_stream_fraction": 0,
+                            "grad_clip": None, **optimizer}}
+    return blocks, config
+
+
+def test_under_accumulation_the_plan_fetches_a_compute_dtype_copy_when_it_costs_nothing_else():
+    """Master in pinned memory, 16 micro-batches a step: a bf16 copy of the weights (2 bytes a parameter of pinned
+    memory) halves every fetch. The plan takes it when the host budget holds it beside the rest, and says so."""
+    from runtime.api import resolve_plan
+    from runtime.weights import WeightSource
+
+    blocks, config = _copy_case()
+    cuda = torch.device("cuda", 0)
+    resolved = resolve_plan(blocks, load_config(config), cuda, rates=REFERENCE)
+    assert resolved.source is WeightSource.WEIGHTS
+    rows = {kind: nbytes for kind, _, nbytes in resolved.plan.rows}
+    host_updated = [b.numel for b in blocks if b.index not in gpu_updated_blocks(blocks, resolved.placement.gpu_update_fraction)]
+    assert rows["weights (compute dtype)"] >= 2 * sum(host_updated) and "fetch staging (fp32)" not in rows
+    assert "placement.weights: a bf16 copy in pinned memory" in resolved.plan.table()
+
+    # One byte short of the plan with the copy (the plan without it fits): the master is fetched, and the note says why.
+    config["tiers"]["host"] = {"budget": resolved.plan.host_nbytes - 1}
+    tight = resolve_plan(blocks, load_config(config), cuda, rates=REFERENCE)
+    assert tight.source is WeightSource.MASTER and "fetch staging (fp32)" in {kind for kind, _, _ in tight.plan.rows}
+    assert tight.plan.host_nbytes < resolved.plan.host_nbytes
+    assert "placement.weights: fetched from the fp32 master: a bf16 copy" in tight.plan.table()
+
+
+def test_without_accumulation_or_on_the_cpu_the_master_is_fetched():
+    """One micro-batch a step fetches each block once or twice: the copy's CPU cast and pinned bytes buy little.
+    On the CPU nothing crosses PCIe. Neither plan considers the copy (no note)."""
+    from runtime.api import resolve_plan
+    from runtime.weights import WeightSource
+
+    blocks, config = _copy_case(accumulation_steps=1)
+    once = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=REFERENCE)
+    blocks, config = _copy_case()
+    on_cpu = resolve_plan(blocks, load_config(config), torch.device("cpu"))
+    for resolved in (once, on_cpu):
+        assert resolved.source is WeightSource.MASTER and "placement.weights" not in resolved.plan.table()
+
+
+def test_the_copy_never_costs_streaming():
+    """A slow CPU makes auto placement stream updates to the GPU; a streamed block's update refreshes no host copy,
+    so with streaming chosen the plan keeps fetching the master."""
+    from runtime.api import resolve_plan
+    from runtime.weights import WeightSource
+
+    blocks, config = _copy_case()
+    for knob in ("gpu_update_fraction", "gpu_stream_fraction"):
+        del config["optimizer"][knob]  # auto
+    total = sum(b.numel for b in blocks)
+    config["tiers"]["gpu"]["budget"] = 36 * total
+    slow_cpu = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
+    resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=slow_cpu)
+    assert resolved.placement.gpu_stream_fraction > 0
+    assert resolved.source is WeightSource.MASTER and "fetched from the fp32 master" in resolved.plan.table()
