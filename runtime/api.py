@@ -449,15 +449,24 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
         # The copy must cost nothing else: no moments spilled, no streaming given up (a streamed block's update
         # refreshes no host copy), no pre-commit buffers lost (clipped steps would wait for the norm again).
         spares_lost = waits_for_commit(cfg) and fits(source, placement, True) and not fits(WeightSource.WEIGHTS, copy, True)
-        if (not spilled_blocks and not copy_spilled and placement.gpu_stream_fraction == 0 == copy.gpu_stream_fraction
-                and not spares_lost and fits(WeightSource.WEIGHTS, copy)):
+        if spilled_blocks:
+            why = "the moments already spill to NVMe, and the copy would spill more"
+        elif placement.gpu_stream_fraction:
+            why = "updates are streamed to the GPU, and a streamed update refreshes no host copy"
+        elif copy_spilled or copy.gpu_stream_fraction or not fits(WeightSource.WEIGHTS, copy):
+            why = "it would not fit beside the rest without spilling moments to NVMe"
+        elif spares_lost:
+            why = "it would take the room of the pre-commit buffers that let clipped steps update early"
+        else:
+            why = ""
+        if not why:
             source, placement, spilled_blocks, host_updated = WeightSource.WEIGHTS, copy, copy_spilled, copy_updated
             copy_note = (f"placement.weights: a {cfg.dtype} copy in pinned memory: {cfg.optimizer.accumulation_steps} "
                          "micro-batches a step fetch half the bytes of the fp32 master, and it fits beside the rest")
         else:
-            copy_note = (f"placement.weights: fetched from the fp32 master: a {cfg.dtype} copy in pinned memory would "
-                         "not fit beside the rest without spilling moments, streaming less or giving up pre-commit "
-                         "buffers")
+            copy_note = f"placement.weights: fetched from the fp32 master, not a {cfg.dtype} copy in pinned memory: {why}"
+    if source is WeightSource.WEIGHTS and placement.gpu_stream_fraction:
+        raise RuntimeError("a compute-dtype weights copy with streamed updates: a streamed update refreshes no host copy")
     spilled = len(spilled_blocks)
     if spilled:
         log.info("placement.moments: auto: the moments of %d of %d host-updated blocks go to NVMe", spilled, host_updated)
@@ -508,10 +517,12 @@ def _place_and_spill(blocks: list[Block], cfg: TierstoreConfig, device: torch.de
 
 def _plan_fits(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,
                dtype: torch.dtype, placement: Placement, limit: int, *, spares: bool = False) -> bool:
-    """True when the plan with nothing spilled (and ``spares``: with pre-commit buffers) keeps its RAM within
-    ``limit``."""
-    return planned_ram_nbytes(plan_for(blocks, cfg, homes, source, dtype, spares=spares, placement=placement),
-                              cfg.tiers.nvme.path) <= limit
+    """True when the plan with nothing spilled (and ``spares``: with pre-commit buffers) stays within ``limit``:
+    its pinned bytes under an explicit ``tiers.host.budget`` (the pool's size, what ``spill_moments`` fills), its
+    RAM (pinned bytes and swap files on tmpfs) under ``auto`` (the RAM available)."""
+    plan = plan_for(blocks, cfg, homes, source, dtype, spares=spares, placement=placement)
+    used = planned_ram_nbytes(plan, cfg.tiers.nvme.path) if cfg.tiers.host.budget == "auto" else plan.host_nbytes
+    return used <= limit
 
 
 def _spill(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,

@@ -32,6 +32,12 @@ MIN_STALL_SHARE = 0.02  # ... and so are waits below this share of the step
 RAM_MARGIN = 1.25  # moving state to pinned memory wants this much more free RAM than it takes
 READ_SATURATED = 0.8  # NVMe reads at this share of the ceiling gain nothing from more threads
 HOST_STATE_ITEMSIZE = STATE_ITEMSIZE + 4  # what a host-updated block holds in pinned memory: state and fp32 gradient
+WEIGHTS_COPY_ITEMSIZE = 2  # and, with a compute-dtype copy of its weights (weight source "weights"), that copy
+
+
+def host_state_itemsize(cfg: dict[str, Any]) -> int:
+    """Pinned bytes a parameter of a host-updated block holds, the weights copy included when there is one."""
+    return HOST_STATE_ITEMSIZE + (WEIGHTS_COPY_ITEMSIZE if cfg.get("weight_source") == "weights" else 0)
 
 
 def size_text(nbytes: float) -> str:
@@ -218,7 +224,7 @@ def _reserve_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, s
         saves, wait,
         f"the steps peaked at {size_text(peak)} of the {size_text(budget)} GPU budget: the activations took "
         f"{size_text(probe['beyond_plan_nbytes'])} beyond the plan, and {GPU_MARGIN:.0%} of the budget stays free; "
-        f"a block updated on the GPU leaves host memory ({size_text(sum(HOST_STATE_ITEMSIZE * b['numel'] for b in new))}), "
+        f"a block updated on the GPU leaves host memory ({size_text(sum(host_state_itemsize(cfg) * b['numel'] for b in new))}), "
         "so fewer moments spill to NVMe")
 
 

@@ -16,6 +16,9 @@ CAUSE_NAMES = {STALL_FETCH_HOST: "fetch host", STALL_FETCH_NVME: "fetch NVMe", S
 MAX_STEP_ROWS = 40  # longer runs show the first and last steps
 MIB = 2**20
 
+# The store key a source names, as a person reads it (the plan's header says the same).
+WEIGHT_SOURCE_TEXT = {"master": "the fp32 master", "weights": "a compute-dtype copy", "resident": "resident"}
+
 
 def _num(value: float | None, fmt: str = ".2f", none: str = "-") -> str:
     return none if value is None else format(value, fmt)
@@ -36,7 +39,8 @@ def _header(summary: dict[str, Any]) -> str:
              f"NVMe IO {summary.get('nvme_io_mode') or 'none'}",
              f"config: prefetch depth {cfg.get('prefetch_depth')}, budget {size_text(cfg.get('prefetch_budget_nbytes', 0))}; "
              f"nvme io_threads {cfg.get('io_threads')}; master on {homes.get('master')}, moments on {homes.get('exp_avg')}, "
-             f"weights from {cfg.get('weight_source')}; gpu_update_fraction {cfg.get('gpu_update_fraction')}; "
+             f"weights from {WEIGHT_SOURCE_TEXT.get(cfg.get('weight_source'), cfg.get('weight_source'))}; "
+             f"gpu_update_fraction {cfg.get('gpu_update_fraction')}; "
              f"accumulation {cfg.get('accumulation_steps')}"]
     hits, misses = totals["hits"], totals["misses"]
     adam, hidden = totals["adam_s"], totals["adam_hidden_s"]
