@@ -89,6 +89,40 @@ def test_bf16_clipping_and_accumulation_on_gpu(clip, stream, sums):
         assert host_sums is not None and host_sums.stats.nbytes == 4 * hosted * 4
 
 
+def test_under_accumulation_the_gpu_fetches_a_bf16_copy_of_the_weights():
+    """bf16, four micro-batches a step, nothing streamed, RAM to spare: the plan keeps a bf16 copy of the weights in
+    pinned memory, every fetch reads it (2 bytes a parameter, no fp32 master crosses to the GPU), and training
+    matches the mixed-precision reference."""
+    from runtime.weights import WeightSource
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=1.0, accumulation_steps=4)
+    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 1.0, "accumulation_steps": 4,
+                                                                      "gpu_update_fraction": 0.0,
+                                                                      "gpu_stream_fraction": 0.0}})
+    session = optimizer.session
+    events = []
+    session.store.bus.subscribe(events.append)
+    batches = make_batches(12)
+    try:
+        assert session.controller.options.weight_source is WeightSource.WEIGHTS, session.plan.table()
+        for i in range(0, 12, 4):
+            for x, y in batches[i : i + 4]:
+                model(x.cuda(), y.cuda()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reference.train_step(batches[i : i + 4])
+        ours = session.master_state_dict()
+    finally:
+        session.close()
+    _assert_close(ours, reference)
+    fetched = [e for e in events if e.kind == "h2d"]
+    assert fetched and all(e.key.endswith("weights") for e in fetched), {e.key for e in fetched}
+    numel = sum(b.numel for b in session.blocks)
+    assert sum(e.nbytes for e in fetched) >= 2 * numel * 12  # each block at least once a micro-batch, 2 bytes
+
+
 @pytest.mark.parametrize("clip", [None, 1e6])
 def test_cpu_adam_overlaps_backward(clip):
     """CPU Adam for the blocks whose gradients finish first runs while backward is still computing; with
