@@ -472,8 +472,8 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
         log.info("placement.moments: auto: the moments of %d of %d host-updated blocks go to NVMe", spilled, host_updated)
     # Updates that wait for the commit run ahead into second buffers when the host has room for them; they are
     # the first thing given up (before spilling moments to disk): without them a step is only slower.
-    spares = not spilled and waits_for_commit(cfg) and planned_ram_nbytes(
-        plan_for(blocks, cfg, homes, source, dtype, spares=True, placement=placement), cfg.tiers.nvme.path) <= limit
+    spares = not spilled and waits_for_commit(cfg) and _plan_fits(blocks, cfg, homes, source, dtype, placement, limit,
+                                                                  spares=True)
     plan = plan_for(blocks, cfg, homes, source, dtype, spilled, spares, placement=placement)
     plan.notes = placement.notes if copy_note is None else (*placement.notes, copy_note)
     if cfg.optimizer.accumulate_on == "auto" and cfg.optimizer.accumulation_steps > 1:
