@@ -440,31 +440,10 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     placement, spilled_blocks, host_updated = _place_and_spill(blocks, cfg, device, homes, source, rates, limit)
     copy_note = None
     if copy_fetch_may_pay(cfg, device, source) and placement.gpu_update_fraction < 1:  # some weights are fetched
-        # [Note: compute-dtype copy under accumulation]
-        copy, copy_spilled, copy_updated = _place_and_spill(blocks, cfg, device, homes, WeightSource.WEIGHTS, rates, limit)
-
-        def fits(which: WeightSource, chosen: Placement, spares: bool = False) -> bool:
-            return _plan_fits(blocks, cfg, homes, which, dtype, chosen, limit, spares=spares)
-
-        # The copy must cost nothing else: no moments spilled, no streaming given up (a streamed block's update
-        # refreshes no host copy), no pre-commit buffers lost (clipped steps would wait for the norm again).
-        spares_lost = waits_for_commit(cfg) and fits(source, placement, True) and not fits(WeightSource.WEIGHTS, copy, True)
-        if spilled_blocks:
-            why = "the moments already spill to NVMe, and the copy would spill more"
-        elif placement.gpu_stream_fraction:
-            why = "updates are streamed to the GPU, and a streamed update refreshes no host copy"
-        elif copy_spilled or copy.gpu_stream_fraction or not fits(WeightSource.WEIGHTS, copy):
-            why = "it would not fit beside the rest without spilling moments to NVMe"
-        elif spares_lost:
-            why = "it would take the room of the pre-commit buffers that let clipped steps update early"
-        else:
-            why = ""
-        if not why:
-            source, placement, spilled_blocks, host_updated = WeightSource.WEIGHTS, copy, copy_spilled, copy_updated
-            copy_note = (f"placement.weights: a {cfg.dtype} copy in pinned memory: {cfg.optimizer.accumulation_steps} "
-                         "micro-batches a step fetch half the bytes of the fp32 master, and it fits beside the rest")
-        else:
-            copy_note = f"placement.weights: fetched from the fp32 master, not a {cfg.dtype} copy in pinned memory: {why}"
+        copy, copy_note = _weights_copy(blocks, cfg, device, homes, rates, limit,
+                                        master=(placement, spilled_blocks, host_updated))
+        if copy is not None:
+            source, (placement, spilled_blocks, host_updated) = WeightSource.WEIGHTS, copy
     if source is WeightSource.WEIGHTS and placement.gpu_stream_fraction:
         raise RuntimeError("a compute-dtype weights copy with streamed updates: a streamed update refreshes no host copy")
     spilled = len(spilled_blocks)
@@ -481,6 +460,37 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
             "host (the model's gradients take more than a quarter of the GPU budget)" if placement.host_sums
             else "gpu (the model's gradients fit a quarter of the GPU budget)"))
     return ResolvedPlan(homes, source, spilled_blocks, plan, placement)
+
+
+def _weights_copy(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, homes: dict[str, TierName],
+                  rates: Rates | None, limit: int, *, master: tuple[Placement, frozenset[int], int]
+                  ) -> tuple[tuple[Placement, frozenset[int], int] | None, str]:
+    """Whether the plan keeps a compute-dtype copy of the weights instead of fetching the master
+    ([Note: compute-dtype copy under accumulation]): the copy's (placement, spilled blocks, host-updated count)
+    when it costs nothing else, else None; and the plan's note saying which and why. ``master``: the same for
+    fetching the master."""
+    dtype = DTYPES[cfg.dtype]
+    placement, spilled_blocks, _ = master
+    copy = _place_and_spill(blocks, cfg, device, homes, WeightSource.WEIGHTS, rates, limit)
+
+    def fits(which: WeightSource, chosen: Placement, spares: bool = False) -> bool:
+        return _plan_fits(blocks, cfg, homes, which, dtype, chosen, limit, spares=spares)
+
+    # The copy must cost nothing else: no moments spilled, no streaming given up (a streamed block's update
+    # refreshes no host copy), no pre-commit buffers lost (clipped steps would wait for the norm again).
+    if spilled_blocks:
+        why = "the moments already spill to NVMe, and the copy would spill more"
+    elif placement.gpu_stream_fraction:
+        why = "updates are streamed to the GPU, and a streamed update refreshes no host copy"
+    elif copy[1] or copy[0].gpu_stream_fraction or not fits(WeightSource.WEIGHTS, copy[0]):
+        why = "it would not fit beside the rest without spilling moments to NVMe"
+    elif (waits_for_commit(cfg) and fits(WeightSource.MASTER, placement, spares=True)
+          and not fits(WeightSource.WEIGHTS, copy[0], spares=True)):
+        why = "it would take the room of the pre-commit buffers that let clipped steps update early"
+    else:
+        return copy, (f"placement.weights: a {cfg.dtype} copy in pinned memory: {cfg.optimizer.accumulation_steps} "
+                      "micro-batches a step fetch half the bytes of the fp32 master, and it fits beside the rest")
+    return None, f"placement.weights: fetched from the fp32 master, not a {cfg.dtype} copy in pinned memory: {why}"
 
 
 # [Note: compute-dtype copy under accumulation]
