@@ -469,27 +469,29 @@ def _weights_copy(blocks: list[Block], cfg: TierstoreConfig, device: torch.devic
     ([Note: compute-dtype copy under accumulation]): the copy's (placement, spilled blocks, host-updated count)
     when it costs nothing else, else None; and the plan's note saying which and why. ``master``: the same for
     fetching the master."""
-    dtype = DTYPES[cfg.dtype]
     placement, spilled_blocks, _ = master
-    copy = _place_and_spill(blocks, cfg, device, homes, WeightSource.WEIGHTS, rates, limit)
-
-    def fits(which: WeightSource, chosen: Placement, spares: bool = False) -> bool:
-        return _plan_fits(blocks, cfg, homes, which, dtype, chosen, limit, spares=spares)
-
     # The copy must cost nothing else: no moments spilled, no streaming given up (a streamed block's update
     # refreshes no host copy), no pre-commit buffers lost (clipped steps would wait for the norm again).
     if spilled_blocks:
         why = "the moments already spill to NVMe, and the copy would spill more"
     elif placement.gpu_stream_fraction:
         why = "updates are streamed to the GPU, and a streamed update refreshes no host copy"
-    elif copy[1] or copy[0].gpu_stream_fraction or not fits(WeightSource.WEIGHTS, copy[0]):
-        why = "it would not fit beside the rest without spilling moments to NVMe"
-    elif (waits_for_commit(cfg) and fits(WeightSource.MASTER, placement, spares=True)
-          and not fits(WeightSource.WEIGHTS, copy[0], spares=True)):
-        why = "it would take the room of the pre-commit buffers that let clipped steps update early"
     else:
-        return copy, (f"placement.weights: a {cfg.dtype} copy in pinned memory: {cfg.optimizer.accumulation_steps} "
-                      "micro-batches a step fetch half the bytes of the fp32 master, and it fits beside the rest")
+        dtype = DTYPES[cfg.dtype]
+        copy = _place_and_spill(blocks, cfg, device, homes, WeightSource.WEIGHTS, rates, limit)
+        copy_placement, copy_spilled, _ = copy
+
+        def fits(which: WeightSource, chosen: Placement, spares: bool = False) -> bool:
+            return _plan_fits(blocks, cfg, homes, which, dtype, chosen, limit, spares=spares)
+
+        if copy_spilled or copy_placement.gpu_stream_fraction or not fits(WeightSource.WEIGHTS, copy_placement):
+            why = "it would not fit beside the rest without spilling moments to NVMe"
+        elif (waits_for_commit(cfg) and fits(WeightSource.MASTER, placement, spares=True)
+              and not fits(WeightSource.WEIGHTS, copy_placement, spares=True)):
+            why = "it would take the room of the pre-commit buffers that let clipped steps update early"
+        else:
+            return copy, (f"placement.weights: a {cfg.dtype} copy in pinned memory: {cfg.optimizer.accumulation_steps} "
+                          "micro-batches a step fetch half the bytes of the fp32 master, and it fits beside the rest")
     return None, f"placement.weights: fetched from the fp32 master, not a {cfg.dtype} copy in pinned memory: {why}"
 
 

@@ -55,6 +55,16 @@ def test_bf16_parity_on_gpu(placement, fraction, keep, stream, ahead, tmpfs_dir)
     _assert_close(ours, reference)
 
 
+def _train_with_reference(model, optimizer, reference: ReferenceTrainer, batches, *, accumulation: int) -> None:
+    """Optimizer steps of ``accumulation`` micro-batches on the GPU, the reference stepping on the same batches."""
+    for i in range(0, len(batches), accumulation):
+        for x, y in batches[i : i + accumulation]:
+            model(x.cuda(), y.cuda()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.train_step(batches[i : i + accumulation])
+
+
 @pytest.mark.parametrize("clip,stream,sums", [(0.1, 0.0, "gpu"), (1e6, 0.0, "gpu"), (0.1, 0.4, "gpu"), (1e6, 0.4, "gpu"),
                                               (0.1, 0.0, "host"), (1e6, 0.4, "host")])
 def test_bf16_clipping_and_accumulation_on_gpu(clip, stream, sums):
@@ -70,12 +80,7 @@ def test_bf16_clipping_and_accumulation_on_gpu(clip, stream, sums):
     session = optimizer.session
     batches = make_batches(8)
     try:
-        for i in range(0, 8, 2):
-            for x, y in batches[i : i + 2]:
-                model(x.cuda(), y.cuda()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            reference.train_step(batches[i : i + 2])
+        _train_with_reference(model, optimizer, reference, batches, accumulation=2)
         ours = session.master_state_dict()
         worker = session.controller.worker.stats
         host_sums = session.controller.sums
@@ -107,12 +112,7 @@ def test_under_accumulation_the_gpu_fetches_a_bf16_copy_of_the_weights():
     batches = make_batches(12)
     try:
         assert session.controller.options.weight_source is WeightSource.WEIGHTS, session.plan.table()
-        for i in range(0, 12, 4):
-            for x, y in batches[i : i + 4]:
-                model(x.cuda(), y.cuda()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            reference.train_step(batches[i : i + 4])
+        _train_with_reference(model, optimizer, reference, batches, accumulation=4)
         ours = session.master_state_dict()
     finally:
         session.close()
