@@ -30,9 +30,9 @@ from typing import Callable
 
 import torch
 
-from runtime.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, split_views
+from runtime.adam import AdamWHyper, Scratch, adamw_update_out_of_place, adamw_update_scaled, split_views
 from runtime.blocks import Block
-from runtime.clipping import scale_slots
+from runtime.clipping import slot_factors
 from runtime.plan import STATE_KINDS
 from runtime.speculation import SpareBuffers
 from runtime.weights import WeightManager, WeightSource
@@ -77,7 +77,7 @@ class WorkerStats:
     """Timing of the worker: seconds in Adam, in waiting for its inputs, and per-job intervals."""
 
     adam_s: float = 0.0
-    kernel_s: float = 0.0  # of adam_s, in the AdamW kernel itself (the rest: weight refreshes, write-backs)
+    kernel_s: float = 0.0  # of adam_s, in the AdamW kernel with its clip factors (the rest: weight refreshes, write-backs)
     wait_inputs_s: float = 0.0
     jobs: int = 0
     published: int = 0  # updates run before their commit whose result the commit kept
@@ -99,6 +99,7 @@ class UpdateWorker:
         self.stats = WorkerStats()
         # One fp32 step counter per parameter, exactly as torch.optim.AdamW keeps them.
         self.param_steps: list[list[torch.Tensor]] = [[torch.zeros((), dtype=torch.float32) for _ in b.slots] for b in blocks]
+        self._scratch = Scratch()  # products of clip factors and gradients, piece by piece (adamw_update_scaled)
         self._updated_step = [0] * len(blocks)
         self._cond = threading.Condition()
         self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
@@ -315,21 +316,25 @@ class UpdateWorker:
             self._speculate(job, host, grad)
             self._count(job, adam_start)
             return
-        scale_slots(grad, block, job.slot_multipliers, job.grad_multiplier)
         sizes = [slot.numel for slot in block.slots]
         keep = job.mask or [True] * len(sizes)
 
+        def kept(items: list) -> list:  # type: ignore[type-arg]
+            return [item for item, k in zip(items, keep) if k]
+
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
-            return [v for v, k in zip(split_views(flat, sizes), keep) if k]
+            return kept(split_views(flat, sizes))
 
         kernel_start = time.perf_counter()
-        adamw_update_grouped(
+        adamw_update_scaled(  # the clip factors applied on the way into the kernel: the host gradient stays as it is
             views(host["master"]),
             views(grad),
             views(host["exp_avg"]),
             views(host["exp_avg_sq"]),
-            [s for s, k in zip(self.param_steps[index], keep) if k],
-            [h for h, k in zip(job.hypers, keep) if k],
+            kept(self.param_steps[index]),
+            kept(job.hypers),
+            kept(slot_factors(block, job.slot_multipliers, job.grad_multiplier)),
+            self._scratch,
         )
         self.stats.kernel_s += time.perf_counter() - kernel_start
         for kind in STATE_KINDS:

@@ -130,3 +130,49 @@ def test_out_of_place_update_is_bit_identical_and_leaves_the_old_state(piece):
             assert torch.equal(got, want)
             assert torch.equal(kept, before)
     assert [float(s) for s in steps] == [4.0] * len(sizes)
+
+
+@pytest.mark.parametrize("piece", [64, 4096, 1 << 20])
+def test_scaled_update_is_bit_identical_to_multiplying_in_place_first_and_leaves_the_gradients(piece):
+    from runtime.adam import Scratch, adamw_update_grouped, adamw_update_scaled
+
+    torch.manual_seed(1)
+    sizes = [3000, 70001, 17, 1 << 16, 5]
+    hypers = [AdamWHyper(lr=1e-2), AdamWHyper(lr=1e-2), AdamWHyper(lr=3e-3, weight_decay=0.0), AdamWHyper(lr=1e-2),
+              AdamWHyper(lr=1e-2, eps=1e-6)]
+    clip, user = torch.tensor(0.3712), torch.tensor(0.81)
+    factors = [[clip], [user, clip], [], [clip], [user]]  # a user's factor first, then the clip coefficient
+    grads = [torch.randn(n) * 7 for n in sizes]
+    state = [[torch.randn(n) for n in sizes], [torch.randn(n) for n in sizes], [torch.rand(n) for n in sizes]]
+    multiplied = [g.clone() for g in grads]
+    for grad, own in zip(multiplied, factors):
+        for factor in own:
+            grad.mul_(factor)
+    want = [[t.clone() for t in kind] for kind in state]
+    want_steps = [torch.tensor(3.0) for _ in sizes]
+    adamw_update_grouped(want[0], multiplied, want[1], want[2], want_steps, hypers)
+    got = [[t.clone() for t in kind] for kind in state]
+    steps = [torch.tensor(3.0) for _ in sizes]
+    before = [g.clone() for g in grads]
+    adamw_update_scaled(got[0], grads, got[1], got[2], steps, hypers, factors, Scratch(), piece_numel=piece)
+    for kind in range(3):
+        for a, b in zip(got[kind], want[kind]):
+            assert torch.equal(a, b)
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))  # the products never landed in the gradients
+    assert [float(s) for s in steps] == [4.0] * len(sizes)
+    assert not torch.equal(got[0][0], state[0][0])  # it did update
+
+
+def test_slot_factors_drop_exact_ones_and_keep_the_plain_loops_order():
+    from runtime.blocks import Block
+    from runtime.clipping import slot_factors
+
+    class _Block:  # only the slot count matters
+        slots = [object(), object(), object()]
+
+    block: Block = _Block()  # type: ignore[assignment]
+    clip, user = torch.tensor(0.5), torch.tensor(0.25)
+    assert slot_factors(block, None, None) == [[], [], []]
+    assert slot_factors(block, None, torch.tensor(1.0)) == [[], [], []]  # the clip did not bind
+    got = slot_factors(block, [user, None, torch.tensor(1.0)], clip)
+    assert [[float(f) for f in own] for own in got] == [[0.25, 0.5], [0.5], [0.5]]
