@@ -107,83 +107,18 @@ def adamw_update_out_of_place(
     for piece in _pieces([g.numel() for g in grads], piece_numel):
         for source, target in zip(old, new):
             torch._foreach_copy_([target[i][a:b] for i, a, b in piece], [source[i][a:b] for i, a, b in piece])
-        _fused_parts(piece, new, [grads[i][a:b] for i, a, b in piece], steps, hypers)
+        groups: dict[AdamWHyper, list[tuple[int, int, int]]] = {}
+        for part in piece:
+            groups.setdefault(hypers[part[0]], []).append(part)
+        for hyper, parts in groups.items():
+            def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [tensors[i][a:b] for i, a, b in parts]
 
-
-def _fused_parts(parts: list[tuple[int, int, int]], state: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
-                 part_grads: list[torch.Tensor], steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> None:
-    """Fused AdamW in place on the (tensor position, start, end) ``parts`` of ``state`` (master, exp_avg, exp_avg_sq
-    views), with ``part_grads`` parallel to ``parts``: one call per distinct hyper-parameter setting."""
-    groups: dict[AdamWHyper, list[int]] = {}
-    for number, part in enumerate(parts):
-        groups.setdefault(hypers[part[0]], []).append(number)
-    for hyper, numbers in groups.items():
-        def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [tensors[parts[n][0]][parts[n][1] : parts[n][2]] for n in numbers]
-
-        torch._fused_adamw_(
-            pick(state[0]), [part_grads[n] for n in numbers], pick(state[1]), pick(state[2]), [],
-            [steps[parts[n][0]] for n in numbers],
-            lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
-            amsgrad=False, maximize=False,
-        )
-
-
-# Elements per piece of a scaled update (about 4 MiB of fp32 products): small enough to stay in the CPU's caches
-# between the multiply that writes them and the kernel that reads them, large enough that each piece's calls
-# cost little beside its work. A multiple of 64 elements, for the reason OUT_OF_PLACE_PIECE gives.
-SCALED_PIECE = 1 << 20
-_SCRATCH_ALIGN = 64  # elements: each part's products start on a cache line of the scratch buffer
-
-
-class Scratch:
-    """A reusable fp32 host buffer, grown on demand: fresh pages cost a page fault each on first touch, so the
-    products of a scaled update go to memory that was touched before."""
-
-    def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.float32)
-
-    def get(self, numel: int) -> torch.Tensor:
-        """A buffer of at least ``numel`` elements (its contents are undefined)."""
-        if self._buffer.numel() < numel:
-            self._buffer = torch.empty(numel, dtype=torch.float32)
-        return self._buffer
-
-
-def adamw_update_scaled(
-    master: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avg: list[torch.Tensor],
-    exp_avg_sq: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    hypers: list[AdamWHyper],
-    factors: list[list[torch.Tensor]],
-    scratch: Scratch,
-    piece_numel: int = SCALED_PIECE,
-) -> None:
-    """``adamw_update_grouped`` on each gradient multiplied by its ``factors`` (0-dim fp32, in the order given),
-    without writing the products back: piece by piece the products land in ``scratch`` and the kernel reads them
-    there while they are still in the CPU's caches. An in-place multiply first would be one more pass over the
-    gradients in host memory (read and write), about a third of the kernel's own traffic. Bit-identical to
-    multiplying in place, then ``adamw_update_grouped``: the same fp32 multiplies element by element, and pieces
-    that begin at multiples of ``piece_numel`` in each tensor (see OUT_OF_PLACE_PIECE). The gradients are left as
-    they were. Increments steps."""
-    if not any(factors):
-        adamw_update_grouped(master, grads, exp_avg, exp_avg_sq, steps, hypers)
-        return
-    torch._foreach_add_(steps, 1)
-    for piece in _pieces([g.numel() for g in grads], piece_numel):
-        room = scratch.get(sum(-(-(b - a) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN for _, a, b in piece))
-        part_grads, offset = [], 0
-        for i, a, b in piece:
-            product = grads[i][a:b]
-            for factor in factors[i]:
-                out = room[offset : offset + b - a]
-                torch.mul(product, factor, out=out)
-                product = out
-            offset += -(-(b - a) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-            part_grads.append(product)
-        _fused_parts(piece, (master, exp_avg, exp_avg_sq), part_grads, steps, hypers)
+            torch._fused_adamw_(
+                pick(new[0]), pick(grads), pick(new[1]), pick(new[2]), [], [steps[i] for i, _, _ in parts],
+                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
+                amsgrad=False, maximize=False,
+            )
 
 
 def _pieces(sizes: list[int], piece_numel: int) -> list[list[tuple[int, int, int]]]:

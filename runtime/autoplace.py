@@ -22,8 +22,7 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   2026-11-26) half of the free budget left it out of memory in its first forward. A run whose activations
   need more sets ``tiers.gpu.activation_reserve`` (``runtime.oom_hint`` names the figure when it runs out).
 - ``k`` (auto): the most blocks whose plan, with the worst case of streamed state in flight (the largest
-  remaining block, ``plan.STREAMED_IN_FLIGHT`` times), stays within budget minus the reserve, less the
-  allocator's fragmentation margin (``runtime.writeback.FRAGMENTATION_MARGIN`` of the budget). More ``k``
+  remaining block, ``plan.STREAMED_IN_FLIGHT`` times), stays within budget minus the reserve. More ``k``
   shortens every term below, so the most that fits is the choice.
 - ``j`` (auto): the one that minimises ``max(T_cpu, T_h2d, T_d2h)`` (the fewest on a tie):
   ``T_cpu = H / adam_rate``; ``T_h2d = (12 S + weights) / h2d_rate``, where weights are fetched for the
@@ -57,7 +56,6 @@ import torch
 
 from runtime.rates import cpu_adam_seconds, pinned_copy_gbps
 from runtime.units import approx_size
-from runtime.writeback import FRAGMENTATION_MARGIN
 
 log = logging.getLogger(__name__)
 
@@ -195,10 +193,7 @@ def choose_placement(inputs: PlacementInputs, rates: Rates | None, *, update: fl
     numels = inputs.block_numels
     prefix = [0, *itertools.accumulate(numels)]
     reserve = activation_reserve_nbytes(inputs)
-    # The allocator needs room beside what is allocated: a plan filled to the last byte made the CUDA allocator give
-    # its cache back (and synchronize) 10 times in 5 steps (H100, 1.35B model under ZeRO-2's 31.06 GiB: 30.5 GiB
-    # allocated at the peak, 0.535 s a step against 0.456 for hand-set shares that left 2.5 GiB).
-    limit = inputs.gpu_budget_nbytes - reserve - int(FRAGMENTATION_MARGIN * inputs.gpu_budget_nbytes)
+    limit = inputs.gpu_budget_nbytes - reserve
 
     def update_fraction(updated: int) -> float:
         return prefix[updated] / prefix[-1] if update == "auto" else update

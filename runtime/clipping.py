@@ -247,18 +247,6 @@ class GradClipper:
         return total
 
 
-def slot_factors(block: Block, scales: list[torch.Tensor | None] | None,
-                 multiplier: torch.Tensor | None) -> list[list[torch.Tensor]]:
-    """What ``scale_slots`` multiplies each of block's parameters by, in order, as host tensors; a factor of
-    exactly 1 is left out (multiplying by 1 changes no bit, and costs a pass over memory)."""
-    def needed(factor: torch.Tensor | None) -> list[torch.Tensor]:
-        return [] if factor is None or float(factor) == 1.0 else [factor.to("cpu")]
-
-    common = needed(multiplier)
-    per_slot = scales if scales is not None else [None] * len(block.slots)
-    return [needed(scale) + common for scale in per_slot]
-
-
 def scale_slots(flat: torch.Tensor, block: Block, scales: list[torch.Tensor | None] | None,
                  multiplier: torch.Tensor | None) -> None:
     """Multiply a block's flat gradient by the user's per-parameter factors, then by tierstore's clip

@@ -30,9 +30,9 @@ from typing import Callable
 
 import torch
 
-from runtime.adam import AdamWHyper, Scratch, adamw_update_out_of_place, adamw_update_scaled, split_views
+from runtime.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, split_views
 from runtime.blocks import Block
-from runtime.clipping import slot_factors
+from runtime.clipping import scale_slots
 from runtime.plan import STATE_KINDS
 from runtime.speculation import SpareBuffers
 from runtime.weights import WeightManager, WeightSource
@@ -77,7 +77,9 @@ class WorkerStats:
     """Timing of the worker: seconds in Adam, in waiting for its inputs, and per-job intervals."""
 
     adam_s: float = 0.0
-    kernel_s: float = 0.0  # of adam_s, in the AdamW kernel with its clip factors (the rest: weight refreshes, write-backs)
+    kernel_s: float = 0.0  # of adam_s, in the AdamW kernel itself (the rest: weight refreshes, write-backs)
+    scale_s: float = 0.0  # of adam_s, multiplying gradients by clip factors
+    refresh_s: float = 0.0  # of adam_s, issuing (or making) the compute weights' refresh
     wait_inputs_s: float = 0.0
     jobs: int = 0
     published: int = 0  # updates run before their commit whose result the commit kept
@@ -99,7 +101,6 @@ class UpdateWorker:
         self.stats = WorkerStats()
         # One fp32 step counter per parameter, exactly as torch.optim.AdamW keeps them.
         self.param_steps: list[list[torch.Tensor]] = [[torch.zeros((), dtype=torch.float32) for _ in b.slots] for b in blocks]
-        self._scratch = Scratch()  # products of clip factors and gradients, piece by piece (adamw_update_scaled)
         self._updated_step = [0] * len(blocks)
         self._cond = threading.Condition()
         self._jobs: list[tuple[int, int, int, UpdateJob]] = []  # heap of (step, block index, seq, job)
@@ -316,30 +317,31 @@ class UpdateWorker:
             self._speculate(job, host, grad)
             self._count(job, adam_start)
             return
+        # A clip coefficient of exactly 1 (the clip did not bind) changes no bit: skip its pass over the gradient.
+        multiplier = job.grad_multiplier
+        scale_slots(grad, block, job.slot_multipliers, None if multiplier is None or float(multiplier) == 1.0 else multiplier)
+        self.stats.scale_s += time.perf_counter() - adam_start
         sizes = [slot.numel for slot in block.slots]
         keep = job.mask or [True] * len(sizes)
 
-        def kept(items: list) -> list:  # type: ignore[type-arg]
-            return [item for item, k in zip(items, keep) if k]
-
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
-            return kept(split_views(flat, sizes))
+            return [v for v, k in zip(split_views(flat, sizes), keep) if k]
 
         kernel_start = time.perf_counter()
-        adamw_update_scaled(  # the clip factors applied on the way into the kernel: the host gradient stays as it is
+        adamw_update_grouped(
             views(host["master"]),
             views(grad),
             views(host["exp_avg"]),
             views(host["exp_avg_sq"]),
-            kept(self.param_steps[index]),
-            kept(job.hypers),
-            kept(slot_factors(block, job.slot_multipliers, job.grad_multiplier)),
-            self._scratch,
+            [s for s, k in zip(self.param_steps[index], keep) if k],
+            [h for h, k in zip(job.hypers, keep) if k],
         )
         self.stats.kernel_s += time.perf_counter() - kernel_start
         for kind in STATE_KINDS:
             self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
+        refresh_start = time.perf_counter()
         refresh = self._refresh_weights(block, host["master"], job.step)
+        self.stats.refresh_s += time.perf_counter() - refresh_start
         for kind in STATE_KINDS:
             if self.store.record(block.key(kind)).home is TierName.NVME:
                 if kind == "master" and refresh is not None:

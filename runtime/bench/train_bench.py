@@ -191,6 +191,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             "num_params": num_params, "grad_norms": norms[warm:], "placement": placement.as_dict(),
             "wait_update_s": statistics.median(wait_update[warm:]), "wait_fetch_s": statistics.median(wait_fetch[warm:]),
             "hit_rate": hit_rate, "adam_s_total": worker.adam_s, "kernel_s_total": worker.kernel_s, "jobs": worker.jobs,
+            "scale_s_total": worker.scale_s, "refresh_s_total": worker.refresh_s, "wait_inputs_s_total": worker.wait_inputs_s,
             "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
             "pinned_nbytes": pinned, "spilled_blocks": spilled, "placement_notes": notes, "steps_s": step_s,
             "writeback_waits": writeback_waits,  # forwards that waited for streamed state to go home, seconds
