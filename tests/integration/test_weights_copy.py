@@ -202,3 +202,44 @@ def test_an_explicit_host_budget_that_holds_the_copy_takes_it_with_swap_on_tmpfs
     check_fits(roomy.plan, load_config(config(budget)), torch.device("cpu"))  # that budget holds the copy plan
     resolved = resolve_plan(blocks, load_config(config(budget)), cuda, rates=REFERENCE)
     assert resolved.source is WeightSource.WEIGHTS, [n for n in resolved.plan.notes if "placement.weights" in n]
+
+
+def _run_with_failures(monkeypatch, force: bool, where: str, clip: float | None):
+    """Four accumulated steps with failures planted in micro-batch 1 of step 1 and micro-batch 0 of step 2, each
+    caught by the loop, which then drops the step with ``zero_grad()`` (tests/integration/test_failures.py)."""
+    from tests.integration.test_failures import plant, run
+
+    if force:
+        import runtime.api as api
+
+        monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
+                            and cfg.optimizer.accumulation_steps > 1)
+    batches = make_batches(4 * ACC)
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    armed = plant(model, 1, where)
+    # Without a clip, updates wait for step() only with user_grad_clip (streaming ones cannot be rolled back).
+    model, optimizer = offload(model, _config(grad_clip=clip) if clip else _config(user_grad_clip=True))
+    session = optimizer.session
+    with session:
+        assert (session.controller.options.weight_source is WeightSource.WEIGHTS) == force
+        run(model, optimizer, armed, batches, {(1, 1), (2, 0)}, ACC)
+        fetched = _fetched_weights(model)
+        masters = session.master_state_dict()
+        if force:  # the copy holds the committed master, not a dropped step's update
+            _assert_same(fetched, _masters_as_bf16(session))
+        losses = _train(model, optimizer, batches[:ACC])  # and training goes on from there
+    return fetched, masters, losses
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_a_caught_failure_mid_step_leaves_the_copy_at_the_last_commit(monkeypatch, where, clip):
+    """An exception in a micro-batch's forward or backward, caught by the user's loop: the dropped step changes
+    neither the master nor the copy (clip 1e-3: every early update would have been redone), so the run with the
+    copy ends exactly where the run fetching the master does."""
+    plain = _run_with_failures(monkeypatch, False, where, clip)
+    copied = _run_with_failures(monkeypatch, True, where, clip)
+    _assert_same(copied[0], plain[0])
+    _assert_same(copied[1], plain[1])
+    assert copied[2] == plain[2]
