@@ -16,13 +16,17 @@ from tests.integration.test_parity import SHAPE, assert_identical, make_batches,
 ACC = 2
 
 
-@pytest.fixture
-def force_copy(monkeypatch):
+def _force(monkeypatch) -> None:
     """Make resolve_plan consider (and so take) the copy on the CPU."""
     import runtime.api as api
 
     monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
                         and cfg.optimizer.accumulation_steps > 1)
+
+
+@pytest.fixture
+def force_copy(monkeypatch):
+    _force(monkeypatch)
 
 
 def _config(**optimizer) -> dict:
@@ -99,10 +103,7 @@ def test_part_of_the_update_on_the_device_with_the_copy(force_copy):
 
 def _writes_between_steps(monkeypatch, force: bool):
     if force:
-        import runtime.api as api
-
-        monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
-                            and cfg.optimizer.accumulation_steps > 1)
+        _force(monkeypatch)
     batches = make_batches(3 * ACC)
     model, optimizer, session = _session()
     with session:
@@ -210,10 +211,7 @@ def _run_with_failures(monkeypatch, force: bool, where: str, clip: float | None)
     from tests.integration.test_failures import plant, run
 
     if force:
-        import runtime.api as api
-
-        monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
-                            and cfg.optimizer.accumulation_steps > 1)
+        _force(monkeypatch)
     batches = make_batches(4 * ACC)
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
