@@ -23,6 +23,7 @@ from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.autoplace import blocks_within
 from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
+from runtime.step_phase import StepPhase, check_phase_transition
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
 from runtime.plan import MOMENT_KINDS
@@ -149,11 +150,10 @@ class Controller:
         self.clipper = GradClipper(self)
         self.optimizer_step = 0  # committed optimizer steps
         self.micro = 0  # backward passes since the last committed step
-        self._update_pending = False  # the last micro-batch's backward ran; step() not yet called
-        self._interrupted: str | None = None  # why the blocks are at different steps (an abandoned streaming step)
+        self._phase = StepPhase.IDLE  # where the step in progress is (runtime.step_phase); set only by _set_phase
+        self._interrupted: str | None = None  # while INTERRUPTED: why the blocks are at different steps
         self._grad_counts = [0] * len(blocks)
         self._in_backward_use = [False] * len(blocks)
-        self._backward_active = False
         self._deferred_jobs: list[UpdateJob] = []
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
@@ -233,14 +233,14 @@ class Controller:
     def on_step_begin(self) -> None:
         """The model's forward starts: close the previous trace and open one for this signature."""
         self.check_not_interrupted()
-        if self._backward_active:  # the last backward raised and the user carried on: drop its step
+        if self._phase is StepPhase.BACKWARD:  # the last backward raised and the user carried on: drop its step
             log.warning("the previous backward did not finish (an exception?); its step is dropped")
             self.discard_pending()
         for index, state in enumerate(self.weights.states):
             if state.users:  # a forward raised inside this block: nothing else holds it
                 state.users = 0
                 self._release(index)
-        if self._update_pending:
+        if self._phase is StepPhase.READY:
             raise RuntimeError(
                 "the model ran forward after the last micro-batch's backward without optimizer.step(): call "
                 f"optimizer.step() after every {self.options.accumulation_steps} backward pass(es) "
@@ -378,15 +378,17 @@ class Controller:
     # ---- backward ------------------------------------------------------------------------------------
     def on_backward_begin(self, indices: list[int]) -> None:
         """Gradients w.r.t. a module's outputs are ready: its backward is next."""
-        if self.gpu_streamed and not self._backward_active:
+        begins = self._phase is not StepPhase.BACKWARD  # the first block of this backward
+        if begins:
+            self._enter_backward()
+        if self.gpu_streamed and begins:
             self.writebacks.forward_end()
         if self.gpu_streamed and self.last_micro:
-            if not self._backward_active:
+            if begins:
                 self._begin_streaming()
             self.writebacks.settle()
-        if not self._backward_active and self._deferred and self._spilled_in_update_order:
+        if begins and self._deferred and self._spilled_in_update_order:
             self._read_spilled_early()
-        self._backward_active = True
         for index in indices:
             self.schedule.observe(index, "bwd")
             self._in_backward_use[index] = True
@@ -482,15 +484,15 @@ class Controller:
 
     def on_backward_end(self) -> None:
         """The whole backward finished: handle blocks with missing gradients, then finish the micro-batch."""
+        if self._phase is not StepPhase.BACKWARD:  # it reached no block's module hooks, only parameters' gradients
+            self._enter_backward()
         for index, count in enumerate(self._grad_counts):
             if 0 < count < len(self.blocks[index].slots) or (count == 0 and self.last_micro):
                 self._block_grads_done(index)
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
-        self._backward_active = False
         self.weights.release_refreshes()  # no-op unless a backward held them
-        if self.last_micro:
-            self._update_pending = True
+        self._set_phase(StepPhase.READY if self.last_micro else StepPhase.ACCUMULATING)
         self.micro += 1
         self.stats.backward_end_s.append(time.perf_counter())
 
@@ -522,13 +524,12 @@ class Controller:
 
     def host_sum_holds(self, slot: tuple[int, int]) -> bool:
         """Between micro-batches: parameter ``slot`` has a gradient summed in host memory this step."""
-        return (self.sums is not None and self.micro > 0 and not self._backward_active and not self._update_pending
-                and self.sums.has_grad(*slot))
+        return self.sums is not None and self._phase is StepPhase.ACCUMULATING and self.sums.has_grad(*slot)
 
     def drop_host_sum(self, slot: tuple[int, int]) -> None:
         """``p.grad`` assigned between micro-batches (``model.zero_grad()``): the parameter's host sum of the step
         so far is dropped, as plain PyTorch drops its accumulated ``.grad`` (no-op unless sums run on the host)."""
-        if self.sums is not None and self.micro > 0 and not self._backward_active:
+        if self.sums is not None and self._phase in (StepPhase.ACCUMULATING, StepPhase.READY):
             self.sums.drop(*slot)
 
     def _send_to_host_sum(self, block: Block) -> None:
@@ -692,16 +693,16 @@ class Controller:
     def step(self) -> None:
         """Commit the optimizer step whose updates the last backward started."""
         self.check_not_interrupted()
-        if not self._update_pending and self.micro == 0 and not self._backward_active:
+        if self._phase is StepPhase.IDLE:
             return  # no backward since the last step (or its step was dropped): like torch, nothing to do
-        if not self._update_pending:
+        if self._phase is not StepPhase.READY:
             raise RuntimeError(
                 f"optimizer.step() called after {self.micro} backward pass(es); the config's "
                 f"optimizer.accumulation_steps is {self.options.accumulation_steps}: call backward that many times per step"
             )
         self._finish_update_submission()
         self.clipper.reset()
-        self._update_pending = False
+        self._set_phase(StepPhase.IDLE)
         for index in self._updating:  # a copy fetched for a read before the commit holds pre-step weights
             if self.weights.states[index].users == 0 and index not in self._fresh:
                 self._release(index)
@@ -719,7 +720,7 @@ class Controller:
     @property
     def step_pending(self) -> bool:
         """True from the first backward of a step until optimizer.step() commits it."""
-        return self._update_pending or self.micro > 0 or self._backward_active
+        return self._phase.pending
 
     def in_backward_use(self, index: int) -> bool:
         """True while block index's weights are held for a backward (or its recomputation)."""
@@ -741,7 +742,8 @@ class Controller:
         """Drop the step in progress (zero_grad() before step(), or a caught exception in forward / backward),
         as plain PyTorch drops its gradients. Updates that wait for the commit never ran: nothing changes. With
         streaming updates some blocks may already be updated; then the next step refuses (see _interrupted)."""
-        if self._updating and not self._deferred:  # CPU and device updates alike run as gradients land
+        interrupted = bool(self._updating) and not self._deferred  # CPU and device updates alike run as gradients land
+        if interrupted:
             self._interrupted = (f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
                                  "started their update (updates start as gradients land), so the blocks are at "
                                  "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
@@ -765,8 +767,7 @@ class Controller:
         if self.sums is not None:
             self.sums.reset()
         self._release_read_early()
-        self._update_pending = False
-        self._backward_active = False
+        self._set_phase(StepPhase.INTERRUPTED if interrupted else StepPhase.IDLE)
         self.micro = 0
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
@@ -782,12 +783,35 @@ class Controller:
 
     def clear_interrupted(self) -> None:
         """Every block's state was just restored to one step (a checkpoint load): training may go on."""
+        if self._phase is StepPhase.INTERRUPTED:
+            self._set_phase(StepPhase.IDLE)
         self._interrupted = None
 
     def check_not_interrupted(self) -> None:
         """Raise when an abandoned step left blocks at different steps."""
-        if self._interrupted is not None:
+        if self._phase is StepPhase.INTERRUPTED:
             raise RuntimeError(self._interrupted)
+
+    def _enter_backward(self) -> None:
+        """A backward's first block: a micro-batch of the step in progress, or the step's first."""
+        self.check_not_interrupted()
+        if self._phase is StepPhase.READY:
+            raise RuntimeError(
+                "a backward ran after the last micro-batch's backward, before optimizer.step(): each block's gradient "
+                "left the device for its update when that backward reached it, so a second one could not be added to "
+                f"the step. Call optimizer.step() (or zero_grad()) after every {self.options.accumulation_steps} "
+                "backward pass(es), or raise optimizer.accumulation_steps to the number of backward passes per step")
+        self._set_phase(StepPhase.BACKWARD)
+
+    def _set_phase(self, phase: StepPhase) -> None:
+        """The one place the step phase changes (checked against runtime.step_phase's table)."""
+        check_phase_transition(self._phase, phase)
+        self._phase = phase
+
+    @property
+    def phase(self) -> StepPhase:
+        """Where the step in progress is."""
+        return self._phase
 
     def wait_device_writebacks(self) -> None:
         """Wait for streamed state still on its way back to host memory."""

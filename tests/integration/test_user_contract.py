@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from runtime import offload
+from runtime.step_phase import StepPhase
 from runtime.example_model import ExampleLM, ModelShape
 from tests.integration.test_parity import make_batches
 
@@ -161,6 +162,28 @@ def test_zero_grad_before_step_drops_the_step_like_plain_pytorch(tmp_path):
                 opt.zero_grad()  # the user drops this batch
 
         train_side_by_side((plain, plain_opt), (model, optimizer), steps=4, after_backward=drop_the_second_batch)
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_second_backward_before_step_is_refused_and_the_step_still_commits_exactly(tmp_path, clip):
+    """Plain PyTorch would add a second backward's gradients to the first; here each block's gradient left the
+    device (and its update may have started) when the first backward reached it. The second backward raises,
+    naming the call to make, instead of silently dropping its gradients; the first one's step commits."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path, grad_clip=clip))
+    batches = make_batches(2)
+    with optimizer.session:
+        for step, batch in enumerate(batches):
+            plain_step(plain, plain_opt, batch, clip)
+            loss = model(*batch)
+            loss.backward(retain_graph=True)
+            if step == 0:
+                with pytest.raises(RuntimeError, match="a backward ran after the last micro-batch's backward"):
+                    loss.backward()
+                assert optimizer.session.controller.phase is StepPhase.READY  # the first backward's step waits
+            optimizer.step()
+            optimizer.zero_grad()
         assert_same(model.state_dict(), plain.state_dict())
 
 
