@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.profiler.ceilings import ceilings_from_store_bench, measure_ceilings
-from runtime.profiler.collect import Profiler, RawProfile, StepMark
+from runtime.profiler.collect import Profiler
+from runtime.profiler.records import RawProfile, StepMark
 from runtime.profiler.outputs import SavedProfile, chrome_trace, save_profile, write_plot
 from runtime.profiler.report import format_report
 

@@ -1,7 +1,7 @@
 """From a raw profile to figures: per-step traffic, bandwidth against the ceilings, stalls by cause and block,
 CPU Adam time and how much of it hid behind the GPU work, memory in use; then the advice.
 
-Pure functions over :class:`~runtime.profiler.collect.RawProfile`; nothing here touches torch or the session.
+Pure functions over :class:`~runtime.profiler.records.RawProfile`; nothing here touches torch or the session.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import statistics
 from typing import Any, Iterable
 
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE, StallEvent
-from runtime.profiler.collect import Counters, RawProfile, StepMark
+from runtime.profiler.advice import advise
+from runtime.profiler.records import Counters, RawProfile, StepMark
 from runtime.profiler.shares import ceiling_share, over_ceiling
 from tierstore import TransferEvent
 
@@ -177,8 +178,6 @@ def _adam_figures(adam: list[tuple[int, int, float, float]], gpu_work: list[Inte
 
 def summarize(raw: RawProfile) -> dict[str, Any]:
     """The machine-readable summary of a raw profile: what summary.json holds."""
-    from runtime.profiler.advice import advise
-
     t0 = raw.t0_s
     source_keys = _source_keys(raw.meta)
     waits = device_waits(raw.stalls, raw.transfers, source_keys)

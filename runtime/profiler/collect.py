@@ -13,76 +13,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from runtime.api import placement_asker, placement_figures
 from runtime.peak_hint import cuda_peak, reserve_probe
 from runtime.controller import StallEvent, StepEvent
+from runtime.profiler.analysis import summarize
+from runtime.profiler.outputs import SavedProfile, save_profile
+from runtime.profiler.records import Counters, RawProfile, StepMark
 from tierstore import TierName, TransferEvent
 
 if TYPE_CHECKING:
     from runtime.api import OffloadSession
-    from runtime.profiler.outputs import SavedProfile
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_EVENTS = 500_000  # transfers (and stalls) kept for the trace; counters keep counting past it
-
-
-@dataclass
-class Counters:
-    """Cumulative bytes, transfer count and summed duration per transfer kind."""
-
-    nbytes: dict[str, int] = field(default_factory=dict)
-    count: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def add(self, kind: str, nbytes: int, seconds: float) -> None:
-        """Count one transfer."""
-        self.nbytes[kind] = self.nbytes.get(kind, 0) + nbytes
-        self.count[kind] = self.count.get(kind, 0) + 1
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
-
-    def copy(self) -> "Counters":
-        """An independent snapshot."""
-        return Counters(dict(self.nbytes), dict(self.count), dict(self.seconds))
-
-
-@dataclass(frozen=True)
-class StepMark:
-    """What the profiler knew when step ``step`` was committed (cumulative figures; see the module doc)."""
-
-    step: int
-    begin_s: float  # the first training forward of the step (or the previous commit when none was seen)
-    backward_end_s: float  # the end of the step's last backward (the end of its GPU work window)
-    commit_s: float
-    num_transfers: int  # transfers recorded so far
-    num_stalls: int  # stalls recorded so far
-    counters: Counters
-    hits: int
-    misses: int
-    wait_inputs_s: float  # the worker's cumulative wait for its inputs (gradient copies, NVMe reads)
-    usage: dict[str, int]  # bytes in use per tier ("gpu", "host", "nvme")
-
-
-@dataclass
-class RawProfile:
-    """A snapshot of everything recorded; the input of ``analysis.summarize`` and of the trace writer."""
-
-    t0_s: float  # time.perf_counter() at start: every time in the outputs is relative to it
-    end_s: float
-    transfers: list[TransferEvent]
-    stalls: list[StallEvent]
-    adam: list[tuple[int, int, float, float]]  # (block, step, start_s, end_s) of each update
-    marks: list[StepMark]
-    counters: Counters
-    hits: int
-    misses: int
-    wait_inputs_s: float
-    dropped_events: int
-    meta: dict[str, Any]  # device, config, blocks, ceilings, memory: see Profiler._meta
-    ceilings_gbps: dict[str, float]
 
 
 class Profiler:
@@ -239,15 +185,11 @@ class Profiler:
 
     def summary(self) -> dict[str, Any]:
         """The machine-readable summary (what summary.json holds), advice included."""
-        from runtime.profiler.analysis import summarize
-
         return summarize(self.raw())
 
-    def save(self, directory: str | Any, trace: bool = True, plot: bool = True) -> "SavedProfile":
+    def save(self, directory: str | Any, trace: bool = True, plot: bool = True) -> SavedProfile:
         """Write summary.json, report.txt, trace.json (``trace``) and plot.png (``plot``, when matplotlib is
         importable; otherwise the skip is logged and listed) under directory."""
-        from runtime.profiler.outputs import save_profile
-
         return save_profile(self.raw(), directory, trace=trace, plot=plot)
 
 
