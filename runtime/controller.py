@@ -478,14 +478,21 @@ class Controller:
         index = self.param_block.get(id(param))
         if index is None:
             return
+        if self._phase is not StepPhase.BACKWARD:  # a backward whose first hook is a parameter's, not a block's
+            try:
+                self._enter_backward()
+            except RuntimeError:  # refused before anything counted it: it must not reach the next step either
+                with torch._C.DisableTorchFunctionSubclass():  # not through the guard: that is the user dropping
+                    torch.Tensor.grad.__set__(param, None)    # the pending step's gradient (runtime.clipping)
+                raise
         self._grad_counts[index] += 1
         if self._grad_counts[index] == len(self.blocks[index].slots):
             self._block_grads_done(index)
 
     def on_backward_end(self) -> None:
         """The whole backward finished: handle blocks with missing gradients, then finish the micro-batch."""
-        if self._phase is not StepPhase.BACKWARD:  # it reached no block's module hooks, only parameters' gradients
-            self._enter_backward()
+        if self._phase is not StepPhase.BACKWARD:  # no hook of this backward entered it (a broken invariant)
+            raise RuntimeError(f"a backward ended in step phase {self._phase.value}; its hooks never began it")
         for index, count in enumerate(self._grad_counts):
             if 0 < count < len(self.blocks[index].slots) or (count == 0 and self.last_micro):
                 self._block_grads_done(index)

@@ -187,6 +187,46 @@ def test_a_second_backward_before_step_is_refused_and_the_step_still_commits_exa
         assert_same(model.state_dict(), plain.state_dict())
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_second_backward_reaching_only_a_parameter_is_refused_and_leaves_nothing_behind(tmp_path, clip):
+    """The second backward's first hook is a parameter's gradient hook, not a block's: refused before its gradient
+    is counted or kept, so later steps (whose blocks count their parameters' gradients) train exactly."""
+    plain, plain_opt = plain_model()
+    # Without a clip, updates wait for step() with user_grad_clip: with streaming ones a read before step() raises.
+    model, optimizer = offload(fresh_model(), config(tmp_path, grad_clip=clip) if clip else config(tmp_path, user_grad_clip=True))
+    with optimizer.session:
+        for step, batch in enumerate(make_batches(3)):
+            plain_step(plain, plain_opt, batch, clip)
+            model(*batch).backward()
+            if step == 0:
+                with pytest.raises(RuntimeError, match="a backward ran after the last micro-batch's backward"):
+                    model.layers[0].attn_norm.weight.pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_a_failed_last_micro_batch_whose_first_hook_was_a_parameters_is_an_abandoned_step(tmp_path):
+    """Accumulation 2, updates starting as gradients land: the last micro-batch's backward completes one block's
+    gradient (through a parameter's hook, before any block's), then raises. The dropped step had started that
+    block's update, so the next step refuses with the recovery to make."""
+    model, optimizer = offload(fresh_model(), config(tmp_path, accumulation_steps=2))
+    batches = make_batches(3)
+
+    def fail(param: torch.Tensor) -> None:  # runs after tierstore's own hook on the same parameter
+        raise ValueError("planted")
+
+    with optimizer.session:
+        model(*batches[0]).backward()
+        model.embed.weight.register_post_accumulate_grad_hook(fail)
+        with pytest.raises(ValueError, match="planted"):
+            model.embed.weight.pow(2).sum().backward()
+        assert optimizer.session.controller.update_under_way(0)
+        optimizer.zero_grad()  # drops the step
+        with pytest.raises(RuntimeError, match="a step was abandoned"):
+            model(*batches[1])
+
+
 def train_side_by_side(*pairs: tuple[nn.Module, torch.optim.Optimizer], steps: int,
                        after_backward: Callable[[nn.Module, torch.optim.Optimizer, int], None]) -> None:
     """The same batches through each (model, optimizer) pair; ``after_backward(model, optimizer, step)`` is the
