@@ -186,6 +186,11 @@ class GradClipper:
         if grad.slot not in self._norms:
             raise RuntimeError(self._streaming_message(grad))
         factor = factor if isinstance(factor, torch.Tensor) else torch.tensor(float(factor))
+        if factor.numel() != 1:  # the stored norm scales by one number; an elementwise factor would change it unknowably
+            raise RuntimeError(
+                f"{self._name(grad)}: its gradient already left the device for the pending step and can be multiplied "
+                f"only by one number (what clip_grad_norm_ does), not by a tensor of {factor.numel()} elements; a "
+                "factor on the loss reaches every gradient before it leaves")
         previous = self._scales.get(grad.slot)
         self._scales[grad.slot] = factor.detach() if previous is None else previous * factor.to(previous.device)
 

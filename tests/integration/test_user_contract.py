@@ -142,6 +142,25 @@ def test_user_clipping_is_exact_and_returns_the_true_norm(tmp_path, how):
         assert_same(model.state_dict(), plain.state_dict())
 
 
+def test_an_elementwise_factor_on_an_offloaded_gradient_is_refused_and_a_scalar_one_is_exact(tmp_path):
+    """``p.grad.mul_`` after backward: one number is applied exactly (as clip_grad_norm_'s coefficient is); a
+    tensor of several elements would change the stored norm in a way nobody could know, so it raises."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    batch = make_batches(1)[0]
+    with optimizer.session:
+        model(*batch).backward()
+        with pytest.raises(RuntimeError, match="only by one number"):
+            model.layers[0].attn_norm.weight.grad.mul_(torch.full_like(model.layers[0].attn_norm.weight, 0.5))
+        model.layers[1].qkv.weight.grad.mul_(0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    plain(*batch).backward()
+    plain.layers[1].qkv.weight.grad.mul_(0.5)
+    plain_opt.step()
+    assert_same(model.state_dict(), plain.state_dict())
+
+
 def test_user_clipping_with_streaming_updates_is_refused_not_ignored(tmp_path):
     model, optimizer = offload(fresh_model(), config(tmp_path))
     with optimizer.session:
