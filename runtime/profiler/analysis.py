@@ -227,6 +227,7 @@ def summarize(raw: RawProfile) -> dict[str, Any]:
             "adam_s": total_adam,
             "adam_hidden_s": sum(h for _, h in adam.values()),
             "adam_wait_inputs_s": raw.wait_inputs_s,
+            "adam_split_s": dict(raw.adam_split_s),
         },
         "top_blocks": top_blocks(raw.stalls, waits, raw.meta),
         "steps": steps,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from runtime.api import placement_asker, placement_figures
 from runtime.peak_hint import cuda_peak, reserve_probe
 from runtime.controller import StallEvent, StepEvent
+from runtime.overlap import WorkerStats
 from runtime.profiler.analysis import summarize
 from runtime.profiler.outputs import SavedProfile, save_profile
 from runtime.profiler.records import Counters, RawProfile, StepMark
@@ -87,6 +88,7 @@ class Profiler:
         schedule = controller.schedule.stats
         self._hits0, self._misses0 = schedule.hits, schedule.misses
         self._wait_inputs0 = controller.worker.stats.wait_inputs_s
+        self._adam_split0 = adam_split(controller.worker.stats)
         self._restore_intervals = not controller.worker.record_intervals
         controller.worker.record_intervals = True  # the worker reads the flag per job: no restart needed
         self._interval_start = len(controller.worker.stats.intervals)
@@ -169,7 +171,8 @@ class Profiler:
                 transfers=list(self._transfers), stalls=list(self._stalls), adam=list(intervals), marks=list(self._marks),
                 counters=self._counters.copy(), hits=stats.hits - self._hits0, misses=stats.misses - self._misses0,
                 wait_inputs_s=controller.worker.stats.wait_inputs_s - self._wait_inputs0, dropped_events=self._dropped,
-                meta=self._meta_with_peak(), ceilings_gbps=dict(self.ceilings_gbps))
+                meta=self._meta_with_peak(), ceilings_gbps=dict(self.ceilings_gbps),
+                adam_split_s={k: v - self._adam_split0.get(k, 0.0) for k, v in adam_split(controller.worker.stats).items()})
 
     def _meta_with_peak(self) -> dict[str, Any]:
         """The session's metadata with the steps' GPU peak and, under auto placement, the reserve it supports."""
@@ -191,6 +194,12 @@ class Profiler:
         """Write summary.json, report.txt, trace.json (``trace``) and plot.png (``plot``, when matplotlib is
         importable; otherwise the skip is logged and listed) under directory."""
         return save_profile(self.raw(), directory, trace=trace, plot=plot)
+
+
+def adam_split(stats: WorkerStats) -> dict[str, float]:
+    """The worker's cumulative seconds in the AdamW kernel, in multiplying gradients by clip factors and in
+    refreshing compute weights (parts of its update time; pre-commit updates' kernels are not split out)."""
+    return {"kernel_s": stats.kernel_s, "scale_s": stats.scale_s, "refresh_s": stats.refresh_s}
 
 
 def _gpu_peak_now(session: "OffloadSession") -> int | None:

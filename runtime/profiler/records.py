@@ -64,3 +64,4 @@ class RawProfile:
     dropped_events: int
     meta: dict[str, Any]  # device, config, blocks, ceilings, memory: see Profiler._meta
     ceilings_gbps: dict[str, float]
+    adam_split_s: dict[str, float] = field(default_factory=dict)  # collect.adam_split over the profile

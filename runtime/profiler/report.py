@@ -46,6 +46,11 @@ def _header(summary: dict[str, Any]) -> str:
     adam, hidden = totals["adam_s"], totals["adam_hidden_s"]
     lines.append(f"prefetch: {hits} hits, {misses} misses; CPU Adam {adam:.3f} s, {hidden:.3f} s of it "
                  f"({hidden / adam if adam else 0:.0%}) overlapped GPU work; Adam waited {totals['adam_wait_inputs_s']:.3f} s for inputs")
+    split = totals.get("adam_split_s") or {}  # absent from summaries saved before it was recorded
+    if any(split.values()):
+        lines.append(f"CPU Adam's parts: AdamW kernel {split.get('kernel_s', 0.0):.3f} s, clip factors "
+                     f"{split.get('scale_s', 0.0):.3f} s, weight refreshes {split.get('refresh_s', 0.0):.3f} s "
+                     "(the rest: updates run before their commit, bookkeeping)")
     for role, why in (summary.get("skipped") or {}).items():
         lines.append(f"not written: {role}: {why}")
     if summary.get("dropped_events"):

@@ -16,7 +16,7 @@ from runtime.cli import main as cli_main
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
 from runtime.data import ByteBatches, stdlib_text_bytes
 from runtime.example_model import ExampleLM, ModelShape
-from runtime.profiler import Profiler
+from runtime.profiler import Profiler, format_report
 from runtime.profiler.outputs import PNG_SIGNATURE, TRACKS
 from tierstore import TierName, TransferEvent
 
@@ -211,3 +211,31 @@ def test_a_full_gpu_budget_is_reported_as_its_own_cause():
     stalls = summary["totals"]["stall_s"]
     assert stalls[STALL_CAPACITY] > 0
     assert stalls[STALL_CAPACITY] + stalls[STALL_FETCH_HOST] + stalls[STALL_FETCH_NVME] == pytest.approx(wait_fetch_s, abs=1e-9)
+
+
+def test_the_report_splits_cpu_adam_into_kernel_and_clip_factors():
+    """Every step clips (max norm 1e-3): the host updates wait for the commit and multiply their gradients by the
+    coefficient; the profile counts that apart from the kernel, within the Adam time it reports."""
+    torch.manual_seed(0)
+    model, optimizer = offload(ExampleLM(SHAPE), {"dtype": "fp32", "optimizer": {"grad_clip": 1e-3}})
+    session = optimizer.session
+    profiler = Profiler(session).start()
+    data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=2, seq_len=32, seed=0)
+    try:
+        for _ in range(4):
+            x, y = data.next()
+            model(x.to(session.store.device), y.to(session.store.device)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+        worker = session.controller.worker.stats
+        expected = {"kernel_s": worker.kernel_s, "scale_s": worker.scale_s, "refresh_s": worker.refresh_s}
+    finally:
+        session.close()
+    profiler.stop()
+    summary = profiler.summary()
+    split = summary["totals"]["adam_split_s"]
+    assert split == pytest.approx(expected)  # the profile started with the session: nothing before it to subtract
+    assert split["kernel_s"] > 0 and split["scale_s"] > 0
+    assert split["kernel_s"] + split["scale_s"] + split["refresh_s"] <= summary["totals"]["adam_s"] + 1e-9
+    assert "CPU Adam's parts: AdamW kernel" in format_report(summary)
