@@ -191,6 +191,7 @@ class GradClipper:
                 f"{self._name(grad)}: its gradient already left the device for the pending step and can be multiplied "
                 f"only by one number (what clip_grad_norm_ does), not by a tensor of {factor.numel()} elements; a "
                 "factor on the loss reaches every gradient before it leaves")
+        factor = factor.reshape(())  # one number, whatever its shape: the stored factors are stacked with others
         previous = self._scales.get(grad.slot)
         self._scales[grad.slot] = factor.detach() if previous is None else previous * factor.to(previous.device)
 

@@ -64,6 +64,9 @@ class Profiler:
         self._interval_start = 0  # worker intervals before start() belong to nobody's profile
         self._hits0 = self._misses0 = 0
         self._wait_inputs0 = 0.0
+        # The worker's split of its update time (adam_split) at start() and, once stopped, at stop().
+        self._adam_split0: dict[str, float] = {}
+        self._adam_split_end: dict[str, float] | None = None
         self._restore_intervals = False
         self._unsubscribe: Any = None
         self._meta: dict[str, Any] = {}
@@ -88,7 +91,7 @@ class Profiler:
         schedule = controller.schedule.stats
         self._hits0, self._misses0 = schedule.hits, schedule.misses
         self._wait_inputs0 = controller.worker.stats.wait_inputs_s
-        self._adam_split0 = adam_split(controller.worker.stats)
+        self._adam_split0, self._adam_split_end = adam_split(controller.worker.stats), None
         self._restore_intervals = not controller.worker.record_intervals
         controller.worker.record_intervals = True  # the worker reads the flag per job: no restart needed
         self._interval_start = len(controller.worker.stats.intervals)
@@ -113,6 +116,7 @@ class Profiler:
                 listeners.remove(listener)
         if self._restore_intervals:
             controller.worker.record_intervals = False
+        self._adam_split_end = adam_split(controller.worker.stats)  # as the intervals, which stop being recorded
         self._end_s = time.perf_counter()
 
     def __enter__(self) -> "Profiler":
@@ -165,6 +169,8 @@ class Profiler:
         controller = self.session.controller
         stats = controller.schedule.stats
         intervals = controller.worker.stats.intervals[self._interval_start :]  # slicing is atomic
+        split = self._adam_split_end if self._adam_split_end is not None else adam_split(controller.worker.stats)
+        split = split if self._adam_split0 else {}  # never started: nothing of the worker's belongs to this profile
         with self._lock:
             return RawProfile(
                 t0_s=self._t0_s, end_s=self._end_s if self._end_s is not None else time.perf_counter(),
@@ -172,7 +178,7 @@ class Profiler:
                 counters=self._counters.copy(), hits=stats.hits - self._hits0, misses=stats.misses - self._misses0,
                 wait_inputs_s=controller.worker.stats.wait_inputs_s - self._wait_inputs0, dropped_events=self._dropped,
                 meta=self._meta_with_peak(), ceilings_gbps=dict(self.ceilings_gbps),
-                adam_split_s={k: v - self._adam_split0.get(k, 0.0) for k, v in adam_split(controller.worker.stats).items()})
+                adam_split_s={k: v - self._adam_split0.get(k, 0.0) for k, v in split.items()})
 
     def _meta_with_peak(self) -> dict[str, Any]:
         """The session's metadata with the steps' GPU peak and, under auto placement, the reserve it supports."""

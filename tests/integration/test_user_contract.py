@@ -153,10 +153,14 @@ def test_an_elementwise_factor_on_an_offloaded_gradient_is_refused_and_a_scalar_
         with pytest.raises(RuntimeError, match="only by one number"):
             model.layers[0].attn_norm.weight.grad.mul_(torch.full_like(model.layers[0].attn_norm.weight, 0.5))
         model.layers[1].qkv.weight.grad.mul_(0.5)
+        model.layers[2].down.weight.grad.mul_(torch.tensor([0.25]))  # one element, not 0-dim: still one number
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # stacks every parameter's stored factor
         optimizer.step()
         optimizer.zero_grad()
     plain(*batch).backward()
     plain.layers[1].qkv.weight.grad.mul_(0.5)
+    plain.layers[2].down.weight.grad.mul_(torch.tensor([0.25]))
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
     plain_opt.step()
     assert_same(model.state_dict(), plain.state_dict())
 
