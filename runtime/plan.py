@@ -46,6 +46,11 @@ class PlanError(ValueError):
     """The plan does not fit this machine; the message has the numbers and what to change."""
 
 
+# A weight source (MemoryPlan.weight_source, the profile's config) as a person reads it: the plan's header and the
+# profile report say the same.
+WEIGHT_SOURCE_TEXT = {"master": "the fp32 master", "weights": "a compute-dtype copy in pinned memory", "resident": "resident"}
+
+
 @dataclass
 class MemoryPlan:
     """Bytes of every kind of state on every tier, and the totals each tier must provide."""
@@ -82,7 +87,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         """A table for a person: one row per kind and tier, then totals."""
-        source = {"weights": "a compute-dtype copy in pinned memory"}.get(self.weight_source, self.weight_source)
+        source = WEIGHT_SOURCE_TEXT.get(self.weight_source, self.weight_source)
         lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {source}",
                  *(f"  {note}" for note in self.notes), f"  {'state':<32}{'tier':<6}{'bytes':>14}"]
         for kind, tier, nbytes in self.rows:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
+from runtime.plan import WEIGHT_SOURCE_TEXT
 from runtime.profiler.advice import size_text
 from runtime.profiler.analysis import PATH_NAMES, PATHS
 from runtime.profiler.shares import OVER_CEILING_NOTE, over_ceiling, share_text
@@ -15,9 +16,6 @@ CAUSE_NAMES = {STALL_FETCH_HOST: "fetch host", STALL_FETCH_NVME: "fetch NVMe", S
                STALL_CAPACITY: "GPU full", STALL_GRAD_SUM: "sum buffer"}
 MAX_STEP_ROWS = 40  # longer runs show the first and last steps
 MIB = 2**20
-
-# The store key a source names, as a person reads it (the plan's header says the same).
-WEIGHT_SOURCE_TEXT = {"master": "the fp32 master", "weights": "a compute-dtype copy", "resident": "resident"}
 
 
 def _num(value: float | None, fmt: str = ".2f", none: str = "-") -> str:
