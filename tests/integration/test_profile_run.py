@@ -37,6 +37,16 @@ class EventTotals:
         self.count[event.kind] += 1
 
 
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: ByteBatches, steps: int) -> None:
+    """``steps`` steps of the user's plain loop on the next batches of ``data``."""
+    device = optimizer.session.store.device  # type: ignore[attr-defined]
+    for _ in range(steps):
+        x, y = data.next()
+        model(x.to(device), y.to(device)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory: pytest.TempPathFactory):
     """Train 4 steps with master on host and moments on an NVMe tier in tmp, profiled; save the profile."""
@@ -53,11 +63,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory):
     session.store.bus.subscribe(totals)
     data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=2, seq_len=32, seed=0)
     try:
-        for _ in range(STEPS):
-            x, y = data.next()
-            model(x.to(session.store.device), y.to(session.store.device)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _train(model, optimizer, data, STEPS)
         optimizer.synchronize()
         stats = session.controller.stats
         schedule = session.controller.schedule.stats
@@ -198,11 +204,7 @@ def test_a_full_gpu_budget_is_reported_as_its_own_cause():
         # On the CPU the refusal that shows up is the worker's fetch of block 0 the moment its update lands while
         # the forward waits for it (the budget is full then); whether the forward is already waiting is a race
         # between the two threads (about one step in six misses it, measured), so six steps, not three.
-        for _ in range(6):
-            x, y = data.next()
-            model(x.to(session.store.device), y.to(session.store.device)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _train(model, optimizer, data, 6)
         wait_fetch_s = session.controller.stats.wait_fetch_s
     finally:
         session.close()
@@ -224,11 +226,7 @@ def test_the_report_splits_cpu_adam_into_kernel_and_clip_factors():
     data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=2, seq_len=32, seed=0)
 
     def train(steps: int) -> None:
-        for _ in range(steps):
-            x, y = data.next()
-            model(x.to(session.store.device), y.to(session.store.device)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _train(model, optimizer, data, steps)
         optimizer.synchronize()
 
     try:
