@@ -19,6 +19,16 @@ def make_batches(num: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tens
     return [data.next() for _ in range(num)]
 
 
+def force_weights_copy(monkeypatch) -> None:
+    """Make resolve_plan consider (and so take, when it fits) the compute-dtype weights copy on the CPU, as it does
+    on a GPU under accumulation."""
+    import runtime.api as api
+    from runtime.weights import WeightSource
+
+    monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
+                        and cfg.optimizer.accumulation_steps > 1)
+
+
 def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkpointing: bool = False,
              dtype: torch.dtype = torch.float32, loss_scale: float | None = None, inspect=None):
     """Train the same model with offload and with the reference; return both loss lists, both weights,
@@ -125,11 +135,9 @@ def test_bf16_weights_from_a_host_copy_under_accumulation_bit_identical(monkeypa
     """The plan's compute-dtype copy of the weights (master in pinned memory, accumulation; on a GPU the plan
     takes it when it fits): the optimizer worker refreshes it after every update, and training matches the
     mixed-precision reference bit for bit, also when every step clips. The plan is made to take it on the CPU."""
-    import runtime.api as api
     from runtime.weights import WeightSource
 
-    monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
-                        and cfg.optimizer.accumulation_steps > 1)
+    force_weights_copy(monkeypatch)
     seen = {}
 
     def inspect(session):

@@ -11,22 +11,14 @@ import torch
 from runtime import offload
 from runtime.example_model import ExampleLM
 from runtime.weights import WeightSource
-from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both
+from tests.integration.test_parity import SHAPE, assert_identical, force_weights_copy, make_batches, run_both
 
 ACC = 2
 
 
-def _force(monkeypatch) -> None:
-    """Make resolve_plan consider (and so take) the copy on the CPU."""
-    import runtime.api as api
-
-    monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
-                        and cfg.optimizer.accumulation_steps > 1)
-
-
 @pytest.fixture
 def force_copy(monkeypatch):
-    _force(monkeypatch)
+    force_weights_copy(monkeypatch)
 
 
 def _config(**optimizer) -> dict:
@@ -103,7 +95,7 @@ def test_part_of_the_update_on_the_device_with_the_copy(force_copy):
 
 def _writes_between_steps(monkeypatch, force: bool):
     if force:
-        _force(monkeypatch)
+        force_weights_copy(monkeypatch)
     batches = make_batches(3 * ACC)
     model, optimizer, session = _session()
     with session:
@@ -211,7 +203,7 @@ def _run_with_failures(monkeypatch, force: bool, where: str, clip: float | None)
     from tests.integration.test_failures import plant, run
 
     if force:
-        _force(monkeypatch)
+        force_weights_copy(monkeypatch)
     batches = make_batches(4 * ACC)
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
