@@ -12,6 +12,7 @@ from runtime import offload
 from runtime.example_model import ExampleLM
 from runtime.weights import WeightSource
 from tests.integration.test_parity import SHAPE, assert_identical, force_weights_copy, make_batches, run_both
+from tests.integration.test_user_contract import assert_same
 
 ACC = 2
 
@@ -51,12 +52,6 @@ def _fetched_weights(model) -> dict[str, torch.Tensor]:
 
 def _masters_as_bf16(session) -> dict[str, torch.Tensor]:
     return {n: t.to(torch.bfloat16) for n, t in session.master_state_dict().items()}
-
-
-def _assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
-    assert ours.keys() == theirs.keys()
-    for name in theirs:
-        assert torch.equal(ours[name].cpu(), theirs[name].cpu()), name
 
 
 def test_the_copy_is_taken_with_the_master_in_host_memory(force_copy):
@@ -106,11 +101,11 @@ def _writes_between_steps(monkeypatch, force: bool):
             model.layers[1].down.weight.data.copy_(torch.full_like(model.layers[1].down.weight, 0.25))  # via .data
             model.layers[2].gate_up.weight[0].fill_(2.0)  # into a view
         fetched = _fetched_weights(model)
-        _assert_same(fetched, _masters_as_bf16(session))  # what a read fetches: the written weights
+        assert_same(fetched, _masters_as_bf16(session))  # what a read fetches: the written weights
         losses += _train(model, optimizer, batches[ACC : 2 * ACC])
         pretrained = {n: t.clone() for n, t in ExampleLM(SHAPE).state_dict().items()}  # a fresh model's weights
         model.load_state_dict(pretrained)
-        _assert_same(_fetched_weights(model), _masters_as_bf16(session))
+        assert_same(_fetched_weights(model), _masters_as_bf16(session))
         losses += _train(model, optimizer, batches[2 * ACC :])
         masters = session.master_state_dict()
     return losses, masters, fetched
@@ -122,8 +117,8 @@ def test_user_writes_between_steps_reach_the_copy(monkeypatch):
     plain = _writes_between_steps(monkeypatch, force=False)
     copied = _writes_between_steps(monkeypatch, force=True)
     assert copied[0] == plain[0]
-    _assert_same(copied[1], plain[1])
-    _assert_same(copied[2], plain[2])
+    assert_same(copied[1], plain[1])
+    assert_same(copied[2], plain[2])
 
 
 @pytest.mark.parametrize("clip", [None, 1e6])
@@ -145,9 +140,9 @@ def test_checkpoint_round_trip_with_the_copy(force_copy, tmp_path, clip):
         _train(model, optimizer, batches[-ACC:])  # the copy and the fetched blocks hold other values
         _fetched_weights(model)  # leave blocks fetched for a read
         assert load_checkpoint(session, tmp_path / "ckpt") == 2
-        _assert_same(_fetched_weights(model), _masters_as_bf16(session))
+        assert_same(_fetched_weights(model), _masters_as_bf16(session))
         assert _train(model, optimizer, batches[2 * ACC :]) == expected
-        _assert_same(session.master_state_dict(), expected_masters)
+        assert_same(session.master_state_dict(), expected_masters)
 
 
 def test_moments_on_nvme_with_the_copy(force_copy, tmpfs_dir):
@@ -217,7 +212,7 @@ def _run_with_failures(monkeypatch, force: bool, where: str, clip: float | None)
         fetched = _fetched_weights(model)
         masters = session.master_state_dict()
         if force:  # the copy holds the committed master, not a dropped step's update
-            _assert_same(fetched, _masters_as_bf16(session))
+            assert_same(fetched, _masters_as_bf16(session))
         losses = _train(model, optimizer, batches[:ACC])  # and training goes on from there
     return fetched, masters, losses
 
@@ -230,6 +225,6 @@ def test_a_caught_failure_mid_step_leaves_the_copy_at_the_last_commit(monkeypatc
     copy ends exactly where the run fetching the master does."""
     plain = _run_with_failures(monkeypatch, False, where, clip)
     copied = _run_with_failures(monkeypatch, True, where, clip)
-    _assert_same(copied[0], plain[0])
-    _assert_same(copied[1], plain[1])
+    assert_same(copied[0], plain[0])
+    assert_same(copied[1], plain[1])
     assert copied[2] == plain[2]
