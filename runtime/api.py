@@ -24,7 +24,8 @@ from runtime.materialize import ParamInit, initialize, materialize_meta_paramete
 from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
-from runtime.peak_hint import PeakHint, cuda_peak
+from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement
+from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
 from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
@@ -277,8 +278,16 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     optimizer.session = session  # type: ignore[attr-defined]
     session.optimizer = optimizer
     session.placement = resolved.placement
-    if resolved.placement.activation_reserve_nbytes and device.type == "cuda":
-        install_oom_hint(session, functools.partial(_oom_hint, resolved.placement))
+    if resolved.measured_first_step:
+        controller.step_listeners.append(FirstStepPlacement(
+            plan_gpu_nbytes=plan.gpu_nbytes, budget_nbytes=store.tiers[TierName.GPU].capacity_nbytes,
+            ask=placement_asker(session, may_stream=resolved.source is not WeightSource.WEIGHTS),
+            adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=cuda_reserved_peak(device),
+            reset_peak=functools.partial(_reset_peak, device),
+            report=functools.partial(_note_in_plan, weakref.ref(session))))
+        install_oom_hint(session, _oom_hint)
+    elif resolved.placement.activation_reserve_nbytes and device.type == "cuda":
+        install_oom_hint(session, _oom_hint)
         if cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto":
             # after the first steps: would a lower reserve put more on the GPU?
             controller.step_listeners.append(PeakHint(placement_figures(session), blocks, placement_asker(session),
@@ -290,7 +299,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     return model, optimizer
 
 
-def placement_asker(session: OffloadSession) -> Callable[[int], Placement | None]:
+def placement_asker(session: OffloadSession, *, may_stream: bool = False) -> Callable[[int], Placement | None]:
     """``placement_at_reserve`` for this session, through a weak reference (the controller must not keep its
     session alive through a listener); None once the session is gone or closed (a profile saved after
     ``close()`` asks nothing of a closed store)."""
@@ -298,14 +307,45 @@ def placement_asker(session: OffloadSession) -> Callable[[int], Placement | None
 
     def ask(reserve_nbytes: int) -> Placement | None:
         live = alive()
-        return None if live is None or live.closed else placement_at_reserve(live, reserve_nbytes)
+        return None if live is None or live.closed else placement_at_reserve(live, reserve_nbytes, may_stream=may_stream)
 
     return ask
 
 
-def _oom_hint(placement: Placement, session: OffloadSession, requested: int, allocated: int) -> str | None:
-    """``runtime.oom_hint``'s line for this session's auto placement (None once the session is closed)."""
-    if session.closed or session.store.closed:
+def _adopt_placement(session_ref: Callable[[], OffloadSession | None], placement: Placement) -> None:
+    """Make ``placement`` (auto placement asked again after the first step) the session's: the controller moves the
+    state, and the session's placement and plan say what now runs."""
+    session = session_ref()
+    if session is None or session.closed:
+        return
+    session.controller.adopt_placement(placement.gpu_update_fraction, placement.gpu_stream_fraction,
+                                       placement.keep_for_backward_nbytes)
+    cfg, controller = session.config, session.controller
+    plan = plan_for(session.blocks, cfg, controller.options.homes, controller.options.weight_source,
+                    DTYPES[cfg.dtype], spares=session.plan.pre_commit_buffers, placement=placement)
+    plan.notes = (FIRST_STEP_NOTE, *placement.notes)
+    session.plan, session.placement = plan, placement
+
+
+def _reset_peak(device: torch.device) -> None:
+    """Empty the allocator's cache and reset the peak statistics: the reserved peak then counts what the steps
+    hold, not blocks cached before them (a model built on the GPU, setup's staging)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def _note_in_plan(session_ref: Callable[[], OffloadSession | None], line: str) -> None:
+    """Add a line to the session's plan notes (what a benchmark or a profile prints of the plan)."""
+    session = session_ref()
+    if session is not None:
+        session.plan.notes = (*(session.plan.notes or ()), line)
+
+
+def _oom_hint(session: OffloadSession, requested: int, allocated: int) -> str | None:
+    """``runtime.oom_hint``'s line for this session's auto placement (None once the session is closed, or when
+    nothing was placed by auto with a reserve)."""
+    placement = session.placement
+    if session.closed or session.store.closed or placement is None or not placement.activation_reserve_nbytes:
         return None
     controller = session.controller
     state = STATE_ITEMSIZE * sum(session.blocks[i].numel for i in controller.gpu_updated)
@@ -359,6 +399,8 @@ class ResolvedPlan:
     spilled_blocks: frozenset[int]  # blocks whose moments live on NVMe although homes says host
     plan: MemoryPlan
     placement: Placement  # gpu_update_fraction, gpu_stream_fraction, keep_for_backward with `auto` resolved
+    # The placement is the first step's: auto placement is asked again at its commit (runtime.measured_placement).
+    measured_first_step: bool = False
 
 
 def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, homes: dict[str, TierName],
@@ -390,24 +432,26 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
                              gpu_plan_nbytes=gpu_plan_nbytes, compute_itemsize=itemsize,
                              fetch_itemsize=4 if source is WeightSource.MASTER else itemsize,
                              weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason,
+                             updates_wait_for_commit=waits_for_commit(cfg),
                              activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"
                              else int(cfg.tiers.gpu.activation_reserve))
     chosen = choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
     return dataclasses.replace(chosen, host_sums=host_sums, rates=rates)
 
 
-def placement_at_reserve(session: OffloadSession, reserve_nbytes: int) -> Placement:
+def placement_at_reserve(session: OffloadSession, reserve_nbytes: int, *, may_stream: bool = False) -> Placement:
     """What auto placement would choose for this session's blocks and config with ``tiers.gpu.activation_reserve``
     at ``reserve_nbytes`` and the GPU budget the store has (the profiler's advice asks; the rates measured at
-    offload are cached). A session that streams nothing keeps streaming nothing: its plan may have given
-    streaming up for host memory, which this does not re-check."""
+    offload are cached). A session that streams nothing keeps streaming nothing (its plan may have given
+    streaming up for host memory, which this does not re-check), unless ``may_stream``: the first step's plan of
+    ``runtime.measured_placement`` kept every moment in pinned memory."""
     cfg, device = session.config, session.store.device
     gpu = dataclasses.replace(cfg.tiers.gpu, activation_reserve=int(reserve_nbytes),
                               budget=session.store.tiers[TierName.GPU].capacity_nbytes)
     cfg = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, gpu=gpu))
     homes, _ = resolve_homes(cfg, device)
     source = session.controller.options.weight_source  # a copy the plan chose stays chosen
-    no_stream = None if session.controller.gpu_streamed else "this session streams nothing"
+    no_stream = None if session.controller.gpu_streamed or may_stream else "this session streams nothing"
     rates = session.placement.rates if session.placement else None  # never timed again mid-training
     return resolve_placement(session.blocks, cfg, device, homes, source, rates=rates, no_stream_reason=no_stream)
 
@@ -436,7 +480,18 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     dtype = DTYPES[cfg.dtype]
     if cfg.optimizer.overlap != "exact":
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
-    limit = host_memory().usable_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
+    # Not where a compute-dtype copy of the weights may pay: chosen for the first step, it would rule out streaming.
+    if measures_first_step(cfg, device) and not copy_fetch_may_pay(cfg, device, source):
+        rates = rates or measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False)
+        first_cfg = first_step_config(cfg)
+        first = resolve_plan(blocks, first_cfg, device, rates=rates)
+        limit = host_limit_nbytes(cfg)
+        if not first.spilled_blocks and not first.placement.host_sums and _plan_fits(
+                blocks, first_cfg, homes, first.source, dtype, first.placement, limit, spares=first.plan.pre_commit_buffers):
+            first.plan.notes = (FIRST_STEP_NOTE, *first.plan.notes)
+            placement = dataclasses.replace(first.placement, rates=rates, notes=(FIRST_STEP_NOTE,))
+            return dataclasses.replace(first, placement=placement, measured_first_step=True)
+    limit = host_limit_nbytes(cfg)
     placement, spilled_blocks, host_updated = _place_and_spill(blocks, cfg, device, homes, source, rates, limit)
     copy_note = None
     if copy_fetch_may_pay(cfg, device, source) and placement.gpu_update_fraction < 1:  # some weights are fetched
@@ -556,6 +611,28 @@ def _spill(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName]
     order = spill_order([blocks[i].numel for i in host_updated], len(streamed))
     spilled_blocks = frozenset(host_updated[p] for p in order[:spilled])
     return spilled_blocks, len(host_updated), spilled < spillable or make(spilled).host_nbytes <= limit
+
+
+def host_limit_nbytes(cfg: TierstoreConfig) -> int:
+    """What the plan's host memory must fit: ``tiers.host.budget``, or under ``auto`` the RAM available now."""
+    return host_memory().usable_nbytes if cfg.tiers.host.budget == "auto" else int(cfg.tiers.host.budget)
+
+
+def measures_first_step(cfg: TierstoreConfig, device: torch.device) -> bool:
+    """True when auto placement waits for the first step's measured peak (``runtime.measured_placement``): the update
+    fraction and the activation reserve are both ``auto``, on a GPU."""
+    return (device.type == "cuda" and cfg.optimizer.gpu_update_fraction == "auto"
+            and cfg.tiers.gpu.activation_reserve == "auto")
+
+
+def first_step_config(cfg: TierstoreConfig) -> TierstoreConfig:
+    """``cfg`` as the first step of ``measures_first_step`` runs it: every update on the CPU, nothing streamed, and
+    no weights kept for backward unless the config sets an amount (the plan's smallest GPU footprint)."""
+    opt, prefetch = cfg.optimizer, cfg.prefetch
+    opt = dataclasses.replace(opt, gpu_update_fraction=0.0,
+                              gpu_stream_fraction=0.0 if opt.gpu_stream_fraction == "auto" else opt.gpu_stream_fraction)
+    keep = 0 if prefetch.keep_for_backward == "auto" else prefetch.keep_for_backward
+    return dataclasses.replace(cfg, optimizer=opt, prefetch=dataclasses.replace(prefetch, keep_for_backward=keep))
 
 
 def waits_for_commit(cfg: TierstoreConfig) -> bool:

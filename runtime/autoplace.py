@@ -14,8 +14,10 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
 
 - GPU memory. ``plan(k, j)``: the memory plan's GPU bytes (weight prefetch window, gradient assembly,
   streamed state in flight, resident weights and device-updated state). The activations are unknown until
-  the first forward, so a share of the budget is reserved for them: ``ACTIVATION_SHARE`` (three quarters)
-  of what the plan with nothing on the GPU leaves free. The errors are not symmetric: a reserve that is too
+  the first forward: by default the first step measures them (``runtime.measured_placement`` asks this
+  module again with the reserve its peak supports); where that is not done, a share of the budget is
+  reserved for them: ``ACTIVATION_SHARE`` (three quarters) of what the plan with nothing on the GPU leaves
+  free. The errors are not symmetric: a reserve that is too
   small fails the first step with an out-of-memory error, one that is too large costs only the speed the
   extra blocks would have brought. Half was too small: the 1.35B benchmark model at sequence 1024,
   micro-batch 8 needs about 20 GiB of activations, and under DeepSpeed ZeRO-2's reservation (31 GiB; H100,
@@ -23,13 +25,25 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   need more sets ``tiers.gpu.activation_reserve`` (``runtime.oom_hint`` names the figure when it runs out).
 - ``k`` (auto): the most blocks whose plan, with the worst case of streamed state in flight (the largest
   remaining block, ``plan.STREAMED_IN_FLIGHT`` times), stays within budget minus the reserve. More ``k``
-  shortens every term below, so the most that fits is the choice.
+  shortens every term below, so the most that fits is the choice. When updates wait for the commit, the
+  streamed state is counted within the budget but not beside the reserve: it comes in only in the room the
+  backward frees (``_at_peak_nbytes``). On an H100 under DeepSpeed ZeRO-2's reservation (2026-11-27, 1.35B
+  benchmark, weights resident, clipping) the best hand-set row peaked 1.7 GiB below its plan: the streamed
+  state's 3 blocks.
 - ``j`` (auto): the one that minimises ``max(T_cpu, T_h2d, T_d2h)`` (the fewest on a tie):
   ``T_cpu = H / adam_rate``; ``T_h2d = (12 S + weights) / h2d_rate``, where weights are fetched for the
   forward and again for the backward (``fetch_itemsize`` bytes a parameter: 4 from an fp32 master cast on
   the GPU) except the blocks kept for backward, or, with weights resident, refreshed once from the fp32
   master of the CPU-updated blocks (4 ``H``); ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written
   back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
+  When updates wait for the commit (clipping, fp16 loss scaling) they all run after the backward, beside the
+  next forward: the terms count what shares that window, the streamed state each way and the next forward's
+  weight fetches (or the resident weights' refresh), not the backward's fetches or the gradients it sent to
+  host meanwhile. On an H100 under DeepSpeed ZeRO-2's reservation with clipping (2026-11-27), counting them
+  chose a fifth of the streaming the best hand-set row had, at 0.61 s a step against its 0.45. This is the
+  case of steps that keep clipping; where the coefficient stays 1, host updates run early into second
+  buffers during the backward (``runtime.speculation``) and the model overstates T_cpu, erring towards
+  streaming more.
 - keep (auto): the bytes of the last blocks of the forward (not device-updated) that fit in what the
   budget has left after ``plan(k, j)`` and the reserve: whole blocks, as the controller keeps them; 0 with
   weights resident.
@@ -96,6 +110,9 @@ class PlacementInputs:
     fetch_itemsize: int  # bytes a parameter of one weight fetch (4: the fp32 master, cast on the GPU)
     weights_resident: bool = False  # placement.weights: gpu
     activation_reserve_nbytes: int | None = None  # tiers.gpu.activation_reserve; None: ACTIVATION_SHARE of what is free
+    # Updates wait for the commit (clipping, fp16 loss scaling): what overlaps the CPU's updates is the step's end
+    # (see step_times), not the backward.
+    updates_wait_for_commit: bool = False
     no_stream_reason: str | None = None  # why no block may be streamed; None: streaming is possible
 
 
@@ -146,13 +163,18 @@ def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed:
     total, on_device = prefix[-1], prefix[updated]
     streamed_numel = prefix[updated + streamed] - on_device
     host_numel = total - prefix[updated + streamed]
+    fetched = total - on_device
     if inputs.weights_resident:
         weights_nbytes = REFRESH_ITEMSIZE * host_numel
+    elif inputs.updates_wait_for_commit:  # the next forward's fetches; the backward's run during the backward
+        weights_nbytes = inputs.fetch_itemsize * fetched
     else:
-        weights_nbytes = inputs.fetch_itemsize * (2 * (total - on_device) - kept_numel)
+        weights_nbytes = inputs.fetch_itemsize * (2 * fetched - kept_numel)
+    # Waiting for the commit, the CPU-updated blocks' gradients went to host during the backward.
+    grads_nbytes = 0 if inputs.updates_wait_for_commit else GRAD_ITEMSIZE * host_numel
     return StepTimes(cpu_s=host_numel / rates.adam_params_per_s,
                      h2d_s=(STATE_ITEMSIZE * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,
-                     d2h_s=(STATE_ITEMSIZE * streamed_numel + GRAD_ITEMSIZE * host_numel) / rates.d2h_bytes_per_s)
+                     d2h_s=(STATE_ITEMSIZE * streamed_numel + grads_nbytes) / rates.d2h_bytes_per_s)
 
 
 def activation_reserve_nbytes(inputs: PlacementInputs) -> int:
@@ -207,7 +229,7 @@ def choose_placement(inputs: PlacementInputs, rates: Rates | None, *, update: fl
     if stream != "auto" or inputs.no_stream_reason is not None:
         options = [streamed_at_most(updated)]
     else:  # every boundary whose state in flight fits (0 always: it needs nothing)
-        options = [0, *(j for j in range(1, len(numels) - updated + 1) if inputs.gpu_plan_nbytes(updated, j) <= limit)]
+        options = [0, *(j for j in range(1, len(numels) - updated + 1) if _fits(inputs, updated, j, limit))]
     candidates = [_candidate(inputs, rates, updated, j, limit, keep) for j in options]
     best = min(candidates, key=lambda c: (c.times.bound_s, c.streamed))
     stream_fraction = stream
@@ -234,10 +256,24 @@ def _most_updated(inputs: PlacementInputs, limit: int, streamed_at_most: Callabl
     state that may be in flight with them; failing that (a budget too tight to stream the largest blocks at all),
     beside none: the stream fraction then takes only what fits."""
     counts = range(len(inputs.block_numels), -1, -1)
-    fits = next((k for k in counts if inputs.gpu_plan_nbytes(k, streamed_at_most(k)) <= limit), None)
+    fits = next((k for k in counts if _fits(inputs, k, streamed_at_most(k), limit)), None)
     if fits is None:
-        fits = next((k for k in counts if inputs.gpu_plan_nbytes(k, 0) <= limit), 0)
+        fits = next((k for k in counts if _fits(inputs, k, 0, limit)), 0)
     return fits
+
+
+def _at_peak_nbytes(inputs: PlacementInputs, updated: int, streamed: int) -> int:
+    """The plan's GPU bytes held beside the activations at their peak. When updates wait for the commit, streamed
+    state comes in only under the memory in use at the forward's end (``Controller._stream_in_order``: the room the
+    backward frees) and at the commit: it takes the activations' room, not room beside them."""
+    return inputs.gpu_plan_nbytes(updated, 0 if inputs.updates_wait_for_commit else streamed)
+
+
+def _fits(inputs: PlacementInputs, updated: int, streamed: int, limit: int) -> bool:
+    """The plan fits: what it holds at the activations' peak within ``limit`` (budget less reserve), all of it
+    within the budget."""
+    return (_at_peak_nbytes(inputs, updated, streamed) <= limit
+            and inputs.gpu_plan_nbytes(updated, streamed) <= inputs.gpu_budget_nbytes)
 
 
 def _candidate(inputs: PlacementInputs, rates: Rates, updated: int, streamed: int, limit: int,
@@ -248,7 +284,7 @@ def _candidate(inputs: PlacementInputs, rates: Rates, updated: int, streamed: in
     elif inputs.weights_resident:
         kept_numel = keep_nbytes = 0
     else:
-        room = limit - inputs.gpu_plan_nbytes(updated, streamed)
+        room = limit - _at_peak_nbytes(inputs, updated, streamed)
         kept_numel = _kept_blocks_numel(inputs, updated, max(0, room))
         keep_nbytes = kept_numel * inputs.compute_itemsize
     times = step_times(inputs, rates, updated=updated, streamed=streamed, kept_numel=kept_numel)

@@ -76,10 +76,15 @@ class GpuTierConfig:
         SizeSpec(auto=True), "auto",
         "Bytes of the GPU budget that `auto` placement (`optimizer.gpu_update_fraction`, "
         "`optimizer.gpu_stream_fraction`, `prefetch.keep_for_backward`) leaves for activations and whatever "
-        "else the training step allocates. `auto`: three quarters of what the plan with nothing updated on "
-        "the GPU leaves free of the budget. Set it when a run with `auto` placement runs out of GPU memory "
-        "(the error says how much the step tried to use), or to hand the optimizer more of a card whose "
-        "activations are small. Not used when none of the three is `auto`.", "24GiB")
+        "else the training step allocates. `auto`, on a GPU with `gpu_update_fraction: auto`: measured: the "
+        "first training step updates on the CPU, and at its commit its peak (the allocator's reserved bytes) "
+        "beyond the plan, plus 5% of the budget, is the reserve auto placement then uses; the chosen state "
+        "moves to the GPU before the second step (runtime.measured_placement). Where that is not done (moments "
+        "spilled to NVMe, gradients summed in host memory, an accumulated bf16 run that may fetch a weights "
+        "copy): three quarters of what the plan with nothing updated on the GPU leaves free of the budget. Set "
+        "it when a run with `auto` placement runs out of GPU memory (the error says how much the step tried to "
+        "use), or to hand the optimizer more of a card whose activations are small. Not used when none of the "
+        "three is `auto`.", "24GiB")
 
 
 @dataclass(frozen=True)
@@ -245,7 +250,8 @@ class OptimizerConfig:
         "Fraction of the parameters (the first blocks, whose updates the CPU cannot hide) whose master and "
         "moments live on the GPU and are updated there. `auto`: as many blocks as the GPU budget holds after "
         "the plan's other GPU memory and a reserve for activations (`tiers.gpu.activation_reserve`; by "
-        "default three quarters of the budget the plan leaves free); 0 on the CPU. The plan prints the choice and its numbers.", 0.25)
+        "default measured from the first training step, which updates on the CPU); 0 on the CPU. The plan "
+        "prints the choice and its numbers (after the first step: the log and the plan's notes).", 0.25)
     gpu_stream_fraction: float | Literal["auto"] = _leaf(
         FloatSpec(min=0.0, max=1.0, auto=True), "auto",
         "Fraction of the parameters (the blocks right after the `gpu_update_fraction` ones) whose master "

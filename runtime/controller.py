@@ -20,7 +20,7 @@ from torch import nn
 
 from runtime.accumulate import HostGradSums
 from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
-from runtime.autoplace import blocks_within
+from runtime.autoplace import STATE_ITEMSIZE, blocks_within
 from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
 from runtime.step_phase import StepPhase, check_phase_transition
@@ -180,8 +180,7 @@ class Controller:
         # forward uses them as they are (no wait for the write-back, no fetch).
         self._fresh: set[int] = set()
         # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
-        self._weights_window_nbytes = 0 if options.weight_source is WeightSource.RESIDENT else window_bound(
-            [self.weights.nbytes(b.index) for b in blocks if b.index not in self.gpu_updated], options.prefetch_depth + 2)
+        self._weights_window_nbytes = self._weights_window()
         self.scaler: _LossScaler | None = None
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
@@ -223,6 +222,82 @@ class Controller:
             if options.weight_source is WeightSource.WEIGHTS:
                 weights = master.to(options.compute_dtype)
                 self.store.register(block.key("weights"), TensorMeta(options.compute_dtype, block.numel), homes["weights"], init=weights)
+
+    def _weights_window(self) -> int:
+        """GPU-tier bytes the prefetch window of fetched (not resident) weights may take."""
+        if self.options.weight_source is WeightSource.RESIDENT:
+            return 0
+        return window_bound([self.weights.nbytes(b.index) for b in self.blocks if b.index not in self.gpu_updated],
+                            self.options.prefetch_depth + 2)
+
+    def adopt_placement(self, update_fraction: float, stream_fraction: float, keep_for_backward_nbytes: int) -> None:
+        """Between steps, give the device a larger share of the update (``runtime.measured_placement`` calls this
+        after the first step): the first blocks ``update_fraction`` selects move their master and moments to the
+        device and update there, the next ones ``stream_fraction`` selects stream their state for the update, and
+        a forward keeps up to ``keep_for_backward_nbytes`` of weights for its backward. Waits for every committed
+        update first. The device's share only grows: a block updated on the device stays there."""
+        updated = gpu_updated_blocks(self.blocks, update_fraction)
+        streamed = gpu_streamed_blocks(self.blocks, update_fraction, stream_fraction)
+        if self._phase is not StepPhase.IDLE:
+            raise RuntimeError(f"a placement changes only between steps (the step is {self._phase.value})")
+        if not self.gpu_updated <= updated or not self.gpu_streamed <= updated | streamed:
+            raise RuntimeError("a placement change may only give the device more blocks to update")
+        if self.sums is not None or (updated | streamed) & self.options.spilled_blocks:
+            raise RuntimeError("a placement change cannot move blocks summed in host memory or spilled to NVMe")
+        self.synchronize()
+        self.wait_device_writebacks()
+        for index, state in enumerate(self.weights.states):  # fetched weights: fetched again as the new placement says
+            if state.users == 0:
+                self._release(index)
+        self._fresh.clear()
+        if self.device.type == "cuda":  # weight refreshes and fetches may still read host masters that move below
+            torch.cuda.synchronize(self.device)
+        arriving = sorted(updated - self.gpu_updated)
+        need = sum(STATE_ITEMSIZE * self.blocks[i].numel + (0 if self.weights.states[i].resident else self.weights.nbytes(i))
+                   for i in arriving)
+        gpu = self.store.tiers[TierName.GPU]
+        if need > gpu.free_nbytes:  # checked first: a block moved half-way would be neither here nor there
+            raise CapacityError("gpu", need, gpu.used_nbytes, gpu.capacity_nbytes,
+                                f"the master and moments of {len(arriving)} more device-updated blocks")
+        self._move_state_to_device(arriving)
+        for index in sorted((updated | streamed) - self.gpu_updated - self.gpu_streamed):
+            block = self.blocks[index]
+            self.worker.spares.drop(index)  # no longer updated on the CPU
+            self.gpu_param_steps[index] = [count.to(self.device, copy=True) for count in self.worker.param_steps[index]]
+            if self.store.has(block.key("grad")):  # its gradient no longer leaves the device
+                self.store.unregister(block.key("grad"))
+        for index in arriving:
+            if self.store.has(self.blocks[index].key("weights")):  # cast from the device master from now on
+                self.store.unregister(self.blocks[index].key("weights"))
+        self.gpu_updated, self.gpu_streamed = updated, streamed
+        self.weights.gpu_updated = updated
+        self.options = dataclasses.replace(self.options, gpu_update_fraction=update_fraction,
+                                           gpu_stream_fraction=stream_fraction,
+                                           keep_for_backward_nbytes=keep_for_backward_nbytes)
+        self._weights_window_nbytes = self._weights_window()
+
+    def _move_state_to_device(self, indices: list[int]) -> None:
+        """Move these blocks' master and moments home to the device tier and make their compute weights resident,
+        cast from it; all or nothing: a failure (the device out of memory) puts back what had moved, then raises."""
+        moved: list[tuple[str, TierName]] = []
+        resident: list[int] = []
+        try:
+            for index in indices:
+                for kind in STATE_KINDS:
+                    key = self.blocks[index].key(kind)
+                    home = self.store.record(key).home
+                    self.store.move_home(key, TierName.GPU)
+                    moved.append((key, home))
+            for index in indices:
+                if not self.weights.states[index].resident:
+                    resident.append(index)
+                self.weights.load_resident(index, self.store.tensor(self.blocks[index].key("master"), TierName.GPU))
+        except BaseException:
+            for index in resident:
+                self.weights.release(index)
+            for key, home in reversed(moved):
+                self.store.move_home(key, home)
+            raise
 
     # ---- forward -------------------------------------------------------------------------------------
     @property

@@ -80,6 +80,11 @@ class SpareBuffers:
         for kind in STATE_KINDS:
             spares[kind] = self.store.exchange_host(block.key(kind), spares[kind], step=step)
 
+    def drop(self, index: int) -> None:
+        """Give block ``index``'s spares back (its state left host memory: it no longer updates on the CPU)."""
+        for spare in self._spares.pop(index, {}).values():
+            self.store.free_spare(spare)
+
     def close(self) -> None:
         """Give every spare back to the host budget."""
         for spares in self._spares.values():

@@ -180,7 +180,11 @@ class WeightManager:
             master = self.store.tensor(key, TierName.HOST)
         if not state.resident:
             self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
-            state.flat.untyped_storage().resize_(self.nbytes(index))
+            try:
+                state.flat.untyped_storage().resize_(self.nbytes(index))
+            except BaseException:  # the device out of memory: the reservation goes with it
+                self._gpu_tier.unreserve(self.nbytes(index))
+                raise
             state.resident = True
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
             state.flat.copy_(master.to(self.device, non_blocking=False))

@@ -110,9 +110,11 @@ class TierStore:
         close_at_exit(self, TierStore.close)  # a program that never calls close() still leaves no swap files
 
     # ---- registry ------------------------------------------------------------------------------------
-    def register(self, key: TensorKey | str, meta: TensorMeta, home: TierName | str, init: torch.Tensor | None = None) -> Record:
+    def register(self, key: TensorKey | str, meta: TensorMeta, home: TierName | str, init: torch.Tensor | None = None,
+                 *, step: int = 0) -> Record:
         """Reserve key's home copy. ``init`` (any tensor of meta's dtype and numel) is written into it;
-        without it the home copy is zero-filled on every tier (arena memory is reused, so never assume it)."""
+        without it the home copy is zero-filled on every tier (arena memory is reused, so never assume it).
+        ``step``: the step of that value (what an NVMe home's header records, and every read back expects)."""
         key, home = _key(key), TierName(home)
         if home not in self.tiers:
             raise TierStoreError(f"cannot place {key} on {home.value}: that tier is not configured (set tiers.nvme.path)")
@@ -121,7 +123,7 @@ class TierStore:
         with self._lock:
             if key in self._records:
                 raise KeyError(f"{key} is already registered")
-            record = Record(key=key, meta=meta, home=home)
+            record = Record(key=key, meta=meta, home=home, step=step)
             home_copy = record.copies[home]
             home_copy.allocation = self.tiers[home].allocate(key, meta)
             self._records[key] = record
@@ -155,9 +157,32 @@ class TierStore:
                     self.tiers[tier].free(copy.allocation)
                     copy.allocation = None
 
+    def move_home(self, key: TensorKey | str, to: TierName | str) -> Record:
+        """Make tier ``to`` key's home: its current value is written there and every other copy is dropped. For
+        between uses (no copy of key may be in use); the value and the record's step are kept. When ``to`` has
+        no room (CapacityError) key stays where it was, unchanged."""
+        record, to = self.record(key), TierName(to)
+        if record.home is to:
+            return record
+        current = next((t for t in (TierName.GPU, TierName.HOST) if self.state(record.key, t).is_current), None)
+        if current is None:  # only on NVMe: staged through host, as a fetch would
+            self.fetch(record.key, TierName.HOST).wait()
+            current = TierName.HOST
+        value, step = self.tensor(record.key, current).clone(), record.step
+        self.unregister(record.key)
+        try:
+            return self.register(record.key, record.meta, to, init=value, step=step)
+        except BaseException:
+            self.register(record.key, record.meta, record.home, init=value, step=step)
+            raise
+
     def record(self, key: TensorKey | str) -> Record:
         """The record of key."""
         return self._records[_key(key)]
+
+    def has(self, key: TensorKey | str) -> bool:
+        """True when key is registered."""
+        return _key(key) in self._records
 
     def keys(self) -> list[TensorKey]:
         """Every registered key."""

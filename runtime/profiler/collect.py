@@ -70,6 +70,7 @@ class Profiler:
         self._restore_intervals = False
         self._unsubscribe: Any = None
         self._meta: dict[str, Any] = {}
+        self._meta_placement: Any = None  # the session's placement when _meta was taken (adopted after a first step)
         # torch.cuda.max_memory_allocated at start and at the last commit: the steps' peak is known when it rose
         # above what setup reached (None off a GPU)
         self._gpu_peak_at_start: int | None = None
@@ -86,7 +87,7 @@ class Profiler:
         if self.running:
             raise RuntimeError("the profiler is already running")
         controller = self.session.controller
-        self._meta = session_meta(self.session)
+        self._meta, self._meta_placement = session_meta(self.session), self.session.placement
         self._gpu_peak_at_start = self._gpu_peak = _gpu_peak_now(self.session)
         schedule = controller.schedule.stats
         self._hits0, self._misses0 = schedule.hits, schedule.misses
@@ -153,6 +154,10 @@ class Profiler:
         ends = controller.stats.backward_end_s
         backward_end = ends[-1] if ends and ends[-1] >= begin else event.time_s
         usage = {tier: figures["used_nbytes"] for tier, figures in self.session.store.usage().items()}
+        if self.session.placement is not self._meta_placement:  # placed after a measured first step
+            self._meta, self._meta_placement = session_meta(self.session), self.session.placement
+            # runtime.measured_placement reset the peak statistics when that step began: what they hold is the steps'
+            self._gpu_peak_at_start = 0
         self._gpu_peak = _gpu_peak_now(self.session)
         stats = controller.schedule.stats
         with self._lock:

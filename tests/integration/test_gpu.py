@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -27,6 +30,16 @@ def _assert_close(ours: dict[str, torch.Tensor], reference: ReferenceTrainer) ->
         assert _relative(ours[name], theirs[name]) < 1e-2, name
 
 
+def _step_beside_reference(model, optimizer, reference: ReferenceTrainer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One offloaded step on the GPU and one reference step on the same batch: losses within bf16 rounding."""
+    loss = model(x.cuda(), y.cuda())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    ref_loss = reference.train_step([(x, y)])[0]
+    assert abs(loss.item() - ref_loss) <= 2e-2 * abs(ref_loss)
+
+
 @pytest.mark.parametrize("placement,fraction,keep,stream,ahead", [
     ({"weights": "host"}, 0.0, 0, 0.0, 1), ({"weights": "gpu"}, 0.0, 0, 0.0, 1), ({"weights": "host", "moments": "nvme"}, 0.0, 0, 0.0, 1),
     ({"weights": "host"}, 0.5, 0, 0.0, 1), ({"weights": "gpu"}, 0.3, 0, 0.0, 1), ({"weights": "host"}, 0.0, 1 << 30, 0.0, 1),
@@ -43,12 +56,7 @@ def test_bf16_parity_on_gpu(placement, fraction, keep, stream, ahead, tmpfs_dir)
     session = optimizer.session
     try:
         for x, y in make_batches(5):
-            loss = model(x.cuda(), y.cuda())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            ref_loss = reference.train_step([(x, y)])[0]
-            assert abs(loss.item() - ref_loss) <= 2e-2 * abs(ref_loss)
+            _step_beside_reference(model, optimizer, reference, x, y)
         ours = session.master_state_dict()
     finally:
         session.close()
@@ -238,18 +246,28 @@ def test_finetune_example_trains_under_a_gpu_cap(tmp_path, capsys):
     assert peak <= 4 * 2**30
 
 
-def test_out_of_memory_under_auto_placement_names_the_reserve_to_set(caplog):
-    # A reserve far below this step's activations: auto fills the budget with optimizer state, the first step
-    # runs out of memory, and the log says which setting to change and to what.
+@contextlib.contextmanager
+def _capped_model(cap_nbytes: int) -> Iterator[tuple[ModelShape, ExampleLM]]:
+    """A 0.13B model (vocabulary 32000) whose activations fill a small card, built with the process's GPU memory
+    capped at ``cap_nbytes``; the cap is lifted (and the cache emptied) on the way out, for the next tests."""
     shape = ModelShape(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8, ffn_size=2816)
     torch.manual_seed(0)
     model = ExampleLM(shape)
+    torch.cuda.set_per_process_memory_fraction(cap_nbytes / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        yield shape, model
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def test_out_of_memory_under_auto_placement_names_the_reserve_to_set(caplog):
+    # A reserve far below this step's activations: auto fills the budget with optimizer state, the first step
+    # runs out of memory, and the log says which setting to change and to what.
     budget = 6 << 30
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(budget / total)
     config = {"dtype": "bf16", "placement": {"weights": "gpu"},
               "tiers": {"gpu": {"budget": budget, "activation_reserve": 64 << 20}}}
-    try:
+    with _capped_model(budget) as (shape, model):
         model, optimizer = offload(model, config)
         session = optimizer.session
         assert session.controller.gpu_updated  # auto put state on the GPU
@@ -258,8 +276,56 @@ def test_out_of_memory_under_auto_placement_names_the_reserve_to_set(caplog):
             model(tokens[:, :-1], tokens[:, 1:]).backward()
         optimizer.zero_grad()
         session.close()
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
     hints = [r.getMessage() for r in caplog.records if "activation_reserve" in r.getMessage()]
     assert hints and "CUDA out of memory with auto placement" in hints[0], [r.getMessage() for r in caplog.records][-5:]
+
+
+def test_auto_placement_measured_from_the_first_step_trains_like_the_plain_loop(caplog):
+    """The default config on a GPU (update fraction and activation reserve auto): the first step updates on the CPU,
+    its commit measures the peak and moves state to the GPU (all of it, for this small model), and training stays
+    within bf16 rounding of the plain loop across the change."""
+    import logging
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=1.0)
+    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 1.0}})
+    session = optimizer.session
+    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    try:
+        assert not session.controller.gpu_updated and session.plan.notes[0].startswith("auto placement: chosen from")
+        for step, (x, y) in enumerate(make_batches(5)):
+            _step_beside_reference(model, optimizer, reference, x, y)
+            if step == 0:
+                first_step_jobs = session.controller.worker.stats.jobs
+                assert first_step_jobs >= len(session.blocks)  # the first step updated on the CPU
+        assert session.controller.gpu_updated == frozenset(b.index for b in session.blocks)
+        assert session.controller.worker.stats.jobs == first_step_jobs  # and nothing since
+        assert "the first step peaked at" in caplog.text and session.placement.activation_reserve_nbytes > 0
+        ours = session.master_state_dict()
+    finally:
+        session.close()
+    _assert_close(ours, reference)
+
+
+def test_auto_placement_under_a_cap_fits_the_measured_activations():
+    """Under a memory-fraction cap whose activations take most of the card, the default config trains: the first
+    step measures them, the placement chosen after it leaves them room (no out-of-memory error), and the peak stays
+    within the cap."""
+    cap = 8 << 30
+    with _capped_model(cap) as (shape, model):
+        model, optimizer = offload(model, {"dtype": "bf16", "placement": {"weights": "gpu"}, "tiers": {"gpu": {"budget": cap}}})
+        session = optimizer.session
+        tokens = torch.randint(0, shape.vocab_size, (6, 1025), device="cuda")
+        losses = []
+        for _ in range(4):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        placement, peak = session.placement, torch.cuda.max_memory_allocated()
+        session.close()
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert placement.gpu_update_fraction + placement.gpu_stream_fraction > 0  # something moved to the GPU
+    assert peak <= cap

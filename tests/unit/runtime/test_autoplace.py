@@ -189,6 +189,14 @@ def test_step_times_count_the_bytes_of_each_path():
     assert times.d2h_s == pytest.approx((12 * 200 + 4 * 700) / 2)
     resident = step_times(inputs(numels, source="resident"), rates, updated=1, streamed=1, kept_numel=0)
     assert resident.h2d_s == pytest.approx(12 * 200 + 4 * 700)  # refreshes of the CPU-updated blocks only
+    # Updates waiting for the commit (clipping): what shares the step's end with them, the streamed state each way
+    # and the next forward's fetches (or the refreshes); the backward's fetches and gradients ran before it.
+    deferred = dataclasses.replace(inputs(numels), updates_wait_for_commit=True)
+    times = step_times(deferred, rates, updated=1, streamed=1, kept_numel=300)
+    assert times.cpu_s == pytest.approx(700 / 10)
+    assert times.h2d_s == pytest.approx(12 * 200 + 4 * 900) and times.d2h_s == pytest.approx(12 * 200 / 2)
+    resident = dataclasses.replace(inputs(numels, source="resident"), updates_wait_for_commit=True)
+    assert step_times(resident, rates, updated=1, streamed=1, kept_numel=0).h2d_s == pytest.approx(12 * 200 + 4 * 700)
 
 
 # --- the config -------------------------------------------------------------------------------------------
@@ -276,7 +284,8 @@ def test_on_a_gpu_the_plan_resolves_auto_with_given_rates():
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
     total = sum(b.numel for b in blocks)
-    cfg = load_config({"tiers": {"gpu": {"budget": 36 * total}}})  # room for part of the model's state
+    # Room for part of the model's state; a reserve set, so that the choice is made now (not after a first step).
+    cfg = load_config({"tiers": {"gpu": {"budget": 36 * total, "activation_reserve": 24 * total}}})
     # A step's updates take the CPU 10 ms, its copies 1 ms: the CPU is the one to relieve.
     slow_cpu = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
     resolved = resolve_plan(blocks, cfg, torch.device("cuda", 0), rates=slow_cpu)
@@ -287,10 +296,33 @@ def test_on_a_gpu_the_plan_resolves_auto_with_given_rates():
     assert resolved.plan.notes == placement.notes and resolved.plan.table().count("auto placement") == 1
     assert resolved.plan.gpu_nbytes + placement.keep_for_backward_nbytes <= 36 * total
     assert placement.gpu_stream_fraction > 0
-    nvme = load_config({"tiers": {"gpu": {"budget": 24 * total}, "nvme": {"path": "tmp"}},
+    nvme = load_config({"tiers": {"gpu": {"budget": 24 * total, "activation_reserve": 16 * total}, "nvme": {"path": "tmp"}},
                         "placement": {"moments": "nvme"}})
     on_disk = resolve_plan(blocks, nvme, torch.device("cuda", 0), rates=slow_cpu).placement
     assert on_disk.gpu_stream_fraction == 0 and "moments on nvme" in on_disk.notes[1]
+
+
+def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step():
+    """Update fraction and activation reserve auto on a GPU: the plan is the first step's (every update on the CPU,
+    nothing streamed or kept), and says so; a plan that would sum gradients in host memory, or may fetch a bf16 copy
+    of the weights under accumulation, keeps choosing now."""
+    from runtime.api import resolve_plan
+    from runtime.measured_placement import FIRST_STEP_NOTE
+
+    blocks = build_blocks(ExampleLM(SHAPE), 1)
+    total = sum(b.numel for b in blocks)
+    rates = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
+    resolved = resolve_plan(blocks, load_config({"tiers": {"gpu": {"budget": 36 * total}}}), torch.device("cuda", 0),
+                            rates=rates)
+    placement = resolved.placement
+    assert resolved.measured_first_step
+    assert (placement.gpu_update_fraction, placement.gpu_stream_fraction, placement.keep_for_backward_nbytes) == (0, 0, 0)
+    assert placement.rates == rates and resolved.plan.notes[0] == FIRST_STEP_NOTE
+    for dtype in ("fp32", "bf16"):  # host sums; a bf16 copy of the weights that may pay under accumulation
+        summed = load_config({"dtype": dtype, "tiers": {"gpu": {"budget": 36 * total}},
+                              "optimizer": {"accumulation_steps": 4, "accumulate_on": "host" if dtype == "fp32" else "gpu"}})
+        chosen_now = resolve_plan(blocks, summed, torch.device("cuda", 0), rates=rates)
+        assert not chosen_now.measured_first_step and chosen_now.placement.gpu_update_fraction > 0, dtype
 
 
 def test_tierstore_plan_prints_the_choice(tmp_path, capsys):
@@ -374,3 +406,21 @@ def test_the_copy_never_costs_streaming():
     resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=slow_cpu)
     assert resolved.placement.gpu_stream_fraction > 0
     assert resolved.source is WeightSource.MASTER and "a streamed update refreshes no host copy" in resolved.plan.table()
+
+
+def test_streamed_state_takes_the_activations_room_when_updates_wait_for_the_commit():
+    """A reserve that leaves room for the first blocks' state but not for streamed state beside it: updates that run
+    as gradients land get no streaming; updates that wait for the commit stream in the room the backward freed
+    (within the budget), and the chosen plan's bytes held at the peak stay within budget less reserve."""
+    base = inputs(budget=16 * GiB)
+    resident_only = base.gpu_plan_nbytes(2, 0)
+    reserve = base.gpu_budget_nbytes - resident_only  # room for two blocks' state, none for streaming beside it
+    asap = dataclasses.replace(base, activation_reserve_nbytes=reserve)
+    waiting = dataclasses.replace(asap, updates_wait_for_commit=True)
+    slow_cpu = Rates(adam_params_per_s=1e9, h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9)
+    now = choose_placement(asap, slow_cpu, **AUTO)
+    later = choose_placement(waiting, slow_cpu, **AUTO)
+    assert counts(LLAMA, now)[1] == 0 and counts(LLAMA, later)[1] > 0
+    updated, streamed = counts(LLAMA, later)
+    assert base.gpu_plan_nbytes(updated, 0) <= base.gpu_budget_nbytes - reserve
+    assert base.gpu_plan_nbytes(updated, streamed) <= base.gpu_budget_nbytes

@@ -515,3 +515,39 @@ def test_exchange_refuses_a_spare_of_another_size(make_store) -> None:
     spare = store.allocate_spare("b")
     with pytest.raises(RuntimeError, match="can't replace"):
         store.exchange_host("a", spare)
+
+
+@pytest.mark.parametrize("start", [TierName.HOST, TierName.NVME])
+def test_move_home_keeps_value_and_step_and_frees_the_old_home(make_store, tmp_path, start):
+    store = make_store(gpu_budget_nbytes=1 << 20, nvme_path=str(tmp_path))
+    value = random_tensor(torch.float32, 4097, seed=3)
+    store.register("k", TensorMeta(torch.float32, 4097), start, init=value)
+    step = 0
+    if start is TierName.HOST:  # a value of step 7, written in place
+        store.mark_dirty("k", start, step=7)
+        step = 7
+    else:
+        assert swap_files(tmp_path) == ["k" + SUFFIX]
+    host_used = store.tiers[TierName.HOST].used_nbytes
+    moved = store.move_home("k", TierName.GPU)
+    assert moved.home is TierName.GPU and moved.step == step and store.has("k")
+    assert same_bits(store.tensor("k", TierName.GPU).cpu(), value)
+    assert store.tiers[TierName.GPU].used_nbytes == 4097 * 4
+    assert store.tiers[TierName.HOST].used_nbytes < host_used if start is TierName.HOST else True
+    assert swap_files(tmp_path) == []  # nothing left behind on the old home
+    assert store.move_home("k", TierName.GPU) is moved  # already there: nothing to do
+
+
+@pytest.mark.parametrize("start", [TierName.HOST, TierName.NVME])
+def test_move_home_without_room_leaves_the_key_where_it_was(make_store, tmp_path, start):
+    """Value, home and step as they were, readable again (an NVMe home's header records the step it expects)."""
+    store = make_store(gpu_budget_nbytes=1 << 10, nvme_path=str(tmp_path))
+    value = random_tensor(torch.float32, 4097, seed=4)
+    store.register("k", TensorMeta(torch.float32, 4097), start, init=value, step=5)
+    with pytest.raises(CapacityError):
+        store.move_home("k", TierName.GPU)
+    record = store.record("k")
+    assert record.home is start and record.step == 5 and store.tiers[TierName.GPU].used_nbytes == 0
+    store.fetch("k", TierName.HOST).wait()
+    assert same_bits(store.tensor("k", TierName.HOST), value)
+    assert not store.has("other")

@@ -1,0 +1,228 @@
+"""A placement adopted between steps (``Controller.adopt_placement``, driven after the first step by
+``runtime.measured_placement``): the moved blocks' state really lives on the device tier afterwards, and training
+stays bit-identical to the plain loop, with clipping that clips, clipping that does not, and resident weights."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+
+import pytest
+import torch
+
+from runtime import offload
+from runtime.api import _adopt_placement
+from runtime.autoplace import Placement
+from runtime.controller import gpu_streamed_blocks, gpu_updated_blocks
+from runtime.example_model import ExampleLM
+from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement
+from runtime.peak_hint import supported_reserve
+from runtime.step_phase import StepPhase
+from tests.integration.reference_loop import ReferenceTrainer
+from tests.integration.test_parity import SHAPE, assert_identical, make_batches, step_and_check
+from tierstore import TierName
+
+GiB = 1 << 30
+
+
+def _session(clip: float | None, weights: str = "host", gpu_budget: int | None = None):
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, dtype=torch.float32, grad_clip=clip)
+    config = {"dtype": "fp32", "placement": {"weights": weights},
+              "optimizer": {"grad_clip": clip, "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
+    if gpu_budget is not None:
+        config["tiers"] = {"gpu": {"budget": gpu_budget}}
+    model, optimizer = offload(model, config)
+    return model, optimizer, reference
+
+
+def _homes(session, kind: str) -> list[TierName]:
+    return [session.store.record(block.key(kind)).home for block in session.blocks]
+
+
+@pytest.mark.parametrize("clip, weights", [(None, "host"), (0.05, "host"), (10.0, "host"), (0.05, "gpu")])
+def test_a_placement_adopted_between_steps_trains_like_the_plain_loop(clip, weights):
+    model, optimizer, reference = _session(clip, weights)
+    session = optimizer.session
+    batches = make_batches(5)
+    try:
+        for x, y in batches[:2]:
+            step_and_check(model, optimizer, reference, x, y)
+        assert set(_homes(session, "master")) == {TierName.HOST}
+        session.controller.adopt_placement(0.4, 0.3, 0)
+        updated = gpu_updated_blocks(session.blocks, 0.4)
+        streamed = gpu_streamed_blocks(session.blocks, 0.4, 0.3)
+        assert updated and streamed and session.controller.gpu_updated == updated
+        for kind in ("master", "exp_avg", "exp_avg_sq"):  # the moved blocks' state lives on the device tier now
+            assert [i for i, home in enumerate(_homes(session, kind)) if home is TierName.GPU] == sorted(updated)
+        keys = {str(k) for k in session.store.keys()}
+        for index in updated | streamed:  # their gradients no longer go to host memory
+            assert str(session.blocks[index].key("grad")) not in keys
+        for x, y in batches[2:]:
+            step_and_check(model, optimizer, reference, x, y)
+        assert session.controller.worker.stats.jobs > 0  # the rest still updates on the CPU
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
+
+
+def test_a_placement_change_refuses_to_shrink_the_devices_share_or_to_run_mid_step():
+    model, optimizer, reference = _session(None)
+    session = optimizer.session
+    try:
+        (x, y), (x2, y2) = make_batches(2)
+        session.controller.adopt_placement(0.5, 0.0, 0)
+        with pytest.raises(RuntimeError, match="more blocks"):
+            session.controller.adopt_placement(0.0, 0.0, 0)
+        loss = model(x, y)
+        loss.backward()
+        assert session.controller.phase is StepPhase.READY
+        with pytest.raises(RuntimeError, match="between steps"):
+            session.controller.adopt_placement(0.8, 0.0, 0)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.item() == reference.train_step([(x, y)])[0]
+        step_and_check(model, optimizer, reference, x2, y2)  # the refusals changed nothing
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
+
+
+class _Asked:
+    """A stand-in for auto placement: records the reserve it is asked at and answers a fixed placement."""
+
+    def __init__(self, placement: Placement | None):
+        self.placement, self.reserves = placement, []
+
+    def __call__(self, reserve: int) -> Placement | None:
+        self.reserves.append(reserve)
+        return self.placement
+
+
+def _listener(session, ask, peak_nbytes: int, budget: int, resets: list[int]) -> FirstStepPlacement:
+    listener = FirstStepPlacement(plan_gpu_nbytes=1 * GiB, budget_nbytes=budget, ask=ask,
+                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
+                                  peak=lambda: peak_nbytes, reset_peak=lambda: resets.append(1))
+    session.controller.step_listeners.append(listener)
+    return listener
+
+
+def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
+    """An evaluation forward before training is not measured; the first training step's commit asks at the reserve
+    its peak supports, adopts the answer (session placement, plan and the controller's blocks), and training stays
+    exact before and after."""
+    model, optimizer, reference = _session(0.05)
+    session = optimizer.session
+    chosen = Placement(0.4, 0.3, 0, notes=("auto placement: chosen for the test",), activation_reserve_nbytes=5 * GiB)
+    ask, resets = _Asked(chosen), []
+    listener = _listener(session, ask, peak_nbytes=4 * GiB, budget=20 * GiB, resets=resets)
+    batches = make_batches(4)
+    try:
+        with torch.no_grad():
+            model(*batches[0])
+        assert resets == []
+        caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+        step_and_check(model, optimizer, reference, *batches[0])
+        assert resets == [1] and ask.reserves == [supported_reserve(3 * GiB, 20 * GiB)]
+        assert listener.chosen is chosen and session.placement is chosen
+        assert session.controller.gpu_updated == gpu_updated_blocks(session.blocks, 0.4)
+        assert session.plan.notes[0] == FIRST_STEP_NOTE and "the first step peaked at 4.00 GiB" in caplog.text
+        for x, y in batches[1:]:
+            step_and_check(model, optimizer, reference, x, y)
+        assert ask.reserves == [supported_reserve(3 * GiB, 20 * GiB)]  # asked once
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
+
+
+def test_a_placement_the_device_tier_cannot_hold_changes_nothing(caplog):
+    """Auto placement's answer needs more of the device tier than its budget has: a warning, every update stays on
+    the CPU, and training goes on exactly."""
+    model, optimizer, reference = _session(None, gpu_budget=320 << 10)
+    session = optimizer.session
+    before = session.placement
+    listener = _listener(session, _Asked(Placement(1.0, 0.0, 0, notes=("everything",))), peak_nbytes=2 * GiB,
+                         budget=320 << 10, resets=[])
+    batches = make_batches(3)
+    try:
+        caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
+        for x, y in batches:
+            step_and_check(model, optimizer, reference, x, y)
+        assert listener.done and listener.chosen is None and "could not be adopted" in caplog.text
+        assert session.placement is before and not session.controller.gpu_updated
+        assert set(_homes(session, "master")) == {TierName.HOST}
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
+
+
+def test_a_move_the_device_refuses_half_way_puts_everything_back(monkeypatch, caplog):
+    """The device runs out of memory on the fourth key moved (the tier budget had room, the allocator not): the
+    keys moved before it go home again, nothing else changed, the listener says so, and training goes on exactly."""
+    model, optimizer, reference = _session(None)
+    session = optimizer.session
+    store = session.store
+    real_move, calls = store.move_home, []
+
+    def refusing(key, to):
+        calls.append(key)
+        if len(calls) == 4:
+            raise torch.OutOfMemoryError("the device has no room (test)")
+        return real_move(key, to)
+
+    monkeypatch.setattr(store, "move_home", refusing)
+    listener = _listener(session, _Asked(Placement(0.5, 0.2, 0, notes=("half",))), peak_nbytes=2 * GiB,
+                         budget=20 * GiB, resets=[])
+    keys_before = {str(k) for k in store.keys()}
+    batches = make_batches(3)
+    try:
+        caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
+        for x, y in batches:
+            step_and_check(model, optimizer, reference, x, y)
+        assert len(calls) > 4 and listener.chosen is None and "could not be adopted" in caplog.text
+        assert not session.controller.gpu_updated and not session.controller.gpu_streamed
+        assert set(_homes(session, "master")) == set(_homes(session, "exp_avg")) == {TierName.HOST}
+        assert {str(k) for k in store.keys()} == keys_before  # host gradients still registered
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
+
+
+def test_a_loop_that_trains_in_eval_mode_is_measured():
+    """Forwards that record a graph with the model in eval mode ('grad-eval') are training steps too."""
+    model, optimizer, reference = _session(None)
+    session = optimizer.session
+    resets: list[int] = []
+    listener = _listener(session, _Asked(Placement(0.4, 0.0, 0, notes=("eval mode",))), peak_nbytes=2 * GiB,
+                         budget=20 * GiB, resets=resets)
+    model.eval()
+    reference.model.eval()
+    try:
+        for x, y in make_batches(2):
+            step_and_check(model, optimizer, reference, x, y)
+        assert resets == [1] and listener.chosen is not None and session.controller.gpu_updated
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
+
+
+def test_a_profile_started_before_the_first_step_reports_the_adopted_placement():
+    from runtime.profiler import Profiler
+
+    model, optimizer, reference = _session(0.05)
+    session = optimizer.session
+    _listener(session, _Asked(Placement(0.4, 0.3, 0, notes=("profiled",), activation_reserve_nbytes=3 * GiB)),
+              peak_nbytes=2 * GiB, budget=20 * GiB, resets=[])
+    profiler = Profiler(session).start()
+    try:
+        for x, y in make_batches(2):
+            step_and_check(model, optimizer, reference, x, y)
+        meta = profiler.raw().meta
+        flagged = [i for i, block in enumerate(meta["blocks"]) if block["gpu_updated"]]
+        assert flagged == sorted(gpu_updated_blocks(session.blocks, 0.4))
+        assert any(block["gpu_streamed"] for block in meta["blocks"])
+    finally:
+        profiler.stop()
+        session.close()
