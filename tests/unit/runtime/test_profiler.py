@@ -38,7 +38,7 @@ META: dict[str, Any] = {
 
 
 class FakeSession:
-    """Just what the profiler reads of a session: bus, usage, controller hooks and stats."""
+    """Just what the profiler reads of a session: bus, usage, controller hooks and stats, placement."""
 
     def __init__(self) -> None:
         self.store = SimpleNamespace(bus=EventBus(), device=torch.device("cpu"), usage=lambda: {"gpu": {"used_nbytes": 1, "capacity_nbytes": 9},
@@ -47,6 +47,7 @@ class FakeSession:
         self.controller = SimpleNamespace(
             stall_listeners=[], step_listeners=[], stats=StepStats(), schedule=SimpleNamespace(stats=ScheduleStats()),
             worker=SimpleNamespace(stats=WorkerStats(), record_intervals=False))
+        self.placement = None  # what offload() resolved (the profiler re-reads the session when it changes)
 
     def transfer(self, kind: str, nbytes: int, start: float, end: float, device_s: float | None = None, key: str = "k") -> None:
         self.store.bus.publish(TransferEvent(kind, key, "a", "b", nbytes, T0 + start, T0 + end, device_s))
