@@ -259,11 +259,14 @@ class Controller:
         if need > gpu.free_nbytes:  # checked first: a block moved half-way would be neither here nor there
             raise CapacityError("gpu", need, gpu.used_nbytes, gpu.capacity_nbytes,
                                 f"the master and moments of {len(arriving)} more device-updated blocks")
+        leaving_cpu = sorted((updated | streamed) - self.gpu_updated - self.gpu_streamed)
+        # Device step counters first: after the move nothing may fail for want of device memory.
+        steps = {i: [count.to(self.device, copy=True) for count in self.worker.param_steps[i]] for i in leaving_cpu}
         self._move_state_to_device(arriving)
-        for index in sorted((updated | streamed) - self.gpu_updated - self.gpu_streamed):
+        for index in leaving_cpu:
             block = self.blocks[index]
             self.worker.spares.drop(index)  # no longer updated on the CPU
-            self.gpu_param_steps[index] = [count.to(self.device, copy=True) for count in self.worker.param_steps[index]]
+            self.gpu_param_steps[index] = steps[index]
             if self.store.has(block.key("grad")):  # its gradient no longer leaves the device
                 self.store.unregister(block.key("grad"))
         for index in arriving:
@@ -292,11 +295,22 @@ class Controller:
                 if not self.weights.states[index].resident:
                     resident.append(index)
                 self.weights.load_resident(index, self.store.tensor(self.blocks[index].key("master"), TierName.GPU))
-        except BaseException:
+        except BaseException as error:
             for index in resident:
                 self.weights.release(index)
-            for key, home in reversed(moved):
-                self.store.move_home(key, home)
+            stuck = []
+            # Every key goes back, even past one that cannot, in the order it left: the host arena places first fit,
+            # so the same order and sizes find the same ranges (in reverse, a small key can split a large one's).
+            for key, home in moved:
+                try:
+                    self.store.move_home(key, home)
+                except Exception as undo_error:  # its host room was just freed: not expected
+                    log.error("%s could not go back to %s after a failed placement change: %s", key, home.value, undo_error)
+                    stuck.append(key)
+            if stuck:  # the session cannot go on: every later step refuses, saying why
+                self._interrupted = (f"a failed placement change left {', '.join(stuck)} on the device while the "
+                                     "block updates on the CPU; start a new process from the last checkpoint")
+                self._set_phase(StepPhase.INTERRUPTED)
             raise
 
     # ---- forward -------------------------------------------------------------------------------------

@@ -77,6 +77,13 @@ class FirstStepPlacement:
         if event.kind != "commit" or not self.started:
             return
         self.done = True
+        try:
+            self._place()
+        except Exception as error:  # the step stands; a change adopt_placement could not undo stops the next step
+            self._say(logging.WARNING, f"auto placement after the first step failed ({error!r}); every update stays "
+                                       "on the CPU")
+
+    def _place(self) -> None:
         peak = self.peak()
         beyond = max(0, peak - self.plan_gpu_nbytes)
         reserve = supported_reserve(beyond, self.budget_nbytes)

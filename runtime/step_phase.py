@@ -9,7 +9,8 @@ and changes it only through ``check_phase_transition``; everything outside reads
 - ACCUMULATING: between micro-batches, the step's last backward still to come.
 - READY: the last micro-batch's backward ended; ``optimizer.step()`` commits.
 - INTERRUPTED: a dropped step whose updates had started as gradients landed left blocks at different steps;
-  only a checkpoint load (every block at one step again) leaves it.
+  only a checkpoint load (every block at one step again) leaves it. Also a placement change between steps that
+  failed and could not be undone (``Controller.adopt_placement``): the next step refuses, saying why.
 
 What it leaves out: what happens on each move (the controller's methods), the update jobs' own phases
 (``runtime.overlap.JobPhase``).
@@ -49,6 +50,7 @@ LEGAL_PHASE_TRANSITIONS: frozenset[tuple[StepPhase, StepPhase]] = frozenset(
         (StepPhase.BACKWARD, StepPhase.INTERRUPTED),
         (StepPhase.READY, StepPhase.INTERRUPTED),
         (StepPhase.INTERRUPTED, StepPhase.IDLE),  # a checkpoint load put every block at one step
+        (StepPhase.IDLE, StepPhase.INTERRUPTED),  # a placement change that could not be undone (adopt_placement)
     }
 )
 

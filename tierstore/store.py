@@ -168,7 +168,8 @@ class TierStore:
         if current is None:  # only on NVMe: staged through host, as a fetch would
             self.fetch(record.key, TierName.HOST).wait()
             current = TierName.HOST
-        value, step = self.tensor(record.key, current).clone(), record.step
+        # The value waits in ordinary host memory: a move off the GPU (a rollback) may be for want of device room.
+        value, step = self.tensor(record.key, current).to("cpu", copy=True), record.step
         self.unregister(record.key)
         try:
             return self.register(record.key, record.meta, to, init=value, step=step)

@@ -38,6 +38,12 @@ def _session(clip: float | None, weights: str = "host", gpu_budget: int | None =
     return model, optimizer, reference
 
 
+def _train(model, optimizer, reference, batches) -> None:
+    """Offloaded steps beside the reference's, each loss equal."""
+    for x, y in batches:
+        step_and_check(model, optimizer, reference, x, y)
+
+
 def _homes(session, kind: str) -> list[TierName]:
     return [session.store.record(block.key(kind)).home for block in session.blocks]
 
@@ -148,8 +154,7 @@ def test_a_placement_the_device_tier_cannot_hold_changes_nothing(caplog):
     batches = make_batches(3)
     try:
         caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
-        for x, y in batches:
-            step_and_check(model, optimizer, reference, x, y)
+        _train(model, optimizer, reference, batches)
         assert listener.done and listener.chosen is None and "could not be adopted" in caplog.text
         assert session.placement is before and not session.controller.gpu_updated
         assert set(_homes(session, "master")) == {TierName.HOST}
@@ -179,8 +184,7 @@ def test_a_move_the_device_refuses_half_way_puts_everything_back(monkeypatch, ca
     batches = make_batches(3)
     try:
         caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
-        for x, y in batches:
-            step_and_check(model, optimizer, reference, x, y)
+        _train(model, optimizer, reference, batches)
         assert len(calls) > 4 and listener.chosen is None and "could not be adopted" in caplog.text
         assert not session.controller.gpu_updated and not session.controller.gpu_streamed
         assert set(_homes(session, "master")) == set(_homes(session, "exp_avg")) == {TierName.HOST}
@@ -200,8 +204,7 @@ def test_a_loop_that_trains_in_eval_mode_is_measured():
     model.eval()
     reference.model.eval()
     try:
-        for x, y in make_batches(2):
-            step_and_check(model, optimizer, reference, x, y)
+        _train(model, optimizer, reference, make_batches(2))
         assert resets == [1] and listener.chosen is not None and session.controller.gpu_updated
         assert_identical(session.master_state_dict(), reference)
     finally:
@@ -217,12 +220,78 @@ def test_a_profile_started_before_the_first_step_reports_the_adopted_placement()
               peak_nbytes=2 * GiB, budget=20 * GiB, resets=[])
     profiler = Profiler(session).start()
     try:
-        for x, y in make_batches(2):
-            step_and_check(model, optimizer, reference, x, y)
+        _train(model, optimizer, reference, make_batches(2))
         meta = profiler.raw().meta
         flagged = [i for i, block in enumerate(meta["blocks"]) if block["gpu_updated"]]
         assert flagged == sorted(gpu_updated_blocks(session.blocks, 0.4))
         assert any(block["gpu_streamed"] for block in meta["blocks"])
     finally:
         profiler.stop()
+        session.close()
+
+
+def test_weights_the_device_cannot_hold_put_the_moved_state_back(monkeypatch, caplog):
+    """The state moved, then the first block's compute weights do not fit the device: everything goes back."""
+    model, optimizer, reference = _session(None)
+    session = optimizer.session
+    weights = session.controller.weights
+
+    def no_room(index, master=None):
+        raise torch.OutOfMemoryError("no room for the weights (test)")
+
+    monkeypatch.setattr(weights, "load_resident", no_room)
+    listener = _listener(session, _Asked(Placement(0.5, 0.0, 0, notes=("weights",))), peak_nbytes=2 * GiB,
+                         budget=20 * GiB, resets=[])
+    try:
+        caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
+        _train(model, optimizer, reference, make_batches(3))
+        assert listener.chosen is None and "could not be adopted" in caplog.text
+        assert set(_homes(session, "master")) == {TierName.HOST} and not session.controller.gpu_updated
+        assert not any(state.resident for state in weights.states)
+        assert_identical(session.master_state_dict(), reference)
+    finally:
+        session.close()
+
+
+def test_a_change_that_cannot_be_undone_stops_the_next_step():
+    """A key that can go neither forward nor back: the session refuses the next step and says why."""
+    model, optimizer, reference = _session(None)
+    session = optimizer.session
+    real_move, calls = session.store.move_home, []
+
+    def forward_once(key, to):
+        calls.append(key)
+        if len(calls) == 1:
+            return real_move(key, to)
+        raise torch.OutOfMemoryError("no room anywhere (test)")
+
+    batches = make_batches(2)
+    try:
+        step_and_check(model, optimizer, reference, *batches[0])
+        session.store.move_home = forward_once  # type: ignore[method-assign]
+        with pytest.raises(torch.OutOfMemoryError):
+            session.controller.adopt_placement(0.5, 0.0, 0)
+        assert session.controller.phase is StepPhase.INTERRUPTED
+        with pytest.raises(RuntimeError, match="failed placement change left block0.master on the device"):
+            model(*batches[1]).backward()
+    finally:
+        session.store.move_home = real_move  # type: ignore[method-assign]
+        session.close()
+
+
+def test_a_failing_question_leaves_every_update_on_the_cpu():
+    """Auto placement itself raising (not the device): the outcome lands in the plan's notes, training goes on."""
+    model, optimizer, reference = _session(None)
+    session = optimizer.session
+
+    def broken(reserve: int) -> Placement:
+        raise ValueError("the question failed (test)")
+
+    lines: list[str] = []
+    _listener(session, broken, peak_nbytes=2 * GiB, budget=20 * GiB, resets=[]).report = lines.append
+    try:
+        _train(model, optimizer, reference, make_batches(2))
+        assert len(lines) == 1 and "the question failed" in lines[0] and not session.controller.gpu_updated
+        assert_identical(session.master_state_dict(), reference)
+    finally:
         session.close()
