@@ -464,6 +464,9 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
     return {"gpu_update_fraction_auto": cfg.optimizer.gpu_update_fraction == "auto",
             "keep_auto": cfg.prefetch.keep_for_backward == "auto",
             "activation_reserve_auto": cfg.tiers.gpu.activation_reserve == "auto",
+            # placed after a measured first step (runtime.measured_placement): its reserve is the measured one
+            "measured_first_step": any(isinstance(listener, FirstStepPlacement)
+                                       for listener in session.controller.step_listeners),
             "activation_reserve_nbytes": placement.activation_reserve_nbytes if placement else 0,
             "gpu_budget_nbytes": session.store.tiers[TierName.GPU].capacity_nbytes,
             "gpu_plan_nbytes": session.plan.gpu_nbytes,

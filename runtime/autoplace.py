@@ -45,14 +45,14 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   buffers during the backward (``runtime.speculation``) and the model overstates T_cpu, erring towards
   streaming more.
 - keep (auto): the bytes of the last blocks of the forward (not device-updated) that fit in what the
-  budget has left after ``plan(k, j)`` and the reserve: whole blocks, as the controller keeps them; 0 with
+  budget has left after ``plan(k, j)`` (``plan(k, 0)`` when updates wait for the commit: the streamed state
+  comes after the kept weights are gone) and the reserve: whole blocks, as the controller keeps them; 0 with
   weights resident.
 
 Not modelled: the forward and backward compute (unknown before a step runs, and the terms above overlap
 it), both copy directions sharing the link (about 91 GB/s for both against 55 each way on the reference
-box), the blocks the prefetch window holds over from forward to backward anyway, NVMe traffic of spilled
-moments, and clipping holding the CPU updates until the backward ends. On the CPU the device is the CPU:
-every ``auto`` is 0.
+box), the blocks the prefetch window holds over from forward to backward anyway, and NVMe traffic of spilled
+moments. On the CPU the device is the CPU: every ``auto`` is 0.
 """
 
 from __future__ import annotations

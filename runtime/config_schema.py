@@ -80,8 +80,8 @@ class GpuTierConfig:
         "first training step updates on the CPU, and at its commit its peak (the allocator's reserved bytes) "
         "beyond the plan, plus 5% of the budget, is the reserve auto placement then uses; the chosen state "
         "moves to the GPU before the second step (runtime.measured_placement). Where that is not done (moments "
-        "spilled to NVMe, gradients summed in host memory, an accumulated bf16 run that may fetch a weights "
-        "copy): three quarters of what the plan with nothing updated on the GPU leaves free of the budget. Set "
+        "spilled to NVMe, gradients summed in host memory, an accumulated bf16 or fp16 run that may fetch a "
+        "weights copy): three quarters of what the plan with nothing updated on the GPU leaves free of the budget. Set "
         "it when a run with `auto` placement runs out of GPU memory (the error says how much the step tried to "
         "use), or to hand the optimizer more of a card whose activations are small. Not used when none of the "
         "three is `auto`.", "24GiB")
@@ -188,7 +188,8 @@ class PrefetchConfig:
         "last blocks of the forward, which backward needs first), saving their second fetch. 0: every block "
         "is released after its forward and fetched again for backward. `auto`: what the GPU budget holds after "
         "the plan, the optimizer's `auto` choices and the activation reserve, up to the weights not resident "
-        "(0 on the CPU and with `placement.weights: gpu`); the plan prints the choice.", "4GiB")
+        "(0 on the CPU and with `placement.weights: gpu`); the plan prints the choice (after a measured first "
+        "step, see `tiers.gpu.activation_reserve`: the log and the plan's notes).", "4GiB")
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,7 @@ class Controller:
         self.micro = 0  # backward passes since the last committed step
         self._phase = StepPhase.IDLE  # where the step in progress is (runtime.step_phase); set only by _set_phase
         self._interrupted: str | None = None  # while INTERRUPTED: why the blocks are at different steps
+        self._placement_broken = False  # a failed placement change left state on the device: no load mends it
         self._grad_counts = [0] * len(blocks)
         self._in_backward_use = [False] * len(blocks)
         self._deferred_jobs: list[UpdateJob] = []
@@ -310,6 +311,7 @@ class Controller:
             if stuck:  # the session cannot go on: every later step refuses, saying why
                 self._interrupted = (f"a failed placement change left {', '.join(stuck)} on the device while the "
                                      "block updates on the CPU; start a new process from the last checkpoint")
+                self._placement_broken = True
                 self._set_phase(StepPhase.INTERRUPTED)
             raise
 
@@ -878,7 +880,10 @@ class Controller:
                 torch.Tensor.grad.__set__(slot.param, None)
 
     def clear_interrupted(self) -> None:
-        """Every block's state was just restored to one step (a checkpoint load): training may go on."""
+        """Every block's state was just restored to one step (a checkpoint load): training may go on (not after a
+        placement change that could not be undone: the state is where this controller does not look for it)."""
+        if self._placement_broken:
+            return
         if self._phase is StepPhase.INTERRUPTED:
             self._set_phase(StepPhase.IDLE)
         self._interrupted = None

@@ -2,11 +2,11 @@
 
 ``auto`` placement (``runtime.autoplace``) must leave room for activations it cannot see before a step runs.
 A share of the free budget is wrong both ways: under DeepSpeed ZeRO-2's reservation (31 GiB on an H100) the
-1.35B benchmark's activations took about 24 GiB and three quarters of the free budget left its first forward
-out of memory, while the 8B scenario under a 24 GiB cap used half of what was reserved. So when
+1.35B benchmark's first step reached 25.1 GiB beyond its plan (reserved bytes, weights resident; call Z3 in the
+README) and three quarters of the free budget left its first forward out of memory, while the 8B scenario under a 24 GiB cap used half of what was reserved. So when
 ``optimizer.gpu_update_fraction`` and ``tiers.gpu.activation_reserve`` are both ``auto`` on a GPU, the session's
-first step runs with every update on the CPU, nothing streamed and nothing kept for backward (the plan's
-smallest GPU footprint, shown by ``tierstore plan``); at its commit the peak it reached is read, auto placement
+first step runs with every update on the CPU, and nothing streamed or kept for backward where those are ``auto``
+(the plan's smallest GPU footprint, shown by ``tierstore plan``); at its commit the peak it reached is read, auto placement
 is asked again with the reserve that peak supports (``runtime.peak_hint.supported_reserve``: the bytes beyond
 the plan plus a margin), and the first blocks it chooses move their master and moments to the GPU
 (``Controller.adopt_placement``). The log (and the session's plan notes) say what was measured and chosen.
@@ -42,7 +42,8 @@ from tierstore import CapacityError
 log = logging.getLogger(__name__)
 
 FIRST_STEP_NOTE = ("auto placement: chosen from the first step's measured GPU peak (runtime.measured_placement): "
-                   "the first step updates on the CPU and keeps nothing for backward; the GPU's share follows")
+                   "the first step updates on the CPU, streaming and keeping nothing where those are auto; the "
+                   "GPU's share follows")
 
 
 class FirstStepPlacement:
@@ -51,7 +52,8 @@ class FirstStepPlacement:
 
     ``plan_gpu_nbytes`` / ``budget_nbytes``: the first step's plan on the GPU and the store's GPU budget; ``ask``:
     the placement at a reserve (None: the session is gone); ``adopt``: make it the session's (raises
-    CapacityError or torch.OutOfMemoryError, changing nothing, when the GPU tier or the device has no room); ``peak`` / ``reset_peak``: the process's
+    CapacityError or torch.OutOfMemoryError, changing nothing, when the GPU tier or the device has no room;
+    should a moved key not go back, the controller is interrupted and the next step refuses); ``peak`` / ``reset_peak``: the process's
     peak reserved GPU bytes and its reset; ``report``: where the outcome's line goes besides the log (the
     session's plan notes, which benchmarks and profiles print)."""
 

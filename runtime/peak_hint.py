@@ -1,7 +1,8 @@
 """What a training step's measured GPU peak says about auto placement's activation reserve.
 
 ``auto`` placement (``runtime.autoplace``) keeps a reserve for activations it cannot know before the first
-forward: three quarters of what the plan leaves free. On a card with room to spare that is often far more
+forward; in sessions placed at ``offload()`` (those ``runtime.measured_placement`` does not re-place after their
+first step) it is three quarters of what the plan leaves free. On a card with room to spare that is often far more
 than the step uses (the 8B scenario under a 24 GiB cap: 10.1 GiB reserved, its first step peaked with about
 5 GiB of activations), and the state that could have been updated on the GPU stays in host memory, where it
 pushes moments out to NVMe. After the first steps this module compares their peak with the plan and, when
@@ -13,10 +14,11 @@ plan's over-count netted out; weights kept for backward by ``auto`` counted in n
 fills the room with them again, a hand-set keep counted as the activations' room) plus ``GPU_MARGIN`` of the
 budget, rounded up to a quarter GiB.
 
-What it leaves out: changing anything in the running session (the placement is fixed at ``offload()``; the
-log names the setting for the next run), runs whose update fraction or reserve is hand-set, and
-fragmentation (the peak is allocated bytes; a memory-fraction cap applies to reserved ones: the margin
-covers it).
+What it leaves out: changing anything in the running session (the sessions it listens to keep the placement
+chosen at ``offload()``; the log names the setting for the next run), runs whose update fraction or reserve is
+hand-set, and fragmentation (the peak is allocated bytes; a memory-fraction cap applies to reserved ones: the
+margin may not cover it, see ``runtime.measured_placement``). ``supported_reserve`` is shared with
+``runtime.measured_placement``, which reads the reserved peak.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from runtime.units import approx_size
 log = logging.getLogger(__name__)
 
 # Of the GPU budget, left free beyond a measured peak when more state goes onto the GPU. On an H100 under DeepSpeed
-# ZeRO-2's 31 GiB reservation (2026-11-27) the 1.35B benchmark's first step reached 23.4 GiB beyond its plan and
-# the best hand-set rows peaked with 1.5 to 2.3 GiB to spare; a margin of 10% (3.1 GiB) left every update but
-# one block's on the CPU there.
+# ZeRO-2's 31.06 GiB reservation (2026-11-27, the 1.35B benchmark with clipping) the best hand-set rows peaked at
+# 28.6-28.8 GiB allocated, 2.3-2.5 GiB to spare; with a margin of 10% (3.1 GiB) the placement measured from the
+# first step kept every update on the CPU with weights resident and one block on the GPU with weights on host
+# (call Z1 in the README).
 GPU_MARGIN = 0.05
 QUARTER_GIB = 1 << 28
 
@@ -56,6 +59,8 @@ def reserve_probe(config: dict[str, Any], peak_nbytes: int | None, blocks: Seque
     baseline is auto placement asked again at the reserve it has, so the two counts differ by the reserve
     alone (not by a budget or a gradient-sum choice read again later)."""
     if peak_nbytes is None or not config.get("gpu_update_fraction_auto") or not config.get("activation_reserve_nbytes"):
+        return None
+    if config.get("measured_first_step"):  # its reserve came from the reserved peak: an allocated one would undercut it
         return None
     keep = int(config.get("keep_for_backward_nbytes", 0)) if config.get("keep_auto") else 0
     beyond = max(0, peak_nbytes - int(config.get("gpu_plan_nbytes", 0)) - keep)

@@ -19,7 +19,7 @@ NUMELS = [525_336_576] + [218_112_000] * 32 + [525_336_576]  # Llama-3-8B: embed
 BLOCKS = [SimpleNamespace(index=i, numel=n) for i, n in enumerate(NUMELS)]
 CONFIG = {"gpu_update_fraction_auto": True, "keep_auto": True, "activation_reserve_auto": True,
           "activation_reserve_nbytes": int(10.1 * GIB), "gpu_budget_nbytes": 24 * GIB,
-          "gpu_plan_nbytes": int(10.5 * GIB), "keep_for_backward_nbytes": 3 * GIB}
+          "gpu_plan_nbytes": int(10.5 * GIB), "keep_for_backward_nbytes": 3 * GIB, "measured_first_step": False}
 
 
 def ask(reserve: int) -> Placement:
@@ -40,6 +40,7 @@ def test_the_probe_asks_auto_placement_at_the_reserve_the_peak_supports_and_at_i
     assert probe["beyond_plan_nbytes"] == int(4.5 * GIB) and probe["reserve_nbytes"] == int(5.75 * GIB)
     assert reserve_probe({**CONFIG, "gpu_update_fraction_auto": False}, 12 * GIB, BLOCKS, ask) is None
     assert reserve_probe(CONFIG, None, BLOCKS, ask) is None
+    assert reserve_probe({**CONFIG, "measured_first_step": True}, 12 * GIB, BLOCKS, ask) is None  # reserve measured
     assert reserve_probe(CONFIG, 23 * GIB, BLOCKS, ask) is None  # 9.5 beyond + 1.2: not below 10.1
     assert reserve_probe(CONFIG, 12 * GIB, BLOCKS, lambda r: None) is None
 
