@@ -26,8 +26,8 @@ from tierstore import TierName
 GiB = 1 << 30
 
 
-def _session(clip: float | None, weights: str = "host", gpu_budget: int | None = None):
-    torch.manual_seed(0)
+def _session(clip: float | None, weights: str = "host", gpu_budget: int | None = None, seed: int = 0):
+    torch.manual_seed(seed)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, dtype=torch.float32, grad_clip=clip)
     config = {"dtype": "fp32", "placement": {"weights": weights},
@@ -296,3 +296,28 @@ def test_a_failing_question_leaves_every_update_on_the_cpu():
         assert_identical(session.master_state_dict(), reference)
     finally:
         session.close()
+
+
+def test_a_checkpoint_taken_after_the_change_resumes_exactly_in_a_fresh_session(tmp_path):
+    """Saved with the first blocks' state on the device tier, loaded into a new session that still updates
+    everything on the CPU (its first step not taken yet): training goes on bit-identical to the plain loop."""
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer, reference = _session(0.05)
+    session = optimizer.session
+    batches = make_batches(5)
+    try:
+        _train(model, optimizer, reference, batches[:2])
+        session.controller.adopt_placement(0.4, 0.3, 0)
+        _train(model, optimizer, reference, batches[2:3])
+        save_checkpoint(session, tmp_path / "ckpt")
+    finally:
+        session.close()
+    fresh_model, fresh_optimizer, _ = _session(0.05, seed=1)  # other initial weights: the load replaces them all
+    fresh = fresh_optimizer.session
+    try:
+        assert load_checkpoint(fresh, tmp_path / "ckpt") == 3 and not fresh.controller.gpu_updated
+        _train(fresh_model, fresh_optimizer, reference, batches[3:])
+        assert_identical(fresh.master_state_dict(), reference)
+    finally:
+        fresh.close()
