@@ -321,3 +321,20 @@ def test_a_checkpoint_taken_after_the_change_resumes_exactly_in_a_fresh_session(
         assert_identical(fresh.master_state_dict(), reference)
     finally:
         fresh.close()
+
+
+def test_the_model_reads_and_saves_as_usual_after_the_change():
+    """Parameters and state_dict() between steps after a placement change: the current weights, every block."""
+    model, optimizer, reference = _session(None)
+    session = optimizer.session
+    try:
+        _train(model, optimizer, reference, make_batches(1))
+        session.controller.adopt_placement(0.5, 0.2, 0)
+        _train(model, optimizer, reference, make_batches(2, seed=1))
+        expected = reference.master_state()
+        saved = model.state_dict()
+        for name, value in expected.items():
+            assert torch.equal(saved[name].float(), value), name
+            assert torch.equal(dict(model.named_parameters())[name].detach().float(), value), name
+    finally:
+        session.close()
