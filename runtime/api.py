@@ -451,7 +451,9 @@ def placement_at_reserve(session: OffloadSession, reserve_nbytes: int, *, may_st
     cfg = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, gpu=gpu))
     homes, _ = resolve_homes(cfg, device)
     source = session.controller.options.weight_source  # a copy the plan chose stays chosen
-    no_stream = None if session.controller.gpu_streamed or may_stream else "this session streams nothing"
+    no_stream = None if session.controller.gpu_streamed or may_stream else (
+        "the plan keeps a compute-dtype copy of the weights, which a streamed update would not refresh"
+        if source is WeightSource.WEIGHTS else "this session streams nothing")
     rates = session.placement.rates if session.placement else None  # never timed again mid-training
     return resolve_placement(session.blocks, cfg, device, homes, source, rates=rates, no_stream_reason=no_stream)
 
@@ -484,6 +486,7 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     if cfg.optimizer.overlap != "exact":
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
     # Not where a compute-dtype copy of the weights may pay: chosen for the first step, it would rule out streaming.
+    # (Adopting a placement with the copy works, tests/integration/test_weights_copy.py; not measured on a GPU yet.)
     if measures_first_step(cfg, device) and not copy_fetch_may_pay(cfg, device, source):
         rates = rates or measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False)
         first_cfg = first_step_config(cfg)

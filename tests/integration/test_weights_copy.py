@@ -228,3 +228,28 @@ def test_a_caught_failure_mid_step_leaves_the_copy_at_the_last_commit(monkeypatc
     assert_same(copied[0], plain[0])
     assert_same(copied[1], plain[1])
     assert copied[2] == plain[2]
+
+
+def test_a_placement_change_with_the_copy_and_accumulation(force_copy):
+    """After the first step the first blocks move to the device (runtime.measured_placement does this on a GPU):
+    their copy goes, their weights are cast from the device master, the rest keep refreshing theirs; bit-identical
+    to the mixed-precision reference over micro-batches."""
+    from tests.integration.reference_loop import ReferenceTrainer
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, dtype=torch.bfloat16, accumulation_steps=ACC)
+    model, optimizer = offload(model, _config())
+    session = optimizer.session
+    batches = make_batches(3 * ACC)
+    with session:
+        assert session.controller.options.weight_source is WeightSource.WEIGHTS
+        ours = _train(model, optimizer, batches[:ACC])
+        session.controller.adopt_placement(0.4, 0.0, 0)
+        moved = session.controller.gpu_updated
+        assert moved and all(not session.store.has(session.blocks[i].key("weights")) for i in moved)
+        ours += _train(model, optimizer, batches[ACC:])
+        theirs = [loss for start in range(0, len(batches), ACC)
+                  for loss in reference.train_step(batches[start : start + ACC])]
+        assert ours == theirs
+        assert_identical(session.master_state_dict(), reference)
