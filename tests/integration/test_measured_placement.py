@@ -53,7 +53,7 @@ def test_a_placement_adopted_between_steps_trains_like_the_plain_loop(clip, weig
     model, optimizer, reference = _session(clip, weights)
     session = optimizer.session
     batches = make_batches(5)
-    try:
+    with session:
         for x, y in batches[:2]:
             step_and_check(model, optimizer, reference, x, y)
         assert set(_homes(session, "master")) == {TierName.HOST}
@@ -70,14 +70,12 @@ def test_a_placement_adopted_between_steps_trains_like_the_plain_loop(clip, weig
             step_and_check(model, optimizer, reference, x, y)
         assert session.controller.worker.stats.jobs > 0  # the rest still updates on the CPU
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
 def test_a_placement_change_refuses_to_shrink_the_devices_share_or_to_run_mid_step():
     model, optimizer, reference = _session(None)
     session = optimizer.session
-    try:
+    with session:
         (x, y), (x2, y2) = make_batches(2)
         session.controller.adopt_placement(0.5, 0.0, 0)
         with pytest.raises(RuntimeError, match="more blocks"):
@@ -92,8 +90,6 @@ def test_a_placement_change_refuses_to_shrink_the_devices_share_or_to_run_mid_st
         assert loss.item() == reference.train_step([(x, y)])[0]
         step_and_check(model, optimizer, reference, x2, y2)  # the refusals changed nothing
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
 class _Asked:
@@ -125,7 +121,7 @@ def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
     ask, resets = _Asked(chosen), []
     listener = _listener(session, ask, peak_nbytes=4 * GiB, budget=20 * GiB, resets=resets)
     batches = make_batches(4)
-    try:
+    with session:
         with torch.no_grad():
             model(*batches[0])
         assert resets == []
@@ -139,8 +135,6 @@ def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
             step_and_check(model, optimizer, reference, x, y)
         assert ask.reserves == [supported_reserve(3 * GiB, 20 * GiB)]  # asked once
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
 def test_a_placement_the_device_tier_cannot_hold_changes_nothing(caplog):
@@ -152,15 +146,13 @@ def test_a_placement_the_device_tier_cannot_hold_changes_nothing(caplog):
     listener = _listener(session, _Asked(Placement(1.0, 0.0, 0, notes=("everything",))), peak_nbytes=2 * GiB,
                          budget=320 << 10, resets=[])
     batches = make_batches(3)
-    try:
+    with session:
         caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
         _train(model, optimizer, reference, batches)
         assert listener.done and listener.chosen is None and "could not be adopted" in caplog.text
         assert session.placement is before and not session.controller.gpu_updated
         assert set(_homes(session, "master")) == {TierName.HOST}
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
 def test_a_move_the_device_refuses_half_way_puts_everything_back(monkeypatch, caplog):
@@ -182,7 +174,7 @@ def test_a_move_the_device_refuses_half_way_puts_everything_back(monkeypatch, ca
                          budget=20 * GiB, resets=[])
     keys_before = {str(k) for k in store.keys()}
     batches = make_batches(3)
-    try:
+    with session:
         caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
         _train(model, optimizer, reference, batches)
         assert len(calls) > 4 and listener.chosen is None and "could not be adopted" in caplog.text
@@ -190,8 +182,6 @@ def test_a_move_the_device_refuses_half_way_puts_everything_back(monkeypatch, ca
         assert set(_homes(session, "master")) == set(_homes(session, "exp_avg")) == {TierName.HOST}
         assert {str(k) for k in store.keys()} == keys_before  # host gradients still registered
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
 def test_a_loop_that_trains_in_eval_mode_is_measured():
@@ -203,12 +193,10 @@ def test_a_loop_that_trains_in_eval_mode_is_measured():
                          budget=20 * GiB, resets=resets)
     model.eval()
     reference.model.eval()
-    try:
+    with session:
         _train(model, optimizer, reference, make_batches(2))
         assert resets == [1] and listener.chosen is not None and session.controller.gpu_updated
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
 def test_a_profile_started_before_the_first_step_reports_the_adopted_placement():
@@ -218,16 +206,12 @@ def test_a_profile_started_before_the_first_step_reports_the_adopted_placement()
     session = optimizer.session
     _listener(session, _Asked(Placement(0.4, 0.3, 0, notes=("profiled",), activation_reserve_nbytes=3 * GiB)),
               peak_nbytes=2 * GiB, budget=20 * GiB, resets=[])
-    profiler = Profiler(session).start()
-    try:
+    with session, Profiler(session) as profiler:
         _train(model, optimizer, reference, make_batches(2))
         meta = profiler.raw().meta
         flagged = [i for i, block in enumerate(meta["blocks"]) if block["gpu_updated"]]
         assert flagged == sorted(gpu_updated_blocks(session.blocks, 0.4))
         assert any(block["gpu_streamed"] for block in meta["blocks"])
-    finally:
-        profiler.stop()
-        session.close()
 
 
 def test_weights_the_device_cannot_hold_put_the_moved_state_back(monkeypatch, caplog):
@@ -242,18 +226,16 @@ def test_weights_the_device_cannot_hold_put_the_moved_state_back(monkeypatch, ca
     monkeypatch.setattr(weights, "load_resident", no_room)
     listener = _listener(session, _Asked(Placement(0.5, 0.0, 0, notes=("weights",))), peak_nbytes=2 * GiB,
                          budget=20 * GiB, resets=[])
-    try:
+    with session:
         caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
         _train(model, optimizer, reference, make_batches(3))
         assert listener.chosen is None and "could not be adopted" in caplog.text
         assert set(_homes(session, "master")) == {TierName.HOST} and not session.controller.gpu_updated
         assert not any(state.resident for state in weights.states)
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
-def test_a_change_that_cannot_be_undone_stops_the_next_step():
+def test_a_change_that_cannot_be_undone_stops_the_next_step(monkeypatch):
     """A key that can go neither forward nor back: the session refuses the next step and says why."""
     model, optimizer, reference = _session(None)
     session = optimizer.session
@@ -266,18 +248,15 @@ def test_a_change_that_cannot_be_undone_stops_the_next_step():
         raise torch.OutOfMemoryError("no room anywhere (test)")
 
     batches = make_batches(2)
-    try:
+    with session:
         step_and_check(model, optimizer, reference, *batches[0])
-        session.store.move_home = forward_once  # type: ignore[method-assign]
+        monkeypatch.setattr(session.store, "move_home", forward_once)
         with pytest.raises(torch.OutOfMemoryError):
             session.controller.adopt_placement(0.5, 0.0, 0)
         assert session.controller.phase is StepPhase.INTERRUPTED
         session.controller.clear_interrupted()  # what a checkpoint load calls: it cannot mend this
         with pytest.raises(RuntimeError, match="failed placement change left block0.master on the device"):
             model(*batches[1]).backward()
-    finally:
-        session.store.move_home = real_move  # type: ignore[method-assign]
-        session.close()
 
 
 def test_a_failing_question_leaves_every_update_on_the_cpu():
@@ -290,12 +269,10 @@ def test_a_failing_question_leaves_every_update_on_the_cpu():
 
     lines: list[str] = []
     _listener(session, broken, peak_nbytes=2 * GiB, budget=20 * GiB, resets=[]).report = lines.append
-    try:
+    with session:
         _train(model, optimizer, reference, make_batches(2))
         assert len(lines) == 1 and "the question failed" in lines[0] and not session.controller.gpu_updated
         assert_identical(session.master_state_dict(), reference)
-    finally:
-        session.close()
 
 
 def test_a_checkpoint_taken_after_the_change_resumes_exactly_in_a_fresh_session(tmp_path):
@@ -306,28 +283,24 @@ def test_a_checkpoint_taken_after_the_change_resumes_exactly_in_a_fresh_session(
     model, optimizer, reference = _session(0.05)
     session = optimizer.session
     batches = make_batches(5)
-    try:
+    with session:
         _train(model, optimizer, reference, batches[:2])
         session.controller.adopt_placement(0.4, 0.3, 0)
         _train(model, optimizer, reference, batches[2:3])
         save_checkpoint(session, tmp_path / "ckpt")
-    finally:
-        session.close()
     fresh_model, fresh_optimizer, _ = _session(0.05, seed=1)  # other initial weights: the load replaces them all
     fresh = fresh_optimizer.session
-    try:
+    with fresh:
         assert load_checkpoint(fresh, tmp_path / "ckpt") == 3 and not fresh.controller.gpu_updated
         _train(fresh_model, fresh_optimizer, reference, batches[3:])
         assert_identical(fresh.master_state_dict(), reference)
-    finally:
-        fresh.close()
 
 
 def test_the_model_reads_and_saves_as_usual_after_the_change():
     """Parameters and state_dict() between steps after a placement change: the current weights, every block."""
     model, optimizer, reference = _session(None)
     session = optimizer.session
-    try:
+    with session:
         _train(model, optimizer, reference, make_batches(1))
         session.controller.adopt_placement(0.5, 0.2, 0)
         _train(model, optimizer, reference, make_batches(2, seed=1))
@@ -336,5 +309,3 @@ def test_the_model_reads_and_saves_as_usual_after_the_change():
         for name, value in expected.items():
             assert torch.equal(saved[name].float(), value), name
             assert torch.equal(dict(model.named_parameters())[name].detach().float(), value), name
-    finally:
-        session.close()
