@@ -24,7 +24,7 @@ from runtime.materialize import ParamInit, initialize, materialize_meta_paramete
 from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
-from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement
+from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement, first_step_listener
 from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
@@ -278,6 +278,8 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     optimizer.session = session  # type: ignore[attr-defined]
     session.optimizer = optimizer
     session.placement = resolved.placement
+    if device.type == "cuda" and (resolved.measured_first_step or resolved.placement.activation_reserve_nbytes):
+        install_oom_hint(session, _oom_hint)  # silent until auto placement has reserved something
     if resolved.measured_first_step:
         controller.step_listeners.append(FirstStepPlacement(
             plan_gpu_nbytes=plan.gpu_nbytes, budget_nbytes=store.tiers[TierName.GPU].capacity_nbytes,
@@ -285,13 +287,11 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
             adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=cuda_reserved_peak(device),
             reset_peak=functools.partial(_reset_peak, device),
             report=functools.partial(_note_in_plan, weakref.ref(session))))
-        install_oom_hint(session, _oom_hint)
-    elif resolved.placement.activation_reserve_nbytes and device.type == "cuda":
-        install_oom_hint(session, _oom_hint)
-        if cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto":
-            # after the first steps: would a lower reserve put more on the GPU?
-            controller.step_listeners.append(PeakHint(placement_figures(session), blocks, placement_asker(session),
-                                                      cuda_peak(device)))
+    elif (resolved.placement.activation_reserve_nbytes and device.type == "cuda"
+          and cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto"):
+        # after the first steps: would a lower reserve put more on the GPU?
+        controller.step_listeners.append(PeakHint(placement_figures(session), blocks, placement_asker(session),
+                                                  cuda_peak(device)))
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
     # every weight back into the model first.
@@ -467,8 +467,7 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
             "keep_auto": cfg.prefetch.keep_for_backward == "auto",
             "activation_reserve_auto": cfg.tiers.gpu.activation_reserve == "auto",
             # placed after a measured first step (runtime.measured_placement): its reserve is the measured one
-            "measured_first_step": any(isinstance(listener, FirstStepPlacement)
-                                       for listener in session.controller.step_listeners),
+            "measured_first_step": first_step_listener(session.controller.step_listeners) is not None,
             "activation_reserve_nbytes": placement.activation_reserve_nbytes if placement else 0,
             "gpu_budget_nbytes": session.store.tiers[TierName.GPU].capacity_nbytes,
             "gpu_plan_nbytes": session.plan.gpu_nbytes,
@@ -487,17 +486,16 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
     # Not where a compute-dtype copy of the weights may pay: chosen for the first step, it would rule out streaming.
     # (Adopting a placement with the copy works, tests/integration/test_weights_copy.py; not measured on a GPU yet.)
+    limit = host_limit_nbytes(cfg)
     if measures_first_step(cfg, device) and not copy_fetch_may_pay(cfg, device, source):
         rates = rates or measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False)
         first_cfg = first_step_config(cfg)
         first = resolve_plan(blocks, first_cfg, device, rates=rates)
-        limit = host_limit_nbytes(cfg)
         if not first.spilled_blocks and not first.placement.host_sums and _plan_fits(
                 blocks, first_cfg, homes, first.source, dtype, first.placement, limit, spares=first.plan.pre_commit_buffers):
             first.plan.notes = (FIRST_STEP_NOTE, *first.plan.notes)
             placement = dataclasses.replace(first.placement, rates=rates, notes=(FIRST_STEP_NOTE,))
             return dataclasses.replace(first, placement=placement, measured_first_step=True)
-    limit = host_limit_nbytes(cfg)
     placement, spilled_blocks, host_updated = _place_and_spill(blocks, cfg, device, homes, source, rates, limit)
     copy_note = None
     if copy_fetch_may_pay(cfg, device, source) and placement.gpu_update_fraction < 1:  # some weights are fetched

@@ -29,7 +29,7 @@ counts them not).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -111,3 +111,8 @@ class FirstStepPlacement:
     def _say(self, level: int, line: str) -> None:
         log.log(level, "%s", line)
         self.report(line)
+
+
+def first_step_listener(listeners: Iterable[object]) -> FirstStepPlacement | None:
+    """The session's ``FirstStepPlacement`` among a controller's step listeners (None: placed at ``offload()``)."""
+    return next((listener for listener in listeners if isinstance(listener, FirstStepPlacement)), None)

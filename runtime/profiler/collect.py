@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from runtime.api import placement_asker, placement_figures
 from runtime.peak_hint import cuda_peak, reserve_probe
 from runtime.controller import StallEvent, StepEvent
-from runtime.measured_placement import FirstStepPlacement
+from runtime.measured_placement import first_step_listener
 from runtime.overlap import WorkerStats
 from runtime.profiler.analysis import summarize
 from runtime.profiler.outputs import SavedProfile, save_profile
@@ -157,8 +157,8 @@ class Profiler:
         usage = {tier: figures["used_nbytes"] for tier, figures in self.session.store.usage().items()}
         if self.session.placement is not self._meta_placement:  # placed after a measured first step
             self._meta, self._meta_placement = session_meta(self.session), self.session.placement
-        if self._gpu_peak_at_start and any(isinstance(listener, FirstStepPlacement) and listener.started
-                                           for listener in controller.step_listeners):
+        first_step = first_step_listener(controller.step_listeners)
+        if self._gpu_peak_at_start and first_step is not None and first_step.started:
             self._gpu_peak_at_start = 0  # the peak statistics were reset when the first step began: all is the steps'
         self._gpu_peak = _gpu_peak_now(self.session)
         stats = controller.schedule.stats
