@@ -37,9 +37,9 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   master of the CPU-updated blocks (4 ``H``); ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written
   back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
   When updates wait for the commit (clipping, fp16 loss scaling) they all run after the backward, beside the
-  next forward: the terms count what shares that window, the streamed state each way and the next forward's
-  weight fetches (or the resident weights' refresh), not the backward's fetches or the gradients it sent to
-  host meanwhile. On an H100 under DeepSpeed ZeRO-2's reservation with clipping (2026-11-27), counting them
+  next forward: the terms count what shares that window, the streamed state each way, the next forward's
+  weight fetches (or the resident weights' refresh) and the CPU-updated blocks' gradients (held on the device
+  until the commit and scaled there, ``runtime.held_grads``), not the backward's fetches. On an H100 under DeepSpeed ZeRO-2's reservation with clipping (2026-11-27), counting them
   chose a fifth of the streaming the best hand-set row had, at 0.61 s a step against its 0.45. This is the
   case of steps that keep clipping; where the coefficient stays 1, host updates run early into second
   buffers during the backward (``runtime.speculation``) and the model overstates T_cpu, erring towards
@@ -170,8 +170,9 @@ def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed:
         weights_nbytes = inputs.fetch_itemsize * fetched
     else:
         weights_nbytes = inputs.fetch_itemsize * (2 * fetched - kept_numel)
-    # Waiting for the commit, the CPU-updated blocks' gradients went to host during the backward.
-    grads_nbytes = 0 if inputs.updates_wait_for_commit else GRAD_ITEMSIZE * host_numel
+    # Waiting for the commit, the CPU-updated blocks' gradients wait on the device and leave after it, scaled
+    # ([Note: held gradients] in runtime.held_grads): in that window too.
+    grads_nbytes = GRAD_ITEMSIZE * host_numel
     return StepTimes(cpu_s=host_numel / rates.adam_params_per_s,
                      h2d_s=(STATE_ITEMSIZE * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,
                      d2h_s=(STATE_ITEMSIZE * streamed_numel + grads_nbytes) / rates.d2h_bytes_per_s)

@@ -23,6 +23,7 @@ from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.autoplace import STATE_ITEMSIZE, blocks_within
 from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
+from runtime.held_grads import HeldGrads
 from runtime.step_phase import StepPhase, check_phase_transition
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
@@ -30,7 +31,7 @@ from runtime.plan import MOMENT_KINDS
 from runtime.schedule import PrefetchSchedule, window_bound
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
-from tierstore import CapacityError, CopyState, TensorMeta, TierName, TierStore, close_at_exit
+from tierstore import CapacityError, CopyState, Handle, TensorMeta, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class StepStats:
     speculation_paused: int = 0
     early_updates: int = 0  # host updates queued to run before their commit (each is published or redone)
     early_reads: int = 0  # spilled blocks whose moments were read from NVMe during the micro-batches, before the commit
+    held_grads: int = 0  # host-updated blocks whose gradient waited on the device and was scaled there ([Note: held gradients])
 
 
 # Why the training thread waited (StallEvent.cause).
@@ -156,6 +158,7 @@ class Controller:
         self._grad_counts = [0] * len(blocks)
         self._in_backward_use = [False] * len(blocks)
         self._deferred_jobs: list[UpdateJob] = []
+        self.held = HeldGrads(self.device)  # [Note: held gradients]
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
@@ -474,6 +477,8 @@ class Controller:
             self._enter_backward()
         if self.gpu_streamed and begins:
             self.writebacks.forward_end()
+        if begins and self.last_micro and self._deferred:
+            self.held.begin()
         if self.gpu_streamed and self.last_micro:
             if begins:
                 self._begin_streaming()
@@ -674,16 +679,31 @@ class Controller:
                 else:
                     self._gpu_update(block, flat, has_grad, step, skip=False)
                 return
-            handle = self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
-            job = UpdateJob(block, handle, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
+            job = UpdateJob(block, None, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
+            job.speculative = self._deferred and self._speculates(block)
+            if job.speculative or not self._deferred or not self.held.try_hold(block.index, flat, self._streamed_to_come()):
+                job.grad_handle = self._grad_to_host(block, flat)
         if not self._deferred:
             self.worker.submit(job)
             return
         self._deferred_jobs.append(job)
-        if not job.skip and self.options.speculate and self._speculate_this_step and self.worker.spares.can_speculate(block):
-            job.speculative = True  # runs now, out of place; the commit publishes or redoes it
+        if job.speculative:  # runs now, out of place; the commit publishes or redoes it
             self.stats.early_updates += 1
             self.worker.submit(job)
+
+    def _speculates(self, block: Block) -> bool:
+        """Deferred mode: block's host update runs before the commit this step (runtime.speculation)."""
+        return self.options.speculate and self._speculate_this_step and self.worker.spares.can_speculate(block)
+
+    def _grad_to_host(self, block: Block, flat: torch.Tensor) -> Handle:
+        """Copy block's fp32 gradient into its host buffer (ordered after the work that produced it)."""
+        return self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
+
+    def _streamed_to_come(self) -> int:
+        """Device bytes of streamed blocks' state not on the device yet: the backward's freed room is theirs
+        first ([Note: held gradients])."""
+        return sum(self.store.record(self.blocks[i].key(kind)).meta.nbytes for i in self.gpu_streamed for kind in STATE_KINDS
+                   if self.store.state(self.blocks[i].key(kind), TierName.GPU) is CopyState.ABSENT)
 
     def _block_hypers(self, block: Block) -> list[AdamWHyper]:
         """Each of block's parameters' AdamW hyper-parameters, as its parameter group holds them now."""
@@ -696,8 +716,8 @@ class Controller:
         return self.options.grad_clip is not None or self.scaler is not None or self.options.hold_updates
 
     def _finish_update_submission(self) -> None:
-        """Deferred mode, at the commit: every gradient is on its way to host; decide clip and skip, then release
-        the jobs in forward order (the next forward needs the first blocks first)."""
+        """Deferred mode, at the commit: decide clip and skip, then release the updates, each side in forward
+        order (the next forward needs the first blocks first): the host's, then the device's."""
         if not self._deferred:
             return
         skip = False
@@ -709,6 +729,70 @@ class Controller:
             coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
             self.stats.grad_norms.append(float(total))
         multiplier = None if coef is None else coef.to("cpu")
+        # The CPU's updates are the step's longest tail: its jobs go first, the device's updates after them.
+        scaled = self._send_held_grads(coef, skip)
+        self._submit_host_jobs(multiplier, skip, scaled)
+        try:
+            self._run_device_updates(coef, skip)
+        except BaseException:
+            self._interrupted = (f"the commit of step {self.optimizer_step + 1} failed in the device's updates after "
+                                 "the host's were queued, so the blocks are at different steps. Restore the last "
+                                 "checkpoint (runtime.checkpoint.load_checkpoint)")
+            self._set_phase(StepPhase.INTERRUPTED)
+            raise
+        if skip:
+            self.stats.skipped_steps += 1
+            log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,
+                     float(self.scaler.scale), float(self.scaler.scale) * self.scaler.backoff_factor)  # type: ignore[union-attr]
+        if self.scaler is not None:
+            self.scaler.update(self.found_inf)
+            self.found_inf.zero_()
+
+    def _send_held_grads(self, coef: torch.Tensor | None, skip: bool) -> dict[int, Handle | None]:
+        """Scale the held gradients on the device and copy them to host in forward order, ahead of the streamed
+        state's write-backs on the copy engine ([Note: held gradients]). Returns each held block's copy (None
+        for a skipped step, whose gradients simply go)."""
+        held = self.held.take()
+        self.stats.held_grads += len(held)
+        scaled: dict[int, Handle | None] = {}
+        for index, flat in held.items():
+            block = self.blocks[index]
+            if not skip:
+                scale_slots(flat, block, self.clipper.user_scales(block), coef)
+            scaled[index] = None if skip else self._grad_to_host(block, flat)
+        return scaled
+
+    def _submit_host_jobs(self, multiplier: torch.Tensor | None, skip: bool, scaled: dict[int, Handle | None]) -> None:
+        """Queue (or resolve, when they ran early) the host-updated blocks' updates in forward order, with the
+        commit's verdict: clip factors (already applied to the ``scaled`` ones), skip, parameter groups."""
+        # Taken before any is resolved: a commit that raised part-way must not resolve a job twice when retried.
+        jobs, self._deferred_jobs = self._deferred_jobs, []
+        self._read_early.clear()  # the updates queued now use (and free) what was read early
+        would_hold = True
+        for job in sorted(jobs, key=lambda j: j.block.index):
+            scales = self.clipper.user_scales(job.block)
+            keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
+            final = dataclasses.replace(
+                job, speculative=False, phase=JobPhase.QUEUED, verdict=None, grad_multiplier=multiplier,
+                slot_multipliers=None if scales is None else [s if s is None else s.to("cpu") for s in scales],
+                hypers=self._block_hypers(job.block),  # the param_groups as the commit finds them
+                mask=None if all(keep) else keep, skip=job.skip or skip or not any(keep))
+            holds = speculation_holds(job, final)
+            would_hold = would_hold and (holds or job.skip)
+            if job.block.index in scaled:  # already scaled on the device, on its way to host
+                final = dataclasses.replace(final, grad_handle=scaled[job.block.index], grad_multiplier=None,
+                                            slot_multipliers=None)
+            if job.speculative:
+                self.worker.resolve(job, holds, final)
+            else:
+                self.worker.submit(final)
+        if self.options.speculate:
+            self.stats.speculation_paused += not self._speculate_this_step
+            self._speculate_this_step = would_hold
+
+    def _run_device_updates(self, coef: torch.Tensor | None, skip: bool) -> None:
+        """The device-updated and streamed blocks' updates, in forward order, each streamed block's state brought
+        in ahead of its update."""
         pending = sorted(self._deferred_gpu, key=lambda item: item[0].index)
         updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
         for position, (block, flat, has_grad, step) in enumerate(pending):
@@ -725,34 +809,6 @@ class Controller:
                 scale_slots(flat, block, self.clipper.user_scales(block), coef)
             self._gpu_update(block, flat, has_grad, step, skip=skip or flat is None)
         self._deferred_gpu = []
-        # Taken before any is resolved: a commit that raised part-way must not resolve a job twice when retried.
-        jobs, self._deferred_jobs = self._deferred_jobs, []
-        self._read_early.clear()  # the updates queued now use (and free) what was read early
-        would_hold = True
-        for job in sorted(jobs, key=lambda j: j.block.index):
-            scales = self.clipper.user_scales(job.block)
-            keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
-            final = dataclasses.replace(
-                job, speculative=False, phase=JobPhase.QUEUED, verdict=None, grad_multiplier=multiplier,
-                slot_multipliers=None if scales is None else [s if s is None else s.to("cpu") for s in scales],
-                hypers=self._block_hypers(job.block),  # the param_groups as the commit finds them
-                mask=None if all(keep) else keep, skip=job.skip or skip or not any(keep))
-            holds = speculation_holds(job, final)
-            would_hold = would_hold and (holds or job.skip)
-            if job.speculative:
-                self.worker.resolve(job, holds, final)
-            else:
-                self.worker.submit(final)
-        if self.options.speculate:
-            self.stats.speculation_paused += not self._speculate_this_step
-            self._speculate_this_step = would_hold
-        if skip:
-            self.stats.skipped_steps += 1
-            log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,
-                     float(self.scaler.scale), float(self.scaler.scale) * self.scaler.backoff_factor)  # type: ignore[union-attr]
-        if self.scaler is not None:
-            self.scaler.update(self.found_inf)
-            self.found_inf.zero_()
 
     def _gpu_update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int, skip: bool) -> None:
         """AdamW on the device, stream-ordered on the current stream (the gradient already scaled). A block whose
@@ -851,6 +907,7 @@ class Controller:
             if job.speculative:
                 self.worker.resolve(job, False, None)  # its result in the spares is simply never published
         self._deferred_jobs, self._deferred_gpu = [], []
+        self.held.drop()
         if self._updating and not self._deferred:
             # Updates of the dropped step already queued run to the end (the blocks are then at two steps, which
             # the next step refuses); nothing below may race them for the blocks' state (releases, a checkpoint

@@ -30,9 +30,10 @@ def force_weights_copy(monkeypatch) -> None:
 
 
 def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkpointing: bool = False,
-             dtype: torch.dtype = torch.float32, loss_scale: float | None = None, inspect=None):
+             dtype: torch.dtype = torch.float32, loss_scale: float | None = None, inspect=None, prepare=None):
     """Train the same model with offload and with the reference; return both loss lists, both weights,
-    the transfer events and the session's stats. ``inspect(session)`` runs after training, before close."""
+    the transfer events and the session's stats. ``prepare(session)`` runs before training, ``inspect(session)``
+    after it, before close."""
     torch.manual_seed(0)
     model = ExampleLM(shape, activation_checkpointing=checkpointing)
     opt_cfg = config.setdefault("optimizer", {})
@@ -47,6 +48,8 @@ def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkp
     batches = make_batches(steps * accumulation)
     ours, theirs = [], []
     try:
+        if prepare is not None:
+            prepare(session)
         for step in range(steps):
             micro = batches[step * accumulation : (step + 1) * accumulation]
             for x, y in micro:

@@ -189,12 +189,13 @@ def test_step_times_count_the_bytes_of_each_path():
     assert times.d2h_s == pytest.approx((12 * 200 + 4 * 700) / 2)
     resident = step_times(inputs(numels, source="resident"), rates, updated=1, streamed=1, kept_numel=0)
     assert resident.h2d_s == pytest.approx(12 * 200 + 4 * 700)  # refreshes of the CPU-updated blocks only
-    # Updates waiting for the commit (clipping): what shares the step's end with them, the streamed state each way
-    # and the next forward's fetches (or the refreshes); the backward's fetches and gradients ran before it.
+    # Updates waiting for the commit (clipping): what shares the step's end with them, the streamed state each way,
+    # the next forward's fetches (or the refreshes) and the gradients held until the commit; the backward's
+    # fetches ran before it.
     deferred = dataclasses.replace(inputs(numels), updates_wait_for_commit=True)
     times = step_times(deferred, rates, updated=1, streamed=1, kept_numel=300)
     assert times.cpu_s == pytest.approx(700 / 10)
-    assert times.h2d_s == pytest.approx(12 * 200 + 4 * 900) and times.d2h_s == pytest.approx(12 * 200 / 2)
+    assert times.h2d_s == pytest.approx(12 * 200 + 4 * 900) and times.d2h_s == pytest.approx((12 * 200 + 4 * 700) / 2)
     resident = dataclasses.replace(inputs(numels, source="resident"), updates_wait_for_commit=True)
     assert step_times(resident, rates, updated=1, streamed=1, kept_numel=0).h2d_s == pytest.approx(12 * 200 + 4 * 700)
 
