@@ -347,6 +347,8 @@ class Controller:
         self.weights.release_refreshes()  # no-op, unless a backward that held them raised before its end
         self.writebacks.forward_begin()
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
+        if signature == "train" and self._deferred:
+            self.held.forward_begin()
         self.schedule.begin(signature)
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("begin", self.optimizer_step, time.perf_counter(), signature))
@@ -354,7 +356,7 @@ class Controller:
     def acquire(self, indices: list[int], phase: str) -> None:
         """Blocks are about to be used: record the use, wait for their update and weights, prefetch ahead."""
         self.store.engine.poll()
-        if phase == "fwd" and self.gpu_streamed and indices and torch.is_grad_enabled():
+        if phase == "fwd" and self._paces_forward and indices and torch.is_grad_enabled():
             self.writebacks.before_forward(indices[0])
         for index in indices:
             self.schedule.observe(index, phase)
@@ -475,7 +477,7 @@ class Controller:
         begins = self._phase is not StepPhase.BACKWARD  # the first block of this backward
         if begins:
             self._enter_backward()
-        if self.gpu_streamed and begins:
+        if self._paces_forward and begins:
             self.writebacks.forward_end()
         if begins and self.last_micro and self._deferred:
             self.held.begin()
@@ -681,7 +683,7 @@ class Controller:
                 return
             job = UpdateJob(block, None, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
             job.speculative = self._deferred and self._speculates(block)
-            if job.speculative or not self._deferred or not self.held.try_hold(block.index, flat, self._streamed_to_come()):
+            if job.speculative or not self._deferred or not self.held.try_hold(block.index, flat, self._streamed_state_nbytes):
                 job.grad_handle = self._grad_to_host(block, flat)
         if not self._deferred:
             self.worker.submit(job)
@@ -699,16 +701,22 @@ class Controller:
         """Copy block's fp32 gradient into its host buffer (ordered after the work that produced it)."""
         return self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
 
-    def _streamed_to_come(self) -> int:
-        """Device bytes of streamed blocks' state not on the device yet: the backward's freed room is theirs
-        first ([Note: held gradients])."""
-        return sum(self.store.record(self.blocks[i].key(kind)).meta.nbytes for i in self.gpu_streamed for kind in STATE_KINDS
-                   if self.store.state(self.blocks[i].key(kind), TierName.GPU) is CopyState.ABSENT)
+    @property
+    def _streamed_state_nbytes(self) -> int:
+        """Device bytes of every streamed block's master and moments ([Note: held gradients])."""
+        return sum(self.store.record(self.blocks[i].key(kind)).meta.nbytes for i in self.gpu_streamed for kind in STATE_KINDS)
 
     def _block_hypers(self, block: Block) -> list[AdamWHyper]:
         """Each of block's parameters' AdamW hyper-parameters, as its parameter group holds them now."""
         groups = self.hyper_source()
         return [groups[g] for g in self.slot_groups[block.index]]
+
+    @property
+    def _paces_forward(self) -> bool:
+        """Copies off the device may be in flight when a training forward starts (streamed state written back,
+        held gradients sent at the commit): the forward waits for them where a block would not fit
+        ([Note: paced write-back])."""
+        return bool(self.gpu_streamed) or self._deferred
 
     @property
     def _deferred(self) -> bool:
@@ -759,7 +767,11 @@ class Controller:
             block = self.blocks[index]
             if not skip:
                 scale_slots(flat, block, self.clipper.user_scales(block), coef)
-            scaled[index] = None if skip else self._grad_to_host(block, flat)
+            if not skip:
+                scaled[index] = self._grad_to_host(block, flat)
+                self.writebacks.add(scaled[index])  # its device memory comes back when it lands (paced forward)
+            else:
+                scaled[index] = None
         return scaled
 
     def _submit_host_jobs(self, multiplier: torch.Tensor | None, skip: bool, scaled: dict[int, Handle | None]) -> None:

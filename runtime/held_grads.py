@@ -8,11 +8,24 @@ here instead, the gradient is scaled on the device at the commit (the same fp32 
 and only then copied to host, in forward order and ahead of the streamed state's write-backs, so the CPU
 starts the first block's update a few milliseconds after the commit and skips the pass.
 
-Holding must not raise the step's memory: a gradient is held only while the memory allocated on the device,
-plus the state of streamed blocks still to come in (which shares the room the backward frees), stays within
-what was allocated when the backward began; otherwise it leaves at once as before, and the worker scales it.
-A step whose host updates run before the commit (``runtime.speculation``) holds nothing: those need the
-gradient on host during the backward. Without CUDA (the CPU tests) the room is not limited.
+Holding must not raise the step's peak, nor take the room streamed blocks' state needs: a gradient is held only
+while the memory allocated on the device stays within what was allocated when the backward began (the
+backward frees activations as it goes), and while everything held plus all the streamed blocks' state fits in
+what the step's activations took (allocated when the backward began less allocated when the forward began): by
+the commit the backward has freed all of it, so the streamed state still finds its room then, however early the
+holds took it. Otherwise the gradient leaves at once, as before, and the worker scales it. (A first rule that
+kept the streamed state's room free *during* the backward held 6 of 14 host blocks' gradients on the benchmark
+model under DeepSpeed ZeRO-2's memory, H100, 2026-11-27.) A step whose host updates run before the commit
+(``runtime.speculation``) holds nothing: those need the gradient on host during the backward. Without CUDA
+(the CPU tests) the room is not limited.
+
+Bytes allocated are not all the caching allocator needs: held gradients pin blocks of its cache that the
+backward's transient tensors and the next forward's activations would have reused, and under a capped GPU a
+request it cannot place makes it give its whole cache back and synchronize the device (an allocation retry).
+Their copies to host are tracked with the streamed write-backs (``runtime.writeback``), so the next forward
+waits for them where a block would not fit, and a step whose window (from one backward's start to the next)
+saw a retry halves the bytes later steps may hold. On the benchmark model under DeepSpeed ZeRO-2's memory
+(H100, 2026-11-27) holding every host block's gradient took the retries of a run from 0-4 to 2-9 without this.
 
 What it leaves out: when the commit happens and what runs after it (``runtime.controller``).
 """
@@ -28,17 +41,40 @@ class HeldGrads:
     def __init__(self, device: torch.device):
         self.device = device
         self._held: dict[int, torch.Tensor] = {}
+        self._base: int | None = None  # device bytes allocated when the last training forward began
         self._ceiling: int | None = None  # device bytes allocated when the step's last backward began
+        self.limit_nbytes: int | None = None  # most bytes a step may hold (None: the room decides alone)
+        self._retries: int | None = None  # the allocator's retries when the last step's backward began
+        self._held_last = 0  # bytes the last step held
+
+    def forward_begin(self) -> None:
+        """A training forward starts: what is allocated now is what its activations come on top of."""
+        self._base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
 
     def begin(self) -> None:
-        """The backward that ends the step starts: its memory in use now bounds what may be held."""
-        self._ceiling = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        """The backward that ends the step starts: its memory in use now bounds what may be held; a retry of
+        the allocator since the last step's began halves what may be held from now on."""
+        if self.device.type != "cuda":
+            return
+        self._ceiling = torch.cuda.memory_allocated(self.device)
+        retries = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+        if self._retries is not None and retries > self._retries and self._held_last > 0:
+            self.limit_nbytes = self._held_last // 2
+        self._retries = retries
+        self._held_last = 0
 
-    def try_hold(self, index: int, flat: torch.Tensor, still_to_come_nbytes: int = 0) -> bool:
-        """Keep block index's gradient ``flat`` (already allocated) on the device if that stays within the
-        room (see the note); ``still_to_come_nbytes``: device bytes other copies will need before the commit."""
+    def try_hold(self, index: int, flat: torch.Tensor, streamed_state_nbytes: int = 0) -> bool:
+        """Keep block index's gradient ``flat`` (already allocated) on the device if the room allows it (see
+        the note); ``streamed_state_nbytes``: device bytes of every streamed block's state, which comes into
+        the same room by the commit."""
         if self.device.type == "cuda":
-            if self._ceiling is None or torch.cuda.memory_allocated(self.device) + still_to_come_nbytes > self._ceiling:
+            if self._ceiling is None or self._base is None:
+                return False
+            room = self._ceiling - self._base
+            held = self.nbytes + flat.numel() * flat.element_size()
+            if torch.cuda.memory_allocated(self.device) > self._ceiling or held + streamed_state_nbytes > room:
+                return False
+            if self.limit_nbytes is not None and held > self.limit_nbytes:
                 return False
         self._held[index] = flat
         return True
@@ -50,6 +86,7 @@ class HeldGrads:
     def take(self) -> dict[int, torch.Tensor]:
         """Every held gradient in forward order; none are held afterwards."""
         held, self._held = self._held, {}
+        self._held_last = sum(flat.numel() * flat.element_size() for flat in held.values())
         return dict(sorted(held.items()))
 
     def drop(self) -> None:

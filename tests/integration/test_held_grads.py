@@ -40,11 +40,11 @@ def test_refused_holds_are_scaled_on_the_host_exactly():
         held = session.controller.held
         hold = held.try_hold
 
-        def try_hold(index, flat, still_to_come_nbytes=0):
+        def try_hold(index, flat, streamed_state_nbytes=0):
             if index % 2 == 0:
                 refused.append(index)
                 return False
-            return hold(index, flat, still_to_come_nbytes)
+            return hold(index, flat, streamed_state_nbytes)
 
         held.try_hold = try_hold
 
@@ -114,19 +114,24 @@ def test_a_dropped_step_lets_its_held_gradients_go():
 
 
 def test_the_room_bounds_what_is_held_on_a_gpu(monkeypatch):
-    # Allocated bytes (faked): 100 when the backward began; a hold must keep allocated + state still to come <= 100.
-    allocated = [100]
+    # Allocated bytes (faked): 20 when the forward began, 100 when the backward began, so the step's activations
+    # took 80: everything held plus the streamed state must fit in 80, and allocated must stay within 100.
+    allocated = [20]
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 0})
     held = HeldGrads(torch.device("cuda"))
-    flat = torch.zeros(4)
-    assert not held.try_hold(0, flat)  # no backward has begun: no room is known
+    flat = torch.zeros(4)  # 16 bytes
+    held.forward_begin()
+    assert not held.try_hold(0, flat)  # the backward has not begun: no room is known
+    allocated[0] = 100
     held.begin()
     allocated[0] = 90
-    assert held.try_hold(1, flat, still_to_come_nbytes=10)
-    assert not held.try_hold(2, flat, still_to_come_nbytes=11)
+    assert held.try_hold(1, flat, streamed_state_nbytes=64)  # 16 + 64 <= 80
+    assert not held.try_hold(2, flat, streamed_state_nbytes=64)  # 32 + 64 > 80
+    assert held.try_hold(3, flat, streamed_state_nbytes=48)  # 32 + 48 <= 80
     allocated[0] = 101
-    assert not held.try_hold(3, flat)
-    assert list(held.take()) == [1] and held.nbytes == 0
+    assert not held.try_hold(4, flat)  # above what the backward began with
+    assert list(held.take()) == [1, 3] and held.nbytes == 0
 
 
 def test_a_commit_that_fails_in_the_device_updates_refuses_the_next_step():
@@ -152,3 +157,27 @@ def test_a_commit_that_fails_in_the_device_updates_refuses_the_next_step():
             optimizer.step()
         with pytest.raises(RuntimeError, match="failed in the device's updates.*load_checkpoint"):
             model(x, y).backward()
+
+
+def test_an_allocator_retry_halves_what_later_steps_hold(monkeypatch):
+    state = {"allocated": 0, "retries": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": state["retries"]})
+    held = HeldGrads(torch.device("cuda"))
+
+    def step(blocks: int) -> int:
+        state["allocated"] = 0
+        held.forward_begin()
+        state["allocated"] = 1000
+        held.begin()
+        state["allocated"] = 500
+        kept = sum(held.try_hold(i, torch.zeros(4)) for i in range(blocks))  # 16 bytes each
+        held.take()
+        return kept
+
+    assert step(8) == 8 and held.limit_nbytes is None
+    state["retries"] = 1  # the allocator gave its cache back during that step's window
+    assert step(8) == 4 and held.limit_nbytes == 64  # half of the 128 bytes held
+    assert step(8) == 4  # no new retry: the limit stays
+    state["retries"] = 3
+    assert step(8) == 2 and held.limit_nbytes == 32
