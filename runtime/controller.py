@@ -348,7 +348,7 @@ class Controller:
         self.writebacks.forward_begin()
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         if signature == "train" and self._deferred:
-            self.held.forward_begin()
+            self.held.forward_begin(self._copies_in_flight_nbytes)
         self.schedule.begin(signature)
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("begin", self.optimizer_step, time.perf_counter(), signature))
@@ -710,6 +710,11 @@ class Controller:
         """Each of block's parameters' AdamW hyper-parameters, as its parameter group holds them now."""
         groups = self.hyper_source()
         return [groups[g] for g in self.slot_groups[block.index]]
+
+    def _copies_in_flight_nbytes(self) -> int:
+        """Device bytes still held by copies to host that nobody has seen land (write-backs, held gradients)."""
+        self.writebacks.settle()
+        return self.writebacks.held_nbytes()
 
     @property
     def _paces_forward(self) -> bool:

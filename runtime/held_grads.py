@@ -32,6 +32,8 @@ What it leaves out: when the commit happens and what runs after it (``runtime.co
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -47,9 +49,16 @@ class HeldGrads:
         self._retries: int | None = None  # the allocator's retries when the last step's backward began
         self._held_last = 0  # bytes the last step held
 
-    def forward_begin(self) -> None:
-        """A training forward starts: what is allocated now is what its activations come on top of."""
-        self._base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+    def forward_begin(self, in_flight: Callable[[], int] = lambda: 0) -> None:
+        """A training forward starts: what is allocated now, less ``in_flight()`` (device bytes of copies to
+        host still under way, which land during the forward: the last step's write-backs and held gradients),
+        is what its activations come on top of. ``in_flight`` is read after the allocation, so a copy landing
+        in between is counted as still allocated (the room comes out smaller, never larger)."""
+        if self.device.type != "cuda":
+            self._base = None
+            return
+        allocated = torch.cuda.memory_allocated(self.device)
+        self._base = allocated - in_flight()
 
     def begin(self) -> None:
         """The backward that ends the step starts: its memory in use now bounds what may be held; a retry of

@@ -132,6 +132,13 @@ def test_the_room_bounds_what_is_held_on_a_gpu(monkeypatch):
     allocated[0] = 101
     assert not held.try_hold(4, flat)  # above what the backward began with
     assert list(held.take()) == [1, 3] and held.nbytes == 0
+    # Copies to host still in flight when the forward began (10 bytes) land during it: not part of the base.
+    allocated[0] = 30
+    held.forward_begin(lambda: 10)
+    allocated[0] = 100
+    held.begin()
+    assert held.try_hold(5, flat, streamed_state_nbytes=64)  # 16 + 64 <= 100 - 20
+    assert not held.try_hold(6, flat, streamed_state_nbytes=64)
 
 
 def test_a_commit_that_fails_in_the_device_updates_refuses_the_next_step():
