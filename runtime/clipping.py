@@ -1,9 +1,10 @@
 """Gradient norms and clipping of the pending step, for tierstore's own clipping and for the user's loop.
 
-A block's gradient leaves the device as soon as its backward completes, so after ``backward()`` a plain
-``p.grad`` would be gone. When updates wait for the step to commit (``optimizer.grad_clip`` set, fp16 loss
-scaling, or ``optimizer.user_grad_clip: true``), each parameter's gradient norm is taken on the device
-before the gradient leaves, and ``p.grad`` returns an ``OffloadedGrad``: a tensor with the gradient's
+A block's gradient is taken off its parameters as soon as its backward completes (copied to host then, or,
+when updates wait for the commit, possibly held on the device until it: ``runtime.held_grads``), so after
+``backward()`` a plain ``p.grad`` would be gone. When updates wait for the step to commit
+(``optimizer.grad_clip`` set, fp16 loss scaling, or ``optimizer.user_grad_clip: true``), each parameter's
+gradient norm is taken on the device at that moment, and ``p.grad`` returns an ``OffloadedGrad``: a tensor with the gradient's
 shape, dtype and device and no storage. The calls ``torch.nn.utils.clip_grad_norm_`` makes on it act on
 the offloaded gradient exactly: its norm is the stored one, and ``mul_`` by the clip coefficient scales the
 gradient before the update (applied at ``optimizer.step()``). Any other use raises an error that says what

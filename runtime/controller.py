@@ -159,6 +159,8 @@ class Controller:
         self._in_backward_use = [False] * len(blocks)
         self._deferred_jobs: list[UpdateJob] = []
         self.held = HeldGrads(self.device)  # [Note: held gradients]
+        # Whether this step's host gradients may be held: where a clip (ours or the user's) may scale them.
+        self._hold_grads = options.grad_clip is not None or options.hold_updates
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
@@ -650,7 +652,8 @@ class Controller:
 
     def _offload_grads(self, block: Block) -> None:
         """Assemble the block's fp32 gradient on the device (adding the host sum of the step's earlier
-        micro-batches when there is one), check / unscale / take norms, copy it to host."""
+        micro-batches when there is one), check / unscale / take norms, copy it to host (or hold it on the
+        device until the commit: [Note: held gradients] in runtime.held_grads)."""
         present = [slot.param.grad is not None for slot in block.slots]
         earlier = self.sums.finish(block.index) if self.sums is not None and self.sums.holds(block.index) else None
         self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
@@ -683,7 +686,9 @@ class Controller:
                 return
             job = UpdateJob(block, None, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
             job.speculative = self._deferred and self._speculates(block)
-            if job.speculative or not self._deferred or not self.held.try_hold(block.index, flat, self._streamed_state_nbytes):
+            held = (self._deferred and not job.speculative and self._hold_grads
+                    and self.held.try_hold(block.index, flat, self._streamed_state_nbytes))
+            if not held:
                 job.grad_handle = self._grad_to_host(block, flat)
         if not self._deferred:
             self.worker.submit(job)
@@ -742,17 +747,22 @@ class Controller:
             coef = torch.clamp(self.options.grad_clip / (total + 1e-6), max=1.0)
             self.stats.grad_norms.append(float(total))
         multiplier = None if coef is None else coef.to("cpu")
-        # The CPU's updates are the step's longest tail: its jobs go first, the device's updates after them.
-        scaled = self._send_held_grads(coef, skip)
-        self._submit_host_jobs(multiplier, skip, scaled)
         try:
+            scaled = self._send_held_grads(coef, skip)
+        except BaseException:
+            self.discard_pending()  # nothing was queued: the step is dropped, as after zero_grad()
+            raise
+        # The CPU's updates are the step's longest tail: its jobs go first, the device's updates after them.
+        try:
+            scales_host = self._submit_host_jobs(multiplier, skip, scaled)
             self._run_device_updates(coef, skip)
         except BaseException:
-            self._interrupted = (f"the commit of step {self.optimizer_step + 1} failed in the device's updates after "
-                                 "the host's were queued, so the blocks are at different steps. Restore the last "
-                                 "checkpoint (runtime.checkpoint.load_checkpoint)")
-            self._set_phase(StepPhase.INTERRUPTED)
+            self.discard_pending(broken=(
+                f"the commit of step {self.optimizer_step + 1} failed after some of its updates were queued, so the "
+                "blocks are at different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint)"))
             raise
+        if not skip:  # hold the next step's host gradients where that saves a multiply: this step's is the guess
+            self._hold_grads = scales_host
         if skip:
             self.stats.skipped_steps += 1
             log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,
@@ -774,18 +784,21 @@ class Controller:
                 scale_slots(flat, block, self.clipper.user_scales(block), coef)
             if not skip:
                 scaled[index] = self._grad_to_host(block, flat)
-                self.writebacks.add(scaled[index])  # its device memory comes back when it lands (paced forward)
+                # Kept alive until seen landed: its memory is in use until then, and the next forward paces itself
+                # by it as by the streamed write-backs.
+                self.writebacks.add(scaled[index], keep=flat)
             else:
                 scaled[index] = None
         return scaled
 
-    def _submit_host_jobs(self, multiplier: torch.Tensor | None, skip: bool, scaled: dict[int, Handle | None]) -> None:
+    def _submit_host_jobs(self, multiplier: torch.Tensor | None, skip: bool, scaled: dict[int, Handle | None]) -> bool:
         """Queue (or resolve, when they ran early) the host-updated blocks' updates in forward order, with the
-        commit's verdict: clip factors (already applied to the ``scaled`` ones), skip, parameter groups."""
+        commit's verdict: clip factors (already applied to the ``scaled`` ones), skip, parameter groups. Returns
+        whether any factor was other than 1 (a gradient that did not wait on the device was multiplied)."""
         # Taken before any is resolved: a commit that raised part-way must not resolve a job twice when retried.
         jobs, self._deferred_jobs = self._deferred_jobs, []
         self._read_early.clear()  # the updates queued now use (and free) what was read early
-        would_hold = True
+        would_hold, scales = True, False
         for job in sorted(jobs, key=lambda j: j.block.index):
             scales = self.clipper.user_scales(job.block)
             keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
@@ -796,6 +809,7 @@ class Controller:
                 mask=None if all(keep) else keep, skip=job.skip or skip or not any(keep))
             holds = speculation_holds(job, final)
             would_hold = would_hold and (holds or job.skip)
+            scales = scales or not (is_unit(final.grad_multiplier) and all(is_unit(f) for f in final.slot_multipliers or []))
             if job.block.index in scaled:  # already scaled on the device, on its way to host
                 final = dataclasses.replace(final, grad_handle=scaled[job.block.index], grad_multiplier=None,
                                             slot_multipliers=None)
@@ -806,6 +820,7 @@ class Controller:
         if self.options.speculate:
             self.stats.speculation_paused += not self._speculate_this_step
             self._speculate_this_step = would_hold
+        return scales
 
     def _run_device_updates(self, coef: torch.Tensor | None, skip: bool) -> None:
         """The device-updated and streamed blocks' updates, in forward order, each streamed block's state brought
@@ -909,23 +924,27 @@ class Controller:
         """Wait until block index's master holds the committed step's update."""
         self.worker.wait_updated(index, self.optimizer_step)
 
-    def discard_pending(self) -> None:
+    def discard_pending(self, broken: str | None = None) -> None:
         """Drop the step in progress (zero_grad() before step(), or a caught exception in forward / backward),
         as plain PyTorch drops its gradients. Updates that wait for the commit never ran: nothing changes. With
-        streaming updates some blocks may already be updated; then the next step refuses (see _interrupted)."""
-        interrupted = bool(self._updating) and not self._deferred  # CPU and device updates alike run as gradients land
+        streaming updates some blocks may already be updated; then the next step refuses (see _interrupted).
+        ``broken``: why the dropped step left blocks at different steps anyway (a commit that failed part-way);
+        the next step refuses with it, and a checkpoint load mends it."""
+        # CPU and device updates alike run as gradients land when they do not wait for the commit.
+        interrupted = broken is not None or (bool(self._updating) and not self._deferred)
         if interrupted:
-            self._interrupted = (f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
-                                 "started their update (updates start as gradients land), so the blocks are at "
-                                 "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
-                                 "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
-                                 "and an abandoned step changes nothing")
+            self._interrupted = broken or (
+                f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
+                "started their update (updates start as gradients land), so the blocks are at "
+                "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
+                "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
+                "and an abandoned step changes nothing")
         for job in self._deferred_jobs:
             if job.speculative:
                 self.worker.resolve(job, False, None)  # its result in the spares is simply never published
         self._deferred_jobs, self._deferred_gpu = [], []
         self.held.drop()
-        if self._updating and not self._deferred:
+        if interrupted:
             # Updates of the dropped step already queued run to the end (the blocks are then at two steps, which
             # the next step refuses); nothing below may race them for the blocks' state (releases, a checkpoint
             # reading a swap file the worker is writing).
@@ -973,8 +992,8 @@ class Controller:
         if self._phase is StepPhase.READY:
             raise RuntimeError(
                 "a backward ran after the last micro-batch's backward, before optimizer.step(): each block's gradient "
-                "left the device for its update when that backward reached it, so a second one could not be added to "
-                f"the step. Call optimizer.step() (or zero_grad()) after every {self.options.accumulation_steps} "
+                "was taken off the parameters for its update when that backward reached it, so a second one could not "
+                f"be added to the step. Call optimizer.step() (or zero_grad()) after every {self.options.accumulation_steps} "
                 "backward pass(es), or raise optimizer.accumulation_steps to the number of backward passes per step")
         self._set_phase(StepPhase.BACKWARD)
 
@@ -1024,14 +1043,16 @@ class _LossScaler:
 
 
 
+def is_unit(factor: torch.Tensor | None) -> bool:
+    """A clip factor that changes no bit: none, or exactly 1 (a CPU tensor)."""
+    return factor is None or float(factor) == 1.0
+
+
 def speculation_holds(speculative: UpdateJob, final: UpdateJob) -> bool:
     """True when the update the commit decided (``final``) is the one a speculative run made: no skip, no clip
     factor but exactly 1 (multiplying by 1 changes no bit), the same parameters and hyper-parameters."""
-    def unit(factor: torch.Tensor | None) -> bool:
-        return factor is None or float(factor) == 1.0
-
     all_kept = [True] * len(final.block.slots)
-    return (not final.skip and unit(final.grad_multiplier) and all(unit(s) for s in final.slot_multipliers or [])
+    return (not final.skip and is_unit(final.grad_multiplier) and all(is_unit(s) for s in final.slot_multipliers or [])
             and final.hypers == speculative.hypers and (final.mask or all_kept) == (speculative.mask or all_kept))
 
 

@@ -11,9 +11,10 @@ Jobs are taken by priority: lowest step, then lowest block index -- the block th
 In *streaming* mode jobs are submitted as gradients arrive and overlap backward; whatever is left when
 backward ends runs in forward order, so the next forward starts while later blocks still update. In
 *deferred* mode (the update needs the whole gradient first: global-norm clipping or fp16 overflow checks)
-every job is submitted at the end of backward, and runs in forward order, except the *speculative* jobs of
-host-updated blocks: they run as gradients land, out of place, and the commit publishes or redoes them (see
-[Note: speculative updates] in ``runtime.speculation``).
+every job is submitted at the end of backward, and runs in forward order (its gradient, when it waited on the
+device for the commit, already scaled there and on its way: [Note: held gradients] in ``runtime.held_grads``),
+except the *speculative* jobs of host-updated blocks: they run as gradients land, out of place, and the commit
+publishes or redoes them (see [Note: speculative updates] in ``runtime.speculation``).
 """
 
 from __future__ import annotations

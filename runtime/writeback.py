@@ -1,7 +1,8 @@
 """Streamed state on its way back to host memory after a device update, and the forward that waits for it.
 
 One job: track the write-backs of streamed blocks' master and moments (``Controller._gpu_update`` starts
-them) and keep the next forward within device memory while they are in flight. What it leaves out: which
+them), and the copies to host of gradients held on the device until the commit ([Note: held gradients] in
+``runtime.held_grads``), and keep the next forward within device memory while they are in flight. What it leaves out: which
 blocks stream and when their state comes in (the controller), how copies are issued (``tierstore.transfer``).
 
 [Note: paced write-back]
@@ -63,6 +64,7 @@ class DeviceWritebacks:
         # Keyed by position too: a block used twice (tied embedding and head) grows differently each time.
         self._growth: dict[tuple[int, int], int] = {}
         self._marks: list[tuple[int, int]] = []  # this forward: (block, bytes allocated less write-backs held)
+        self._kept: dict[Handle, torch.Tensor] = {}  # write-backs' source tensors kept alive until seen landed
         self.waits = 0  # forwards that waited for a write-back to make room
         self.wait_s = 0.0
 
@@ -75,13 +77,25 @@ class DeviceWritebacks:
             self._limit_known = True
         return self._limit
 
-    def add(self, handle: Handle) -> None:
-        """A write-back just started; its device copy is freed when it lands."""
+    def add(self, handle: Handle, keep: torch.Tensor | None = None) -> None:
+        """A write-back just started; its device copy is freed when it lands. ``keep``: a device tensor the copy
+        reads that nobody else holds (a held gradient): kept alive until the copy is seen landed, so that its
+        bytes count as allocated exactly while they are in flight."""
+        self.settle()  # landed ones go first: a tracker nobody waits on (no forward pacing off CUDA) stays small
+        if handle.done():
+            return  # landed already (every copy off CUDA): nothing to wait for, nothing to keep
         self.handles.append(handle)
+        if keep is not None:
+            self._kept[handle] = keep
 
     def settle(self) -> None:
         """Observe the write-backs that landed (their device copies are freed then)."""
         self.handles = [h for h in self.handles if not h.done()]
+        self._forget_landed()
+
+    def _forget_landed(self) -> None:
+        if self._kept:
+            self._kept = {h: t for h, t in self._kept.items() if h in self.handles}
 
     def wait_all(self) -> None:
         """Wait for every write-back in flight (all of them, even when one failed; then its error is raised)."""
@@ -92,6 +106,7 @@ class DeviceWritebacks:
                 handle.wait()
             except BaseException as exc:
                 error = error or exc
+        self._forget_landed()
         if error is not None:
             raise error
 
@@ -117,6 +132,7 @@ class DeviceWritebacks:
         t0 = time.perf_counter()
         while self.handles and self._allocated() + growth > self.limit_nbytes:
             self.handles.pop(0).wait()  # the oldest lands first (one copy stream, in order); its copy is freed
+            self._forget_landed()
         self.waits += 1
         self.wait_s += time.perf_counter() - t0
 
@@ -125,10 +141,10 @@ class DeviceWritebacks:
         between its start and the next block's (write-backs held excluded); then every write-back still in
         flight lands first, so the backward, and the state streamed in as it frees memory, start from the
         memory the forward alone left."""
+        self.settle()
         if self.limit_nbytes is None:
             self._marks = []
             return
-        self.settle()
         end = self._allocated() - self.held_nbytes()
         for position, ((index, at), (_, following)) in enumerate(zip(self._marks, self._marks[1:] + [(-1, end)])):
             self._growth[(position, index)] = max(0, following - at)

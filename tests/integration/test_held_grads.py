@@ -20,6 +20,20 @@ def _host_updated(session) -> int:
     return len(session.blocks) - len(controller.gpu_updated) - len(controller.gpu_streamed)
 
 
+def _refuse_even_blocks(held: HeldGrads, refused: list[int]) -> None:
+    """Make ``held`` refuse the even blocks' gradients (recorded in ``refused``): they leave during the backward and
+    the worker scales them."""
+    hold = held.try_hold
+
+    def try_hold(index, flat, streamed_state_nbytes=0):
+        if index % 2 == 0:
+            refused.append(index)
+            return False
+        return hold(index, flat, streamed_state_nbytes)
+
+    held.try_hold = try_hold
+
+
 def test_every_step_clipping_holds_each_host_gradient_and_matches_the_plain_loop():
     hosted: list[int] = []
     ours, theirs, weights, reference, _, (stats, _, worker) = run_both(
@@ -37,16 +51,7 @@ def test_refused_holds_are_scaled_on_the_host_exactly():
     refused: list[int] = []
 
     def refuse_even_blocks(session) -> None:
-        held = session.controller.held
-        hold = held.try_hold
-
-        def try_hold(index, flat, streamed_state_nbytes=0):
-            if index % 2 == 0:
-                refused.append(index)
-                return False
-            return hold(index, flat, streamed_state_nbytes)
-
-        held.try_hold = try_hold
+        _refuse_even_blocks(session.controller.held, refused)
 
     hosted: list[int] = []
     ours, theirs, weights, reference, _, (stats, _, _) = run_both(
@@ -58,12 +63,17 @@ def test_refused_holds_are_scaled_on_the_host_exactly():
     assert stats.held_grads + len(refused) == 3 * hosted[0]
 
 
-def test_user_clip_below_one_holds_gradients_exactly():
+def _train_with_the_users_clip(refuse_even_blocks: bool) -> None:
+    """Four steps of a loop that calls clip_grad_norm_(max_norm 0.05: it always binds here) before step(), each loss
+    and the final weights equal to the plain loop's; some gradients were held (and the even blocks' refused)."""
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, grad_clip=0.05)
     model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": None, "user_grad_clip": True}})
     session = optimizer.session
+    refused: list[int] = []
+    if refuse_even_blocks:
+        _refuse_even_blocks(session.controller.held, refused)
     with session:
         for x, y in make_batches(4):
             loss = model(x, y)
@@ -74,6 +84,11 @@ def test_user_clip_below_one_holds_gradients_exactly():
             assert loss.item() == reference.train_step([(x, y)])[0]
         assert_identical(session.master_state_dict(), reference)
         assert session.controller.stats.held_grads > 0
+    assert bool(refused) == refuse_even_blocks
+
+
+def test_user_clip_below_one_holds_gradients_exactly():
+    _train_with_the_users_clip(refuse_even_blocks=False)
 
 
 def test_fp16_overflow_steps_drop_held_gradients():
@@ -141,29 +156,47 @@ def test_the_room_bounds_what_is_held_on_a_gpu(monkeypatch):
     assert not held.try_hold(6, flat, streamed_state_nbytes=64)
 
 
-def test_a_commit_that_fails_in_the_device_updates_refuses_the_next_step():
-    # The host's updates are queued before the device's: a failure in the latter leaves blocks at two steps,
-    # and the session says so instead of training on.
+def test_a_commit_that_fails_part_way_refuses_the_next_step_until_a_checkpoint_load(tmp_path):
+    # The host's updates are queued before the device's: a failure in the latter leaves blocks at two steps. The
+    # session says so instead of training on, lets the queued updates finish, and a checkpoint load puts every
+    # block back at one step, after which training matches the plain loop.
+    import time
+
     import pytest
+
+    from runtime import load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, grad_clip=0.05)
     model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": 0.05, "gpu_update_fraction": 0.5}})
     session = optimizer.session
-    x, y = make_batches(1)[0]
+    batches = make_batches(3)
     with session:
         controller = session.controller
         assert controller.gpu_updated, "the config put no block's update on the device"
+        step_and_check(model, optimizer, reference, *batches[0])
+        save_checkpoint(session, tmp_path / "ckpt")
+        run_job, device_update = controller.worker._run_job, controller._gpu_update
+
+        def slow_job(job):  # the failed step's host updates are still queued when the device's fail
+            time.sleep(0.05)
+            run_job(job)
 
         def fail(*args, **kwargs):
             raise RuntimeError("device update failed")
 
-        controller._gpu_update = fail
-        model(x, y).backward()
+        controller.worker._run_job, controller._gpu_update = slow_job, fail
+        model(*batches[1]).backward()
         with pytest.raises(RuntimeError, match="device update failed"):
             optimizer.step()
-        with pytest.raises(RuntimeError, match="failed in the device's updates.*load_checkpoint"):
-            model(x, y).backward()
+        controller.worker._run_job, controller._gpu_update = run_job, device_update
+        with pytest.raises(RuntimeError, match="failed after some of its updates were queued.*load_checkpoint"):
+            model(*batches[2]).backward()
+        load_checkpoint(session, tmp_path / "ckpt")
+        assert_identical(session.master_state_dict(), reference)
+        step_and_check(model, optimizer, reference, *batches[2])
+        assert_identical(session.master_state_dict(), reference)
 
 
 def test_an_allocator_retry_halves_what_later_steps_hold(monkeypatch):
@@ -188,3 +221,41 @@ def test_an_allocator_retry_halves_what_later_steps_hold(monkeypatch):
     assert step(8) == 4  # no new retry: the limit stays
     state["retries"] = 3
     assert step(8) == 2 and held.limit_nbytes == 32
+
+
+def _no_speculation(session) -> None:
+    import dataclasses
+
+    controller = session.controller
+    controller.options = dataclasses.replace(controller.options, speculate=False)
+
+
+def test_holds_follow_the_last_clip_factor():
+    # Without early updates (a plan with no second buffers) a step holds its host gradients only where the last
+    # commit multiplied them: every step when the clip binds, only the first (the guess) when it never does.
+    hosted: list[int] = []
+    inspect = lambda s: hosted.append(_host_updated(s))  # noqa: E731
+    ours, theirs, weights, reference, _, (binding, _, _) = run_both(
+        {"dtype": "fp32", "optimizer": {"grad_clip": 0.05}}, steps=4, prepare=_no_speculation, inspect=inspect)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert binding.held_grads == 4 * hosted[0] and binding.early_updates == 0
+    ours, theirs, weights, reference, _, (idle, _, _) = run_both(
+        {"dtype": "fp32", "optimizer": {"grad_clip": 1e6}}, steps=4, prepare=_no_speculation, inspect=inspect)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert idle.held_grads == hosted[1]  # step 1 only
+
+
+def test_fp16_loss_scaling_without_clipping_holds_nothing():
+    config = {"dtype": "fp16", "optimizer": {"loss_scale": {"initial": 2.0**16}}}
+    ours, theirs, weights, reference, _, (stats, _, _) = run_both(config, steps=4, dtype=torch.float16,
+                                                                  loss_scale=2.0**16, prepare=_no_speculation)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert stats.held_grads == 0
+
+
+def test_user_scales_of_refused_holds_are_applied_on_the_host_exactly():
+    # Held gradients are scaled on the device, refused ones by the worker with the user's per-parameter factors.
+    _train_with_the_users_clip(refuse_even_blocks=True)

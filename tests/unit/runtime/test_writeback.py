@@ -113,3 +113,25 @@ def test_a_block_used_twice_in_a_forward_keeps_each_use_s_growth() -> None:
     # first use: 100 + 600 held + 10 fits (keyed by block alone it would have taken the head's 400: 1100);
     # at the head: 310 + 600 + 400 = 1310 > 970, waited there
     assert pending.waited_at == 310
+
+
+def test_a_kept_source_lives_until_its_write_back_is_seen_landed():
+    # A held gradient's copy: nobody else holds the device tensor, so the tracker keeps it alive while in flight.
+    import weakref
+
+    memory = FakeMemory()
+    writebacks = DeviceWritebacks(torch.device("cpu"), limit_nbytes=100, allocated=memory.allocated)
+    first, second = FakeWriteback(memory, 10), FakeWriteback(memory, 10)
+    sources = [torch.zeros(4), torch.zeros(4)]
+    alive = [weakref.ref(t) for t in sources]
+    writebacks.add(first, keep=sources[0])
+    writebacks.add(second, keep=sources[1])
+    del sources
+    writebacks.settle()
+    assert alive[0]() is not None and alive[1]() is not None
+    first.land()
+    assert alive[0]() is not None  # landed, not yet seen
+    writebacks.settle()
+    assert alive[0]() is None and alive[1]() is not None
+    writebacks.wait_all()
+    assert alive[1]() is None and writebacks.held_nbytes() == 0
