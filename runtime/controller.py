@@ -795,11 +795,10 @@ class Controller:
         """Queue (or resolve, when they ran early) the host-updated blocks' updates in forward order, with the
         commit's verdict: clip factors (already applied to the ``scaled`` ones), skip, parameter groups. Returns
         whether any factor was other than 1 (a gradient that did not wait on the device was multiplied)."""
-        # Taken before any is resolved: a commit that raised part-way must not resolve a job twice when retried.
-        jobs, self._deferred_jobs = self._deferred_jobs, []
-        self._read_early.clear()  # the updates queued now use (and free) what was read early
-        would_hold, scales = True, False
-        for job in sorted(jobs, key=lambda j: j.block.index):
+        would_hold, scaled_any = True, False
+        # Each job leaves the list as it is queued or resolved: a commit that fails part-way leaves the rest to
+        # discard_pending (speculative ones resolved there, never twice).
+        for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
             scales = self.clipper.user_scales(job.block)
             keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
             final = dataclasses.replace(
@@ -809,7 +808,8 @@ class Controller:
                 mask=None if all(keep) else keep, skip=job.skip or skip or not any(keep))
             holds = speculation_holds(job, final)
             would_hold = would_hold and (holds or job.skip)
-            scales = scales or not (is_unit(final.grad_multiplier) and all(is_unit(f) for f in final.slot_multipliers or []))
+            scaled_any = scaled_any or not (is_unit(final.grad_multiplier)
+                                            and all(is_unit(f) for f in final.slot_multipliers or []))
             if job.block.index in scaled:  # already scaled on the device, on its way to host
                 final = dataclasses.replace(final, grad_handle=scaled[job.block.index], grad_multiplier=None,
                                             slot_multipliers=None)
@@ -817,10 +817,12 @@ class Controller:
                 self.worker.resolve(job, holds, final)
             else:
                 self.worker.submit(final)
+            self._deferred_jobs = [j for j in self._deferred_jobs if j is not job]
+        self._read_early.clear()  # the updates queued now use (and free) what was read early
         if self.options.speculate:
             self.stats.speculation_paused += not self._speculate_this_step
             self._speculate_this_step = would_hold
-        return scales
+        return scaled_any
 
     def _run_device_updates(self, coef: torch.Tensor | None, skip: bool) -> None:
         """The device-updated and streamed blocks' updates, in forward order, each streamed block's state brought
@@ -939,6 +941,8 @@ class Controller:
                 "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
                 "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
                 "and an abandoned step changes nothing")
+            # At once: should the cleanup below raise (a failed copy, say), no later step() may commit over it.
+            self._set_phase(StepPhase.INTERRUPTED)
         for job in self._deferred_jobs:
             if job.speculative:
                 self.worker.resolve(job, False, None)  # its result in the spares is simply never published
@@ -958,7 +962,8 @@ class Controller:
         if self.sums is not None:
             self.sums.reset()
         self._release_read_early()
-        self._set_phase(StepPhase.INTERRUPTED if interrupted else StepPhase.IDLE)
+        if not interrupted:
+            self._set_phase(StepPhase.IDLE)
         self.micro = 0
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)

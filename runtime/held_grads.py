@@ -15,8 +15,8 @@ what the step's activations took (allocated when the backward began less allocat
 the commit the backward has freed all of it, so the streamed state still finds its room then, however early the
 holds took it. Otherwise the gradient leaves at once, as before, and the worker scales it. (A first rule that
 kept the streamed state's room free *during* the backward held 6 of 14 host blocks' gradients on the benchmark
-model under DeepSpeed ZeRO-2's memory, H100, 2026-11-27.) A step whose host updates run before the commit
-(``runtime.speculation``) holds nothing: those need the gradient on host during the backward. Without CUDA
+model under DeepSpeed ZeRO-2's memory, H100, 2026-11-27.) A host update that runs before the commit
+(``runtime.speculation``) holds nothing: it needs the gradient on host during the backward. Without CUDA
 (the CPU tests) the room is not limited.
 
 Bytes allocated are not all the caching allocator needs: held gradients pin blocks of its cache that the
@@ -33,7 +33,7 @@ tensors come on top of what is held, which is what a retry, if it comes, correct
 
 A step holds only where the host would otherwise multiply: the clip (ours, or the user's through
 ``clip_grad_norm_``) scaled the last committed step's gradients by a factor other than 1, the best guess for
-this one. Without a factor to apply (fp16 loss scaling alone, a clip that does not bind) the gradients leave
+this one (the first step, with a clip configured, guesses that it will). Without a factor to apply (fp16 loss scaling alone, a clip that does not bind) the gradients leave
 during the backward, where their copy overlaps it. On the benchmark model under DeepSpeed ZeRO-2's memory
 (H100, 2026-11-27) holding every host block's gradient took the retries of a run from 0-4 to 2-9 without this.
 

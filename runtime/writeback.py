@@ -64,7 +64,7 @@ class DeviceWritebacks:
         # Keyed by position too: a block used twice (tied embedding and head) grows differently each time.
         self._growth: dict[tuple[int, int], int] = {}
         self._marks: list[tuple[int, int]] = []  # this forward: (block, bytes allocated less write-backs held)
-        self._kept: dict[Handle, torch.Tensor] = {}  # write-backs' source tensors kept alive until seen landed
+        self._kept: dict[Handle, torch.Tensor] = {}  # write-backs' source tensors kept alive until seen complete
         self.waits = 0  # forwards that waited for a write-back to make room
         self.wait_s = 0.0
 
@@ -87,15 +87,16 @@ class DeviceWritebacks:
         self.handles.append(handle)
         if keep is not None:
             self._kept[handle] = keep
+            # Dropped by whichever thread first sees the copy complete (the engine's poll at any forward, the
+            # worker waiting for it, a settle here), so it never outlives the copy by more than that.
+            handle.add_done_callback(self._release_kept)
+
+    def _release_kept(self, handle: Handle) -> None:
+        self._kept.pop(handle, None)  # one dict operation: safe from any thread
 
     def settle(self) -> None:
         """Observe the write-backs that landed (their device copies are freed then)."""
         self.handles = [h for h in self.handles if not h.done()]
-        self._forget_landed()
-
-    def _forget_landed(self) -> None:
-        if self._kept:
-            self._kept = {h: t for h, t in self._kept.items() if h in self.handles}
 
     def wait_all(self) -> None:
         """Wait for every write-back in flight (all of them, even when one failed; then its error is raised)."""
@@ -106,7 +107,6 @@ class DeviceWritebacks:
                 handle.wait()
             except BaseException as exc:
                 error = error or exc
-        self._forget_landed()
         if error is not None:
             raise error
 
@@ -132,7 +132,6 @@ class DeviceWritebacks:
         t0 = time.perf_counter()
         while self.handles and self._allocated() + growth > self.limit_nbytes:
             self.handles.pop(0).wait()  # the oldest lands first (one copy stream, in order); its copy is freed
-            self._forget_landed()
         self.waits += 1
         self.wait_s += time.perf_counter() - t0
 

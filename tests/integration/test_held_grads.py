@@ -63,32 +63,32 @@ def test_refused_holds_are_scaled_on_the_host_exactly():
     assert stats.held_grads + len(refused) == 3 * hosted[0]
 
 
-def _train_with_the_users_clip(refuse_even_blocks: bool) -> None:
-    """Four steps of a loop that calls clip_grad_norm_(max_norm 0.05: it always binds here) before step(), each loss
-    and the final weights equal to the plain loop's; some gradients were held (and the even blocks' refused)."""
+def _train_with_the_users_clip(max_norm: float, prepare=None):
+    """Four steps of a loop that calls clip_grad_norm_(max_norm) before step(), each loss and the final weights
+    equal to the plain loop's; ``prepare(session)`` runs first. Returns the session's step statistics and how
+    many blocks it updates on the host."""
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
-    reference = ReferenceTrainer(model, grad_clip=0.05)
+    reference = ReferenceTrainer(model, grad_clip=max_norm)
     model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": None, "user_grad_clip": True}})
     session = optimizer.session
-    refused: list[int] = []
-    if refuse_even_blocks:
-        _refuse_even_blocks(session.controller.held, refused)
+    if prepare is not None:
+        prepare(session)
     with session:
         for x, y in make_batches(4):
             loss = model(x, y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
             optimizer.zero_grad()
             assert loss.item() == reference.train_step([(x, y)])[0]
         assert_identical(session.master_state_dict(), reference)
-        assert session.controller.stats.held_grads > 0
-    assert bool(refused) == refuse_even_blocks
+    return session.controller.stats, _host_updated(session)
 
 
 def test_user_clip_below_one_holds_gradients_exactly():
-    _train_with_the_users_clip(refuse_even_blocks=False)
+    stats, _ = _train_with_the_users_clip(0.05)
+    assert stats.held_grads > 0
 
 
 def test_fp16_overflow_steps_drop_held_gradients():
@@ -247,6 +247,13 @@ def test_holds_follow_the_last_clip_factor():
     assert idle.held_grads == hosted[1]  # step 1 only
 
 
+def test_a_users_clip_that_does_not_bind_stops_the_holds():
+    # clip_grad_norm_ records a factor every step, exactly 1 when the clip does not bind: nothing to multiply, so
+    # only the first step (the guess) holds.
+    stats, hosted = _train_with_the_users_clip(1e6, prepare=_no_speculation)
+    assert stats.held_grads == hosted > 0
+
+
 def test_fp16_loss_scaling_without_clipping_holds_nothing():
     config = {"dtype": "fp16", "optimizer": {"loss_scale": {"initial": 2.0**16}}}
     ours, theirs, weights, reference, _, (stats, _, _) = run_both(config, steps=4, dtype=torch.float16,
@@ -258,4 +265,6 @@ def test_fp16_loss_scaling_without_clipping_holds_nothing():
 
 def test_user_scales_of_refused_holds_are_applied_on_the_host_exactly():
     # Held gradients are scaled on the device, refused ones by the worker with the user's per-parameter factors.
-    _train_with_the_users_clip(refuse_even_blocks=True)
+    refused: list[int] = []
+    stats, _ = _train_with_the_users_clip(0.05, prepare=lambda session: _refuse_even_blocks(session.controller.held, refused))
+    assert refused and stats.held_grads > 0

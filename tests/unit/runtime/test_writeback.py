@@ -28,6 +28,14 @@ class FakeWriteback:
         if not self.landed:
             self.landed = True
             self.memory.held -= self.nbytes
+            for callback in getattr(self, "callbacks", []):
+                callback(self)
+
+    def add_done_callback(self, callback) -> None:
+        if self.landed:
+            callback(self)
+        else:
+            self.__dict__.setdefault("callbacks", []).append(callback)
 
     def done(self) -> bool:
         return self.landed
@@ -115,8 +123,9 @@ def test_a_block_used_twice_in_a_forward_keeps_each_use_s_growth() -> None:
     assert pending.waited_at == 310
 
 
-def test_a_kept_source_lives_until_its_write_back_is_seen_landed():
-    # A held gradient's copy: nobody else holds the device tensor, so the tracker keeps it alive while in flight.
+def test_a_kept_source_lives_until_its_write_back_completes():
+    # A held gradient's copy: nobody else holds the device tensor, so the tracker keeps it alive while in flight
+    # and lets it go the moment the copy is seen complete (by anyone: the handle's completion callback).
     import weakref
 
     memory = FakeMemory()
@@ -130,8 +139,10 @@ def test_a_kept_source_lives_until_its_write_back_is_seen_landed():
     writebacks.settle()
     assert alive[0]() is not None and alive[1]() is not None
     first.land()
-    assert alive[0]() is not None  # landed, not yet seen
-    writebacks.settle()
     assert alive[0]() is None and alive[1]() is not None
     writebacks.wait_all()
     assert alive[1]() is None and writebacks.held_nbytes() == 0
+    landed = FakeWriteback(memory, 10)
+    landed.land()
+    writebacks.add(landed, keep=torch.zeros(4))  # complete already: not tracked, nothing kept
+    assert writebacks.handles == [] and writebacks.held_nbytes() == 0
