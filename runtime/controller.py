@@ -818,7 +818,8 @@ class Controller:
             else:
                 self.worker.submit(final)
             self._deferred_jobs = [j for j in self._deferred_jobs if j is not job]
-        self._read_early.clear()  # the updates queued now use (and free) what was read early
+            self._read_early.discard(job.block.index)  # its update uses (and frees) what was read early for it
+        self._read_early.clear()
         if self.options.speculate:
             self.stats.speculation_paused += not self._speculate_this_step
             self._speculate_this_step = would_hold
@@ -931,48 +932,63 @@ class Controller:
         as plain PyTorch drops its gradients. Updates that wait for the commit never ran: nothing changes. With
         streaming updates some blocks may already be updated; then the next step refuses (see _interrupted).
         ``broken``: why the dropped step left blocks at different steps anyway (a commit that failed part-way);
-        the next step refuses with it, and a checkpoint load mends it."""
+        the next step refuses with it, and a checkpoint load mends it. A cleanup that fails itself (a copy that
+        failed, say) leaves the session refusing the next step the same way, and the error is raised."""
         # CPU and device updates alike run as gradients land when they do not wait for the commit.
         interrupted = broken is not None or (bool(self._updating) and not self._deferred)
         if interrupted:
-            self._interrupted = broken or (
+            self._interrupt(broken or (
                 f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
                 "started their update (updates start as gradients land), so the blocks are at "
                 "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
                 "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
-                "and an abandoned step changes nothing")
-            # At once: should the cleanup below raise (a failed copy, say), no later step() may commit over it.
-            self._set_phase(StepPhase.INTERRUPTED)
-        for job in self._deferred_jobs:
-            if job.speculative:
-                self.worker.resolve(job, False, None)  # its result in the spares is simply never published
+                "and an abandoned step changes nothing"))
+        speculative = [job for job in self._deferred_jobs if job.speculative]
         self._deferred_jobs, self._deferred_gpu = [], []
         self.held.drop()
-        if interrupted:
-            # Updates of the dropped step already queued run to the end (the blocks are then at two steps, which
-            # the next step refuses); nothing below may race them for the blocks' state (releases, a checkpoint
-            # reading a swap file the worker is writing).
-            self.worker.drain()
-        self.wait_device_writebacks()  # updates of this step already written back stay (see _interrupted)
-        for index in self.gpu_streamed:  # state brought in for the dropped step: clean copies, let them go
-            for kind in STATE_KINDS:
-                self.store.release_read_ahead(self.blocks[index].key(kind), TierName.GPU)
-        self.found_inf.zero_()
-        self.clipper.reset()
-        if self.sums is not None:
-            self.sums.reset()
-        self._release_read_early()
+        self._reset_step_counters()  # first: whatever fails below, a checkpoint load finds a step-free controller
+        try:
+            for job in speculative:
+                self.worker.resolve(job, False, None)  # its result in the spares is simply never published
+            if interrupted:
+                # Updates of the dropped step already queued run to the end (the blocks are then at two steps,
+                # which the next step refuses); nothing below may race them for the blocks' state (releases, a
+                # checkpoint reading a swap file the worker is writing).
+                self.worker.drain()
+            self.wait_device_writebacks()  # updates of this step already written back stay (see _interrupted)
+            for index in self.gpu_streamed:  # state brought in for the dropped step: clean copies, let them go
+                for kind in STATE_KINDS:
+                    self.store.release_read_ahead(self.blocks[index].key(kind), TierName.GPU)
+            self.found_inf.zero_()
+            if self.sums is not None:
+                self.sums.reset()
+            self._release_read_early()
+            for index, state in enumerate(self.weights.states):
+                state.users = 0
+                self._release(index)
+            self.weights.release_refreshes()
+        except BaseException:
+            if not interrupted:
+                self._interrupt("dropping a step failed part-way, so the blocks' state may be at different steps. "
+                                "Restore the last checkpoint (runtime.checkpoint.load_checkpoint)")
+            raise
         if not interrupted:
             self._set_phase(StepPhase.IDLE)
+
+    def _interrupt(self, why: str) -> None:
+        """The next step must refuse (with ``why``) until a checkpoint load puts every block at one step."""
+        self._interrupted = why
+        if self._phase is not StepPhase.INTERRUPTED:
+            self._set_phase(StepPhase.INTERRUPTED)
+
+    def _reset_step_counters(self) -> None:
+        """Forget the step in progress: micro-batches, gradients taken, blocks updating; no copy, no wait."""
         self.micro = 0
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
         self._updating.clear()
         self._fresh.clear()
-        for index, state in enumerate(self.weights.states):
-            state.users = 0
-            self._release(index)
-        self.weights.release_refreshes()
+        self.clipper.reset()
         for block in self.blocks:  # gradients of non-final micro-batches still on the device
             for slot in block.slots:
                 torch.Tensor.grad.__set__(slot.param, None)

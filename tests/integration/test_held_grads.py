@@ -268,3 +268,37 @@ def test_user_scales_of_refused_holds_are_applied_on_the_host_exactly():
     refused: list[int] = []
     stats, _ = _train_with_the_users_clip(0.05, prepare=lambda session: _refuse_even_blocks(session.controller.held, refused))
     assert refused and stats.held_grads > 0
+
+
+def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_load(tmp_path):
+    # zero_grad() before step() drops the step; if a copy it waits for failed, the session cannot know every block
+    # is at one step: it refuses the next one, and a checkpoint load mends it (the step's counters are reset first).
+    import pytest
+
+    from runtime import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, grad_clip=0.05)
+    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": 0.05}})
+    session = optimizer.session
+    batches = make_batches(3)
+    with session:
+        controller = session.controller
+        step_and_check(model, optimizer, reference, *batches[0])
+        save_checkpoint(session, tmp_path / "ckpt")
+        model(*batches[1]).backward()
+        wait = controller.wait_device_writebacks
+
+        def failing_wait():
+            raise RuntimeError("a write-back failed")
+
+        controller.wait_device_writebacks = failing_wait
+        with pytest.raises(RuntimeError, match="a write-back failed"):
+            optimizer.zero_grad()
+        controller.wait_device_writebacks = wait
+        with pytest.raises(RuntimeError, match="dropping a step failed part-way.*load_checkpoint"):
+            model(*batches[2]).backward()
+        load_checkpoint(session, tmp_path / "ckpt")
+        step_and_check(model, optimizer, reference, *batches[2])
+        assert_identical(session.master_state_dict(), reference)

@@ -144,5 +144,8 @@ def test_a_kept_source_lives_until_its_write_back_completes():
     assert alive[1]() is None and writebacks.held_nbytes() == 0
     landed = FakeWriteback(memory, 10)
     landed.land()
-    writebacks.add(landed, keep=torch.zeros(4))  # complete already: not tracked, nothing kept
-    assert writebacks.handles == [] and writebacks.held_nbytes() == 0
+    source = torch.zeros(4)
+    kept = weakref.ref(source)
+    writebacks.add(landed, keep=source)  # complete already: not tracked, nothing kept
+    del source
+    assert writebacks.handles == [] and kept() is None
