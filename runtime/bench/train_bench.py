@@ -159,9 +159,11 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         # back, weights refreshed) run into the next step and are charged wherever they delay it.
         _sync()
         t0 = time.perf_counter()
+        held_per_step, scale_per_step = [], []
         for _ in range(steps):
             c = session.controller.stats
             u0, f0, before = c.wait_update_s, c.wait_fetch_s, dict(moved)
+            h0, s0 = c.held_grads, session.controller.worker.stats.scale_s
             for _ in range(accumulation):
                 loss = batch_loss(spec, model, batch)
                 loss.backward()
@@ -173,6 +175,9 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             t0 = t1
             wait_update.append(c.wait_update_s - u0)
             wait_fetch.append(c.wait_fetch_s - f0)
+            held_per_step.append(c.held_grads - h0)
+            # The worker's multiplies of this step's gradients end after step() returns: read at the next step's.
+            scale_per_step.append(session.controller.worker.stats.scale_s - s0)
             for kind in moved:
                 per_step[kind].append(moved[kind] - before[kind])
         opt.synchronize()
@@ -183,6 +188,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         spilled = len(controller.options.spilled_blocks)
         hit_rate, worker = controller.schedule.stats.hit_rate, controller.worker.stats
         writeback_waits = (controller.writebacks.waits, controller.writebacks.wait_s)
+        host_blocks = len(session.blocks) - len(controller.gpu_updated) - len(controller.gpu_streamed)
         notes = list(session.plan.notes or ())
     finally:
         session.close()
@@ -195,6 +201,9 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             "peak_gpu_nbytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
             "pinned_nbytes": pinned, "spilled_blocks": spilled, "placement_notes": notes, "steps_s": step_s,
             "writeback_waits": writeback_waits,  # forwards that waited for streamed state to go home, seconds
+            # Host gradients held on the device until each commit ([Note: held gradients]) of the host_blocks, and
+            # the worker's seconds multiplying by clip factors during each step (mostly the step before's jobs).
+            "held_per_step": held_per_step, "host_blocks": host_blocks, "scale_s_per_step": scale_per_step,
             # A mean, not a median: IO completing after its step's end is counted in the next one.
             "moved_nbytes": {kind: statistics.mean(values[warm:]) for kind, values in per_step.items()}}
 
@@ -404,6 +413,9 @@ def format_table(rows: list[str], results: dict[str, Any], bounds: dict[str, Bou
     lines += [_bound_line(row, bounds[row], results[row]) for row in rows if row in bounds]
     lines += [f"placement {row}: {note.strip()}" for row in rows for note in results.get(row, {}).get("placement_notes", [])
               if row_options(row)[1].get("auto")]
+    lines += [f"held gradients {row}: {r['held_per_step']} of {r['host_blocks']} host blocks a step; the host's clip "
+              f"multiply {', '.join(f'{x * 1e3:.0f}' for x in r['scale_s_per_step'])} ms a step"
+              for row in rows if (r := results.get(row, {})).get("held_per_step") and any(r["held_per_step"])]
     lines += [f"allocator {row}: {r['alloc_retries']} retries (cached memory given back under pressure), "
               f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, "
               f"peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"

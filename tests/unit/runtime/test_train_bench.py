@@ -114,6 +114,11 @@ def test_rows_run_and_move_what_the_accounting_says(row):
         assert result["clipped"] is not None and 0 <= result["clipped"] <= 1
     else:
         assert result["clipped"] is None
+    if row == "host-clip":  # every step clips: the first runs its host updates early, the next hold every gradient
+        assert result["clipped"] == 1.0
+        assert result["held_per_step"] == [0] + [result["host_blocks"]] * 2 and result["host_blocks"] > 0
+    elif not row.startswith("torch"):
+        assert not any(result["held_per_step"])  # nothing to multiply, nothing held
     placement = RowPlacement(**result["placement"])
     if row.startswith("torch"):
         assert placement.gpu_update_numel == placement.num_params == result["num_params"]
@@ -146,6 +151,7 @@ def test_rows_in_their_own_processes_and_the_table(tmpfs_dir):
     host = next(line for line in lines if line.startswith("host-clip "))
     assert "clipping at 1.0" in host
     assert any(line.startswith("bound host-clip: max(T_gpu") and "moved" in line for line in lines)
+    assert any(line.startswith("held gradients host-clip: [0, ") for line in lines)
     assert any(line.startswith("nvme-auto") and "failed" in line for line in lines)
 
 
