@@ -989,9 +989,10 @@ class Controller:
         self._updating.clear()
         self._fresh.clear()
         self.clipper.reset()
-        for block in self.blocks:  # gradients of non-final micro-batches still on the device
-            for slot in block.slots:
-                torch.Tensor.grad.__set__(slot.param, None)
+        with torch._C.DisableTorchFunctionSubclass():  # not through the guard: no host sum to drop, no wait
+            for block in self.blocks:  # gradients of non-final micro-batches still on the device
+                for slot in block.slots:
+                    torch.Tensor.grad.__set__(slot.param, None)
 
     def clear_interrupted(self) -> None:
         """Every block's state was just restored to one step (a checkpoint load): training may go on (not after a
@@ -999,6 +1000,10 @@ class Controller:
         if self._placement_broken:
             return
         if self._phase is StepPhase.INTERRUPTED:
+            # A drop whose cleanup failed may have left these: the next step starts from none of the old one.
+            self.found_inf.zero_()
+            if self.sums is not None:
+                self.sums.reset()
             self._set_phase(StepPhase.IDLE)
         self._interrupted = None
 

@@ -49,6 +49,7 @@ LEGAL_PHASE_TRANSITIONS: frozenset[tuple[StepPhase, StepPhase]] = frozenset(
         # ... after updates had started as gradients landed (streaming): blocks are at different steps.
         (StepPhase.BACKWARD, StepPhase.INTERRUPTED),
         (StepPhase.READY, StepPhase.INTERRUPTED),
+        (StepPhase.ACCUMULATING, StepPhase.INTERRUPTED),  # ... or dropping one failed part-way (discard_pending)
         (StepPhase.INTERRUPTED, StepPhase.IDLE),  # a checkpoint load put every block at one step
         (StepPhase.IDLE, StepPhase.INTERRUPTED),  # a placement change that could not be undone (adopt_placement)
     }

@@ -176,7 +176,8 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             wait_update.append(c.wait_update_s - u0)
             wait_fetch.append(c.wait_fetch_s - f0)
             held_per_step.append(c.held_grads - h0)
-            # The worker's multiplies of this step's gradients end after step() returns: read at the next step's.
+            # The worker's multiplies between the last step's end and this one's: mostly the last step's jobs (they
+            # run after its step() returns); the final step's own are not counted.
             scale_per_step.append(session.controller.worker.stats.scale_s - s0)
             for kind in moved:
                 per_step[kind].append(moved[kind] - before[kind])
@@ -413,9 +414,9 @@ def format_table(rows: list[str], results: dict[str, Any], bounds: dict[str, Bou
     lines += [_bound_line(row, bounds[row], results[row]) for row in rows if row in bounds]
     lines += [f"placement {row}: {note.strip()}" for row in rows for note in results.get(row, {}).get("placement_notes", [])
               if row_options(row)[1].get("auto")]
-    lines += [f"held gradients {row}: {r['held_per_step']} of {r['host_blocks']} host blocks a step; the host's clip "
-              f"multiply {', '.join(f'{x * 1e3:.0f}' for x in r['scale_s_per_step'])} ms a step"
-              for row in rows if (r := results.get(row, {})).get("held_per_step") and any(r["held_per_step"])]
+    lines += [f"held gradients {row}: {r['held_per_step']} of {r['host_blocks']} host blocks (as placed at the end) a "
+              f"step; the host's clip multiply between step ends {', '.join(f'{x * 1e3:.0f}' for x in r['scale_s_per_step'])} ms"
+              for row in rows if "held_per_step" in (r := results.get(row, {})) and row_options(row)[1].get("clip")]
     lines += [f"allocator {row}: {r['alloc_retries']} retries (cached memory given back under pressure), "
               f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, "
               f"peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"

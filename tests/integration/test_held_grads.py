@@ -5,6 +5,7 @@ host gradient sums and a dropped step; the holds really happen (counted per bloc
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime import offload
@@ -270,24 +271,37 @@ def test_user_scales_of_refused_holds_are_applied_on_the_host_exactly():
     assert refused and stats.held_grads > 0
 
 
-def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_load(tmp_path):
-    # zero_grad() before step() drops the step; if a copy it waits for failed, the session cannot know every block
-    # is at one step: it refuses the next one, and a checkpoint load mends it (the step's counters are reset first).
-    import pytest
-
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_load(tmp_path, accumulation):
+    # zero_grad() before step() drops the step (with 2: between micro-batches, its first already summed in host
+    # memory); if a copy it waits for failed, the session cannot know every block is at one step: it refuses the
+    # next one, and a checkpoint load mends it: the next step starts from none of the dropped one's sums.
     from runtime import load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
-    reference = ReferenceTrainer(model, grad_clip=0.05)
-    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": 0.05}})
+    reference = ReferenceTrainer(model, grad_clip=0.05, accumulation_steps=accumulation)
+    config = {"dtype": "fp32", "optimizer": {"grad_clip": 0.05, "accumulation_steps": accumulation,
+                                             "accumulate_on": "host" if accumulation > 1 else "gpu"}}
+    model, optimizer = offload(model, config)
     session = optimizer.session
-    batches = make_batches(3)
+    batches = make_batches(3 * accumulation)
+
+    def step(micro) -> None:
+        losses = []
+        for x, y in micro:
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+        assert losses == reference.train_step(micro)
+
     with session:
         controller = session.controller
-        step_and_check(model, optimizer, reference, *batches[0])
+        step(batches[:accumulation])
         save_checkpoint(session, tmp_path / "ckpt")
-        model(*batches[1]).backward()
+        model(*batches[accumulation]).backward()  # the dropped step's first micro-batch
         wait = controller.wait_device_writebacks
 
         def failing_wait():
@@ -298,7 +312,7 @@ def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_loa
             optimizer.zero_grad()
         controller.wait_device_writebacks = wait
         with pytest.raises(RuntimeError, match="dropping a step failed part-way.*load_checkpoint"):
-            model(*batches[2]).backward()
+            model(*batches[2 * accumulation]).backward()
         load_checkpoint(session, tmp_path / "ckpt")
-        step_and_check(model, optimizer, reference, *batches[2])
+        step(batches[2 * accumulation:])
         assert_identical(session.master_state_dict(), reference)
