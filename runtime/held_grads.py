@@ -11,31 +11,33 @@ starts the first block's update a few milliseconds after the commit and skips th
 Holding must not raise the step's peak, nor take the room streamed blocks' state needs: a gradient is held only
 while the memory allocated on the device stays within what was allocated when the backward began (the
 backward frees activations as it goes), and while everything held plus all the streamed blocks' state fits in
-what the step's activations took (allocated when the backward began less allocated when the forward began): by
-the commit the backward has freed all of it, so the streamed state still finds its room then, however early the
-holds took it. Otherwise the gradient leaves at once, as before, and the worker scales it. (A first rule that
-kept the streamed state's room free *during* the backward held 6 of 14 host blocks' gradients on the benchmark
-model under DeepSpeed ZeRO-2's memory, H100, 2026-11-27.) A host update that runs before the commit
-(``runtime.speculation``) holds nothing: it needs the gradient on host during the backward. Without CUDA
-(the CPU tests) the room is not limited.
+what the step's activations took (allocated when the backward began less allocated when the forward began,
+not counting copies to host still in flight then): by the commit the backward has freed all of it, so the
+streamed state still finds its room then, however early the holds took it. Otherwise the gradient leaves at
+once, as before, and the worker scales it. (A first rule that kept the streamed state's room free *during* the
+backward held 6 of 14 host blocks' gradients on the benchmark model under DeepSpeed ZeRO-2's memory, H100,
+2026-11-27.) A host update that runs before the commit (``runtime.speculation``) holds nothing: it needs the
+gradient on host during the backward. Without CUDA (the CPU tests) the room is not limited.
 
 Bytes allocated are not all the caching allocator needs: held gradients pin blocks of its cache that the
 backward's transient tensors and the next forward's activations would have reused, and under a capped GPU a
 request it cannot place makes it give its whole cache back and synchronize the device (an allocation retry).
 Their copies to host are tracked with the streamed write-backs (``runtime.writeback``; each held tensor is kept
-alive until its copy is seen landed, so its bytes count as allocated exactly while they are in flight), so
-the next forward waits for them where a block would not fit, and a step whose window (from one backward's
-start to the next) saw a retry halves the bytes later steps may hold. The retry count is the process's: a
-retry of another model's run halves it too, and the limit never grows back within a session (a retry costs a
-device synchronization; a smaller hold costs only part of the saved multiply). Holding keeps memory in use
-within what the backward began with at each hold, not at every moment after it: a later block's transient
-tensors come on top of what is held, which is what a retry, if it comes, corrects.
+alive until its copy completes, so its bytes count as allocated exactly while they are in flight), so the next
+forward waits for them where a block would not fit, and a step whose window (from one backward's start to the
+next) saw a retry halves the bytes later steps may hold. On the benchmark model under DeepSpeed ZeRO-2's memory
+(H100, 2026-11-27) holding every host block's gradient without these two took a run's retries from 0-4 to
+2-9. The retry count is the process's: a retry of another model's run halves the limit too, and it never grows
+back within a session (a retry costs a device synchronization; a smaller hold costs only part of the saved
+multiply). Holding keeps memory in use within what the backward began with at each hold, not at every moment
+after it: a later block's transient tensors come on top of what is held, which is what a retry, if it comes,
+corrects.
 
 A step holds only where the host would otherwise multiply: the clip (ours, or the user's through
 ``clip_grad_norm_``) scaled the last committed step's gradients by a factor other than 1, the best guess for
-this one (the first step, with a clip configured, guesses that it will). Without a factor to apply (fp16 loss scaling alone, a clip that does not bind) the gradients leave
-during the backward, where their copy overlaps it. On the benchmark model under DeepSpeed ZeRO-2's memory
-(H100, 2026-11-27) holding every host block's gradient took the retries of a run from 0-4 to 2-9 without this.
+this one (the first step, with a clip configured, guesses that it will). Without a factor to apply (fp16 loss
+scaling alone, a clip that does not bind) the gradients leave during the backward, where their copy overlaps
+it.
 
 What it leaves out: when the commit happens and what runs after it (``runtime.controller``).
 """
