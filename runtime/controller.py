@@ -164,7 +164,7 @@ class Controller:
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
-        hosted = [b for b in blocks if b.index not in self.gpu_updated and b.index not in self.gpu_streamed]
+        hosted = self.host_updated_blocks
         # Spilled blocks whose moments are read early (see _read_spilled_early), in the order deferred updates run;
         # none when the master lives on NVMe too: the first updates would need the room for their masters.
         self._spilled_in_update_order = sorted(options.spilled_blocks) if options.homes["master"] is not TierName.NVME else []
@@ -482,7 +482,7 @@ class Controller:
         if self._paces_forward and begins:
             self.writebacks.forward_end()
         if begins and self.last_micro and self._deferred:
-            self.held.begin()
+            self.held.begin(self._streamed_state_nbytes)
         if self.gpu_streamed and self.last_micro:
             if begins:
                 self._begin_streaming()
@@ -687,7 +687,7 @@ class Controller:
             job = UpdateJob(block, None, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
             job.speculative = self._deferred and self._speculates(block)
             held = (self._deferred and not job.speculative and self._hold_grads
-                    and self.held.try_hold(block.index, flat, self._streamed_state_nbytes))
+                    and self.held.try_hold(block.index, flat))
             if not held:
                 job.grad_handle = self._grad_to_host(block, flat)
         if not self._deferred:
@@ -705,6 +705,11 @@ class Controller:
     def _grad_to_host(self, block: Block, flat: torch.Tensor) -> Handle:
         """Copy block's fp32 gradient into its host buffer (ordered after the work that produced it)."""
         return self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
+
+    @property
+    def host_updated_blocks(self) -> list[Block]:
+        """The blocks whose update runs on the CPU: neither updated on the device nor streamed to it."""
+        return [b for b in self.blocks if b.index not in self.gpu_updated and b.index not in self.gpu_streamed]
 
     @property
     def _streamed_state_nbytes(self) -> int:
@@ -763,7 +768,7 @@ class Controller:
             raise
         if not skip:  # hold the next step's host gradients where that saves a multiply: this step's is the guess
             self._hold_grads = scales_host
-        if skip:
+        else:
             self.stats.skipped_steps += 1
             log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,
                      float(self.scaler.scale), float(self.scaler.scale) * self.scaler.backoff_factor)  # type: ignore[union-attr]
@@ -782,7 +787,6 @@ class Controller:
             block = self.blocks[index]
             if not skip:
                 scale_slots(flat, block, self.clipper.user_scales(block), coef)
-            if not skip:
                 scaled[index] = self._grad_to_host(block, flat)
                 # Kept alive until seen landed: its memory is in use until then, and the next forward paces itself
                 # by it as by the streamed write-backs.

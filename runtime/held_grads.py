@@ -57,6 +57,7 @@ class HeldGrads:
         self._held: dict[int, torch.Tensor] = {}
         self._base: int | None = None  # device bytes allocated when the last training forward began
         self._ceiling: int | None = None  # device bytes allocated when the step's last backward began
+        self._streamed_state_nbytes = 0  # every streamed block's state, which comes into the same room by the commit
         self.limit_nbytes: int | None = None  # most bytes a step may hold (None: the room decides alone)
         self._retries: int | None = None  # the allocator's retries when the last step's backward began
         self._held_last = 0  # bytes the last step held
@@ -72,11 +73,13 @@ class HeldGrads:
         allocated = torch.cuda.memory_allocated(self.device)
         self._base = allocated - in_flight()
 
-    def begin(self) -> None:
-        """The backward that ends the step starts: its memory in use now bounds what may be held; a retry of
-        the allocator since the last step's began halves what may be held from now on."""
+    def begin(self, streamed_state_nbytes: int = 0) -> None:
+        """The backward that ends the step starts: its memory in use now bounds what may be held, less
+        ``streamed_state_nbytes`` (device bytes of every streamed block's state, which comes into the same room
+        by the commit); a retry of the allocator since the last step's began halves what may be held from now on."""
         if self.device.type != "cuda":
             return
+        self._streamed_state_nbytes = streamed_state_nbytes
         self._ceiling = torch.cuda.memory_allocated(self.device)
         retries = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self._retries is not None and retries > self._retries and self._held_last > 0:
@@ -84,30 +87,25 @@ class HeldGrads:
         self._retries = retries
         self._held_last = 0
 
-    def try_hold(self, index: int, flat: torch.Tensor, streamed_state_nbytes: int = 0) -> bool:
+    def try_hold(self, index: int, flat: torch.Tensor) -> bool:
         """Keep block index's gradient ``flat`` (already allocated) on the device if the room allows it (see
-        the note); ``streamed_state_nbytes``: device bytes of every streamed block's state, which comes into
-        the same room by the commit."""
+        the note)."""
         if self.device.type == "cuda":
             if self._ceiling is None or self._base is None:
                 return False
             room = self._ceiling - self._base
             held = self.nbytes + flat.numel() * flat.element_size()
-            if torch.cuda.memory_allocated(self.device) > self._ceiling or held + streamed_state_nbytes > room:
+            if torch.cuda.memory_allocated(self.device) > self._ceiling or held + self._streamed_state_nbytes > room:
                 return False
             if self.limit_nbytes is not None and held > self.limit_nbytes:
                 return False
         self._held[index] = flat
         return True
 
-    def holds(self, index: int) -> bool:
-        """True while block index's gradient of the pending step is held."""
-        return index in self._held
-
     def take(self) -> dict[int, torch.Tensor]:
         """Every held gradient in forward order; none are held afterwards."""
+        self._held_last = self.nbytes
         held, self._held = self._held, {}
-        self._held_last = sum(flat.numel() * flat.element_size() for flat in held.values())
         return dict(sorted(held.items()))
 
     def drop(self) -> None:

@@ -189,7 +189,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         spilled = len(controller.options.spilled_blocks)
         hit_rate, worker = controller.schedule.stats.hit_rate, controller.worker.stats
         writeback_waits = (controller.writebacks.waits, controller.writebacks.wait_s)
-        host_blocks = len(session.blocks) - len(controller.gpu_updated) - len(controller.gpu_streamed)
+        host_blocks = len(controller.host_updated_blocks)
         notes = list(session.plan.notes or ())
     finally:
         session.close()

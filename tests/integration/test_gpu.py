@@ -97,8 +97,7 @@ def test_bf16_clipping_and_accumulation_on_gpu(clip, stream, sums):
     _assert_close(ours, reference)
     assert (worker.published > 0, worker.redone > 0) == ((False, True) if clip < 1 else (True, False))
     if sums == "host":  # 4 steps x 1 non-final micro-batch x the host-updated blocks' gradients as fp32
-        hosted = sum(b.numel for b in session.blocks if b.index not in session.controller.gpu_updated
-                     and b.index not in session.controller.gpu_streamed)
+        hosted = sum(b.numel for b in session.controller.host_updated_blocks)
         assert host_sums is not None and host_sums.stats.nbytes == 4 * hosted * 4
 
 
@@ -352,7 +351,7 @@ def test_clipped_host_gradients_wait_on_the_gpu_and_train_like_the_plain_loop():
         for x, y in (data.next() for _ in range(4)):
             _step_beside_reference(model, optimizer, reference, x, y)
         controller = session.controller
-        hosted = len(session.blocks) - len(controller.gpu_updated) - len(controller.gpu_streamed)
+        hosted = len(controller.host_updated_blocks)
         assert hosted > 1 and controller.gpu_streamed
         assert min(controller.stats.grad_norms) > 0.1  # every step clipped
         # The last block's gradient is done while the loss's own gradient may still be allocated, above what the

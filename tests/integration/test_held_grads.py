@@ -13,12 +13,12 @@ from runtime.example_model import ExampleLM
 from runtime.held_grads import HeldGrads
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_host_sums import train_both
-from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, step_and_check
+from tests.integration.test_parity import (SHAPE, assert_identical, make_batches, run_both, step_and_check,
+                                          train_with_the_users_clip)
 
 
 def _host_updated(session) -> int:
-    controller = session.controller
-    return len(session.blocks) - len(controller.gpu_updated) - len(controller.gpu_streamed)
+    return len(session.controller.host_updated_blocks)
 
 
 def _refuse_even_blocks(held: HeldGrads, refused: list[int]) -> None:
@@ -26,11 +26,11 @@ def _refuse_even_blocks(held: HeldGrads, refused: list[int]) -> None:
     the worker scales them."""
     hold = held.try_hold
 
-    def try_hold(index, flat, streamed_state_nbytes=0):
+    def try_hold(index, flat):
         if index % 2 == 0:
             refused.append(index)
             return False
-        return hold(index, flat, streamed_state_nbytes)
+        return hold(index, flat)
 
     held.try_hold = try_hold
 
@@ -64,32 +64,8 @@ def test_refused_holds_are_scaled_on_the_host_exactly():
     assert stats.held_grads + len(refused) == 3 * hosted[0]
 
 
-def _train_with_the_users_clip(max_norm: float, prepare=None):
-    """Four steps of a loop that calls clip_grad_norm_(max_norm) before step(), each loss and the final weights
-    equal to the plain loop's; ``prepare(session)`` runs first. Returns the session's step statistics and how
-    many blocks it updates on the host."""
-    torch.manual_seed(0)
-    model = ExampleLM(SHAPE)
-    reference = ReferenceTrainer(model, grad_clip=max_norm)
-    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": None, "user_grad_clip": True}})
-    session = optimizer.session
-    if prepare is not None:
-        prepare(session)
-    with session:
-        for x, y in make_batches(4):
-            loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            optimizer.step()
-            optimizer.zero_grad()
-            assert loss.item() == reference.train_step([(x, y)])[0]
-        assert_identical(session.master_state_dict(), reference)
-    return session.controller.stats, _host_updated(session)
-
-
 def test_user_clip_below_one_holds_gradients_exactly():
-    stats, _ = _train_with_the_users_clip(0.05)
-    assert stats.held_grads > 0
+    assert train_with_the_users_clip(0.05).controller.stats.held_grads > 0
 
 
 def test_fp16_overflow_steps_drop_held_gradients():
@@ -137,24 +113,32 @@ def test_the_room_bounds_what_is_held_on_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 0})
     held = HeldGrads(torch.device("cuda"))
     flat = torch.zeros(4)  # 16 bytes
+
+    def step(streamed_state_nbytes: int, in_flight: int = 0, forward_base: int = 20) -> None:
+        allocated[0] = forward_base
+        held.forward_begin(lambda: in_flight)
+        allocated[0] = 100
+        held.begin(streamed_state_nbytes)
+        allocated[0] = 90
+
     held.forward_begin()
     assert not held.try_hold(0, flat)  # the backward has not begun: no room is known
-    allocated[0] = 100
-    held.begin()
-    allocated[0] = 90
-    assert held.try_hold(1, flat, streamed_state_nbytes=64)  # 16 + 64 <= 80
-    assert not held.try_hold(2, flat, streamed_state_nbytes=64)  # 32 + 64 > 80
-    assert held.try_hold(3, flat, streamed_state_nbytes=48)  # 32 + 48 <= 80
+    step(streamed_state_nbytes=64)
+    assert held.try_hold(1, flat)  # 16 + 64 <= 80
+    assert not held.try_hold(2, flat)  # 32 + 64 > 80
+    assert list(held.take()) == [1] and held.nbytes == 0
+    step(streamed_state_nbytes=48)
+    assert held.try_hold(1, flat) and held.try_hold(3, flat)  # 32 + 48 <= 80
+    assert not held.try_hold(2, flat)  # 48 + 48 > 80
+    held.take()
+    step(streamed_state_nbytes=0)
     allocated[0] = 101
     assert not held.try_hold(4, flat)  # above what the backward began with
-    assert list(held.take()) == [1, 3] and held.nbytes == 0
     # Copies to host still in flight when the forward began (10 bytes) land during it: not part of the base.
-    allocated[0] = 30
-    held.forward_begin(lambda: 10)
-    allocated[0] = 100
-    held.begin()
-    assert held.try_hold(5, flat, streamed_state_nbytes=64)  # 16 + 64 <= 100 - 20
-    assert not held.try_hold(6, flat, streamed_state_nbytes=64)
+    held.take()
+    step(streamed_state_nbytes=64, in_flight=10, forward_base=30)
+    assert held.try_hold(5, flat)  # 16 + 64 <= 100 - 20
+    assert not held.try_hold(6, flat)
 
 
 def test_a_commit_that_fails_part_way_refuses_the_next_step_until_a_checkpoint_load(tmp_path):
@@ -251,8 +235,8 @@ def test_holds_follow_the_last_clip_factor():
 def test_a_users_clip_that_does_not_bind_stops_the_holds():
     # clip_grad_norm_ records a factor every step, exactly 1 when the clip does not bind: nothing to multiply, so
     # only the first step (the guess) holds.
-    stats, hosted = _train_with_the_users_clip(1e6, prepare=_no_speculation)
-    assert stats.held_grads == hosted > 0
+    session = train_with_the_users_clip(1e6, prepare=_no_speculation)
+    assert session.controller.stats.held_grads == _host_updated(session) > 0
 
 
 def test_fp16_loss_scaling_without_clipping_holds_nothing():
@@ -267,8 +251,8 @@ def test_fp16_loss_scaling_without_clipping_holds_nothing():
 def test_user_scales_of_refused_holds_are_applied_on_the_host_exactly():
     # Held gradients are scaled on the device, refused ones by the worker with the user's per-parameter factors.
     refused: list[int] = []
-    stats, _ = _train_with_the_users_clip(0.05, prepare=lambda session: _refuse_even_blocks(session.controller.held, refused))
-    assert refused and stats.held_grads > 0
+    session = train_with_the_users_clip(0.05, prepare=lambda s: _refuse_even_blocks(s.controller.held, refused))
+    assert refused and session.controller.stats.held_grads > 0
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])

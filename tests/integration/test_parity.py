@@ -77,6 +77,29 @@ def step_and_check(model, optimizer, reference: ReferenceTrainer, x: torch.Tenso
     assert loss.item() == reference.train_step([(x, y)])[0]
 
 
+def train_with_the_users_clip(max_norm: float, prepare=None):
+    """Four steps of a loop that calls clip_grad_norm_(max_norm) before step() (``optimizer.user_grad_clip``), each
+    loss and the final weights equal to the plain loop's; ``prepare(session)`` runs first. Returns the closed
+    session, whose statistics the caller reads."""
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, grad_clip=max_norm)
+    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": None, "user_grad_clip": True}})
+    session = optimizer.session
+    if prepare is not None:
+        prepare(session)
+    with session:
+        for x, y in make_batches(4):
+            loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+            assert loss.item() == reference.train_step([(x, y)])[0]
+        assert_identical(session.master_state_dict(), reference)
+    return session
+
+
 def assert_identical(weights: dict[str, torch.Tensor], reference: ReferenceTrainer) -> None:
     expected = reference.master_state()
     assert weights.keys() == expected.keys()

@@ -10,7 +10,7 @@ import pytest
 from runtime import offload
 from runtime.example_model import ExampleLM
 from tests.integration.reference_loop import ReferenceTrainer
-from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both
+from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, train_with_the_users_clip
 
 
 def worker_stats(stats):
@@ -110,24 +110,8 @@ def test_weights_resident_refreshed_at_publish():
 
 @pytest.mark.parametrize("max_norm", [1e6, 0.05])
 def test_user_clip_in_the_loop_is_exact_with_early_updates(max_norm):
-    torch.manual_seed(0)
-    model = ExampleLM(SHAPE)
-    reference = ReferenceTrainer(model, grad_clip=max_norm)
-    model, optimizer = offload(model, {"dtype": "fp32", "optimizer": {"grad_clip": None, "user_grad_clip": True}})
-    session = optimizer.session
-    try:
-        for x, y in make_batches(4):
-            loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            optimizer.step()
-            optimizer.zero_grad()
-            assert loss.item() == reference.train_step([(x, y)])[0]
-        assert_identical(session.master_state_dict(), reference)
-        worker = session.controller.worker.stats
-        assert (worker.published > 0) == (max_norm > 1) and (worker.redone > 0) == (max_norm < 1)
-    finally:
-        session.close()
+    worker = train_with_the_users_clip(max_norm).controller.worker.stats
+    assert (worker.published > 0) == (max_norm > 1) and (worker.redone > 0) == (max_norm < 1)
 
 
 def test_abandoned_step_leaves_the_state_of_the_last_commit():
