@@ -279,6 +279,21 @@ def test_out_of_memory_under_auto_placement_names_the_reserve_to_set(caplog):
     assert hints and "CUDA out of memory with auto placement" in hints[0], [r.getMessage() for r in caplog.records][-5:]
 
 
+def test_the_cpu_adam_rate_auto_placement_uses_is_timed_while_copies_run_each_way():
+    """Copies complete while the timed AdamW steps run (a thread keeps them queued until the kernel ends), and the
+    rate auto placement plans with is that one; the kernel alone is timed too and is not slower than beside the
+    copies by more than timing noise."""
+    from runtime.autoplace import ADAM_PROBE_NUMEL, measure_rates
+    from runtime.rates import cpu_adam_seconds_beside_copies
+
+    times, beside = cpu_adam_seconds_beside_copies(torch.device("cuda"), ADAM_PROBE_NUMEL, 4, copy_nbytes=64 << 20)
+    assert beside and len(times) == 3 and min(times) > 0
+    rates = measure_rates(torch.device("cuda"), cpu_threads=4)
+    assert rates.adam_alone_params_per_s is not None
+    assert rates.adam_params_per_s <= 1.25 * rates.adam_alone_params_per_s
+    assert "beside copies" in rates.describe()
+
+
 def test_auto_placement_measured_from_the_first_step_trains_like_the_plain_loop(caplog):
     """The default config on a GPU (update fraction and activation reserve auto): the first step updates on the CPU,
     its commit measures the peak and moves state to the GPU (all of it, for this small model), and training stays
