@@ -31,9 +31,9 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   benchmark, weights resident, clipping) the best hand-set row peaked 1.7 GiB below its plan: the streamed
   state's 3 blocks.
 - ``j`` (auto): the one that minimises ``max(T_cpu, T_h2d, T_d2h)`` (the fewest on a tie):
-  ``T_cpu = H / adam_rate``, the rate timed while copies run each way (``Rates.adam_params_per_s``: in a step
-  the copies share host memory's bandwidth with the kernel); ``T_h2d = (12 S + weights) / h2d_rate``, where weights are fetched for the
-  forward and again for the backward (``fetch_itemsize`` bytes a parameter: 4 from an fp32 master cast on
+  ``T_cpu = H / adam_rate``, the rate timed while copies run each way (``Rates.adam_params_per_s``: in a
+  step the copies share host memory's bandwidth with the kernel); ``T_h2d = (12 S + weights) / h2d_rate``,
+  where weights are fetched for the forward and again for the backward (``fetch_itemsize`` bytes a parameter: 4 from an fp32 master cast on
   the GPU) except the blocks kept for backward, or, with weights resident, refreshed once from the fp32
   master of the CPU-updated blocks (4 ``H``); ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written
   back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
@@ -353,7 +353,7 @@ def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -
 def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
     started = time.perf_counter()
     device = torch.device("cuda", device_index)
-    alone = ADAM_PROBE_NUMEL / min(cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS))
+    alone = ADAM_PROBE_NUMEL / statistics.median(cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS))
     rates = Rates(adam_params_per_s=_adam_rate_beside_copies(device, cpu_threads, pin), adam_alone_params_per_s=alone,
                   **_copy_rates(device, pin))
     log.info("measured for auto placement in %.2f s: %s", time.perf_counter() - started, rates.describe())
@@ -362,9 +362,10 @@ def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
 
 def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool) -> float:
     """Parameters a second of torch's fused CPU AdamW while copies run each way, the median of three after a
-    warm-up: what the CPU's updates get in a step, where the copies to and from the GPU share host memory's
-    bandwidth with them (the kernel alone is 1.4-1.6x faster on the H100 box; with the alone rate, auto placement
-    streamed less than the best hand-set rows, calls H5 and H8). The median, not the best: contention varies."""
+    warm-up (the alone rate beside it is a median too): what the CPU's updates get in a step, where the copies to
+    and from the GPU share host memory's bandwidth with them (on the H100 box the kernel alone was 1.4-1.8x
+    faster; planned with the alone rate, auto placement streamed less than the best hand-set rows, calls H5,
+    H8 and J1 in the README)."""
     times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
                                                    copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
     if not beside:

@@ -25,14 +25,14 @@ request it cannot place makes it give its whole cache back and synchronize the d
 Their copies to host are tracked with the streamed write-backs (``runtime.writeback``; each held tensor is kept
 alive until its copy completes, so its bytes count as allocated exactly while they are in flight), so the next
 forward waits for them where a block would not fit, and a step whose window (from one backward's start to the
-next) saw a retry halves the bytes later steps may hold, from the second such window on. On the benchmark model
+next) saw a retry halves the bytes later steps may hold (but for a first window with a single retry). On the benchmark model
 under DeepSpeed ZeRO-2's memory (H100, 2026-11-27) holding every host block's gradient without these two took a
 run's retries from 0-4 to 2-9; with them, three of four 6-step runs under ZeRO-2's cap saw one retry (in step 3
 or 4) and none after it, and halving at that first one cost each 30-37 ms a step of host multiply for the rest
-of the run: one retry is one device synchronization, so the first is let pass. The retry count is the
-process's: a retry of another model's run counts too, and the limit never grows back within a session. Holding keeps memory in use within what the backward began with at each hold, not at every moment
-after it: a later block's transient tensors come on top of what is held, which is what a retry, if it comes,
-corrects.
+of the run: one retry is one device synchronization, so a first window with a single retry is let pass. The
+retry count is the process's: a retry of another model's run counts too, and the limit never grows back within a
+session. Holding keeps memory in use within what the backward began with at each hold, not at every moment after
+it: a later block's transient tensors come on top of what is held, which is what a retry, if it comes, corrects.
 
 A step holds only where the host would otherwise multiply: the clip (ours, or the user's through
 ``clip_grad_norm_``) scaled the last committed step's gradients by a factor other than 1, the best guess for
@@ -79,14 +79,14 @@ class HeldGrads:
         """The backward that ends the step starts: its memory in use now bounds what may be held, less
         ``streamed_state_nbytes`` (device bytes of every streamed block's state, which comes into the same room
         by the commit); a retry of the allocator since the last step's began halves what may be held from now on,
-        except the session's first such window (see the note)."""
+        except the session's first window with a single retry (see the note)."""
         if self.device.type != "cuda":
             return
         self._streamed_state_nbytes = streamed_state_nbytes
         self._ceiling = torch.cuda.memory_allocated(self.device)
         retries = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self._retries is not None and retries > self._retries and self._held_last > 0:
-            if self._retry_tolerated:
+            if self._retry_tolerated or retries - self._retries > 1:
                 self.limit_nbytes = self._held_last // 2
             self._retry_tolerated = True
         self._retries = retries

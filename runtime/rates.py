@@ -2,7 +2,9 @@
 
 ``auto`` placement (``runtime.autoplace``), the profiler's ceilings (``runtime.profiler.ceilings``) and the
 training benchmark's bound (``runtime.bench.train_bound``) all measure the same two things; they differ only
-in sizes, repeats and which statistic they keep. Pure measurement: nothing here decides anything.
+in sizes, repeats and which statistic they keep. Auto placement also times the AdamW kernel while copies run
+each way (what the CPU's updates get in a step); the bound keeps the kernel alone (a lower bound on the step).
+Pure measurement: nothing here decides anything.
 """
 
 from __future__ import annotations
@@ -89,11 +91,12 @@ def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: in
                                    repeats: int = 3, copy_nbytes: int, pin: bool = True) -> tuple[list[float], bool]:
     """``cpu_adam_seconds`` while copies of ``copy_nbytes`` run back to back each way between host memory and the
     CUDA ``device``, as they do beside the CPU's updates in an offloaded step (gradients and streamed state
-    leaving, weights and streamed state arriving): the DMA shares host memory's bandwidth with the kernel. On an
+    leaving, weights and streamed state arriving): the DMA shares host memory's bandwidth with the kernel. On the
     H100 box the kernel ran at 2.9-3.3 G params/s inside a step against 4.5-4.7 timed alone (call H5 in the
-    README). A thread keeps two copies queued each way until the kernel's last step ends. Returns the times and
-    whether copies ran from before the first timed step to after the last (False: some steps may have run
-    alone, and the figure is an upper bound)."""
+    README). A thread keeps two copies queued each way until the kernel's last step ends, waiting on blocking
+    events (a spinning wait would take a core from the kernel's threads). Returns the times and whether copies
+    completed between the first timed step's start and the last one's end with the thread still feeding (False:
+    some steps may have run alone, and the figure is an upper bound)."""
     stop, started = threading.Event(), threading.Event()
     copied = [0]
     errors: list[BaseException] = []
@@ -104,42 +107,52 @@ def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: in
         def feed() -> None:
             queued: list[torch.cuda.Event] = []
             try:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
                 while not stop.is_set():
                     for stream, dst, src in ((streams[0], device_in, host_in), (streams[1], host_out, device_out)):
                         with torch.cuda.stream(stream):
                             dst.copy_(src, non_blocking=True)
-                            queued.append(torch.cuda.Event())
+                            queued.append(torch.cuda.Event(blocking=True))
                             queued[-1].record(stream)
                     if len(queued) > 4:  # two copies each way ahead of the one running
                         queued.pop(0).synchronize()
                         queued.pop(0).synchronize()
                         copied[0] += 1
                         started.set()
-                for event in queued:
-                    event.synchronize()
             except BaseException as error:  # re-raised by the caller
                 errors.append(error)
+            finally:
                 started.set()
+                for stream in streams:  # nothing may still read or write the buffers when they are freed
+                    try:
+                        stream.synchronize()
+                    except BaseException as error:
+                        errors.append(error)
 
+        marks: list[tuple[int, bool]] = []  # (copies completed, feeder alive) at the first timed step and after the last
         feeder = threading.Thread(target=feed, name="copy probe", daemon=True)
         feeder.start()
         try:
             started.wait()
-            before = copied[0]
-            times = cpu_adam_seconds(numel, threads, tensors=tensors, repeats=repeats)
-            ran_beside = copied[0] > before  # copies completed while the kernel ran, and more were still queued
+            if errors:
+                raise errors[0]
+            times = cpu_adam_seconds(numel, threads, tensors=tensors, repeats=repeats,
+                                     mark=lambda: marks.append((copied[0], feeder.is_alive() and not errors)))
         finally:
             stop.set()
             feeder.join()
         if errors:
             raise errors[0]
-        return times, ran_beside
+        (first, _), (last, alive) = marks
+        return times, alive and last > first
 
 
-def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int = 3) -> list[float]:
+def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int = 3,
+                     mark: Callable[[], None] | None = None) -> list[float]:
     """Seconds of each of ``repeats`` CPU fused AdamW steps (the runtime's own kernel) over ``numel`` fp32
     parameters split into ``tensors`` views, with ``threads`` threads, after one untimed step that faults the
-    pages in. The caller keeps the statistic it needs (a ceiling the best, a typical step the median)."""
+    pages in. The caller keeps the statistic it needs (a ceiling the best, a typical step the median).
+    ``mark``: called just before the first timed step and just after the last."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -149,10 +162,14 @@ def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int
         steps = [torch.zeros(()) for _ in range(tensors)]
         times = []
         for attempt in range(repeats + 1):
+            if attempt == 1 and mark is not None:
+                mark()
             start = time.perf_counter()
             adamw_update(master, grads, exp_avg, exp_avg_sq, steps, AdamWHyper())
             if attempt:
                 times.append(time.perf_counter() - start)
+        if mark is not None:
+            mark()
         return times
     finally:
         torch.set_num_threads(previous)

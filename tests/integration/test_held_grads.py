@@ -212,6 +212,23 @@ def test_allocator_retries_after_the_first_halve_what_later_steps_hold(monkeypat
     assert step(8) == 2 and held.limit_nbytes == 32
 
 
+def test_a_first_window_with_several_allocator_retries_halves_at_once(monkeypatch):
+    state = {"allocated": 0, "retries": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": state["retries"]})
+    held = HeldGrads(torch.device("cuda"))
+    kept = []
+    for retries in (0, 2, 2):
+        state["retries"], state["allocated"] = retries, 0
+        held.forward_begin()
+        state["allocated"] = 1000
+        held.begin()
+        state["allocated"] = 500
+        kept.append(sum(held.try_hold(i, torch.zeros(4)) for i in range(8)))
+        held.take()
+    assert kept == [8, 4, 4] and held.limit_nbytes == 64
+
+
 def _no_speculation(session) -> None:
     import dataclasses
 
