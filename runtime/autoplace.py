@@ -271,7 +271,7 @@ def _most_updated(inputs: PlacementInputs, limit: int, streamed_at_most: Callabl
 
 def _at_peak_nbytes(inputs: PlacementInputs, updated: int, streamed: int) -> int:
     """The plan's GPU bytes held beside the activations at their peak. When updates wait for the commit, streamed
-    state comes in only under the memory in use at the forward's end (``Controller._stream_in_order``: the room the
+    state comes in only under the memory in use at the forward's end (``DeviceUpdates.stream_in_order``: the room the
     backward frees) and at the commit: it takes the activations' room, not room beside them."""
     return inputs.gpu_plan_nbytes(updated, 0 if inputs.updates_wait_for_commit else streamed)
 

@@ -2,7 +2,9 @@
 
 It owns the store, the blocks, the weight manager, the prefetch schedule and the update worker, and keeps
 the step bookkeeping (micro-batches, committed optimizer steps, the fp16 loss scale, clipping norms).
-``runtime.hooks`` calls into it; ``runtime.optimizer`` drives ``step``.
+``runtime.hooks`` calls into it; ``runtime.optimizer`` drives ``step``. The device's share of the update
+(device-updated and streamed blocks) is ``runtime.device_updates``; clipping is ``runtime.clipping``; the
+gradients held on the device until the commit are ``runtime.held_grads``.
 """
 
 from __future__ import annotations
@@ -13,25 +15,26 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from runtime.accumulate import HostGradSums
-from runtime.adam import AdamWHyper, adamw_update_grouped, split_views
+from runtime.adam import AdamWHyper, split_views
 from runtime.autoplace import STATE_ITEMSIZE, blocks_within
 from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
+from runtime.device_updates import DeviceUpdates
 from runtime.held_grads import HeldGrads
 from runtime.step_phase import StepPhase, check_phase_transition
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
 from runtime.plan import MOMENT_KINDS
-from runtime.schedule import PrefetchSchedule, window_bound
+from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
-from tierstore import CapacityError, CopyState, Handle, TensorMeta, TierName, TierStore, close_at_exit
+from tierstore import CapacityError, Handle, TensorMeta, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +137,6 @@ class Controller:
         # Per-parameter step counters of device-updated blocks live on the device, as fused AdamW wants.
         self.gpu_param_steps = {i: [torch.zeros((), dtype=torch.float32, device=self.device) for _ in blocks[i].slots]
                                 for i in self.gpu_updated | self.gpu_streamed}
-        self._deferred_gpu: list[tuple[Block, torch.Tensor | None, list[bool], int]] = []
         self.schedule = PrefetchSchedule(options.prefetch_depth, options.prefetch_budget_nbytes, self.weights.nbytes)
         torch.set_num_threads(options.cpu_threads)
         # The optimizer worker needs the GIL for a moment between its kernels while the training thread
@@ -179,14 +181,9 @@ class Controller:
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self._capacity_refused: set[int] = set()  # blocks whose prefetch the GPU budget refused (only with listeners)
         self._kept: dict[int, int] = {}  # blocks a training forward left on the device for backward -> bytes, oldest first
-        self._stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
         self.writebacks = DeviceWritebacks(self.device)  # streamed state on its way home ([Note: paced write-back])
         self.pace_writebacks = True  # False queues each write-back at once (the bench's -nopace rows compare)
-        # Streamed blocks whose new compute weights were cast on the device from the updated master: the next
-        # forward uses them as they are (no wait for the write-back, no fetch).
-        self._fresh: set[int] = set()
-        # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
-        self._weights_window_nbytes = self._weights_window()
+        self.device_updates = DeviceUpdates(self)  # the device-updated and streamed blocks' updates
         self.scaler: _LossScaler | None = None
         if options.loss_scale is not None:
             self.scaler = _LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]
@@ -229,13 +226,6 @@ class Controller:
                 weights = master.to(options.compute_dtype)
                 self.store.register(block.key("weights"), TensorMeta(options.compute_dtype, block.numel), homes["weights"], init=weights)
 
-    def _weights_window(self) -> int:
-        """GPU-tier bytes the prefetch window of fetched (not resident) weights may take."""
-        if self.options.weight_source is WeightSource.RESIDENT:
-            return 0
-        return window_bound([self.weights.nbytes(b.index) for b in self.blocks if b.index not in self.gpu_updated],
-                            self.options.prefetch_depth + 2)
-
     def adopt_placement(self, update_fraction: float, stream_fraction: float, keep_for_backward_nbytes: int) -> None:
         """Between steps, give the device a larger share of the update (``runtime.measured_placement`` calls this
         after the first step): the first blocks ``update_fraction`` selects move their master and moments to the
@@ -255,7 +245,7 @@ class Controller:
         for index, state in enumerate(self.weights.states):  # fetched weights: fetched again as the new placement says
             if state.users == 0:
                 self._release(index)
-        self._fresh.clear()
+        self.device_updates.fresh.clear()
         if self.device.type == "cuda":  # weight refreshes and fetches may still read host masters that move below
             torch.cuda.synchronize(self.device)
         arriving = sorted(updated - self.gpu_updated)
@@ -283,7 +273,7 @@ class Controller:
         self.options = dataclasses.replace(self.options, gpu_update_fraction=update_fraction,
                                            gpu_stream_fraction=stream_fraction,
                                            keep_for_backward_nbytes=keep_for_backward_nbytes)
-        self._weights_window_nbytes = self._weights_window()
+        self.device_updates.placement_changed()
 
     def _move_state_to_device(self, indices: list[int]) -> None:
         """Move these blocks' master and moments home to the device tier and make their compute weights resident,
@@ -342,14 +332,14 @@ class Controller:
                 f"optimizer.step() after every {self.options.accumulation_steps} backward pass(es) "
                 "(optimizer.accumulation_steps in the config)"
             )
-        fresh, self._fresh = self._fresh, set()
+        fresh, self.device_updates.fresh = self.device_updates.fresh, set()
         for index, state in enumerate(self.weights.states):  # leftovers: prefetched for a path not taken
             if state.users == 0 and not self._in_backward_use[index] and index not in fresh:
                 self._release(index)
         self.weights.release_refreshes()  # no-op, unless a backward that held them raised before its end
         self.writebacks.forward_begin()
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
-        if signature == "train" and self._deferred:
+        if signature == "train" and self.deferred:
             self.held.forward_begin(self._copies_in_flight_nbytes)
         self.schedule.begin(signature)
         if self.step_listeners:
@@ -481,13 +471,13 @@ class Controller:
             self._enter_backward()
         if self._paces_forward and begins:
             self.writebacks.forward_end()
-        if begins and self.last_micro and self._deferred:
+        if begins and self.last_micro and self.deferred:
             self.held.begin(self._streamed_state_nbytes)
         if self.gpu_streamed and self.last_micro:
             if begins:
-                self._begin_streaming()
+                self.device_updates.begin_streaming()
             self.writebacks.settle()
-        if begins and self._deferred and self._spilled_in_update_order:
+        if begins and self.deferred and self._spilled_in_update_order:
             self._read_spilled_early()
         for index in indices:
             self.schedule.observe(index, "bwd")
@@ -497,8 +487,8 @@ class Controller:
                 # Backward runs in descending block order: this block, then the ones it reaches next. When the
                 # updates wait for the commit (clipping, fp16) the state waits on the device too, so every copy
                 # must fit the memory the backward freed; at the commit only the update itself is left.
-                self._stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1),
-                                      always=0 if self._deferred else 2)
+                self.device_updates.stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1),
+                                      always=0 if self.deferred else 2)
         self._prefetch()
 
     def _read_spilled_early(self) -> None:
@@ -521,57 +511,6 @@ class Controller:
             for kind in MOMENT_KINDS:
                 self.store.release_read_ahead(self.blocks[index].key(kind), TierName.HOST)
         self._read_early.clear()
-
-    def _begin_streaming(self) -> None:
-        """The backward that ends in an update starts: note the memory in use now, at the end of the forward
-        (state streamed ahead may use what the backward frees below it), and, when the state streams during
-        the backward, hold resident-weight refreshes until every streamed block's state is on its way (they
-        are needed only by the next forward)."""
-        self._stream_ceiling = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        if self.options.weight_source is WeightSource.RESIDENT and not self._deferred:
-            self.weights.hold_refreshes()
-
-    def _stream_in_order(self, indices: Iterable[int], always: int = 2) -> None:
-        """Bring in the state of these blocks, nearest first: the first ``always`` at once, the rest while memory
-        in use stays below the ceiling (see _begin_streaming) and the GPU budget keeps room for weight fetches.
-        A refusal stops the rest, so a block further ahead never holds room a nearer update needs."""
-        for position, index in enumerate(indices):
-            if position >= always and not self._room_to_stream(index):
-                return
-            if not self._stream_in(index):
-                return
-            if index == min(self.gpu_streamed):
-                self.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
-
-    def _room_to_stream(self, index: int) -> bool:
-        if index not in self.gpu_streamed:
-            return True
-        block = self.blocks[index]
-        missing = sum(self.store.record(block.key(kind)).meta.nbytes for kind in STATE_KINDS
-                      if self.store.state(block.key(kind), TierName.GPU) is CopyState.ABSENT)
-        if self.store.tiers[TierName.GPU].free_nbytes - missing < self._weights_window_nbytes:
-            return False
-        return self._stream_ceiling is None or torch.cuda.memory_allocated(self.device) + missing <= self._stream_ceiling
-
-    def _stream_in(self, index: int, required: bool = False) -> bool:
-        """Start copying a streamed block's master and moments to the device (no-op for other blocks and for
-        state already there or on its way). A full GPU budget stops an early copy quietly and returns False
-        (the update fetches then); with ``required`` (the update itself) it raises.
-
-        The device buffers are allocated on the caller's (compute) stream and the copy waits for the work
-        queued there so far: the state takes memory the backward has just freed, and no bytes are parked in
-        the copy stream's own allocator pool, which compute can't reuse. (Under a capped GPU memory
-        fraction such a side pool makes the allocator release its cache, synchronizing the device.)"""
-        if index not in self.gpu_streamed:
-            return True
-        for kind in STATE_KINDS:
-            try:
-                self.store.fetch(self.blocks[index].key(kind), TierName.GPU)
-            except (CapacityError, torch.OutOfMemoryError):  # an early copy is optional: the update fetches later
-                if required:
-                    raise
-                return False
-        return True
 
     def on_param_grad(self, param: nn.Parameter) -> None:
         """One parameter's gradient is fully accumulated for this backward."""
@@ -612,7 +551,7 @@ class Controller:
         elif self.sums is not None and self.sums.holds(index):
             self._send_to_host_sum(block)
         state = self.weights.states[index]
-        if state.users == 0 and index not in self._fresh:
+        if state.users == 0 and index not in self.device_updates.fresh:
             self._release(index)
 
     def _assemble(self, block: Block, present: list[bool], dtype: torch.dtype) -> torch.Tensor:
@@ -661,13 +600,10 @@ class Controller:
         step = self.optimizer_step + 1
         on_device = block.index in self.gpu_updated or block.index in self.gpu_streamed
         if not any(has_grad) and on_device:
-            if self._deferred:
-                self._deferred_gpu.append((block, None, has_grad, step))
-            else:  # nothing to update; a streamed block's state brought in for it is dropped
-                self._gpu_update(block, None, has_grad, step, skip=True)
+            self.device_updates.submit(block, None, has_grad, step)
             return
         if not any(has_grad):
-            job = UpdateJob(block, None, step, self._block_hypers(block), skip=True)
+            job = UpdateJob(block, None, step, self.block_hypers(block), skip=True)
         else:
             flat = self._assemble(block, present, torch.float32)  # parameters without any gradient: excluded below
             with torch.no_grad():
@@ -677,20 +613,17 @@ class Controller:
                 if self.scaler is not None:
                     torch._amp_foreach_non_finite_check_and_unscale_(views, self.found_inf, self.scaler.inv_scale())
                 # Updates that wait for the commit keep each gradient's norm: clipping (ours or the user's).
-                self.clipper.record(block, has_grad, list(torch._foreach_norm(views, 2.0)) if self._deferred else None)
+                self.clipper.record(block, has_grad, list(torch._foreach_norm(views, 2.0)) if self.deferred else None)
             if on_device:
-                if self._deferred:
-                    self._deferred_gpu.append((block, flat, has_grad, step))
-                else:
-                    self._gpu_update(block, flat, has_grad, step, skip=False)
+                self.device_updates.submit(block, flat, has_grad, step)
                 return
-            job = UpdateJob(block, None, step, self._block_hypers(block), mask=None if all(has_grad) else has_grad)
-            job.speculative = self._deferred and self._speculates(block)
-            held = (self._deferred and not job.speculative and self._hold_grads
+            job = UpdateJob(block, None, step, self.block_hypers(block), mask=None if all(has_grad) else has_grad)
+            job.speculative = self.deferred and self._speculates(block)
+            held = (self.deferred and not job.speculative and self._hold_grads
                     and self.held.try_hold(block.index, flat))
             if not held:
                 job.grad_handle = self._grad_to_host(block, flat)
-        if not self._deferred:
+        if not self.deferred:
             self.worker.submit(job)
             return
         self._deferred_jobs.append(job)
@@ -716,7 +649,7 @@ class Controller:
         """Device bytes of every streamed block's master and moments ([Note: held gradients])."""
         return sum(self.store.record(self.blocks[i].key(kind)).meta.nbytes for i in self.gpu_streamed for kind in STATE_KINDS)
 
-    def _block_hypers(self, block: Block) -> list[AdamWHyper]:
+    def block_hypers(self, block: Block) -> list[AdamWHyper]:
         """Each of block's parameters' AdamW hyper-parameters, as its parameter group holds them now."""
         groups = self.hyper_source()
         return [groups[g] for g in self.slot_groups[block.index]]
@@ -731,17 +664,17 @@ class Controller:
         """Copies off the device may be in flight when a training forward starts (streamed state written back,
         held gradients sent at the commit): the forward waits for them where a block would not fit
         ([Note: paced write-back])."""
-        return bool(self.gpu_streamed) or self._deferred
+        return bool(self.gpu_streamed) or self.deferred
 
     @property
-    def _deferred(self) -> bool:
+    def deferred(self) -> bool:
         """Updates wait for the step's commit: the whole gradient decides them (clipping, fp16 overflow)."""
         return self.options.grad_clip is not None or self.scaler is not None or self.options.hold_updates
 
     def _finish_update_submission(self) -> None:
         """Deferred mode, at the commit: decide clip and skip, then release the updates, each side in forward
         order (the next forward needs the first blocks first): the host's, then the device's."""
-        if not self._deferred:
+        if not self.deferred:
             return
         skip = False
         if self.scaler is not None:
@@ -760,7 +693,7 @@ class Controller:
         # The CPU's updates are the step's longest tail: its jobs go first, the device's updates after them.
         try:
             scales_host = self._submit_host_jobs(multiplier, skip, scaled)
-            self._run_device_updates(coef, skip)
+            self.device_updates.run(coef, skip)
         except BaseException:
             self.discard_pending(broken=(
                 f"the commit of step {self.optimizer_step + 1} failed after some of its updates were queued, so the "
@@ -808,7 +741,7 @@ class Controller:
             final = dataclasses.replace(
                 job, speculative=False, phase=JobPhase.QUEUED, verdict=None, grad_multiplier=multiplier,
                 slot_multipliers=None if scales is None else [s if s is None else s.to("cpu") for s in scales],
-                hypers=self._block_hypers(job.block),  # the param_groups as the commit finds them
+                hypers=self.block_hypers(job.block),  # the param_groups as the commit finds them
                 mask=None if all(keep) else keep, skip=job.skip or skip or not any(keep))
             holds = speculation_holds(job, final)
             would_hold = would_hold and (holds or job.skip)
@@ -829,59 +762,6 @@ class Controller:
             self._speculate_this_step = would_hold
         return scaled_any
 
-    def _run_device_updates(self, coef: torch.Tensor | None, skip: bool) -> None:
-        """The device-updated and streamed blocks' updates, in forward order, each streamed block's state brought
-        in ahead of its update."""
-        pending = sorted(self._deferred_gpu, key=lambda item: item[0].index)
-        updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
-        for position, (block, flat, has_grad, step) in enumerate(pending):
-            has_grad = self.clipper.kept(block, has_grad)  # p.grad = None after backward drops a parameter
-            if not any(has_grad):
-                flat = None
-            pending[position] = (block, flat, has_grad, step)
-        for block, flat, has_grad, step in pending:
-            if self.gpu_streamed:  # bring the next blocks' state in while this one updates
-                self.writebacks.settle()  # landed write-backs free the memory the next blocks' state comes into
-                later = updating[updating.index(block.index):] if block.index in updating else []
-                self._stream_in_order(later[: self.options.gpu_stream_ahead + 1])
-            if flat is not None and not skip:
-                scale_slots(flat, block, self.clipper.user_scales(block), coef)
-            self._gpu_update(block, flat, has_grad, step, skip=skip or flat is None)
-        self._deferred_gpu = []
-
-    def _gpu_update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int, skip: bool) -> None:
-        """AdamW on the device, stream-ordered on the current stream (the gradient already scaled). A block whose
-        state lives there gets its compute weights recast (the next forward needs no host-side wait); a streamed
-        block's state is written back to pinned host memory, and the next forward's fetch waits for that copy."""
-        streamed = block.index in self.gpu_streamed
-        if streamed and (skip or grad is None):
-            for kind in STATE_KINDS:  # brought in for nothing: drop the clean device copies
-                key = block.key(kind)
-                if self.store.state(key, TierName.GPU) is not CopyState.ABSENT:
-                    self.store.tensor(key, TierName.GPU)  # let a copy in flight land first
-                    self.store.release(key, TierName.GPU)
-        if not skip and grad is not None:
-            sizes = [slot.numel for slot in block.slots]
-
-            def views(flat: torch.Tensor) -> list[torch.Tensor]:
-                return [v for v, keep in zip(split_views(flat, sizes), has_grad) if keep]
-
-            if streamed:
-                self._stream_in(block.index, required=True)  # on demand when the budget refused it earlier
-            state = {kind: self.store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
-            adamw_update_grouped(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
-                                 [s for s, keep in zip(self.gpu_param_steps[block.index], has_grad) if keep],
-                                 [h for h, keep in zip(self._block_hypers(block), has_grad) if keep])
-            if not streamed or self.options.weight_source is WeightSource.RESIDENT:
-                self.weights.load_resident(block.index, state["master"])  # recast from the device master
-            elif self.weights.fill_from_device(block.index, state["master"]):
-                self._fresh.add(block.index)  # the next forward needs it first: no fetch after the write-back
-            if streamed:
-                for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
-                    self.store.mark_dirty(block.key(kind), TierName.GPU, step=step)
-                    self.writebacks.add(self.store.evict(block.key(kind), TierName.GPU, background=self.pace_writebacks))
-        self.worker.mark_updated(block.index, step)
-
     # ---- optimizer -----------------------------------------------------------------------------------
     def step(self) -> None:
         """Commit the optimizer step whose updates the last backward started."""
@@ -897,7 +777,7 @@ class Controller:
         self.clipper.reset()
         self._set_phase(StepPhase.IDLE)
         for index in self._updating:  # a copy fetched for a read before the commit holds pre-step weights
-            if self.weights.states[index].users == 0 and index not in self._fresh:
+            if self.weights.states[index].users == 0 and index not in self.device_updates.fresh:
                 self._release(index)
         self._updating.clear()
         self.optimizer_step += 1
@@ -925,7 +805,7 @@ class Controller:
 
     def update_under_way(self, index: int) -> bool:
         """True when block index's update of the pending step started before optimizer.step() (streaming)."""
-        return index in self._updating and not self._deferred
+        return index in self._updating and not self.deferred
 
     def wait_block_current(self, index: int) -> None:
         """Wait until block index's master holds the committed step's update."""
@@ -939,7 +819,7 @@ class Controller:
         the next step refuses with it, and a checkpoint load mends it. A cleanup that fails itself (a copy that
         failed, say) leaves the session refusing the next step the same way, and the error is raised."""
         # CPU and device updates alike run as gradients land when they do not wait for the commit.
-        interrupted = broken is not None or (bool(self._updating) and not self._deferred)
+        interrupted = broken is not None or (bool(self._updating) and not self.deferred)
         if interrupted:
             self._interrupt(broken or (
                 f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
@@ -948,7 +828,7 @@ class Controller:
                 "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
                 "and an abandoned step changes nothing"))
         speculative = [job for job in self._deferred_jobs if job.speculative]
-        self._deferred_jobs, self._deferred_gpu = [], []
+        self._deferred_jobs, self.device_updates.pending = [], []
         self.held.drop()
         self._reset_step_counters()  # first: whatever fails below, a checkpoint load finds a step-free controller
         try:
@@ -991,7 +871,7 @@ class Controller:
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
         self._updating.clear()
-        self._fresh.clear()
+        self.device_updates.fresh.clear()
         self.clipper.reset()
         with torch._C.DisableTorchFunctionSubclass():  # not through the guard: no host sum to drop, no wait
             for block in self.blocks:  # gradients of non-final micro-batches still on the device

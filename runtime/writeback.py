@@ -1,6 +1,6 @@
 """Streamed state on its way back to host memory after a device update, and the forward that waits for it.
 
-One job: track the write-backs of streamed blocks' master and moments (``Controller._gpu_update`` starts
+One job: track the write-backs of streamed blocks' master and moments (``runtime.device_updates`` starts
 them), and the copies to host of gradients held on the device until the commit ([Note: held gradients] in
 ``runtime.held_grads``), and keep the next forward within device memory while they are in flight. What it leaves out: which
 blocks stream and when their state comes in (the controller), how copies are issued (``tierstore.transfer``).

@@ -162,7 +162,7 @@ def test_a_commit_that_fails_part_way_refuses_the_next_step_until_a_checkpoint_l
         assert controller.gpu_updated, "the config put no block's update on the device"
         step_and_check(model, optimizer, reference, *batches[0])
         save_checkpoint(session, tmp_path / "ckpt")
-        run_job, device_update = controller.worker._run_job, controller._gpu_update
+        run_job, device_update = controller.worker._run_job, controller.device_updates.update
 
         def slow_job(job):  # the failed step's host updates are still queued when the device's fail
             time.sleep(0.05)
@@ -171,11 +171,11 @@ def test_a_commit_that_fails_part_way_refuses_the_next_step_until_a_checkpoint_l
         def fail(*args, **kwargs):
             raise RuntimeError("device update failed")
 
-        controller.worker._run_job, controller._gpu_update = slow_job, fail
+        controller.worker._run_job, controller.device_updates.update = slow_job, fail
         model(*batches[1]).backward()
         with pytest.raises(RuntimeError, match="device update failed"):
             optimizer.step()
-        controller.worker._run_job, controller._gpu_update = run_job, device_update
+        controller.worker._run_job, controller.device_updates.update = run_job, device_update
         with pytest.raises(RuntimeError, match="failed after some of its updates were queued.*load_checkpoint"):
             model(*batches[2]).backward()
         load_checkpoint(session, tmp_path / "ckpt")
