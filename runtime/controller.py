@@ -487,8 +487,8 @@ class Controller:
                 # Backward runs in descending block order: this block, then the ones it reaches next. When the
                 # updates wait for the commit (clipping, fp16) the state waits on the device too, so every copy
                 # must fit the memory the backward freed; at the commit only the update itself is left.
-                self.device_updates.stream_in_order(range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1),
-                                      always=0 if self.deferred else 2)
+                ahead = range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1)
+                self.device_updates.stream_in_order(ahead, always=0 if self.deferred else 2)
         self._prefetch()
 
     def _read_spilled_early(self) -> None:

@@ -2,17 +2,18 @@
 (``optimizer.gpu_update_fraction``) and for the streamed blocks (``optimizer.gpu_stream_fraction``), whose
 state is brought in from pinned host memory for the update and written back after it.
 
-A streamed block's state comes in during the backward that ends the step, nearest blocks first, into memory
-the backward has freed: below what was allocated when that backward began (the forward's end), and never
-into the room weight fetches may need. When updates wait for the commit (clipping, fp16 loss scaling) the
-state waits on the device until then, so only memory the backward freed takes it; otherwise the first two
-blocks ahead come in at once. At the update the state is brought in on demand if the budget refused it
-earlier; afterwards it is written back ([Note: paced write-back] in ``runtime.writeback``) and the block's
-compute weights are recast from the updated master on the device.
+A streamed block's state comes in during the backward that ends the step, nearest blocks first (the block
+whose backward just ran, then the ones it reaches next), never into the room weight fetches may need. When
+updates wait for the commit (clipping, fp16 loss scaling, the user's own clipping) the state waits on the
+device until then, so each copy must fit below what was allocated when that backward began (the memory the
+backward freed); otherwise the first two come in at once and the rest under that bound. At the commit the
+next blocks' state comes in while each block updates, and the update itself brings its own in on demand if
+the budget refused it earlier; afterwards the state is written back ([Note: paced write-back] in
+``runtime.writeback``) and the block's compute weights are recast from the updated master on the device.
 
 What it leaves out: which blocks are device-updated or streamed (the controller's placement), the gradients
-(assembled, checked and scaled by the controller), the write-backs' pacing (``runtime.writeback``) and when
-the commit runs (``runtime.controller``).
+(assembled, fp16-unscaled and their norms taken by the controller; the clip factors are applied here, at the
+commit), the write-backs' pacing (``runtime.writeback``) and when the commit runs (``runtime.controller``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class DeviceUpdates:
     wait for the commit), the streamed state's way in, and the update itself."""
 
     def __init__(self, controller: Controller):
-        self.ctl = controller
+        self.controller = controller
         self.pending: list[tuple[Block, torch.Tensor | None, list[bool], int]] = []  # waiting for the commit
         self.stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
         # Streamed blocks whose new compute weights were cast on the device from the updated master: the next
@@ -50,12 +51,11 @@ class DeviceUpdates:
 
     def placement_changed(self) -> None:
         """The device's share grew (``Controller.adopt_placement``): fewer weights are fetched."""
-        self.fresh.clear()
         self.weights_window_nbytes = self._weights_window()
 
     def _weights_window(self) -> int:
         """GPU-tier bytes the prefetch window of fetched (not resident) weights may take."""
-        ctl = self.ctl
+        ctl = self.controller
         if ctl.options.weight_source is WeightSource.RESIDENT:
             return 0
         return window_bound([ctl.weights.nbytes(b.index) for b in ctl.blocks if b.index not in ctl.gpu_updated],
@@ -64,9 +64,9 @@ class DeviceUpdates:
     def submit(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int) -> None:
         """Block's gradient is final (None: no parameter of it has one): update it now, or at the commit when
         updates wait for it."""
-        if self.ctl.deferred:
+        if self.controller.deferred:
             self.pending.append((block, grad, has_grad, step))
-        else:  # nothing to update without a gradient; a streamed block's state brought in for it is dropped
+        else:  # without a gradient nothing is updated, and a streamed block's state brought in for it is dropped
             self.update(block, grad, has_grad, step, skip=grad is None)
 
     def begin_streaming(self) -> None:
@@ -74,7 +74,7 @@ class DeviceUpdates:
         (state streamed ahead may use what the backward frees below it), and, when the state streams during
         the backward, hold resident-weight refreshes until every streamed block's state is on its way (they
         are needed only by the next forward)."""
-        ctl = self.ctl
+        ctl = self.controller
         self.stream_ceiling = torch.cuda.memory_allocated(ctl.device) if ctl.device.type == "cuda" else None
         if ctl.options.weight_source is WeightSource.RESIDENT and not ctl.deferred:
             ctl.weights.hold_refreshes()
@@ -83,17 +83,17 @@ class DeviceUpdates:
         """Bring in the state of these blocks, nearest first: the first ``always`` at once, the rest while memory
         in use stays below the ceiling (see begin_streaming) and the GPU budget keeps room for weight fetches.
         A refusal stops the rest, so a block further ahead never holds room a nearer update needs."""
-        streamed = self.ctl.gpu_streamed
+        streamed = self.controller.gpu_streamed
         for position, index in enumerate(indices):
             if position >= always and not self._room_to_stream(index):
                 return
             if not self.stream_in(index):
                 return
             if index == min(streamed):
-                self.ctl.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
+                self.controller.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
 
     def _room_to_stream(self, index: int) -> bool:
-        ctl = self.ctl
+        ctl = self.controller
         if index not in ctl.gpu_streamed:
             return True
         block = ctl.blocks[index]
@@ -112,7 +112,7 @@ class DeviceUpdates:
         queued there so far: the state takes memory the backward has just freed, and no bytes are parked in
         the copy stream's own allocator pool, which compute can't reuse. (Under a capped GPU memory
         fraction such a side pool makes the allocator release its cache, synchronizing the device.)"""
-        ctl = self.ctl
+        ctl = self.controller
         if index not in ctl.gpu_streamed:
             return True
         for kind in STATE_KINDS:
@@ -127,7 +127,7 @@ class DeviceUpdates:
     def run(self, coef: torch.Tensor | None, skip: bool) -> None:
         """At the commit: the pending updates, in forward order, each streamed block's state brought in ahead
         of its update, each gradient scaled by its clip factors first."""
-        ctl = self.ctl
+        ctl = self.controller
         pending = sorted(self.pending, key=lambda item: item[0].index)
         updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
         for position, (block, flat, has_grad, step) in enumerate(pending):
@@ -149,7 +149,7 @@ class DeviceUpdates:
         """AdamW on the device, stream-ordered on the current stream (the gradient already scaled). A block whose
         state lives there gets its compute weights recast (the next forward needs no host-side wait); a streamed
         block's state is written back to pinned host memory, and the next forward's fetch waits for that copy."""
-        ctl = self.ctl
+        ctl = self.controller
         store = ctl.store
         streamed = block.index in ctl.gpu_streamed
         if streamed and (skip or grad is None):

@@ -3,7 +3,8 @@
 One job: track the write-backs of streamed blocks' master and moments (``runtime.device_updates`` starts
 them), and the copies to host of gradients held on the device until the commit ([Note: held gradients] in
 ``runtime.held_grads``), and keep the next forward within device memory while they are in flight. What it leaves out: which
-blocks stream and when their state comes in (the controller), how copies are issued (``tierstore.transfer``).
+blocks stream (the controller's placement) and when their state comes in (``runtime.device_updates``), how
+copies are issued (``tierstore.transfer``).
 
 [Note: paced write-back]
 A streamed block's state is written back after its update, at ``optimizer.step()`` under clipping or fp16

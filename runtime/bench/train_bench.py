@@ -159,11 +159,11 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         # back, weights refreshed) run into the next step and are charged wherever they delay it.
         _sync()
         t0 = time.perf_counter()
-        held_per_step, scale_per_step = [], []
+        held_per_step, scale_per_step, kernel_per_step = [], [], []
         for _ in range(steps):
             c = session.controller.stats
             u0, f0, before = c.wait_update_s, c.wait_fetch_s, dict(moved)
-            h0, s0 = c.held_grads, session.controller.worker.stats.scale_s
+            h0, s0, k0 = c.held_grads, session.controller.worker.stats.scale_s, session.controller.worker.stats.kernel_s
             for _ in range(accumulation):
                 loss = batch_loss(spec, model, batch)
                 loss.backward()
@@ -179,6 +179,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             # The worker's multiplies between the last step's end and this one's: mostly the last step's jobs (they
             # run after its step() returns); the final step's own are not counted.
             scale_per_step.append(session.controller.worker.stats.scale_s - s0)
+            kernel_per_step.append(session.controller.worker.stats.kernel_s - k0)  # likewise
             for kind in moved:
                 per_step[kind].append(moved[kind] - before[kind])
         opt.synchronize()
@@ -190,6 +191,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         hit_rate, worker = controller.schedule.stats.hit_rate, controller.worker.stats
         writeback_waits = (controller.writebacks.waits, controller.writebacks.wait_s)
         host_blocks = len(controller.host_updated_blocks)
+        host_numel = sum(block.numel for block in controller.host_updated_blocks)
         notes = list(session.plan.notes or ())
     finally:
         session.close()
@@ -205,6 +207,9 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
             # Host gradients held on the device until each commit ([Note: held gradients]) of the host_blocks, and
             # the worker's seconds multiplying by clip factors during each step (mostly the step before's jobs).
             "held_per_step": held_per_step, "host_blocks": host_blocks, "scale_s_per_step": scale_per_step,
+            # The CPU's AdamW kernel seconds between step ends (mostly the step before's jobs) over the parameters
+            # it updates a step (as placed at the end): its rate inside the step, beside the copies.
+            "kernel_s_per_step": kernel_per_step, "host_numel": host_numel,
             # A mean, not a median: IO completing after its step's end is counted in the next one.
             "moved_nbytes": {kind: statistics.mean(values[warm:]) for kind, values in per_step.items()}}
 
@@ -417,11 +422,25 @@ def format_table(rows: list[str], results: dict[str, Any], bounds: dict[str, Bou
     lines += [f"held gradients {row}: {r['held_per_step']} of {r['host_blocks']} host blocks (as placed at the end) a "
               f"step; the host's clip multiply between step ends {', '.join(f'{x * 1e3:.0f}' for x in r['scale_s_per_step'])} ms"
               for row in rows if "held_per_step" in (r := results.get(row, {})) and row_options(row)[1].get("clip")]
+    lines += [_time_line(row, r, warm=max(1, len(r["kernel_s_per_step"]) // 3)) for row in rows
+              if "kernel_s_per_step" in (r := results.get(row, {}))]
     lines += [f"allocator {row}: {r['alloc_retries']} retries (cached memory given back under pressure), "
               f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, "
               f"peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"
               for row in rows if "alloc_retries" in (r := results.get(row, {}))]
     return "\n".join(lines + versus_deepspeed(results))
+
+
+def _time_line(row: str, result: dict[str, Any], warm: int) -> str:
+    """Where a tierstore row's measured steps waited, and the CPU's AdamW kernel inside them (medians of the steps
+    after warm-up): ``time host-clip: the forward waited 12 ms a step for updates, 0 for weights; CPU AdamW
+    kernel 180 ms a step for 0.622B parameters (3.46 G params/s in the step)``."""
+    kernel = statistics.median(result["kernel_s_per_step"][warm:] or result["kernel_s_per_step"])
+    numel = result["host_numel"]
+    rate = f" ({numel / kernel / 1e9:.2f} G params/s in the step)" if kernel > 0 and numel else ""
+    return (f"time {row}: the forward waited {result['wait_update_s'] * 1e3:.0f} ms a step for updates, "
+            f"{result['wait_fetch_s'] * 1e3:.0f} for weights; CPU AdamW kernel {kernel * 1e3:.0f} ms a step for "
+            f"{_count(numel)} parameters{rate}")
 
 
 def _count(numel: int) -> str:

@@ -152,6 +152,9 @@ def test_rows_in_their_own_processes_and_the_table(tmpfs_dir):
     assert "clipping at 1.0" in host
     assert any(line.startswith("bound host-clip: max(T_gpu") and "moved" in line for line in lines)
     assert any(line.startswith("held gradients host-clip: [0, ") for line in lines)
+    time_line = next(line for line in lines if line.startswith("time host-clip: the forward waited "))
+    assert "G params/s in the step" in time_line and results["host-clip"]["host_numel"] > 0
+    assert len(results["host-clip"]["kernel_s_per_step"]) == 3 and sum(results["host-clip"]["kernel_s_per_step"]) > 0
     assert any(line.startswith("nvme-auto") and "failed" in line for line in lines)
 
 
