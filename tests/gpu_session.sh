@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the lent GPU machine, in one call: GPU tests, store bandwidth (disk and tmpfs),
-# the training benchmark. Writes logs under $OUT (or ./out). Usage on the device:
+# the training benchmark. Writes logs under $OUT (or ./out); the device tool brings back at most 8 files, and
+# a train run writes 3 (device.txt, train.json, train.log). Usage on the device:
 #   bash tests/gpu_session.sh [tests|store|train|session|finetune|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
   # BENCH_ARGS: another shape, e.g. "--model hf-llama --hidden 2048 --layers 28 --heads 16 --kv-heads 4 --tied --seq 2048"
-  python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | grep -v INFO
+  python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | awk '!/INFO/ || /train_bench: row /'
 fi
 if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
   # compare: this, then DeepSpeed (the block below) in one call; give both the shape: FT_ARGS="--layers 16" DS_ARGS="--layers 16 ..."

@@ -333,6 +333,9 @@ def run_rows(rows: list[str], spec: BenchModel, args: argparse.Namespace) -> dic
             results[row] = json.loads(Path(out.name).read_text())
             if row_options(row)[0] == "nvme-auto" and host_cap is not None:
                 results[row]["host_cap_from"] = host_cap[1]
+            # Each row's figure as it lands: a run stopped before the table (a time limit) still shows it.
+            steps_s = results[row].get("steps_s") or []
+            log.info("row %s: %.3f s/step (steps: %s)", row, results[row]["step_s"], ", ".join(f"{x:.3f}" for x in steps_s))
     return results
 
 
