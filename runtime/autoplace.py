@@ -33,8 +33,8 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
 - ``j`` (auto): the one that minimises ``max(T_cpu, T_h2d, T_d2h)`` (the fewest on a tie):
   ``T_cpu = H / adam_rate``, the rate timed while copies run each way (``Rates.adam_params_per_s``: in a
   step the copies share host memory's bandwidth with the kernel); ``T_h2d = (12 S + weights) / h2d_rate``,
-  where weights are fetched for the forward and again for the backward (``fetch_itemsize`` bytes a parameter: 4 from an fp32 master cast on
-  the GPU) except the blocks kept for backward, or, with weights resident, refreshed once from the fp32
+  where weights are fetched for the forward and again for the backward (``fetch_itemsize`` bytes a
+  parameter: 4 from an fp32 master cast on the GPU) except the blocks kept for backward, or, with weights resident, refreshed once from the fp32
   master of the CPU-updated blocks (4 ``H``); ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written
   back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
   When updates wait for the commit (clipping, fp16 loss scaling) they all run after the backward, beside the
@@ -365,7 +365,7 @@ def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool) -> f
     warm-up (the alone rate beside it is a median too): what the CPU's updates get in a step, where the copies to
     and from the GPU share host memory's bandwidth with them (on the H100 box the kernel alone was 1.4-1.8x
     faster; planned with the alone rate, auto placement streamed less than the best hand-set rows, calls H5,
-    H8 and J1 in the README)."""
+    H8 in docs/measurements-history.md and J1 in the README)."""
     times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
                                                    copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
     if not beside:

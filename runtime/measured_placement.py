@@ -2,8 +2,8 @@
 
 ``auto`` placement (``runtime.autoplace``) must leave room for activations it cannot see before a step runs.
 A share of the free budget is wrong both ways: under DeepSpeed ZeRO-2's reservation (31 GiB on an H100) the
-1.35B benchmark's first step reached 25.1 GiB beyond its plan (reserved bytes, weights resident; call Z3 in the
-README) and three quarters of the free budget left its first forward out of memory, while the 8B scenario under a 24 GiB cap used half of what was reserved. So when
+1.35B benchmark's first step reached 25.1 GiB beyond its plan (reserved bytes, weights resident; call Z3 in
+docs/measurements-history.md) and three quarters of the free budget left its first forward out of memory, while the 8B scenario under a 24 GiB cap used half of what was reserved. So when
 ``optimizer.gpu_update_fraction`` and ``tiers.gpu.activation_reserve`` are both ``auto`` on a GPU, the session's
 first step runs with every update on the CPU, and nothing streamed or kept for backward where those are ``auto``
 (the plan's smallest GPU footprint, shown by ``tierstore plan``); at its commit the peak it reached is read, auto placement

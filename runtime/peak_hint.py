@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # ZeRO-2's 31.06 GiB reservation (2026-11-27, the 1.35B benchmark with clipping) the best hand-set rows peaked at
 # 28.6-28.8 GiB allocated, 2.3-2.5 GiB to spare; with a margin of 10% (3.1 GiB) the placement measured from the
 # first step kept every update on the CPU with weights resident and one block on the GPU with weights on host
-# (call Z1 in the README).
+# (call Z1 in docs/measurements-history.md).
 GPU_MARGIN = 0.05
 QUARTER_GIB = 1 << 28
 

@@ -91,12 +91,12 @@ def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: in
                                    repeats: int = 3, copy_nbytes: int, pin: bool = True) -> tuple[list[float], bool]:
     """``cpu_adam_seconds`` while copies of ``copy_nbytes`` run back to back each way between host memory and the
     CUDA ``device``, as they do beside the CPU's updates in an offloaded step (gradients and streamed state
-    leaving, weights and streamed state arriving): the DMA shares host memory's bandwidth with the kernel. On the
-    H100 box the kernel ran at 2.9-3.3 G params/s inside a step against 4.5-4.7 timed alone (call H5 in the
-    README). A thread keeps two copies queued each way until the kernel's last step ends, waiting on blocking
-    events (a spinning wait would take a core from the kernel's threads). Returns the times and whether copies
-    completed between the first timed step's start and the last one's end with the thread still feeding (False:
-    some steps may have run alone, and the figure is an upper bound)."""
+    leaving, weights and streamed state arriving): the DMA shares host memory's bandwidth with the kernel. On
+    the H100 box the kernel ran at 2.9-3.3 G params/s inside a step against 4.5-4.7 timed alone (call H5 in
+    docs/measurements-history.md). A thread keeps two copies queued each way until the kernel's last step ends,
+    waiting on blocking events (a spinning wait would take a core from the kernel's threads). Returns the times
+    and whether copies completed between the first timed step's start and the last one's end with the thread
+    still feeding (False: some steps may have run alone, and the figure is an upper bound)."""
     stop, started = threading.Event(), threading.Event()
     copied = [0]
     errors: list[BaseException] = []
