@@ -354,23 +354,30 @@ def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
     started = time.perf_counter()
     device = torch.device("cuda", device_index)
     alone = ADAM_PROBE_NUMEL / statistics.median(cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS))
-    rates = Rates(adam_params_per_s=_adam_rate_beside_copies(device, cpu_threads, pin), adam_alone_params_per_s=alone,
-                  **_copy_rates(device, pin))
+    rates = Rates(adam_params_per_s=_adam_rate_beside_copies(device, cpu_threads, pin, alone=alone),
+                  adam_alone_params_per_s=alone, **_copy_rates(device, pin))
     log.info("measured for auto placement in %.2f s: %s", time.perf_counter() - started, rates.describe())
     return rates
 
 
-def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool) -> float:
+def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float) -> float:
     """Parameters a second of torch's fused CPU AdamW while copies run each way, the median of three after a
     warm-up (the alone rate beside it is a median too): what the CPU's updates get in a step, where the copies to
     and from the GPU share host memory's bandwidth with them (on the H100 box the kernel alone was 1.4-1.8x
     faster; planned with the alone rate, auto placement streamed less than the best hand-set rows, calls H5,
-    H8 in docs/measurements-history.md and J1 in the README)."""
-    times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
-                                                   copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
+    H8 in docs/measurements-history.md and J1 in the README). At most ``alone``, the kernel's rate with no
+    copies (a faster figure is timing noise); ``alone`` itself where the probe cannot run (no room for its
+    buffers, pinning refused): a probe must not stop ``offload()``."""
+    try:
+        times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
+                                                       copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
+    except (RuntimeError, OSError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        log.warning("auto placement could not time CPU AdamW beside copies (%s); it plans with the rate timed "
+                    "alone, %.2f G params/s, which overstates the CPU's speed in a step", error, alone / 1e9)
+        return alone
     if not beside:
         log.debug("CPU AdamW probe: no copy completed while the kernel ran; its rate beside copies is overstated")
-    return ADAM_PROBE_NUMEL / statistics.median(times)
+    return min(alone, ADAM_PROBE_NUMEL / statistics.median(times))
 
 
 def _copy_rates(device: torch.device, pin: bool) -> dict[str, float]:

@@ -425,3 +425,26 @@ def test_streamed_state_takes_the_activations_room_when_updates_wait_for_the_com
     updated, streamed = counts(LLAMA, later)
     assert base.gpu_plan_nbytes(updated, 0) <= base.gpu_budget_nbytes - reserve
     assert base.gpu_plan_nbytes(updated, streamed) <= base.gpu_budget_nbytes
+
+
+def test_the_rate_beside_copies_falls_back_to_the_rate_alone_and_never_exceeds_it(monkeypatch, caplog):
+    """A probe that cannot run (no room for its buffers) leaves auto placement the rate timed alone, with a warning
+    that says so; a rate beside copies above the one alone (timing noise) is capped at it."""
+    import logging
+
+    import runtime.autoplace as autoplace
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies", no_room)
+    with caplog.at_level(logging.WARNING, logger="runtime.autoplace"):
+        assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9
+    assert "could not time CPU AdamW beside copies" in caplog.text and "4.00 G params/s" in caplog.text
+    numel = autoplace.ADAM_PROBE_NUMEL
+    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies",
+                        lambda *args, **kwargs: ([numel / 5e9, numel / 3e9, numel / 6e9], True))
+    assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9  # median 5e9, capped
+    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies",
+                        lambda *args, **kwargs: ([numel / 3e9, numel / 2e9, numel / 2.5e9], True))
+    assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == pytest.approx(2.5e9)
