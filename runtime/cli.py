@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--repeats", type=int, default=3, help="timed repeats per path; the best is kept")
     store.add_argument("--io-threads", type=int, default=4)
     store.add_argument("--json", type=Path, help="also write the results as JSON here")
+    store.add_argument("--disk-sweep", action="store_true",
+                       help="instead, the disk's read / write GB/s over IOs in flight (1-16) and IO sizes (8, 64MiB) in "
+                            "--nvme-dir, to choose tiers.nvme.io_threads and tiers.nvme.block_size")
 
     btrain = bench_sub.add_parser("train", help="training step time against each row's bound and the baselines")
     _bench_train_arguments(btrain)
@@ -163,6 +166,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _bench_store(args: argparse.Namespace) -> int:
     import torch
+
+    if args.disk_sweep:
+        from runtime.bench.disk_sweep import disk_sweep, format_disk_sweep
+
+        if args.nvme_dir in (None, "tmp"):
+            raise ValueError("--disk-sweep measures the disk of --nvme-dir: give the directory the swap files will use")
+        print(format_disk_sweep(disk_sweep(args.nvme_dir, total_nbytes=args.total, repeats=min(args.repeats, 2)),
+                                args.nvme_dir))
+        return 0
 
     from runtime.bench.store_bench import SingleStream, format_store_table, run_store_bench
 
