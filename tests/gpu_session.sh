@@ -2,7 +2,7 @@
 # Everything that needs the lent GPU machine, in one call: GPU tests, store bandwidth (disk and tmpfs),
 # the training benchmark. Writes logs under $OUT (or ./out); the device tool brings back at most 8 files, and
 # a train run writes 3 (device.txt, train.json, train.log). Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|train|session|finetune|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,6 +28,10 @@ if [[ $what == store || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-bench
   python3 -m runtime.cli bench store --nvme-dir /var/tmp/tierstore-bench --total 4GiB --json "$OUT/store_disk.json" 2>&1 | tee "$OUT/store_disk.log" | grep -v INFO
   python3 -m runtime.cli bench store --nvme-dir /dev/shm --total 4GiB --json "$OUT/store_tmpfs.json" 2>&1 | tee "$OUT/store_tmpfs.log" | grep -v INFO
+fi
+if [[ $what == sweep ]]; then  # which IO shape the disk reads fastest (tiers.nvme.io_threads / block_size)
+  mkdir -p /var/tmp/tierstore-bench
+  python3 -m runtime.cli bench store --nvme-dir /var/tmp/tierstore-bench --disk-sweep --total ${TOTAL:-2GiB} 2>&1 | tee "$OUT/disk_sweep.log" | grep -v INFO
 fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
