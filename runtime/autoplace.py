@@ -72,6 +72,7 @@ import torch
 
 from runtime.rates import cpu_adam_seconds, cpu_adam_seconds_beside_copies, pinned_copy_gbps
 from runtime.units import approx_size
+from tierstore import HostMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -367,11 +368,12 @@ def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, a
     faster; planned with the alone rate, auto placement streamed less than the best hand-set rows, calls H5,
     H8 in docs/measurements-history.md and J1 in the README). At most ``alone``, the kernel's rate with no
     copies (a faster figure is timing noise); ``alone`` itself where the probe cannot run (no room for its
-    buffers, pinning refused): a probe must not stop ``offload()``."""
+    buffers, pinning refused: the larger probe may not fit where the copy probe after it does). Any other error
+    (a dead CUDA context, a bug) surfaces."""
     try:
         times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
                                                        copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
-    except (RuntimeError, OSError) as error:  # torch.OutOfMemoryError is a RuntimeError
+    except (torch.OutOfMemoryError, HostMemoryError) as error:  # no room on the device, pinning refused
         log.warning("auto placement could not time CPU AdamW beside copies (%s); it plans with the rate timed "
                     "alone, %.2f G params/s, which overstates the CPU's speed in a step", error, alone / 1e9)
         return alone

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--json", type=Path, help="also write the results as JSON here")
     store.add_argument("--disk-sweep", action="store_true",
                        help="instead, the disk's read / write GB/s over IOs in flight (1-16) and IO sizes (8, 64MiB) in "
-                            "--nvme-dir, to choose tiers.nvme.io_threads and tiers.nvme.block_size")
+                            "--nvme-dir, to choose tiers.nvme.io_threads and tiers.nvme.block_size (--total bytes a "
+                            "point, at least two IOs a thread; --repeats; --json)")
 
     btrain = bench_sub.add_parser("train", help="training step time against each row's bound and the baselines")
     _bench_train_arguments(btrain)
@@ -172,8 +174,11 @@ def _bench_store(args: argparse.Namespace) -> int:
 
         if args.nvme_dir in (None, "tmp"):
             raise ValueError("--disk-sweep measures the disk of --nvme-dir: give the directory the swap files will use")
-        print(format_disk_sweep(disk_sweep(args.nvme_dir, total_nbytes=args.total, repeats=min(args.repeats, 2)),
-                                args.nvme_dir))
+        points = disk_sweep(args.nvme_dir, total_nbytes=args.total, repeats=args.repeats)
+        print(format_disk_sweep(points, args.nvme_dir))
+        if args.json:
+            args.json.write_text(json.dumps({"directory": args.nvme_dir, "disk_sweep": [asdict(p) for p in points]},
+                                            indent=2))
         return 0
 
     from runtime.bench.store_bench import SingleStream, format_store_table, run_store_bench

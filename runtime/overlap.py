@@ -370,6 +370,7 @@ class UpdateWorker:
 
         targets = self.spares.targets(block)
         job.spec_steps = [s.clone() for s in self.param_steps[block.index]]
+        kernel_start = time.perf_counter()
         adamw_update_out_of_place(
             tuple(views(host[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
             tuple(views(targets[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
@@ -377,6 +378,7 @@ class UpdateWorker:
             [s for s, k in zip(job.spec_steps, keep) if k],
             [h for h, k in zip(job.hypers, keep) if k],
         )
+        self.stats.kernel_s += time.perf_counter() - kernel_start  # an early update's kernel is the kernel too
         if not all(keep):  # the spares replace whole buffers: parameters without a gradient keep their values
             for kind in STATE_KINDS:
                 for source, target, k in zip(split_views(host[kind], sizes), split_views(targets[kind], sizes), keep):

@@ -426,7 +426,7 @@ def format_table(rows: list[str], results: dict[str, Any], bounds: dict[str, Bou
               f"step; the host's clip multiply between step ends {', '.join(f'{x * 1e3:.0f}' for x in r['scale_s_per_step'])} ms"
               for row in rows if "held_per_step" in (r := results.get(row, {})) and row_options(row)[1].get("clip")]
     lines += [_time_line(row, r, warm=max(1, len(r["kernel_s_per_step"]) // 3)) for row in rows
-              if "kernel_s_per_step" in (r := results.get(row, {}))]
+              if "kernel_s_per_step" in (r := results.get(row, {})) and r["host_numel"]]  # no CPU updates: no line
     lines += [f"allocator {row}: {r['alloc_retries']} retries (cached memory given back under pressure), "
               f"{r['device_allocs']} cudaMalloc / {r['device_frees']} cudaFree, "
               f"peak reserved {r['peak_gpu_reserved_nbytes'] / 2**30:.1f} GiB"

@@ -25,6 +25,25 @@ def test_clip_that_never_scales_publishes_every_early_update():
     assert worker.published > 0 and worker.redone == 0
 
 
+def test_an_early_updates_kernel_time_is_counted(monkeypatch):
+    """WorkerStats.kernel_s (the bench's time line reads it) counts the kernel of updates that ran early and were
+    published, not only of those run at the commit: here each early kernel takes at least 20 ms."""
+    import time
+
+    import runtime.overlap as overlap
+
+    kernel = overlap.adamw_update_out_of_place
+
+    def slow_kernel(*args, **kwargs):
+        time.sleep(0.02)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(overlap, "adamw_update_out_of_place", slow_kernel)
+    *_, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 1e6}}, steps=2)
+    worker = worker_stats(stats)
+    assert worker.published > 0 and worker.kernel_s >= 0.02 * worker.published
+
+
 def test_clip_below_one_redoes_every_early_update_exactly():
     ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 0.05}})
     assert ours == theirs

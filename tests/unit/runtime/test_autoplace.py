@@ -434,13 +434,24 @@ def test_the_rate_beside_copies_falls_back_to_the_rate_alone_and_never_exceeds_i
 
     import runtime.autoplace as autoplace
 
-    def no_room(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory")
+    from tierstore import HostMemoryError
 
-    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies", no_room)
-    with caplog.at_level(logging.WARNING, logger="runtime.autoplace"):
-        assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9
-    assert "could not time CPU AdamW beside copies" in caplog.text and "4.00 G params/s" in caplog.text
+    for refusal in (torch.OutOfMemoryError("CUDA out of memory"), HostMemoryError(1 << 29, "page-lock", "cudaHostRegister refused")):
+        def refuse(*args, refusal=refusal, **kwargs):
+            raise refusal
+
+        monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies", refuse)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="runtime.autoplace"):
+            assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9
+        assert "could not time CPU AdamW beside copies" in caplog.text and "4.00 G params/s" in caplog.text
+
+    def broken(*args, **kwargs):  # anything else is a bug or a dead CUDA context: it surfaces
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9)
     numel = autoplace.ADAM_PROBE_NUMEL
     monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies",
                         lambda *args, **kwargs: ([numel / 5e9, numel / 3e9, numel / 6e9], True))

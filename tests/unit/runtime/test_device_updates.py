@@ -54,7 +54,8 @@ def test_device_updates_run_as_gradients_land_or_wait_for_the_commit(clip):
 
 def test_a_refused_stream_in_stops_the_blocks_behind_it():
     """stream_in_order brings in the first ``always`` blocks regardless of room, then stops at the first block
-    without room (the weights window would not fit beside its state): none further ahead comes in."""
+    without room: none further ahead comes in, even one that would have room. Room is the weights window
+    beside the block's state in the GPU tier's free bytes."""
     model, optimizer, session = _session(None, update=0.0, stream=0.8)
     updates, controller = session.controller.device_updates, session.controller
     streamed = sorted(controller.gpu_streamed, reverse=True)  # the backward's order
@@ -68,7 +69,12 @@ def test_a_refused_stream_in_stops_the_blocks_behind_it():
         updates.weights_window_nbytes = session.store.tiers[TierName.GPU].free_nbytes + 1  # no room for anything
         updates.stream_in_order(streamed, always=1)
         assert [on_device(i) for i in streamed] == [True] + [False] * (len(streamed) - 1)
-        updates.weights_window_nbytes = 0
+        updates.weights_window_nbytes = 0  # room for all, but the second block is refused
+        room = updates._room_to_stream
+        updates._room_to_stream = lambda index: index != streamed[1] and room(index)
+        updates.stream_in_order(streamed, always=1)
+        assert [on_device(i) for i in streamed] == [True] + [False] * (len(streamed) - 1)
+        del updates._room_to_stream
         updates.stream_in_order(streamed, always=0)
         assert all(on_device(i) for i in streamed)
         for index in streamed:  # clean copies brought in for nothing: let them go, as a dropped step does

@@ -25,3 +25,23 @@ def test_every_point_of_the_grid_moves_its_own_io_size(tmp_path):
 def test_the_sweep_needs_the_swap_directory(capsys):
     assert main(["bench", "store", "--disk-sweep"]) != 0
     assert "--disk-sweep measures the disk of --nvme-dir" in capsys.readouterr().err
+
+
+def test_the_sweep_writes_json_when_asked(tmp_path, capsys, monkeypatch):
+    import functools
+    import json
+
+    import runtime.bench.disk_sweep as sweep
+
+    # The default grid moves up to 2 GiB a point: a small one here, through the same command.
+    monkeypatch.setattr(sweep, "disk_sweep", functools.partial(sweep.disk_sweep, ios_in_flight=(1, 2),
+                                                                block_nbytes=(64 << 10,)))
+    target = tmp_path / "swap"
+    target.mkdir()
+    out = tmp_path / "sweep.json"
+    assert main(["bench", "store", "--nvme-dir", str(target), "--disk-sweep", "--total", "256KiB", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(p["ios_in_flight"], p["block_nbytes"]) for p in data["disk_sweep"]] == [(1, 64 << 10), (2, 64 << 10)]
+    assert all(p["read_gbps"] > 0 for p in data["disk_sweep"])
+    assert "fastest read" in capsys.readouterr().out
