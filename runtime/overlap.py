@@ -78,7 +78,7 @@ class WorkerStats:
     """Timing of the worker: seconds in Adam, in waiting for its inputs, and per-job intervals."""
 
     adam_s: float = 0.0
-    kernel_s: float = 0.0  # of adam_s, in the AdamW kernel itself (the rest: weight refreshes, write-backs)
+    kernel_s: float = 0.0  # of adam_s, in the AdamW kernel itself, early (speculative) runs included
     scale_s: float = 0.0  # of adam_s, multiplying gradients by clip factors
     refresh_s: float = 0.0  # of adam_s, issuing (or making) the compute weights' refresh
     wait_inputs_s: float = 0.0

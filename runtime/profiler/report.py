@@ -48,7 +48,8 @@ def _header(summary: dict[str, Any]) -> str:
     if any(split.values()):
         lines.append(f"CPU Adam's parts: AdamW kernel {split.get('kernel_s', 0.0):.3f} s, clip factors "
                      f"{split.get('scale_s', 0.0):.3f} s, weight refreshes {split.get('refresh_s', 0.0):.3f} s "
-                     "(the rest: updates run before their commit, bookkeeping)")
+                     "(the kernel counts updates run before their commit too; the rest: copying parameters without a "
+                     "gradient into early results, write-backs, bookkeeping)")
     for role, why in (summary.get("skipped") or {}).items():
         lines.append(f"not written: {role}: {why}")
     if summary.get("dropped_events"):
