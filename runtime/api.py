@@ -25,7 +25,7 @@ from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement, first_step_listener
-from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_peak
+from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_by_stream, cuda_reserved_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
 from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
@@ -286,7 +286,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
             ask=placement_asker(session, may_stream=resolved.source is not WeightSource.WEIGHTS),
             adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=cuda_reserved_peak(device),
             reset_peak=functools.partial(_reset_peak, device),
-            report=functools.partial(_note_in_plan, weakref.ref(session))))
+            report=functools.partial(_note_in_plan, weakref.ref(session)), pools=cuda_reserved_by_stream(device)))
     elif (resolved.placement.activation_reserve_nbytes and device.type == "cuda"
           and cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto"):
         # after the first steps: would a lower reserve put more on the GPU?

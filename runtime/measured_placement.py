@@ -13,7 +13,11 @@ the plan plus a margin), and the first blocks it chooses move their master and m
 
 The peak is the allocator's reserved bytes, not the allocated ones: a memory-fraction cap limits the former, and
 the difference is the fragmentation the step itself caused. Under an 8 GiB cap (H100, 2026-11-27) a reserve
-from the allocated peak left the second step 0.75 GiB short.
+from the allocated peak left the second step 0.75 GiB short. With weights fetched from host the reserved peak
+was about 2 GiB above the allocated one on the benchmark model under ZeRO-2's memory (call Z2), enough that auto
+placement could not afford the hand-set row's keep_for_backward; the line also says what the allocator holds
+at the commit for the compute stream and for side streams (cache of the weight fetches' copy stream serves
+only that stream), to tell how much of such a difference is that cache (not yet run on a GPU).
 
 What it leaves out: sessions whose first-step plan spills moments to NVMe or sums micro-batch gradients in host
 memory, and accumulated steps that may fetch a compute-dtype copy of the weights (chosen for the first step, the
@@ -55,13 +59,18 @@ class FirstStepPlacement:
     CapacityError or torch.OutOfMemoryError, changing nothing, when the GPU tier or the device has no room;
     should a moved key not go back, the controller is interrupted and the next step refuses); ``peak`` / ``reset_peak``: the process's
     peak reserved GPU bytes and its reset; ``report``: where the outcome's line goes besides the log (the
-    session's plan notes, which benchmarks and profiles print)."""
+    session's plan notes, which benchmarks and profiles print); ``pools``: the bytes the allocator holds at the
+    commit for the compute stream and for side streams (``runtime.peak_hint.cuda_reserved_by_stream``), said in
+    the line: how much of the peak beyond the plan is side-stream cache rather than activations (None: not
+    said)."""
 
     def __init__(self, *, plan_gpu_nbytes: int, budget_nbytes: int, ask: Callable[[int], Placement | None],
                  adopt: Callable[[Placement], None], peak: Callable[[], int], reset_peak: Callable[[], None],
-                 report: Callable[[str], None] = lambda line: None):
+                 report: Callable[[str], None] = lambda line: None,
+                 pools: Callable[[], tuple[int, int]] | None = None):
         self.plan_gpu_nbytes, self.budget_nbytes = plan_gpu_nbytes, budget_nbytes
         self.ask, self.adopt, self.peak, self.reset_peak, self.report = ask, adopt, peak, reset_peak, report
+        self.pools = pools
         self.started = False  # the first training forward began (the peak is measured from there)
         self.done = False
         self.chosen: Placement | None = None  # what was adopted (None: nothing yet, or nothing more fitted)
@@ -93,7 +102,7 @@ class FirstStepPlacement:
         if placement is None:
             return
         measured = (f"the first step peaked at {approx_size(peak)} of the {approx_size(self.budget_nbytes)} GPU budget "
-                    f"({approx_size(beyond)} beyond its plan)")
+                    f"({approx_size(beyond)} beyond its plan{self._pools_now()})")
         if not (placement.gpu_update_fraction or placement.gpu_stream_fraction or placement.keep_for_backward_nbytes):
             self._say(logging.INFO, f"{measured}: with an activation reserve of {approx_size(reserve)} nothing more "
                                     "fits on the GPU; every update stays on the CPU")
@@ -107,6 +116,13 @@ class FirstStepPlacement:
         self.chosen = placement
         self._say(logging.INFO, f"{measured}: activation reserve {approx_size(reserve)}, placement adopted")
         log.info("%s", "\n".join(placement.notes))
+
+    def _pools_now(self) -> str:
+        """``; held at the commit: 24.10 GiB for the compute stream, 2.31 GiB for side streams`` (empty: not asked)."""
+        if self.pools is None:
+            return ""
+        own, other = self.pools()
+        return f"; held at the commit: {approx_size(own)} for the compute stream, {approx_size(other)} for side streams"
 
     def _say(self, level: int, line: str) -> None:
         log.log(level, "%s", line)

@@ -116,6 +116,28 @@ def cuda_peak(device: torch.device) -> Callable[[], int]:
     return lambda: int(torch.cuda.max_memory_allocated(device))
 
 
+def cuda_reserved_by_stream(device: torch.device) -> Callable[[], tuple[int, int]]:
+    """(bytes the caching allocator holds on ``device`` for the current stream, for every other stream), as a
+    callable. Memory cached for one stream serves only that stream: blocks the weight fetches' copy stream
+    allocated and freed stay reserved beside the compute stream's, which is part of a reserved peak beyond the
+    plan that activations never used. Read from ``torch.cuda.memory_snapshot`` (a pass over every segment)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def read() -> tuple[int, int]:
+        current = torch.cuda.current_stream(index).cuda_stream
+        own = other = 0
+        for segment in torch.cuda.memory_snapshot():
+            if segment.get("device") != index:
+                continue
+            if segment.get("stream") == current:
+                own += int(segment["total_size"])
+            else:
+                other += int(segment["total_size"])
+        return own, other
+
+    return read
+
+
 def cuda_reserved_peak(device: torch.device) -> Callable[[], int]:
     """The process's peak bytes the caching allocator held on ``device`` (``torch.cuda.max_memory_reserved``: what a
     memory-fraction cap limits, fragmentation included), as a callable."""

@@ -103,10 +103,10 @@ class _Asked:
         return self.placement
 
 
-def _listener(session, ask, peak_nbytes: int, budget: int, resets: list[int]) -> FirstStepPlacement:
+def _listener(session, ask, peak_nbytes: int, budget: int, resets: list[int], pools=None) -> FirstStepPlacement:
     listener = FirstStepPlacement(plan_gpu_nbytes=1 * GiB, budget_nbytes=budget, ask=ask,
                                   adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: peak_nbytes, reset_peak=lambda: resets.append(1))
+                                  peak=lambda: peak_nbytes, reset_peak=lambda: resets.append(1), pools=pools)
     session.controller.step_listeners.append(listener)
     return listener
 
@@ -119,7 +119,8 @@ def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
     session = optimizer.session
     chosen = Placement(0.4, 0.3, 0, notes=("auto placement: chosen for the test",), activation_reserve_nbytes=5 * GiB)
     ask, resets = _Asked(chosen), []
-    listener = _listener(session, ask, peak_nbytes=4 * GiB, budget=20 * GiB, resets=resets)
+    listener = _listener(session, ask, peak_nbytes=4 * GiB, budget=20 * GiB, resets=resets,
+                         pools=lambda: (3 * GiB, GiB // 2))
     batches = make_batches(4)
     with session:
         with torch.no_grad():
@@ -131,6 +132,8 @@ def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
         assert listener.chosen is chosen and session.placement is chosen
         assert session.controller.gpu_updated == gpu_updated_blocks(session.blocks, 0.4)
         assert session.plan.notes[0] == FIRST_STEP_NOTE and "the first step peaked at 4.00 GiB" in caplog.text
+        assert ("beyond its plan; held at the commit: 3.00 GiB for the compute stream, 512.0 MiB for side streams"
+                in caplog.text)
         for x, y in batches[1:]:
             step_and_check(model, optimizer, reference, x, y)
         assert ask.reserves == [supported_reserve(3 * GiB, 20 * GiB)]  # asked once

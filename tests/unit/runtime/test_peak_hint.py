@@ -113,3 +113,19 @@ def test_on_a_gpu_offload_listens_for_the_peak_only_with_auto_placement():
     for config in ({"dtype": "bf16", "optimizer": {"gpu_update_fraction": 0.5}},
                    {"dtype": "bf16", "tiers": {"gpu": {"activation_reserve": "1GiB"}}}):
         assert _peak_hints(config) == 0 and _peak_hints(config, FirstStepPlacement) == 0
+
+
+def test_reserved_bytes_are_split_by_the_stream_they_were_cached_for(monkeypatch):
+    """Segments of the current (compute) stream on the session's device on one side, every other stream's on the
+    other; another device's segments count for neither."""
+    import types
+
+    import torch
+
+    from runtime.peak_hint import cuda_reserved_by_stream
+
+    segments = [{"device": 1, "stream": 7, "total_size": 4 << 30}, {"device": 1, "stream": 9, "total_size": 1 << 30},
+                {"device": 1, "stream": 7, "total_size": 2 << 30}, {"device": 0, "stream": 7, "total_size": 8 << 30}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
+    assert cuda_reserved_by_stream(torch.device("cuda", 1))() == (6 << 30, 1 << 30)
