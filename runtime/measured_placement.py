@@ -121,7 +121,11 @@ class FirstStepPlacement:
         """``; held at the commit: 24.10 GiB for the compute stream, 2.31 GiB for side streams`` (empty: not asked)."""
         if self.pools is None:
             return ""
-        own, other = self.pools()
+        try:
+            own, other = self.pools()
+        except Exception as error:  # a diagnostic: it must never cost the placement
+            log.debug("reading the allocator's pools failed: %r", error)
+            return ""
         return f"; held at the commit: {approx_size(own)} for the compute stream, {approx_size(other)} for side streams"
 
     def _say(self, level: int, line: str) -> None:
