@@ -7,7 +7,9 @@ where the file system takes it: :func:`runtime.profiler.ceilings.measure_disk_ce
 settings can get from the disk. Disks differ: on the lent H100 machine's virtio disk the 8B scenario read its
 spilled moments at 1.0-1.1 GB/s with 8 threads of 64 MiB IOs, which the default ceiling (8 x 8 MiB) matched,
 while a single-stream ``dd`` was reported at 1.6 GB/s there (issue 15): the sweep shows which shape of IO
-this disk serves fastest. What it leaves out: the store's own overheads (checksums, the header), which
+this disk serves fastest. A cloud disk may also serve a short burst faster than its sustained rate (the 8B
+step reads 22.7 GB), so a point's figure counts only where ``--total`` is large against such a burst. What it
+leaves out: the store's own overheads (checksums, the header), which
 ``tierstore bench store`` measures beside its ceiling.
 """
 
