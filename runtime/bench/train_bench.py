@@ -22,6 +22,7 @@ whose clip coefficient was below 1 (steps that clip do different work from steps
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -243,6 +244,8 @@ def run_row(row: str, spec: BenchModel, steps: int, nvme_dir: str | None, gpu_ca
     """Run one row in this process (``tierstore bench train`` gives each its own)."""
     accumulation = accumulation_of(row)
     clip = bool(row_options(row)[1].get("clip"))
+    if row_options(row)[1].get("ckpt"):
+        spec = dataclasses.replace(spec, checkpointing=True)
     if gpu_cap_nbytes:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_cap_nbytes / total))

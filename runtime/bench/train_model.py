@@ -39,6 +39,9 @@ class BenchModel:
     tied: bool
     seq: int = SEQ_LEN
     micro_batch: int = MICRO_BATCH
+    # Activation checkpointing in every decoder layer (a row's -ckpt): each layer's forward runs again in the
+    # backward, and only its input is kept. Same gradients; less activation memory, more compute.
+    checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in MODEL_KINDS:
@@ -97,7 +100,8 @@ class BenchModel:
         """One line for the table's header."""
         attention = f"{self.heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.heads else "")
         return (f"{self.kind}: hidden {self.hidden}, {self.layers} layers, {attention}, ffn {self.ffn}, vocab {self.vocab}"
-                f"{', tied embeddings' if self.tied else ''}; seq {self.seq}, micro-batch {self.micro_batch}")
+                f"{', tied embeddings' if self.tied else ''}; seq {self.seq}, micro-batch {self.micro_batch}"
+                f"{', activation checkpointing' if self.checkpointing else ''}")
 
 
 def build_model(spec: BenchModel) -> nn.Module:
@@ -105,14 +109,17 @@ def build_model(spec: BenchModel) -> nn.Module:
     initial weights). Under ``torch.device("meta")`` nothing is allocated (for counting parameters)."""
     torch.manual_seed(0)
     if spec.kind == "example":
-        return ExampleLM(spec.example_shape())
+        return ExampleLM(spec.example_shape(), activation_checkpointing=spec.checkpointing)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
                          num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                          max_position_embeddings=spec.seq, tie_word_embeddings=spec.tied, use_cache=False,
                          attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    if spec.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def count_params(model: nn.Module) -> int:

@@ -17,7 +17,9 @@ Suffixes, in this order when several are given:
   (the comparison for [Note: paced write-back] in ``runtime/writeback.py``). A row without -f, -s, -keep or
   -auto sets those to 0.
 - every row: ``-clip`` global-norm clipping at 1.0 (tierstore ``optimizer.grad_clip``, DeepSpeed
-  ``gradient_clipping``, ``clip_grad_norm_`` over the fp32 masters in the plain row).
+  ``gradient_clipping``, ``clip_grad_norm_`` over the fp32 masters in the plain row); ``-ckpt`` activation
+  checkpointing in every decoder layer (``runtime.bench.train_model.BenchModel.checkpointing``): the same
+  gradients for a recomputed forward, and activation memory that under a GPU cap can hold optimizer state.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ ROWS = {
     "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (aio 8 MiB blocks, queue depth 8, 8 threads; "
                      "8 buffers, no pipelined read/write: DeepSpeed 0.19.8's pipelined swapper fails an assertion)",
 }
-FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace")
+FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace", "ckpt")
+ANY_ROW = ("clip", "ckpt")  # suffixes every row takes, plain PyTorch and DeepSpeed too
 NUMBERED = ("f", "s", "a", "t")
 ACCUMULATION = 8  # micro-batches per step of the -accum8 rows
 CLIP_NORM = 1.0  # the -clip rows' max global norm
@@ -86,9 +89,10 @@ def row_errors(rows: list[str]) -> list[str]:
         if base not in ROWS:
             errors.append(f"{row}: unknown row {base!r}; choose from {', '.join(ROWS)}")
             continue
-        extra = set(options) - {"clip"}
+        extra = set(options) - set(ANY_ROW)
         if not is_tierstore(row) and extra:
-            errors.append(f"{row}: -{', -'.join(sorted(extra))} applies to tierstore rows only ({base} takes -clip)")
+            errors.append(f"{row}: -{', -'.join(sorted(extra))} applies to tierstore rows only ({base} takes -clip "
+                          "and -ckpt)")
         elif options.get("auto") and {"f", "s", "keep"} & set(options):
             errors.append(f"{row}: -auto chooses the GPU update, stream and keep shares itself; drop -f, -s or -keep")
     return errors
@@ -105,6 +109,7 @@ def describe_row(row: str) -> str:
     text += ", weights kept for backward" if options.get("keep") else ""
     text += ", GPU update / stream / keep shares chosen by the runtime (auto)" if options.get("auto") else ""
     text += f", clipping at {CLIP_NORM}" if options.get("clip") else ""
+    text += ", activation checkpointing" if options.get("ckpt") else ""
     text += ", GPU memory capped (--gpu-cap, else DeepSpeed ZeRO-2's peak)" if options.get("cap") else ""
     text += ", write-backs not paced" if options.get("nopace") else ""
     return text + (", default CUDA allocator" if options.get("noseg") else "")

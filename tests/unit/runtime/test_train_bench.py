@@ -36,6 +36,23 @@ def test_row_names_and_their_errors():
     assert "write-backs not paced" in describe_row("host-s40-nopace") and row_errors(["torch-nopace"])
 
 
+def test_ckpt_rows_train_the_same_model_with_activation_checkpointing():
+    """-ckpt is taken by every row (plain PyTorch and DeepSpeed too) and builds the model with activation
+    checkpointing in every decoder layer; a plain row trains to the same losses with it as without."""
+    import dataclasses
+
+    assert row_errors(["torch-ckpt", "ds-zero2-cpu-clip-ckpt", "gpu-weights-auto-clip-cap-ckpt"]) == []
+    assert row_options("ds-zero2-cpu-clip-ckpt") == ("ds-zero2-cpu", {"ckpt": True, "clip": True})
+    assert "activation checkpointing" in describe_row("torch-ckpt")
+    ckpt = dataclasses.replace(TINY_HF, checkpointing=True)
+    assert BenchModel.from_json(ckpt.to_json()) == ckpt and "activation checkpointing" in ckpt.describe()
+    assert build_model(ckpt).model.gradient_checkpointing and not build_model(TINY_HF).model.gradient_checkpointing
+    example = BenchModel.from_preset("tiny", seq=32, micro_batch=2, checkpointing=True)
+    assert build_model(example).activation_checkpointing
+    plain, checkpointed = run_row("torch", TINY_HF, steps=3, nvme_dir=None), run_row("torch-ckpt", TINY_HF, steps=3, nvme_dir=None)
+    assert checkpointed["loss"] == plain["loss"]
+
+
 def test_row_config_emits_auto_only_for_auto_rows():
     auto = row_config("host-auto-clip", None)
     assert auto["optimizer"]["gpu_update_fraction"] == "auto" and auto["optimizer"]["gpu_stream_fraction"] == "auto"
