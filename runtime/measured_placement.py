@@ -16,8 +16,9 @@ the difference is the fragmentation the step itself caused. Under an 8 GiB cap (
 from the allocated peak left the second step 0.75 GiB short. With weights fetched from host the reserved peak
 was about 2 GiB above the allocated one on the benchmark model under ZeRO-2's memory (call Z2), enough that auto
 placement could not afford the hand-set row's keep_for_backward; the line also says what the allocator holds
-at the commit for the compute stream and for side streams (cache of the weight fetches' copy stream serves
-only that stream), to tell how much of such a difference is that cache (not yet run on a GPU).
+at the commit for the compute stream and for side streams and how much of each is cached free (a cache of the
+weight fetches' copy stream serves only that stream), to tell how much of such a difference is that cache (not
+yet run on a GPU).
 
 What it leaves out: sessions whose first-step plan spills moments to NVMe or sums micro-batch gradients in host
 memory, and accumulated steps that may fetch a compute-dtype copy of the weights (chosen for the first step, the
@@ -39,7 +40,7 @@ import torch
 
 from runtime.autoplace import Placement
 from runtime.controller import StepEvent
-from runtime.peak_hint import supported_reserve
+from runtime.peak_hint import StreamPools, supported_reserve
 from runtime.units import approx_size
 from tierstore import CapacityError
 
@@ -60,14 +61,14 @@ class FirstStepPlacement:
     should a moved key not go back, the controller is interrupted and the next step refuses); ``peak`` / ``reset_peak``: the process's
     peak reserved GPU bytes and its reset; ``report``: where the outcome's line goes besides the log (the
     session's plan notes, which benchmarks and profiles print); ``pools``: the bytes the allocator holds at the
-    commit for the compute stream and for side streams (``runtime.peak_hint.cuda_reserved_by_stream``), said in
-    the line: how much of the peak beyond the plan is side-stream cache rather than activations (None: not
-    said)."""
+    commit for the compute stream and for side streams, and how much of each is cached free
+    (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetched weights and
+    a cache only they can use, part of a peak beyond the plan that activations never took (None: not said)."""
 
     def __init__(self, *, plan_gpu_nbytes: int, budget_nbytes: int, ask: Callable[[int], Placement | None],
                  adopt: Callable[[Placement], None], peak: Callable[[], int], reset_peak: Callable[[], None],
                  report: Callable[[str], None] = lambda line: None,
-                 pools: Callable[[], tuple[int, int]] | None = None):
+                 pools: Callable[[], StreamPools] | None = None):
         self.plan_gpu_nbytes, self.budget_nbytes = plan_gpu_nbytes, budget_nbytes
         self.ask, self.adopt, self.peak, self.reset_peak, self.report = ask, adopt, peak, reset_peak, report
         self.pools = pools
@@ -118,15 +119,18 @@ class FirstStepPlacement:
         log.info("%s", "\n".join(placement.notes))
 
     def _pools_now(self) -> str:
-        """``; held at the commit: 24.10 GiB for the compute stream, 2.31 GiB for side streams`` (empty: not asked)."""
+        """``; held at the commit: 24.10 GiB for the compute stream (20.02 GiB of it free), 2.31 GiB for side
+        streams (1.80 GiB free)`` (empty: not asked)."""
         if self.pools is None:
             return ""
         try:
-            own, other = self.pools()
+            pools = self.pools()
         except Exception as error:  # a diagnostic: it must never cost the placement
             log.debug("reading the allocator's pools failed: %r", error)
             return ""
-        return f"; held at the commit: {approx_size(own)} for the compute stream, {approx_size(other)} for side streams"
+        return (f"; held at the commit: {approx_size(pools.own_nbytes)} for the compute stream "
+                f"({approx_size(pools.own_free_nbytes)} of it free), {approx_size(pools.other_nbytes)} for side "
+                f"streams ({approx_size(pools.other_free_nbytes)} free)")
 
     def _say(self, level: int, line: str) -> None:
         log.log(level, "%s", line)

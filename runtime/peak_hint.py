@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -116,24 +117,35 @@ def cuda_peak(device: torch.device) -> Callable[[], int]:
     return lambda: int(torch.cuda.max_memory_allocated(device))
 
 
-def cuda_reserved_by_stream(device: torch.device) -> Callable[[], tuple[int, int]]:
-    """(bytes the caching allocator holds on ``device`` for the current stream, for every other stream), as a
-    callable. Memory cached for one stream serves only that stream: blocks the weight fetches' copy stream
-    allocated and freed stay reserved beside the compute stream's, which is part of a reserved peak beyond the
-    plan that activations never used. Read from ``torch.cuda.memory_snapshot`` (a pass over every segment)."""
+@dataclass(frozen=True)
+class StreamPools:
+    """Bytes the caching allocator holds on a device: for the current (compute) stream and for every other
+    stream, and of each the part cached free (held, not allocated)."""
+
+    own_nbytes: int
+    own_free_nbytes: int
+    other_nbytes: int
+    other_free_nbytes: int
+
+
+def cuda_reserved_by_stream(device: torch.device) -> Callable[[], StreamPools]:
+    """What the caching allocator holds on ``device`` now, split by stream (``StreamPools``), as a callable.
+    Memory cached for one stream serves only that stream: blocks the weight fetches' copy stream allocated (the
+    fetched weights themselves live there) and freed stay reserved beside the compute stream's, a part of a
+    reserved peak beyond the plan that activations never used. Read from ``torch.cuda.memory_snapshot`` (a pass
+    over every segment)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
 
-    def read() -> tuple[int, int]:
+    def read() -> StreamPools:
         current = torch.cuda.current_stream(index).cuda_stream
-        own = other = 0
+        held = {True: [0, 0], False: [0, 0]}  # current stream or not -> [total, free]
         for segment in torch.cuda.memory_snapshot():
             if segment.get("device") != index:
                 continue
-            if segment.get("stream") == current:
-                own += int(segment["total_size"])
-            else:
-                other += int(segment["total_size"])
-        return own, other
+            pool = held[segment.get("stream") == current]
+            pool[0] += int(segment["total_size"])
+            pool[1] += int(segment["total_size"]) - int(segment.get("allocated_size", 0))
+        return StreamPools(held[True][0], held[True][1], held[False][0], held[False][1])
 
     return read
 

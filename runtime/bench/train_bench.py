@@ -268,10 +268,11 @@ def run_row(row: str, spec: BenchModel, steps: int, nvme_dir: str | None, gpu_ca
 
 
 def _measured(results: dict[str, Any], base: str, key: str) -> tuple[int, str] | None:
-    """``key`` of the first row of the call whose base row is ``base`` (any suffix: -clip does not change
-    memory), with that row's name; None when no such row succeeded."""
+    """``key`` of the first row of the call whose base row is ``base`` (-clip or not: it does not change memory;
+    never a -ckpt row, whose activations take far less), with that row's name; None when no such row succeeded."""
     for row, result in results.items():
-        if row_options(row)[0] == base and result.get(key):
+        base_row, options = row_options(row)
+        if base_row == base and not options.get("ckpt") and result.get(key):
             return int(result[key]), row
     return None
 
@@ -297,7 +298,7 @@ def _child_command(row: str, spec: BenchModel, args: argparse.Namespace, out: st
         cap = (args.gpu_cap, "--gpu-cap") if args.gpu_cap else \
             _measured(results, "ds-zero2-cpu", "peak_gpu_reserved_nbytes")
         if cap is None:
-            return "needs the ds-zero2-cpu row earlier in the same call, or --gpu-cap"
+            return "needs the ds-zero2-cpu row (without -ckpt) earlier in the same call, or --gpu-cap"
         cmd += ["--gpu-cap", str(cap[0])]
     if row_options(row)[0] == "nvme-auto":
         host_cap = _host_cap(results)
@@ -345,8 +346,11 @@ def run_rows(rows: list[str], spec: BenchModel, args: argparse.Namespace) -> dic
 def measure_rates(results: dict[str, Any], num_params: int, nvme_dir: str | None, default_threads: int) -> Rates:
     """The bound's rates, measured now (the rows' processes have ended: the GPU and the cores are free)."""
     # The fastest forward + backward of the plain rows: the compute term of a lower bound may not carry the
-    # noise of one row's measurement (its own clipping or accumulation does not change fwd and bwd).
-    plain = min((r for row, r in results.items() if row.startswith("torch") and "fwd_s" in r),
+    # noise of one row's measurement (its own clipping or accumulation does not change fwd and bwd). Not a -ckpt
+    # row's, whose backward includes a recomputed forward: the bound of a -ckpt row then leaves that out (a
+    # lower bound still, looser), and no other row's bound gains a recompute it never does.
+    plain = min((r for row, r in results.items()
+                 if row.startswith("torch") and not row_options(row)[1].get("ckpt") and "fwd_s" in r),
                 key=lambda r: r["fwd_s"] + r["bwd_s"], default=None)
     placements = [RowPlacement(**r["placement"]) for r in results.values() if "placement" in r]
     threads = sorted({p.cpu_threads or default_threads for p in placements if p.cpu_update_numel})

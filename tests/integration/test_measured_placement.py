@@ -17,7 +17,7 @@ from runtime.autoplace import Placement
 from runtime.controller import gpu_streamed_blocks, gpu_updated_blocks
 from runtime.example_model import ExampleLM
 from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement
-from runtime.peak_hint import supported_reserve
+from runtime.peak_hint import StreamPools, supported_reserve
 from runtime.step_phase import StepPhase
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, step_and_check
@@ -120,7 +120,7 @@ def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
     chosen = Placement(0.4, 0.3, 0, notes=("auto placement: chosen for the test",), activation_reserve_nbytes=5 * GiB)
     ask, resets = _Asked(chosen), []
     listener = _listener(session, ask, peak_nbytes=4 * GiB, budget=20 * GiB, resets=resets,
-                         pools=lambda: (3 * GiB, GiB // 2))
+                         pools=lambda: StreamPools(3 * GiB, 2 * GiB, GiB // 2, GiB // 4))
     batches = make_batches(4)
     with session:
         with torch.no_grad():
@@ -132,8 +132,8 @@ def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
         assert listener.chosen is chosen and session.placement is chosen
         assert session.controller.gpu_updated == gpu_updated_blocks(session.blocks, 0.4)
         assert session.plan.notes[0] == FIRST_STEP_NOTE and "the first step peaked at 4.00 GiB" in caplog.text
-        assert ("beyond its plan; held at the commit: 3.00 GiB for the compute stream, 512.0 MiB for side streams"
-                in caplog.text)
+        assert ("beyond its plan; held at the commit: 3.00 GiB for the compute stream (2.00 GiB of it free), 512.0 MiB "
+                "for side streams (256.0 MiB free)" in caplog.text)
         for x, y in batches[1:]:
             step_and_check(model, optimizer, reference, x, y)
         assert ask.reserves == [supported_reserve(3 * GiB, 20 * GiB)]  # asked once

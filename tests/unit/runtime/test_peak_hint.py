@@ -124,8 +124,13 @@ def test_reserved_bytes_are_split_by_the_stream_they_were_cached_for(monkeypatch
 
     from runtime.peak_hint import cuda_reserved_by_stream
 
-    segments = [{"device": 1, "stream": 7, "total_size": 4 << 30}, {"device": 1, "stream": 9, "total_size": 1 << 30},
-                {"device": 1, "stream": 7, "total_size": 2 << 30}, {"device": 0, "stream": 7, "total_size": 8 << 30}]
+    from runtime.peak_hint import StreamPools
+
+    gib = 1 << 30
+    segments = [{"device": 1, "stream": 7, "total_size": 4 * gib, "allocated_size": 3 * gib},
+                {"device": 1, "stream": 9, "total_size": gib, "allocated_size": gib // 4},
+                {"device": 1, "stream": 7, "total_size": 2 * gib, "allocated_size": 0},
+                {"device": 0, "stream": 7, "total_size": 8 * gib, "allocated_size": 0}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
-    assert cuda_reserved_by_stream(torch.device("cuda", 1))() == (6 << 30, 1 << 30)
+    assert cuda_reserved_by_stream(torch.device("cuda", 1))() == StreamPools(6 * gib, 3 * gib, gib, 3 * gib // 4)
