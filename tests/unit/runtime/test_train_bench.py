@@ -51,6 +51,9 @@ def test_ckpt_rows_train_the_same_model_with_activation_checkpointing():
     assert build_model(example).activation_checkpointing
     plain, checkpointed = run_row("torch", TINY_HF, steps=3, nvme_dir=None), run_row("torch-ckpt", TINY_HF, steps=3, nvme_dir=None)
     assert checkpointed["loss"] == plain["loss"]
+    # A -cap row's cap never comes from a -ckpt ZeRO-2 row (its activations take far less), listed first or not.
+    results = {"ds-zero2-cpu-clip-ckpt": {"peak_gpu_reserved_nbytes": 9 << 30}, "ds-zero2-cpu-clip": {"peak_gpu_reserved_nbytes": 31 << 30}}
+    assert train_bench._measured(results, "ds-zero2-cpu", "peak_gpu_reserved_nbytes") == (31 << 30, "ds-zero2-cpu-clip")
 
 
 def test_row_config_emits_auto_only_for_auto_rows():
