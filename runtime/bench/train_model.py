@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -118,7 +119,9 @@ def build_model(spec: BenchModel) -> nn.Module:
                          attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
     if spec.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with warnings.catch_warnings():  # newer transformers renamed it; this name works from 4.35 on
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
