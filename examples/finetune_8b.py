@@ -109,7 +109,8 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
         "placement": {"weights": "host", "master": "host", "moments": "auto"},
         "tiers": {"gpu": {"budget": args.gpu_cap, "activation_reserve": args.activation_reserve},
                   "host": {"budget": args.host_budget},
-                  "nvme": {"path": args.nvme_dir, "budget": args.nvme_budget, "io_threads": 8}},
+                  "nvme": {"path": args.nvme_dir, "budget": args.nvme_budget, "io_threads": args.io_threads,
+                           "block_size": args.io_block}},
     }
 
 
@@ -147,6 +148,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-budget", default="100GiB", help="tierstore's pinned memory at most (default 100GiB)")
     parser.add_argument("--nvme-dir", default="tmp", help="directory for swap files ('tmp': a temporary one)")
     parser.add_argument("--nvme-budget", default="56GiB")
+    parser.add_argument("--io-threads", type=int, default=8,
+                        help="swap files read and written at once (tiers.nvme.io_threads; default 8). `tierstore bench "
+                             "store --nvme-dir DIR --disk-sweep` shows which count and --io-block the disk serves fastest")
+    parser.add_argument("--io-block", default="64MiB", help="largest single read or write (tiers.nvme.block_size)")
     parser.add_argument("--plan-only", action="store_true", help="print the memory plan and whether it fits, then exit")
     args = parser.parse_args(argv)
     check_scenario_args(parser, args)

@@ -162,3 +162,17 @@ def test_a_set_activation_reserve_reaches_the_config():
     args = example.parse_args(["--activation-reserve", "5GiB"])
     assert example.tierstore_config(args, cuda=True)["tiers"]["gpu"]["activation_reserve"] == "5GiB"
     assert example.tierstore_config(example.parse_args([]), cuda=True)["tiers"]["gpu"]["activation_reserve"] == "auto"
+
+
+def test_the_io_settings_reach_the_config():
+    """--io-threads and --io-block (what the disk sweep recommends) become tiers.nvme's io_threads and block_size,
+    and the schema takes them."""
+    from runtime.config import load_config
+
+    example = load_example()
+    config = example.tierstore_config(example.parse_args(["--io-threads", "2", "--io-block", "256MiB"]), cuda=True)
+    assert config["tiers"]["nvme"]["io_threads"] == 2 and config["tiers"]["nvme"]["block_size"] == "256MiB"
+    loaded = load_config(config)
+    assert loaded.tiers.nvme.io_threads == 2 and loaded.tiers.nvme.block_size == 256 << 20
+    defaults = example.tierstore_config(example.parse_args([]), cuda=True)["tiers"]["nvme"]
+    assert (defaults["io_threads"], defaults["block_size"]) == (8, "64MiB")
