@@ -114,7 +114,9 @@ class HeldGrads:
         return dict(sorted(held.items()))
 
     def drop(self) -> None:
-        """A dropped step: its held gradients go."""
+        """A dropped step: its held gradients go (what it held still counts, as at a commit, should the allocator
+        have retried in its window)."""
+        self._held_last = self.nbytes
         self._held = {}
         self._ceiling = None
 

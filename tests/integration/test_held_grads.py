@@ -321,3 +321,22 @@ def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_loa
         load_checkpoint(session, tmp_path / "ckpt")
         step(batches[2 * accumulation:])
         assert_identical(session.master_state_dict(), reference)
+
+
+def test_a_retry_in_a_dropped_steps_window_counts_like_any_other(monkeypatch):
+    """A step dropped after it held gradients (an exception, zero_grad() before step()) counts its holds as a
+    committed one does: retries in its window are let pass once, then halve."""
+    state = {"allocated": 0, "retries": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": state["retries"]})
+    held = HeldGrads(torch.device("cuda"))
+    kept = []
+    for retries, dropped in ((0, True), (1, True), (2, False), (2, False)):
+        state["retries"], state["allocated"] = retries, 0
+        held.forward_begin()
+        state["allocated"] = 1000
+        held.begin()
+        state["allocated"] = 500
+        kept.append(sum(held.try_hold(i, torch.zeros(4)) for i in range(8)))
+        held.drop() if dropped else held.take()
+    assert kept == [8, 8, 4, 4] and held.limit_nbytes == 64
