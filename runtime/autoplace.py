@@ -34,9 +34,9 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   ``T_cpu = H / adam_rate``, the rate timed while copies run each way (``Rates.adam_params_per_s``: in a
   step the copies share host memory's bandwidth with the kernel); ``T_h2d = (12 S + weights) / h2d_rate``,
   where weights are fetched for the forward and again for the backward (``fetch_itemsize`` bytes a
-  parameter: 4 from an fp32 master cast on the GPU) except the blocks kept for backward, or, with weights resident, refreshed once from the fp32
-  master of the CPU-updated blocks (4 ``H``); ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written
-  back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
+  parameter: 4 from an fp32 master cast on the GPU) except the blocks kept for backward, or, with weights
+  resident, refreshed once from the fp32 master of the CPU-updated blocks (4 ``H``);
+  ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
   When updates wait for the commit (clipping, fp16 loss scaling) they all run after the backward, beside the
   next forward: the terms count what shares that window, the streamed state each way, the next forward's
   weight fetches (or the resident weights' refresh) and the CPU-updated blocks' gradients (held on the device
@@ -82,6 +82,9 @@ GRAD_ITEMSIZE = 4  # fp32 gradient, bytes a parameter
 REFRESH_ITEMSIZE = 4  # a resident block's weights refreshed from its fp32 master
 ADAM_PROBE_NUMEL = 32 << 20  # parameters timed for the CPU AdamW rate (512 MiB of master, grad, moments)
 ADAM_PROBE_TENSORS = 16  # the probe's parameters, as views: the fused kernel sees a list, as in a block
+# Timed steps of each AdamW probe, the median kept. One step is ~7 ms on the H100 box, and beside copies the
+# rate varied by a fifth between two processes of one machine with three (call J3: 2.75 and 3.34 G params/s).
+ADAM_PROBE_REPEATS = 7
 COPY_PROBE_NBYTES = 256 << 20  # bytes timed for each copy direction
 
 Auto = Literal["auto"]
@@ -354,7 +357,8 @@ def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -
 def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
     started = time.perf_counter()
     device = torch.device("cuda", device_index)
-    alone = ADAM_PROBE_NUMEL / statistics.median(cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS))
+    alone_s = cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS, repeats=ADAM_PROBE_REPEATS)
+    alone = ADAM_PROBE_NUMEL / statistics.median(alone_s)
     rates = Rates(adam_params_per_s=_adam_rate_beside_copies(device, cpu_threads, pin, alone=alone),
                   adam_alone_params_per_s=alone, **_copy_rates(device, pin))
     log.info("measured for auto placement in %.2f s: %s", time.perf_counter() - started, rates.describe())
@@ -362,17 +366,17 @@ def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
 
 
 def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float) -> float:
-    """Parameters a second of torch's fused CPU AdamW while copies run each way, the median of three after a
-    warm-up (the alone rate beside it is a median too): what the CPU's updates get in a step, where the copies to
-    and from the GPU share host memory's bandwidth with them (on the H100 box the kernel alone was 1.4-1.8x
-    faster; planned with the alone rate, auto placement streamed less than the best hand-set rows, calls H5,
-    H8 in docs/measurements-history.md and J1 in the README). At most ``alone``, the kernel's rate with no
-    copies (a faster figure is timing noise); ``alone`` itself where the probe cannot run (no room for its
-    buffers, pinning refused: the larger probe may not fit where the copy probe after it does). Any other error
-    (a dead CUDA context, a bug) surfaces."""
+    """Parameters a second of torch's fused CPU AdamW while copies run each way, the median of
+    ``ADAM_PROBE_REPEATS`` steps after a warm-up (the alone rate beside it is a median too): what the CPU's
+    updates get in a step, where the copies to and from the GPU share host memory's bandwidth with them (on the
+    H100 box the kernel alone was 1.4-1.8x faster; planned with the alone rate, auto placement streamed less
+    than the best hand-set rows, calls H5, H8 in docs/measurements-history.md and J1 in the README). At most
+    ``alone``, the kernel's rate with no copies (a faster figure is timing noise); ``alone`` itself where the
+    probe cannot run (no room for its buffers, pinning refused: the larger probe may not fit where the copy
+    probe after it does). Any other error (a dead CUDA context, a bug) surfaces."""
     try:
         times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
-                                                       copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
+                                                       repeats=ADAM_PROBE_REPEATS, copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
     except (torch.OutOfMemoryError, HostMemoryError) as error:  # no room on the device, pinning refused
         log.warning("auto placement could not time CPU AdamW beside copies (%s); it plans with the rate timed "
                     "alone, %.2f G params/s, which overstates the CPU's speed in a step", error, alone / 1e9)
