@@ -294,6 +294,24 @@ def test_the_cpu_adam_rate_auto_placement_uses_is_timed_while_copies_run_each_wa
     assert "beside copies" in rates.describe()
 
 
+def test_the_allocators_pools_are_split_by_the_stream_they_serve():
+    """What the first-step placement line reports: 64 MiB allocated on a side stream shows on the side streams'
+    side (allocated, then cached free once released), not on the compute stream's."""
+    from runtime.peak_hint import cuda_reserved_by_stream
+
+    read = cuda_reserved_by_stream(torch.device("cuda"))
+    before = read()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    held = read()
+    assert held.other_nbytes >= before.other_nbytes + (64 << 20) and held.own_nbytes == before.own_nbytes
+    del block
+    side.synchronize()
+    freed = read()
+    assert freed.other_nbytes == held.other_nbytes and freed.other_free_nbytes >= before.other_free_nbytes + (64 << 20)
+
+
 def test_auto_placement_measured_from_the_first_step_trains_like_the_plain_loop(caplog):
     """The default config on a GPU (update fraction and activation reserve auto): the first step updates on the CPU,
     its commit measures the peak and moves state to the GPU (all of it, for this small model), and training stays
