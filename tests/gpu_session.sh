@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the lent GPU machine, in one call: GPU tests, store bandwidth (disk and tmpfs),
-# the training benchmark. Writes logs under $OUT (or ./out); the device tool brings back at most 8 files, and
-# a train run writes 3 (device.txt, train.json, train.log). Usage on the device:
+# the training benchmark. Writes logs under $OUT (or ./out); the device tool brings back at most 8 files: a
+# train run writes train.json and train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside
+# the one device.txt. Usage on the device:
 #   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +19,10 @@ if ls .whl/deepspeed-*.whl >/dev/null 2>&1; then  # DeepSpeed baselines: see ../
          LD_LIBRARY_PATH=/tmp/aio/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-} \
          TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, os; print('torch', torch.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
+if [ ! -s "$OUT/device.txt" ]; then  # once per $OUT
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+  python3 -c "import torch, os; print('torch', torch.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
+fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli train 2>&1 | tee "$OUT/train_default.log" | tail -12
@@ -36,7 +39,7 @@ fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
   # BENCH_ARGS: another shape, e.g. "--model hf-llama --hidden 2048 --layers 28 --heads 16 --kv-heads 4 --tied --seq 2048"
-  python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | awk '!/INFO/ || /train_bench: row /'
+  python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train${TAG:+_$TAG}.json" 2>&1 | tee "$OUT/train${TAG:+_$TAG}.log" | awk '!/INFO/ || /train_bench: row /'
 fi
 if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
   # compare: this, then DeepSpeed (the block below) in one call; give both the shape: FT_ARGS="--layers 16" DS_ARGS="--layers 16 ..."
