@@ -344,9 +344,10 @@ def _notes(inputs: PlacementInputs, rates: Rates, placement: Placement, *, updat
 
 def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -> Rates:
     """Time CPU fused AdamW (``cpu_threads`` threads) and copies each way between host memory (pinned when ``pin``)
-    and ``device``, once per process for the same arguments: under a second (H100 box, 14 threads: 0.32 s for
-    AdamW at 4.7 G params/s, 0.24 s for the copies at 55 GB/s each way, CUDA start included, then AdamW again
-    while copies run each way)."""
+    and ``device``, once per process for the same arguments, then AdamW again while copies run each way. Before
+    the beside-copies probe and the 7-step medians it took about half a second (H100 box, 14 threads: 0.32 s for
+    AdamW at 4.7 G params/s, 0.24 s for the copies at 55 GB/s each way, CUDA start included); each probe now adds
+    a few tens of milliseconds of timed steps (not re-timed on a GPU)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _measured(index, cpu_threads, pin)
 

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--io-threads", type=int, default=4)
     store.add_argument("--json", type=Path, help="also write the results as JSON here")
     store.add_argument("--disk-sweep", action="store_true",
-                       help="instead, the disk's read / write GB/s over IOs in flight (1-16) and IO sizes (8, 64MiB) in "
+                       help="instead, the disk's read / write GB/s over IOs in flight (1, 2, 4, 8, 16) and IO sizes (8, 64MiB) in "
                             "--nvme-dir, to choose tiers.nvme.io_threads and tiers.nvme.block_size (--total bytes a "
                             "point, at least two IOs a thread; --repeats; --json)")
 
@@ -71,7 +71,8 @@ def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
     btrain.add_argument("--rows", default="all",
                         help="comma-separated rows to run, each a base row (torch, host, gpu-weights, nvme, nvme-auto, "
                              "host-accum8, torch-accum8, ds-zero2-cpu, ds-zero3-cpu, ds-zero3-nvme) with suffixes: "
-                             "-clip on any row; tierstore rows also -fNN -sNN -aN -tNN -keep -auto -cap -noseg -nopace "
+                             "-clip and -ckpt on any row; tierstore rows also -fNN -sNN -aN -tNN -keep -auto -cap -noseg "
+                             "-nopace "
                              "(runtime/bench/train_rows.py); default: every base row")
     btrain.add_argument("--steps", type=int, default=6, help="optimizer steps per row; the first third is warm-up")
     btrain.add_argument("--nvme-dir", help="directory for the NVMe rows' swap files and the disk ceiling "
@@ -79,7 +80,7 @@ def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
     btrain.add_argument("--json", type=Path, help="also write rows, rates and bounds as JSON here")
     btrain.add_argument("--gpu-cap", type=_size, metavar="SIZE",
                         help="GPU memory of the -cap rows (e.g. 24GiB: what a run would do on a card that size); "
-                             "default: the peak the ds-zero2-cpu row reserved in the same call")
+                             "default: the peak the first ds-zero2-cpu row without -ckpt reserved in the same call")
     shape = btrain.add_argument_group("model shape", "defaults from --preset; every row trains the same model")
     shape.add_argument("--preset", default="1.35b", help="starting shape (tiny, small, 1.35b; default 1.35b)")
     shape.add_argument("--model", choices=MODEL_KINDS, default="example",

@@ -3,7 +3,8 @@
 state is brought in from pinned host memory for the update and written back after it.
 
 A streamed block's state comes in during the backward that ends the step, nearest blocks first (the block
-whose backward just ran, then the ones it reaches next), never into the room weight fetches may need. When
+whose backward is about to run, then the ones it reaches next); beyond the first ``always`` of a call, never
+into the room weight fetches may need. When
 updates wait for the commit (clipping, fp16 loss scaling, the user's own clipping) the state waits on the
 device until then, so each copy must fit below what was allocated when that backward began (the memory the
 backward freed); otherwise the first two come in at once and the rest under that bound. At the commit the

@@ -14,7 +14,7 @@ the plan plus a margin), and the first blocks it chooses move their master and m
 The peak is the allocator's reserved bytes, not the allocated ones: a memory-fraction cap limits the former, and
 the difference is the fragmentation the step itself caused. Under an 8 GiB cap (H100, 2026-11-27) a reserve
 from the allocated peak left the second step 0.75 GiB short. With weights fetched from host the reserved peak
-was about 2 GiB above the allocated one on the benchmark model under ZeRO-2's memory (call Z2), enough that auto
+was 2-3 GiB above the allocated one on the benchmark model under ZeRO-2's memory (calls Z2, Z3), enough that auto
 placement could not afford the hand-set row's keep_for_backward; the line also says what the allocator holds
 at the commit for the compute stream and for side streams and how much of each is cached free (a cache of the
 weight fetches' copy stream serves only that stream), to tell how much of such a difference is that cache (not

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Everything that needs the lent GPU machine, in one call: GPU tests, store bandwidth (disk and tmpfs),
-# the training benchmark. Writes logs under $OUT (or ./out); the device tool brings back at most 8 files: a
-# train run writes train.json and train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside
-# the one device.txt. Usage on the device:
+# Everything that needs the lent GPU machine: GPU tests, store bandwidth (disk and tmpfs), the disk sweep, the
+# training benchmark, the session and profiler figures, the 8B scenario and its DeepSpeed baseline. Writes logs
+# under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
+# train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
+# writes more than 8. Usage on the device:
 #   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|all]
+# Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
+# bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
+# options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"

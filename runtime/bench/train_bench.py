@@ -303,7 +303,7 @@ def _child_command(row: str, spec: BenchModel, args: argparse.Namespace, out: st
     if row_options(row)[0] == "nvme-auto":
         host_cap = _host_cap(results)
         if host_cap is None:
-            return "needs the ds-zero3-cpu (or ds-zero3-nvme) row earlier in the same call"
+            return "needs the ds-zero3-cpu (or ds-zero3-nvme) row (without -ckpt) earlier in the same call"
         cmd += ["--host-cap", str(host_cap[0])]
     if row.startswith("ds-"):
         from runtime.bench.deepspeed_rows import deepspeed_available

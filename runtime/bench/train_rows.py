@@ -3,7 +3,7 @@
 A row is a base name (:data:`ROWS`) followed by suffixes. Pure logic, no torch: running a row is
 ``runtime.bench.train_bench``'s job, the model it trains ``runtime.bench.train_model``'s.
 
-Suffixes, in this order when several are given:
+Suffixes, in any order:
 
 - tierstore rows: ``-fNN`` NN% of the parameters (the first blocks) updated on the GPU
   (``optimizer.gpu_update_fraction``); ``-sNN`` NN% (the next blocks) updated on the GPU over state streamed
@@ -11,7 +11,8 @@ Suffixes, in this order when several are given:
   (``optimizer.gpu_stream_ahead``); ``-tNN`` NN CPU optimizer threads; ``-keep`` weights kept on the GPU from
   forward to backward (``prefetch.keep_for_backward``); ``-auto`` the runtime chooses all three of
   ``gpu_update_fraction``, ``gpu_stream_fraction`` and ``keep_for_backward`` (``auto``); ``-cap`` the
-  process's GPU memory capped at the peak the ds-zero2-cpu row reserved in the same call; ``-noseg``
+  process's GPU memory capped at ``--gpu-cap``, else at the peak the first ds-zero2-cpu row without -ckpt
+  reserved in the same call; ``-noseg``
   PyTorch's default allocator (our rows otherwise run with ``expandable_segments:True`` unless
   ``PYTORCH_CUDA_ALLOC_CONF`` is set); ``-nopace`` streamed state's write-backs queued at once, not paced
   (the comparison for [Note: paced write-back] in ``runtime/writeback.py``). A row without -f, -s, -keep or
