@@ -184,49 +184,43 @@ def test_a_commit_that_fails_part_way_refuses_the_next_step_until_a_checkpoint_l
         assert_identical(session.master_state_dict(), reference)
 
 
+def _held_with_driven_allocator(monkeypatch) -> tuple[HeldGrads, dict[str, int]]:
+    """A HeldGrads on a CUDA device whose allocator the test drives: ``state["retries"]`` is what
+    ``torch.cuda.memory_stats`` reports as the allocator's retries so far."""
+    state = {"allocated": 0, "retries": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": state["retries"]})
+    return HeldGrads(torch.device("cuda")), state
+
+
+def _window(held: HeldGrads, state: dict[str, int], retries: int, *, dropped: bool = False) -> int:
+    """One step's window with ``retries`` allocator retries counted by its backward's start: the forward begins at
+    0 bytes, the backward at 1000, eight 16-byte gradients are offered at 500; the step commits (or is dropped).
+    Returns how many were held."""
+    state["retries"], state["allocated"] = retries, 0
+    held.forward_begin()
+    state["allocated"] = 1000
+    held.begin()
+    state["allocated"] = 500
+    kept = sum(held.try_hold(i, torch.zeros(4)) for i in range(8))
+    held.drop() if dropped else held.take()
+    return kept
+
+
 def test_allocator_retries_after_the_first_halve_what_later_steps_hold(monkeypatch):
     """The first step window with an allocator retry is let pass (one device synchronization); every later one
     halves what the steps after it may hold."""
-    state = {"allocated": 0, "retries": 0}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": state["retries"]})
-    held = HeldGrads(torch.device("cuda"))
-
-    def step(blocks: int) -> int:
-        state["allocated"] = 0
-        held.forward_begin()
-        state["allocated"] = 1000
-        held.begin()
-        state["allocated"] = 500
-        kept = sum(held.try_hold(i, torch.zeros(4)) for i in range(blocks))  # 16 bytes each
-        held.take()
-        return kept
-
-    assert step(8) == 8 and held.limit_nbytes is None
-    state["retries"] = 1  # the allocator gave its cache back during that step's window: let pass
-    assert step(8) == 8 and held.limit_nbytes is None
-    state["retries"] = 2  # and again
-    assert step(8) == 4 and held.limit_nbytes == 64  # half of the 128 bytes held
-    assert step(8) == 4  # no new retry: the limit stays
-    state["retries"] = 4
-    assert step(8) == 2 and held.limit_nbytes == 32
+    held, state = _held_with_driven_allocator(monkeypatch)
+    assert _window(held, state, 0) == 8 and held.limit_nbytes is None
+    assert _window(held, state, 1) == 8 and held.limit_nbytes is None  # a retry in the last window: let pass
+    assert _window(held, state, 2) == 4 and held.limit_nbytes == 64  # and again: half of the 128 bytes held
+    assert _window(held, state, 2) == 4  # no new retry: the limit stays
+    assert _window(held, state, 4) == 2 and held.limit_nbytes == 32
 
 
 def test_a_first_window_with_several_allocator_retries_halves_at_once(monkeypatch):
-    state = {"allocated": 0, "retries": 0}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": state["retries"]})
-    held = HeldGrads(torch.device("cuda"))
-    kept = []
-    for retries in (0, 2, 2):
-        state["retries"], state["allocated"] = retries, 0
-        held.forward_begin()
-        state["allocated"] = 1000
-        held.begin()
-        state["allocated"] = 500
-        kept.append(sum(held.try_hold(i, torch.zeros(4)) for i in range(8)))
-        held.take()
-    assert kept == [8, 4, 4] and held.limit_nbytes == 64
+    held, state = _held_with_driven_allocator(monkeypatch)
+    assert [_window(held, state, retries) for retries in (0, 2, 2)] == [8, 4, 4] and held.limit_nbytes == 64
 
 
 def _no_speculation(session) -> None:
@@ -326,17 +320,7 @@ def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_loa
 def test_a_retry_in_a_dropped_steps_window_counts_like_any_other(monkeypatch):
     """A step dropped after it held gradients (an exception, zero_grad() before step()) counts its holds as a
     committed one does: retries in its window are let pass once, then halve."""
-    state = {"allocated": 0, "retries": 0}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": state["retries"]})
-    held = HeldGrads(torch.device("cuda"))
-    kept = []
-    for retries, dropped in ((0, True), (1, True), (2, False), (2, False)):
-        state["retries"], state["allocated"] = retries, 0
-        held.forward_begin()
-        state["allocated"] = 1000
-        held.begin()
-        state["allocated"] = 500
-        kept.append(sum(held.try_hold(i, torch.zeros(4)) for i in range(8)))
-        held.drop() if dropped else held.take()
+    held, state = _held_with_driven_allocator(monkeypatch)
+    kept = [_window(held, state, retries, dropped=dropped)
+            for retries, dropped in ((0, True), (1, True), (2, False), (2, False))]
     assert kept == [8, 8, 4, 4] and held.limit_nbytes == 64
