@@ -36,7 +36,8 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   where weights are fetched for the forward and again for the backward (``fetch_itemsize`` bytes a
   parameter: 4 from an fp32 master cast on the GPU) except the blocks kept for backward, or, with weights
   resident, refreshed once from the fp32 master of the CPU-updated blocks (4 ``H``);
-  ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written back, fp32 gradients of the CPU-updated blocks). 0 when master or moments are not in pinned host memory.
+  ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written back, fp32 gradients of the CPU-updated blocks).
+  0 when master or moments are not in pinned host memory.
   When updates wait for the commit (clipping, fp16 loss scaling) they all run after the backward, beside the
   next forward: the terms count what shares that window, the streamed state each way, the next forward's
   weight fetches (or the resident weights' refresh) and the CPU-updated blocks' gradients (held on the device

@@ -46,8 +46,8 @@ def disk_sweep(directory: str, *, ios_in_flight: Iterable[int] = IOS_IN_FLIGHT,
         for ios in ios_in_flight:
             ceiling = measure_disk_ceiling(directory, ios_in_flight=ios, block_nbytes=block,
                                            total_nbytes=max(total_nbytes, 2 * ios * block), repeats=repeats)
-            mode = "O_DIRECT" if ceiling.io_mode == "direct" else "buffered"
-            points.append(SweepPoint(ios, ceiling.block_nbytes, ceiling.read_gbps, ceiling.write_gbps, mode))
+            points.append(SweepPoint(ios, ceiling.block_nbytes, ceiling.read_gbps, ceiling.write_gbps,
+                                     ceiling.io_mode_name))
     return points
 
 

@@ -191,8 +191,8 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         spilled = len(controller.options.spilled_blocks)
         hit_rate, worker = controller.schedule.stats.hit_rate, controller.worker.stats
         writeback_waits = (controller.writebacks.waits, controller.writebacks.wait_s)
-        host_blocks = len(controller.host_updated_blocks)
-        host_numel = sum(block.numel for block in controller.host_updated_blocks)
+        hosted = controller.host_updated_blocks
+        host_blocks, host_numel = len(hosted), sum(block.numel for block in hosted)
         notes = list(session.plan.notes or ())
     finally:
         session.close()

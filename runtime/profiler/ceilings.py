@@ -127,10 +127,14 @@ class DiskCeiling:
     block_nbytes: int
     nbytes: int  # bytes per pass (a multiple of block_nbytes)
 
+    @property
+    def io_mode_name(self) -> str:
+        """``O_DIRECT`` or ``buffered``, for a person."""
+        return "O_DIRECT" if self.io_mode == "direct" else "buffered"
+
     def describe(self) -> str:
         """How it was measured, for a table's method column."""
-        mode = "O_DIRECT" if self.io_mode == "direct" else "buffered"
-        return f"{self.ios_in_flight} x {format_size(self.block_nbytes)} in flight, {mode}, writes fsync'd"
+        return f"{self.ios_in_flight} x {format_size(self.block_nbytes)} in flight, {self.io_mode_name}, writes fsync'd"
 
 
 def disk_ceiling_gbps(directory: str | os.PathLike[str], ios_in_flight: int = 8, block_nbytes: int = 8 << 20,
