@@ -24,7 +24,8 @@ from runtime.materialize import ParamInit, initialize, materialize_meta_paramete
 from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
-from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement, first_step_listener
+from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement, RecomputeTrial, first_step_listener
+from runtime.recompute import ForwardTimer, Recompute, already_checkpointed, recompute_refusal
 from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_by_stream, cuda_reserved_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
@@ -117,6 +118,11 @@ class OffloadSession:
             _replace_with_meta(self.model, self.blocks)
         _move_rest(self.model, torch.device("cpu"))
         self.store.close()
+        for undo in self.on_close:  # e.g. the layers' own classes back, SIGTERM's handler back
+            try:
+                undo()
+            except Exception as error:  # one that fails must not keep the others from running
+                log.warning("close(): %r failed: %r", undo, error)
         # Hooks, guard classes and the worker refer to each other: collect the cycles now, so the pinned
         # arena and device memory are given back before the caller's next allocation, not at a later GC.
         gc.collect()
@@ -236,6 +242,13 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if uninitialized and init is not None:  # frozen parameters are not offloaded: fill them here
         initialize([(n, p) for n, p in model.named_parameters() if id(p) in uninitialized and not p.requires_grad], init)
     blocks, resolved, budgets = plan_model(model, cfg, device)
+    if cfg.placement.activations == "recompute":
+        refusal = recompute_refusal(blocks) or (
+            "the model already checkpoints its layers (gradient_checkpointing_enable())" if already_checkpointed(model)
+            else None)
+        if refusal:
+            raise ValueError(f"placement.activations: recompute cannot apply: {refusal}; set placement.activations: "
+                             "keep")
     plan = resolved.plan
     log.info("%s", plan.table())
     # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
@@ -280,13 +293,18 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     session.placement = resolved.placement
     if device.type == "cuda" and (resolved.measured_first_step or resolved.placement.activation_reserve_nbytes):
         install_oom_hint(session, _oom_hint)  # silent until auto placement has reserved something
+    recompute = Recompute(blocks)
+    session.on_close.append(recompute.undo)
+    if cfg.placement.activations == "recompute":
+        recompute.turn_on()
     if resolved.measured_first_step:
         controller.step_listeners.append(FirstStepPlacement(
             plan_gpu_nbytes=plan.gpu_nbytes, budget_nbytes=store.tiers[TierName.GPU].capacity_nbytes,
             ask=placement_asker(session, may_stream=resolved.source is not WeightSource.WEIGHTS),
             adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=cuda_reserved_peak(device),
             reset_peak=functools.partial(_reset_peak, device),
-            report=functools.partial(_note_in_plan, weakref.ref(session)), pools=cuda_reserved_by_stream(device)))
+            report=functools.partial(_note_in_plan, weakref.ref(session)), pools=cuda_reserved_by_stream(device),
+            trial=_recompute_trial(cfg, model, blocks, recompute, controller)))
     elif (resolved.placement.activation_reserve_nbytes and device.type == "cuda"
           and cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto"):
         # after the first steps: would a lower reserve put more on the GPU?
@@ -325,6 +343,19 @@ def _adopt_placement(session_ref: Callable[[], OffloadSession | None], placement
                     DTYPES[cfg.dtype], spares=session.plan.pre_commit_buffers, placement=placement)
     plan.notes = (FIRST_STEP_NOTE, *placement.notes)
     session.plan, session.placement = plan, placement
+
+
+def _recompute_trial(cfg: TierstoreConfig, model: nn.Module, blocks: list[Block], recompute: Recompute,
+                     controller: Controller) -> RecomputeTrial | None:
+    """What ``placement.activations: auto`` lets the measured first step try (None: the activations are kept;
+    the log says why when the layers cannot be recomputed)."""
+    if cfg.placement.activations != "auto" or already_checkpointed(model):
+        return None
+    refusal = recompute_refusal(blocks)
+    if refusal:
+        log.info("placement.activations auto: activations are kept (%s)", refusal)
+        return None
+    return RecomputeTrial(recompute, ForwardTimer(recompute.modules), lambda: controller.recomputed_acquires)
 
 
 def _reset_peak(device: torch.device) -> None:

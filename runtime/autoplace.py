@@ -156,6 +156,7 @@ class Placement:
     activation_reserve_nbytes: int = 0  # what the auto choices left for activations (0: nothing was auto on a GPU)
     host_sums: bool = False  # optimizer.accumulate_on resolved: micro-batch gradients summed in host memory
     rates: Rates | None = None  # the speeds the auto choices were made with (None: nothing auto on a GPU)
+    times: StepTimes | None = None  # the modelled seconds a step of the chosen placement (None: nothing auto on a GPU)
 
 
 def blocks_within(block_numels: Sequence[int], fraction: float) -> int:
@@ -251,7 +252,7 @@ def choose_placement(inputs: PlacementInputs, rates: Rates | None, *, update: fl
     _check_block_counts(numels, placement, updated, best.streamed)
     notes = _notes(inputs, rates, placement, update=update, stream=stream, keep=keep, updated=updated, best=best,
                    reserve=reserve, baseline=candidates[0])
-    return dataclasses.replace(placement, notes=notes, activation_reserve_nbytes=reserve)
+    return dataclasses.replace(placement, notes=notes, activation_reserve_nbytes=reserve, times=best.times)
 
 
 def _on_the_cpu(update: float | Auto, stream: float | Auto, keep: int | Auto) -> Placement:

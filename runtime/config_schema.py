@@ -159,6 +159,14 @@ class PlacementConfig:
                          "allows (`auto` budget: the RAM available at start, less headroom); the moments that do not "
                          "fit go to NVMe, the last blocks' first and blocks over twice the median size (a large "
                          "vocabulary's embedding and head) last (needs `tiers.nvme.path`; without one, host).")
+    activations: str = _leaf(
+        ChoiceSpec(choices=("auto", "keep", "recompute")), "auto",
+        "The layers' activations between forward and backward. `keep`: on the GPU, as the model computes them. "
+        "`recompute`: each layer's forward runs again in its backward (activation checkpointing: the same "
+        "gradients, a third more compute, far less activation memory). `auto`: where the first step is measured "
+        "(the update fraction and activation reserve `auto`, on a GPU) and its training state does not all fit "
+        "on the GPU beside the activations, the second step tries `recompute`, and recomputation stays on when "
+        "the placement it allows is modelled faster by more than the recomputed forward costs; otherwise `keep`.")
 
 
 @dataclass(frozen=True)

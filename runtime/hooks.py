@@ -22,7 +22,7 @@ from runtime.controller import Controller
 log = logging.getLogger(__name__)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True inside the autograd engine (e.g. the recomputation of activation checkpointing)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -60,7 +60,7 @@ class HookSet:
 
     def _make_root_pre_forward(self, root: nn.Module):  # type: ignore[no-untyped-def]
         def root_pre_forward(module: nn.Module, args: Any) -> None:
-            if module is root and not _in_backward():
+            if module is root and not in_backward():
                 # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
                 # that raised (the engine drops its callbacks then).
                 self._end_queued = False
@@ -71,7 +71,7 @@ class HookSet:
     def _make_pre_forward(self, indices: list[int], hooked: nn.Module):  # type: ignore[no-untyped-def]
         def pre_forward(module: nn.Module, args: Any) -> None:
             if module is hooked:
-                self.controller.acquire(indices, "recompute" if _in_backward() else "fwd")
+                self.controller.acquire(indices, "recompute" if in_backward() else "fwd")
 
         return pre_forward
 
@@ -79,7 +79,7 @@ class HookSet:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             if module is not hooked:
                 return
-            recompute = _in_backward()
+            recompute = in_backward()
             self.controller.release_after_forward(indices, "recompute" if recompute else "fwd")
             if torch.is_grad_enabled() and not recompute:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -20,6 +20,13 @@ at the commit for the compute stream and for side streams and how much of each i
 weight fetches' copy stream serves only that stream), to tell how much of such a difference is that cache (not
 yet run on a GPU).
 
+With ``placement.activations: auto`` (``RecomputeTrial``) a first step whose placement leaves updates on the CPU
+is followed by a second measured step with the layers' forwards recomputed in the backward
+(``runtime.recompute``), its updates still on the CPU; at its commit auto placement is asked at the reserve that
+step supports, and the faster of the two placements by the time model (``Placement.times``, the recomputed one
+paying its forward again, timed in that step by ``ForwardTimer``) is adopted, recomputation staying on only with
+its own.
+
 What it leaves out: sessions whose first-step plan spills moments to NVMe or sums micro-batch gradients in host
 memory, and accumulated steps that may fetch a compute-dtype copy of the weights (chosen for the first step, the
 copy would rule out streaming): they keep the placement chosen at offload, with the share-based reserve; giving memory back to the host (the pinned arena was sized for the first step's plan, where every
@@ -35,12 +42,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from runtime.autoplace import Placement
 from runtime.controller import StepEvent
 from runtime.peak_hint import StreamPools, supported_reserve
+from runtime.recompute import ForwardTimer, Recompute
 from runtime.units import approx_size
 from tierstore import CapacityError
 
@@ -49,6 +58,30 @@ log = logging.getLogger(__name__)
 FIRST_STEP_NOTE = ("auto placement: chosen from the first step's measured GPU peak (runtime.measured_placement): "
                    "the first step updates on the CPU, streaming and keeping nothing where those are auto; the "
                    "GPU's share follows")
+
+
+@dataclass
+class RecomputeTrial:
+    """What ``placement.activations: auto`` gives the first-step placement: the layers' recomputation to try in
+    a second measured step, the timer of their forwards (what recomputing costs), and how many recomputed
+    forwards the controller has seen (the model's own checkpointing: nothing to try)."""
+
+    recompute: Recompute
+    timer: ForwardTimer
+    recomputed_acquires: Callable[[], int]
+
+    def close(self, keep_on: bool) -> None:
+        """The trial is over: the timer's hooks come off, recomputation stays on only when chosen."""
+        self.timer.remove()
+        if not keep_on:
+            self.recompute.undo()
+
+
+@dataclass(frozen=True)
+class _Measured:
+    placement: Placement
+    reserve: int
+    line: str  # "the first step peaked at ... (... beyond its plan...)"
 
 
 class FirstStepPlacement:
@@ -63,18 +96,22 @@ class FirstStepPlacement:
     session's plan notes, which benchmarks and profiles print); ``pools``: the bytes the allocator holds at the
     commit for the compute stream and for side streams, and how much of each is cached free
     (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetched weights and
-    a cache only they can use, part of a peak beyond the plan that activations never took (None: not said)."""
+    a cache only they can use, part of a peak beyond the plan that activations never took (None: not said);
+    ``trial``: recomputation of the layers' activations to try when the first step's state does not all fit
+    (``placement.activations: auto``; None: activations are kept)."""
 
     def __init__(self, *, plan_gpu_nbytes: int, budget_nbytes: int, ask: Callable[[int], Placement | None],
                  adopt: Callable[[Placement], None], peak: Callable[[], int], reset_peak: Callable[[], None],
                  report: Callable[[str], None] = lambda line: None,
-                 pools: Callable[[], StreamPools] | None = None):
+                 pools: Callable[[], StreamPools] | None = None, trial: RecomputeTrial | None = None):
         self.plan_gpu_nbytes, self.budget_nbytes = plan_gpu_nbytes, budget_nbytes
         self.ask, self.adopt, self.peak, self.reset_peak, self.report = ask, adopt, peak, reset_peak, report
         self.pools = pools
-        self.started = False  # the first training forward began (the peak is measured from there)
+        self.trial = trial
+        self.started = False  # the measured step's first training forward began (the peak is measured from there)
         self.done = False
         self.chosen: Placement | None = None  # what was adopted (None: nothing yet, or nothing more fitted)
+        self._kept: _Measured | None = None  # the first step's outcome, while the second tries recomputation
 
     def __call__(self, event: StepEvent) -> None:
         if self.done:
@@ -84,6 +121,8 @@ class FirstStepPlacement:
             # a commit; an evaluation forward never does.
             if not self.started and event.signature != "eval":
                 self.reset_peak()
+                if self.trial is not None:
+                    self.trial.timer.restart()
                 self.started = True
             return
         if event.kind != "commit" or not self.started:
@@ -92,31 +131,86 @@ class FirstStepPlacement:
         try:
             self._place()
         except Exception as error:  # the step stands; a change adopt_placement could not undo stops the next step
+            self._end_trial(keep_on=False)
             self._say(logging.WARNING, f"auto placement after the first step failed ({error!r}); every update stays "
                                        "on the CPU")
 
-    def _place(self) -> None:
+    def _measure(self, which: str) -> _Measured | None:
+        """Auto placement at the reserve the measured step's peak supports (None: the session is gone)."""
         peak = self.peak()
         beyond = max(0, peak - self.plan_gpu_nbytes)
         reserve = supported_reserve(beyond, self.budget_nbytes)
         placement = self.ask(reserve)
         if placement is None:
+            return None
+        return _Measured(placement, reserve, f"the {which} step peaked at {approx_size(peak)} of the "
+                                             f"{approx_size(self.budget_nbytes)} GPU budget ({approx_size(beyond)} "
+                                             f"beyond its plan{self._pools_now()})")
+
+    def _place(self) -> None:
+        outcome = self._measure("second" if self._kept is not None else "first")
+        if outcome is None:
+            self._end_trial(keep_on=False)
             return
-        measured = (f"the first step peaked at {approx_size(peak)} of the {approx_size(self.budget_nbytes)} GPU budget "
-                    f"({approx_size(beyond)} beyond its plan{self._pools_now()})")
+        if self._kept is None and self._worth_a_trial(outcome.placement):
+            self._kept, self.done, self.started = outcome, False, False
+            self.trial.recompute.turn_on()  # type: ignore[union-attr]  # _worth_a_trial: there is a trial
+            self._say(logging.INFO, f"{outcome.line}: with an activation reserve of {approx_size(outcome.reserve)} "
+                                    f"{_on_the_gpu(outcome.placement)}; the second step recomputes the layers' "
+                                    "activations in the backward (placement.activations: auto) to measure what that "
+                                    "frees, its updates still on the CPU")
+            return
+        recomputed = False
+        if self._kept is not None:
+            chosen = self._choose(self._kept, outcome)
+            recomputed, outcome = chosen is outcome, chosen
+        placement, reserve, measured = outcome.placement, outcome.reserve, outcome.line
         if not (placement.gpu_update_fraction or placement.gpu_stream_fraction or placement.keep_for_backward_nbytes):
+            self._end_trial(keep_on=False)
             self._say(logging.INFO, f"{measured}: with an activation reserve of {approx_size(reserve)} nothing more "
                                     "fits on the GPU; every update stays on the CPU")
             return
         try:
             self.adopt(placement)
         except (CapacityError, torch.OutOfMemoryError) as error:  # adopt_placement put everything back
+            self._end_trial(keep_on=False)
             self._say(logging.WARNING, f"{measured}, but its placement could not be adopted ({error}); every update "
                                        "stays on the CPU")
             return
+        self._end_trial(keep_on=recomputed)
         self.chosen = placement
         self._say(logging.INFO, f"{measured}: activation reserve {approx_size(reserve)}, placement adopted")
         log.info("%s", "\n".join(placement.notes))
+
+    def _worth_a_trial(self, placement: Placement) -> bool:
+        """Recomputation may pay: the state does not all fit on the GPU beside the measured activations, and the
+        model does not already recompute its layers."""
+        if self.trial is None:
+            return False
+        if self.trial.recomputed_acquires() or placement.gpu_update_fraction >= 1 or placement.times is None:
+            self._end_trial(keep_on=False)
+            return False
+        return True
+
+    def _choose(self, kept: _Measured, recomputed: _Measured) -> _Measured:
+        """The faster of the two measured steps' placements by the time model: the recomputed one pays its
+        forward again (timed in the second step)."""
+        forward_s = self.trial.timer.seconds()  # type: ignore[union-attr]  # a second step runs only with a trial
+        keep_s = kept.placement.times.bound_s if kept.placement.times else float("inf")
+        recompute_s = (recomputed.placement.times.bound_s if recomputed.placement.times else float("inf")) + forward_s
+        chosen = recomputed if recompute_s < keep_s else kept
+        verdict = ("activations recomputed (placement.activations: auto)" if chosen is recomputed
+                   else "activations kept (placement.activations: auto): recomputing them does not pay")
+        self._say(logging.INFO, f"{recomputed.line} with the layers recomputed, where {kept.line} keeping their "
+                                f"activations: recomputed, {_on_the_gpu(recomputed.placement)} for a modelled "
+                                f"{recompute_s:.3f} s a step ({forward_s:.3f} s of it the recomputed forward, as timed); "
+                                f"kept, {_on_the_gpu(kept.placement)} for {keep_s:.3f} s: {verdict}")
+        return chosen
+
+    def _end_trial(self, *, keep_on: bool) -> None:
+        if self.trial is not None:
+            trial, self.trial = self.trial, None
+            trial.close(keep_on)
 
     def _pools_now(self) -> str:
         """``; held at the commit: 24.10 GiB for the compute stream (20.02 GiB of it free), 2.31 GiB for side
@@ -135,6 +229,12 @@ class FirstStepPlacement:
     def _say(self, level: int, line: str) -> None:
         log.log(level, "%s", line)
         self.report(line)
+
+
+def _on_the_gpu(placement: Placement) -> str:
+    """``gpu_update_fraction 0.09, gpu_stream_fraction 0.49``: the shares of the update a placement puts on the GPU."""
+    return (f"gpu_update_fraction {placement.gpu_update_fraction:.2f}, gpu_stream_fraction "
+            f"{placement.gpu_stream_fraction:.2f}")
 
 
 def first_step_listener(listeners: Iterable[object]) -> FirstStepPlacement | None:

@@ -15,8 +15,10 @@ Suffixes, in any order:
   reserved in the same call; ``-noseg``
   PyTorch's default allocator (our rows otherwise run with ``expandable_segments:True`` unless
   ``PYTORCH_CUDA_ALLOC_CONF`` is set); ``-nopace`` streamed state's write-backs queued at once, not paced
-  (the comparison for [Note: paced write-back] in ``runtime/writeback.py``). A row without -f, -s, -keep or
-  -auto sets those to 0.
+  (the comparison for [Note: paced write-back] in ``runtime/writeback.py``); ``-rc`` the layers' activations
+  recomputed in the backward (``placement.activations: recompute``); ``-norc`` on an -auto row, activations kept
+  (``keep``: -auto rows otherwise leave the choice to the runtime, ``auto``, and rows without -auto keep them).
+  A row without -f, -s, -keep or -auto sets those to 0.
 - every row: ``-clip`` global-norm clipping at 1.0 (tierstore ``optimizer.grad_clip``, DeepSpeed
   ``gradient_clipping``, ``clip_grad_norm_`` over the fp32 masters in the plain row); ``-ckpt`` activation
   checkpointing in every decoder layer (``runtime.bench.train_model.BenchModel.checkpointing``): the same
@@ -41,7 +43,7 @@ ROWS = {
     "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (aio 8 MiB blocks, queue depth 8, 8 threads; "
                      "8 buffers, no pipelined read/write: DeepSpeed 0.19.8's pipelined swapper fails an assertion)",
 }
-FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace", "ckpt")
+FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace", "ckpt", "rc", "norc")
 ANY_ROW = ("clip", "ckpt")  # suffixes every row takes, plain PyTorch and DeepSpeed too
 NUMBERED = ("f", "s", "a", "t")
 ACCUMULATION = 8  # micro-batches per step of the -accum8 rows
@@ -96,6 +98,12 @@ def row_errors(rows: list[str]) -> list[str]:
                           "and -ckpt)")
         elif options.get("auto") and {"f", "s", "keep"} & set(options):
             errors.append(f"{row}: -auto chooses the GPU update, stream and keep shares itself; drop -f, -s or -keep")
+        elif options.get("rc") and (options.get("norc") or options.get("ckpt")):
+            errors.append(f"{row}: -rc recomputes the layers' activations; drop -norc or -ckpt (the model's own "
+                          "checkpointing)")
+        elif options.get("norc") and not options.get("auto"):
+            errors.append(f"{row}: -norc keeps the activations that -auto would choose for; rows without -auto keep "
+                          "them already")
     return errors
 
 
@@ -111,6 +119,8 @@ def describe_row(row: str) -> str:
     text += ", GPU update / stream / keep shares chosen by the runtime (auto)" if options.get("auto") else ""
     text += f", clipping at {CLIP_NORM}" if options.get("clip") else ""
     text += ", activation checkpointing" if options.get("ckpt") else ""
+    text += ", activations recomputed (placement.activations: recompute)" if options.get("rc") else ""
+    text += ", activations kept (placement.activations: keep)" if options.get("norc") else ""
     text += ", GPU memory capped (--gpu-cap, else DeepSpeed ZeRO-2's peak)" if options.get("cap") else ""
     text += ", write-backs not paced" if options.get("nopace") else ""
     return text + (", default CUDA allocator" if options.get("noseg") else "")
@@ -135,4 +145,7 @@ def row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
     elif base in ("nvme", "nvme-auto"):
         config["placement"] = {"weights": "host", "master": "host", "moments": "nvme" if base == "nvme" else "auto"}
         config["tiers"] = {"nvme": {"path": nvme_dir or "tmp", "budget": "48GiB", "io_threads": 8}}
+    # placement.activations: -auto rows leave it to the runtime (the default, auto) unless -norc; -rc recomputes
+    config.setdefault("placement", {})["activations"] = (
+        "recompute" if options.get("rc") else "auto" if auto and not options.get("norc") else "keep")
     return config

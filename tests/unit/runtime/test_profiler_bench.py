@@ -15,7 +15,7 @@ def test_headline_config_is_the_train_bench_row():
     config = bench_config(HEADLINE_ROW)
     assert config == {**row_config(HEADLINE_ROW, None), "optimizer": {**row_config(HEADLINE_ROW, None)["optimizer"],
                                                                      "accumulation_steps": 1}}
-    assert config["placement"] == {"weights": "host", "master": "host", "moments": "host"}
+    assert config["placement"] == {"weights": "host", "master": "host", "moments": "host", "activations": "keep"}
     assert config["optimizer"]["gpu_stream_fraction"] == pytest.approx(0.4)
     assert config["prefetch"]["keep_for_backward"] == "4GiB"
     assert bench_config("host-accum8")["optimizer"]["accumulation_steps"] == 8

@@ -73,3 +73,19 @@ def test_a_forked_child_dies_of_sigterm_as_by_default():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", (proc.stdout, proc.stderr)
     assert "received" not in proc.stderr  # no message about a session it does not have
+
+
+def test_a_sessions_close_gives_sigterm_back():
+    """offload() makes SIGTERM raise Terminated; the session's close() leaves it (it ran none of its on_close
+    callbacks before, so a script that closed its session and went on still turned SIGTERM into an exception)."""
+    import torch
+
+    from runtime import offload
+    from runtime.example_model import ExampleLM, ModelShape
+
+    torch.manual_seed(0)
+    model = ExampleLM(ModelShape(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64))
+    model, optimizer = offload(model, {"dtype": "fp32"})
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+    optimizer.session.close()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -1,0 +1,193 @@
+"""``placement.activations``: the layers' forwards recomputed in the backward train exactly like the plain loop,
+the layers get their classes back at close, refusals name the setting, and ``auto``'s trial after the measured
+first step keeps recomputation only when the time model says it pays (``runtime.measured_placement``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from runtime import offload
+from runtime.api import _adopt_placement
+from runtime.autoplace import Placement, StepTimes
+from runtime.example_model import ExampleLM
+from runtime.measured_placement import FirstStepPlacement, RecomputeTrial
+from runtime.recompute import Recompute
+from tests.integration.reference_loop import ReferenceTrainer
+from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, step_and_check
+
+GiB = 1 << 30
+
+
+def _layer_classes(model: ExampleLM) -> set[type]:
+    return {type(layer) for layer in model.layers}
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_recomputed_layers_train_bit_identical_to_the_plain_loop(clip):
+    seen = {}
+
+    def inspect(session):
+        seen["recomputed"] = session.controller.recomputed_acquires
+        seen["model"] = session.model
+
+    ours, theirs, weights, reference, _, _ = run_both(
+        {"dtype": "fp32", "placement": {"activations": "recompute"}, "optimizer": {"grad_clip": clip}}, inspect=inspect)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    # every layer's forward ran again in each backward, and close() gave the layers their own class back
+    assert seen["recomputed"] == SHAPE.num_layers * len(ours)
+    assert {cls.__name__ for cls in _layer_classes(seen["model"])} == {"DecoderLayer"}
+    assert all(cls.__module__ == "runtime.example_model" and not hasattr(cls, "_tierstore_recomputes")
+               for cls in _layer_classes(seen["model"]))
+
+
+def test_recomputed_layers_print_and_evaluate_as_before():
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    printed = repr(model)
+    x, y = make_batches(1)[0]
+    with torch.no_grad():
+        before = model(x, y).item()
+    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "recompute"}})
+    with optimizer.session:
+        assert all(hasattr(type(layer), "_tierstore_recomputes") for layer in model.layers)
+        assert repr(model) == printed
+        with torch.no_grad():  # no graph: no checkpoint, the same loss
+            assert model(x, y).item() == before
+        assert optimizer.session.controller.recomputed_acquires == 0
+
+
+class _NormedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(64, 64), nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        return self.norm(self.linear(x))
+
+
+class _NormedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_NormedLayer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_recompute_refuses_batch_norm_layers_and_a_model_that_checkpoints_itself():
+    with pytest.raises(ValueError, match=r"placement\.activations: recompute cannot apply: .*BatchNorm1d.*"
+                                         r"set placement\.activations: keep"):
+        offload(_NormedModel(), {"dtype": "fp32", "placement": {"activations": "recompute"}})
+    model = ExampleLM(SHAPE)
+    model.is_gradient_checkpointing = True  # what a Hugging Face model says after gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="already checkpoints its layers"):
+        offload(model, {"dtype": "fp32", "placement": {"activations": "recompute"}})
+
+
+class _Timer:
+    """ForwardTimer's interface without CUDA events: the second step's forward took ``seconds``."""
+
+    def __init__(self, seconds: float):
+        self._seconds, self.restarts, self.removed = seconds, 0, False
+
+    def restart(self):
+        self.restarts += 1
+
+    def seconds(self):
+        return self._seconds
+
+    def remove(self):
+        self.removed = True
+
+
+class _Asked:
+    """The placement auto placement answers at each measured step's reserve, in turn."""
+
+    def __init__(self, *answers: Placement):
+        self.answers, self.reserves = list(answers), []
+
+    def __call__(self, reserve: int) -> Placement:
+        self.reserves.append(reserve)
+        return self.answers[len(self.reserves) - 1]
+
+
+def _placement(update: float, stream: float, bound_s: float) -> Placement:
+    return Placement(update, stream, 0, notes=("auto placement: chosen for the test",),
+                     activation_reserve_nbytes=GiB, times=StepTimes(bound_s, bound_s / 2, bound_s / 2))
+
+
+@pytest.mark.parametrize("recompute_pays", [True, False])
+def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it_pays(caplog, recompute_pays):
+    """The first step's placement leaves updates on the CPU, so the second step recomputes the layers (its updates
+    still on the CPU); its placement is adopted with recomputation on when its modelled step plus the timed forward
+    beats the first's, else the first's is adopted and the layers get their classes back. Exact throughout."""
+    import logging
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, dtype=torch.float32, grad_clip=0.05)
+    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
+                                       "optimizer": {"grad_clip": 0.05, "gpu_update_fraction": 0.0,
+                                                     "gpu_stream_fraction": 0.0}})
+    session = optimizer.session
+    recompute, timer = Recompute(session.blocks), _Timer(0.05)
+    session.on_close.append(recompute.undo)
+    kept, recomputed = _placement(0.2, 0.3, 0.2), _placement(1.0, 0.0, 0.1 if recompute_pays else 0.18)
+    ask = _Asked(kept, recomputed)
+    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
+                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
+                                  peak=lambda: 4 * GiB, reset_peak=lambda: None,
+                                  trial=RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires))
+    session.controller.step_listeners.append(listener)
+    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    batches = make_batches(5)
+    with session:
+        step_and_check(model, optimizer, reference, *batches[0])
+        assert recompute.on and listener.chosen is None and not session.controller.gpu_updated
+        step_and_check(model, optimizer, reference, *batches[1])
+        assert session.controller.recomputed_acquires == SHAPE.num_layers  # the trial step recomputed
+        assert timer.removed and timer.restarts == 2
+        assert listener.chosen is (recomputed if recompute_pays else kept)
+        assert recompute.on is recompute_pays
+        for x, y in batches[2:]:
+            step_and_check(model, optimizer, reference, x, y)
+        assert session.controller.recomputed_acquires == SHAPE.num_layers * (4 if recompute_pays else 1)
+        assert_identical(session.master_state_dict(), reference)
+    assert len(ask.reserves) == 2
+    assert ("activations recomputed" if recompute_pays else "activations kept") in caplog.text
+    assert "0.050 s of it the recomputed forward" in caplog.text
+    assert not any(hasattr(type(layer), "_tierstore_recomputes") for layer in model.layers)
+
+
+def test_no_trial_where_everything_fits_or_the_model_recomputes_itself():
+    """A first-step placement that puts every update on the GPU needs no recomputation; nor does a model whose own
+    checkpointing the controller saw recompute (no second measured step in either case)."""
+    for everything_fits, checkpointing in ((True, False), (False, True)):
+        torch.manual_seed(0)
+        model = ExampleLM(SHAPE, activation_checkpointing=checkpointing)
+        model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
+                                           "optimizer": {"gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}})
+        session = optimizer.session
+        recompute, timer = Recompute(session.blocks), _Timer(0.05)
+        first = _placement(1.0 if everything_fits else 0.2, 0.0, 0.2)
+        ask = _Asked(first)
+        listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
+                                      adopt=functools.partial(_adopt_placement, weakref.ref(session)),
+                                      peak=lambda: 4 * GiB, reset_peak=lambda: None,
+                                      trial=RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires))
+        session.controller.step_listeners.append(listener)
+        with session:
+            for x, y in make_batches(2):
+                model(x, y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert listener.chosen is first and not recompute.on and timer.removed and len(ask.reserves) == 1
