@@ -17,8 +17,10 @@ whose ``__call__`` runs the original ``__call__`` (hooks included) under non-ree
 modules' class names print as before, but a model pickled whole (``torch.save(model)``) cannot be loaded
 without tierstore; state dicts are unchanged.
 
-What it refuses (:func:`recompute_refusal`): a layer whose class defines its own ``__call__``, and a layer with
-batch-norm running statistics (a recomputed forward would update them twice).
+A layer class with its own ``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in transformers 4.5x, which
+checkpoints there when the model's own checkpointing is on and otherwise calls ``nn.Module.__call__``) has that
+call recomputed. What it refuses (:func:`recompute_refusal`): a layer with batch-norm running statistics (a
+recomputed forward would update them twice).
 """
 
 from __future__ import annotations
@@ -70,8 +72,6 @@ def recompute_refusal(blocks: Sequence[Block]) -> str | None:
         return "the model has no repeated layers to recompute (runtime.blocks found no layer container)"
     for module in modules:
         cls = getattr(type(module), _ORIGINAL, type(module))
-        if cls.__call__ is not nn.Module.__call__:
-            return f"{cls.__name__} defines its own __call__"
         for inner in module.modules():
             if isinstance(inner, nn.modules.batchnorm._BatchNorm) and inner.track_running_stats:
                 return (f"{cls.__name__} holds batch-norm running statistics ({type(inner).__name__}), which a "
@@ -82,7 +82,11 @@ def recompute_refusal(blocks: Sequence[Block]) -> str | None:
 def already_checkpointed(model: nn.Module) -> bool:
     """The model checkpoints its own layers (Hugging Face ``gradient_checkpointing_enable()``), so recomputing
     them again would run each forward a third time."""
-    return bool(getattr(model, "is_gradient_checkpointing", False))
+    # transformers 5 renamed the property (the old name warns); older versions have only the old one
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in vars(model):
+            return bool(getattr(model, name))
+    return False
 
 
 class Recompute:

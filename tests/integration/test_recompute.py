@@ -4,7 +4,7 @@ first step keeps recomputation only when the time model says it pays (``runtime.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import weakref
 
@@ -81,6 +81,56 @@ class _NormedModel(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x.sum()
+
+
+class _CallingLayer(nn.Module):
+    """A layer class with its own __call__, as Hugging Face's GradientCheckpointingLayer has in transformers 4.5x."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x, *, scale):
+        return torch.tanh(self.linear(x)) * scale
+
+
+class _CallingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_CallingLayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, scale=0.5)
+        return x.square().mean()
+
+
+def test_a_layer_class_with_its_own_call_is_recomputed_through_it():
+    torch.manual_seed(0)
+    ours = _CallingModel()
+    plain = copy.deepcopy(ours)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
+    ours, optimizer = offload(ours, {"dtype": "fp32", "placement": {"activations": "recompute"},
+                                     "blocks": {"min_block_size": 1}, "optimizer": {"grad_clip": None}})
+    x = torch.randn(4, 16)
+    with optimizer.session:
+        for _ in range(3):
+            loss = ours(x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            expected = plain(x)
+            expected.backward()
+            reference.step()
+            reference.zero_grad()
+            assert loss.item() == expected.item()
+        assert optimizer.session.controller.recomputed_acquires == 3 * 3
+        assert [layer.calls for layer in ours.layers] == [6, 6, 6]  # the forward's call and the recomputation's
 
 
 def test_recompute_refuses_batch_norm_layers_and_a_model_that_checkpoints_itself():
