@@ -160,13 +160,14 @@ class FirstStepPlacement:
                                     "activations in the backward (placement.activations: auto) to measure what that "
                                     "frees, its updates still on the CPU")
             return
-        recomputed = False
+        recomputed, verdict = False, ""
         if self._kept is not None:
-            chosen = self._choose(self._kept, outcome)
+            chosen, verdict = self._choose(self._kept, outcome)
             recomputed, outcome = chosen is outcome, chosen
         placement, reserve, measured = outcome.placement, outcome.reserve, outcome.line
         if not (placement.gpu_update_fraction or placement.gpu_stream_fraction or placement.keep_for_backward_nbytes):
             self._end_trial(keep_on=False)
+            self._say_verdict(verdict)
             self._say(logging.INFO, f"{measured}: with an activation reserve of {approx_size(reserve)} nothing more "
                                     "fits on the GPU; every update stays on the CPU")
             return
@@ -174,11 +175,13 @@ class FirstStepPlacement:
             self.adopt(placement)
         except (CapacityError, torch.OutOfMemoryError) as error:  # adopt_placement put everything back
             self._end_trial(keep_on=False)
+            self._say_verdict(verdict)
             self._say(logging.WARNING, f"{measured}, but its placement could not be adopted ({error}); every update "
                                        "stays on the CPU")
             return
         self._end_trial(keep_on=recomputed)
         self.chosen = placement
+        self._say_verdict(verdict)  # after adopt: the plan's notes it replaced keep the line
         self._say(logging.INFO, f"{measured}: activation reserve {approx_size(reserve)}, placement adopted")
         log.info("%s", "\n".join(placement.notes))
 
@@ -192,20 +195,23 @@ class FirstStepPlacement:
             return False
         return True
 
-    def _choose(self, kept: _Measured, recomputed: _Measured) -> _Measured:
-        """The faster of the two measured steps' placements by the time model: the recomputed one pays its
-        forward again (timed in the second step)."""
+    def _choose(self, kept: _Measured, recomputed: _Measured) -> tuple[_Measured, str]:
+        """The faster of the two measured steps' placements by the time model (the recomputed one pays its
+        forward again, timed in the second step), and the line that says why."""
         forward_s = self.trial.timer.seconds()  # type: ignore[union-attr]  # a second step runs only with a trial
         keep_s = kept.placement.times.bound_s if kept.placement.times else float("inf")
         recompute_s = (recomputed.placement.times.bound_s if recomputed.placement.times else float("inf")) + forward_s
         chosen = recomputed if recompute_s < keep_s else kept
         verdict = ("activations recomputed (placement.activations: auto)" if chosen is recomputed
                    else "activations kept (placement.activations: auto): recomputing them does not pay")
-        self._say(logging.INFO, f"{recomputed.line} with the layers recomputed, where {kept.line} keeping their "
-                                f"activations: recomputed, {_on_the_gpu(recomputed.placement)} for a modelled "
-                                f"{recompute_s:.3f} s a step ({forward_s:.3f} s of it the recomputed forward, as timed); "
-                                f"kept, {_on_the_gpu(kept.placement)} for {keep_s:.3f} s: {verdict}")
-        return chosen
+        return chosen, (f"{recomputed.line} with the layers recomputed, where {kept.line} keeping their "
+                        f"activations: recomputed, {_on_the_gpu(recomputed.placement)} for a modelled "
+                        f"{recompute_s:.3f} s a step ({forward_s:.3f} s of it the recomputed forward, as timed); "
+                        f"kept, {_on_the_gpu(kept.placement)} for {keep_s:.3f} s: {verdict}")
+
+    def _say_verdict(self, verdict: str) -> None:
+        if verdict:
+            self._say(logging.INFO, verdict)
 
     def _end_trial(self, *, keep_on: bool) -> None:
         if self.trial is not None:

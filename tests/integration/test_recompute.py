@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runtime import offload
-from runtime.api import _adopt_placement
+from runtime.api import _adopt_placement, _note_in_plan
 from runtime.autoplace import Placement, StepTimes
 from runtime.example_model import ExampleLM
 from runtime.measured_placement import FirstStepPlacement, RecomputeTrial
@@ -196,6 +196,7 @@ def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it
     listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
                                   adopt=functools.partial(_adopt_placement, weakref.ref(session)),
                                   peak=lambda: 4 * GiB, reset_peak=lambda: None,
+                                  report=functools.partial(_note_in_plan, weakref.ref(session)),
                                   trial=RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires))
     session.controller.step_listeners.append(listener)
     caplog.set_level(logging.INFO, logger="runtime.measured_placement")
@@ -215,6 +216,8 @@ def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it
     assert len(ask.reserves) == 2
     assert ("activations recomputed" if recompute_pays else "activations kept") in caplog.text
     assert "0.050 s of it the recomputed forward" in caplog.text
+    # the verdict is among the plan's notes the session keeps (after the adopted placement's own)
+    assert any("recomputed forward, as timed" in note for note in session.plan.notes)
     assert not any(hasattr(type(layer), "_tierstore_recomputes") for layer in model.layers)
 
 
