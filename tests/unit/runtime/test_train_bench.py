@@ -220,3 +220,18 @@ def test_cli_shape_options():
     assert spec.layers == PRESETS["tiny"].num_layers and spec.heads == PRESETS["tiny"].num_heads
     default = BenchModel.from_args(build_parser().parse_args(["bench", "train"]))
     assert default == BenchModel.from_preset("1.35b")
+
+
+def test_rows_choose_how_the_layers_activations_are_placed():
+    """-auto rows leave placement.activations to the runtime; -norc keeps them there, -rc recomputes them on any
+    tierstore row; rows without either keep them (a hand-set row runs what it names)."""
+    from runtime.bench.train_rows import describe_row, row_config, row_errors
+
+    activations = {row: row_config(row, None)["placement"]["activations"]
+                   for row in ("gpu-weights-auto-clip-cap", "gpu-weights-auto-clip-cap-norc", "host-s40-rc", "host",
+                               "nvme")}
+    assert activations == {"gpu-weights-auto-clip-cap": "auto", "gpu-weights-auto-clip-cap-norc": "keep",
+                           "host-s40-rc": "recompute", "host": "keep", "nvme": "keep"}
+    assert "activations recomputed" in describe_row("host-s40-rc")
+    assert row_errors(["host-norc"]) and row_errors(["host-rc-ckpt"]) and row_errors(["torch-rc"])
+    assert not row_errors(["gpu-weights-auto-clip-cap-norc", "host-rc-clip"])
