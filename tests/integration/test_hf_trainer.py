@@ -31,7 +31,7 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in rows]
 
 
-def train(tmp_path, offloaded: bool, accumulation: int = 1):
+def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "keep"):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config())
     args = transformers.TrainingArguments(
@@ -45,7 +45,7 @@ def train(tmp_path, offloaded: bool, accumulation: int = 1):
         (tmp_path / "swap").mkdir(exist_ok=True)
         model, optimizer = offload(model, {
             "device": "cpu", "dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path / "swap")}},
-            "placement": {"moments": "nvme"},
+            "placement": {"moments": "nvme", "activations": activations},
             "optimizer": {"lr": args.learning_rate, "weight_decay": args.weight_decay, "grad_clip": None,
                           "user_grad_clip": True, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
                           "accumulation_steps": accumulation, "accumulate_on": "host" if accumulation > 1 else "gpu"}})
@@ -59,11 +59,15 @@ def train(tmp_path, offloaded: bool, accumulation: int = 1):
     return logs, weights, session
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])  # 2: the micro-batches' gradients summed in host memory
-def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumulation):
+# accumulation 2: the micro-batches' gradients summed in host memory; recompute: the decoder layers' forwards run
+# again in the backward (placement.activations)
+@pytest.mark.parametrize("accumulation, activations", [(1, "keep"), (2, "keep"), (1, "recompute")])
+def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumulation, activations):
     plain_logs, plain_weights, _ = train(tmp_path, offloaded=False, accumulation=accumulation)
-    ours_logs, ours_weights, session = train(tmp_path, offloaded=True, accumulation=accumulation)
+    ours_logs, ours_weights, session = train(tmp_path, offloaded=True, accumulation=accumulation,
+                                             activations=activations)
     assert (session.controller.sums is not None) == (accumulation > 1)
+    assert (session.controller.recomputed_acquires > 0) == (activations == "recompute")
     # The Trainer's clip acted, so gradients waited on the device for the commit and were scaled there
     # ([Note: held gradients]): that path is what matched the plain Trainer below.
     assert session.controller.stats.held_grads > 0
