@@ -24,7 +24,8 @@ from runtime.materialize import ParamInit, initialize, materialize_meta_paramete
 from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
-from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement, RecomputeTrial, first_step_listener
+from runtime.measured_placement import (FIRST_STEP_NOTE, TRIAL_NOTE, FirstStepPlacement, RecomputeTrial,
+                                        first_step_listener)
 from runtime.recompute import ForwardTimer, Recompute, already_checkpointed, recompute_refusal
 from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_by_stream, cuda_reserved_peak
 from runtime.state_access import StateAccess
@@ -524,7 +525,8 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
         first = resolve_plan(blocks, first_cfg, device, rates=rates)
         if not first.spilled_blocks and not first.placement.host_sums and _plan_fits(
                 blocks, first_cfg, homes, first.source, dtype, first.placement, limit, spares=first.plan.pre_commit_buffers):
-            first.plan.notes = (FIRST_STEP_NOTE, *first.plan.notes)
+            trial_note = (TRIAL_NOTE,) if cfg.placement.activations == "auto" else ()
+            first.plan.notes = (FIRST_STEP_NOTE, *trial_note, *first.plan.notes)
             placement = dataclasses.replace(first.placement, rates=rates, notes=(FIRST_STEP_NOTE,))
             return dataclasses.replace(first, placement=placement, measured_first_step=True)
     placement, spilled_blocks, host_updated = _place_and_spill(blocks, cfg, device, homes, source, rates, limit)

@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 FIRST_STEP_NOTE = ("auto placement: chosen from the first step's measured GPU peak (runtime.measured_placement): "
                    "the first step updates on the CPU, streaming and keeping nothing where those are auto; the "
                    "GPU's share follows")
+TRIAL_NOTE = ("placement.activations auto: where the first step's state does not all fit on the GPU beside its "
+              "activations, the second step recomputes the layers' forwards in the backward and is measured too; the "
+              "faster placement of the two by the time model is adopted")
 
 
 @dataclass

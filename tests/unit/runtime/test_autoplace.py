@@ -308,7 +308,7 @@ def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step()
     nothing streamed or kept), and says so; a plan that would sum gradients in host memory, or may fetch a bf16 copy
     of the weights under accumulation, keeps choosing now."""
     from runtime.api import resolve_plan
-    from runtime.measured_placement import FIRST_STEP_NOTE
+    from runtime.measured_placement import FIRST_STEP_NOTE, TRIAL_NOTE
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
     total = sum(b.numel for b in blocks)
@@ -319,6 +319,10 @@ def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step()
     assert resolved.measured_first_step
     assert (placement.gpu_update_fraction, placement.gpu_stream_fraction, placement.keep_for_backward_nbytes) == (0, 0, 0)
     assert placement.rates == rates and resolved.plan.notes[0] == FIRST_STEP_NOTE
+    assert resolved.plan.notes[1] == TRIAL_NOTE  # placement.activations auto, the default
+    kept = resolve_plan(blocks, load_config({"tiers": {"gpu": {"budget": 36 * total}}, "placement": {"activations": "keep"}}),
+                        torch.device("cuda", 0), rates=rates)
+    assert TRIAL_NOTE not in kept.plan.notes
     for dtype in ("fp32", "bf16"):  # host sums; a bf16 copy of the weights that may pay under accumulation
         summed = load_config({"dtype": dtype, "tiers": {"gpu": {"budget": 36 * total}},
                               "optimizer": {"accumulation_steps": 4, "accumulate_on": "host" if dtype == "fp32" else "gpu"}})
