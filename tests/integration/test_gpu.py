@@ -365,6 +365,55 @@ def test_recomputed_layers_train_like_the_plain_loop_in_less_memory():
     print(f"allocated peak {peaks}; layers' forward {forward_s}")
 
 
+def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_the_gpu(caplog):
+    """placement.activations auto end to end: a GPU budget sized from a first run (activations kept) to hold the
+    first step's activations and a third of the state, with a slow CPU AdamW (one thread), so the first step's
+    placement leaves updates on the CPU; the second step recomputes the layers, and the placement it allows (every
+    update on the GPU) is adopted with recomputation on. Within bf16 rounding of the plain loop throughout."""
+    import logging
+
+    from runtime.data import ByteBatches, stdlib_text_bytes
+
+    shape = ModelShape(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, ffn_size=1408, max_seq_len=1024)
+
+    def batches():
+        data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=16, seq_len=1024, seed=0)
+        return [data.next() for _ in range(4)]
+
+    config = {"dtype": "bf16", "placement": {"weights": "gpu", "activations": "keep"}, "optimizer": {"cpu_threads": 1}}
+    torch.manual_seed(0)
+    model, optimizer = offload(ExampleLM(shape), config)
+    session = optimizer.session
+    plan_nbytes = session.plan.gpu_nbytes
+    state_nbytes = 12 * sum(block.numel for block in session.blocks)
+    with session:
+        x, y = batches()[0]
+        model(x.cuda(), y.cuda()).backward()
+        optimizer.step()
+        kept_reserve = session.placement.activation_reserve_nbytes  # what the first step's activations supported
+    assert kept_reserve > 0
+
+    torch.manual_seed(0)
+    model = ExampleLM(shape)
+    reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=1.0)
+    budget = plan_nbytes + kept_reserve + state_nbytes // 3
+    model, optimizer = offload(model, {**config, "placement": {"weights": "gpu"}, "tiers": {"gpu": {"budget": budget}}})
+    session = optimizer.session
+    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    with session:
+        for step, (x, y) in enumerate(batches()):
+            _step_beside_reference(model, optimizer, reference, x, y)
+            if step == 1:
+                recomputed_by_then = session.controller.recomputed_acquires
+        assert "the second step recomputes the layers' activations" in caplog.text, caplog.text
+        assert "activations recomputed (placement.activations: auto)" in caplog.text, caplog.text
+        assert session.controller.gpu_updated == frozenset(b.index for b in session.blocks)
+        assert recomputed_by_then == shape.num_layers  # the trial step
+        assert session.controller.recomputed_acquires == shape.num_layers * 3  # and every step since
+        ours = session.master_state_dict()
+    _assert_close(ours, reference)
+
+
 def test_auto_placement_measured_from_the_first_step_trains_like_the_plain_loop(caplog):
     """The default config on a GPU (update fraction and activation reserve auto): the first step updates on the CPU,
     its commit measures the peak and moves state to the GPU (all of it, for this small model), and training stays
