@@ -107,23 +107,25 @@ class OffloadSession:
         except BaseException as exc:  # re-raised once everything is given back
             failure = exc
         self.closed = True
-        self.controller.close()
-        self.hooks.remove()
-        self.state_dict_hooks.remove()
-        self.guard.remove()
-        if values is not None:
-            for block in self.blocks:
-                for slot in block.slots:
-                    slot.param.data = values[slot.name]
-        else:
-            _replace_with_meta(self.model, self.blocks)
-        _move_rest(self.model, torch.device("cpu"))
-        self.store.close()
-        for undo in self.on_close:  # e.g. the layers' own classes back, SIGTERM's handler back
-            try:
-                undo()
-            except Exception as error:  # one that fails must not keep the others from running
-                log.warning("close(): %r failed: %r", undo, error)
+        try:
+            self.controller.close()
+            self.hooks.remove()
+            self.state_dict_hooks.remove()
+            self.guard.remove()
+            if values is not None:
+                for block in self.blocks:
+                    for slot in block.slots:
+                        slot.param.data = values[slot.name]
+            else:
+                _replace_with_meta(self.model, self.blocks)
+            _move_rest(self.model, torch.device("cpu"))
+            self.store.close()
+        finally:  # also when giving something back failed: closed is set, a second close() returns at once
+            for undo in self.on_close:  # e.g. the layers' own classes back, SIGTERM's handler back
+                try:
+                    undo()
+                except Exception as error:  # one that fails must not keep the others from running
+                    log.warning("close(): %r failed: %r", undo, error)
         # Hooks, guard classes and the worker refer to each other: collect the cycles now, so the pinned
         # arena and device memory are given back before the caller's next allocation, not at a later GC.
         gc.collect()
@@ -245,7 +247,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     blocks, resolved, budgets = plan_model(model, cfg, device)
     if cfg.placement.activations == "recompute":
         refusal = recompute_refusal(blocks) or (
-            "the model already checkpoints its layers (gradient_checkpointing_enable())" if already_checkpointed(model)
+            "the model already checkpoints its layers (gradient_checkpointing_enable())" if already_checkpointed(blocks)
             else None)
         if refusal:
             raise ValueError(f"placement.activations: recompute cannot apply: {refusal}; set placement.activations: "
@@ -305,7 +307,9 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
             adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=cuda_reserved_peak(device),
             reset_peak=functools.partial(_reset_peak, device),
             report=functools.partial(_note_in_plan, weakref.ref(session)), pools=cuda_reserved_by_stream(device),
-            trial=_recompute_trial(cfg, model, blocks, recompute, controller)))
+            trial=_recompute_trial(cfg, blocks, recompute, controller, device)))
+        # A session closed before the trial ended takes the timer's hooks off the layers too
+        session.on_close.append(controller.step_listeners[-1].close)
     elif (resolved.placement.activation_reserve_nbytes and device.type == "cuda"
           and cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto"):
         # after the first steps: would a lower reserve put more on the GPU?
@@ -346,17 +350,23 @@ def _adopt_placement(session_ref: Callable[[], OffloadSession | None], placement
     session.plan, session.placement = plan, placement
 
 
-def _recompute_trial(cfg: TierstoreConfig, model: nn.Module, blocks: list[Block], recompute: Recompute,
-                     controller: Controller) -> RecomputeTrial | None:
+def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recompute, controller: Controller,
+                     device: torch.device) -> RecomputeTrial | None:
     """What ``placement.activations: auto`` lets the measured first step try (None: the activations are kept;
     the log says why when the layers cannot be recomputed)."""
-    if cfg.placement.activations != "auto" or already_checkpointed(model):
+    if not may_try_recompute(cfg, blocks):
+        if cfg.placement.activations == "auto":
+            log.info("placement.activations auto: activations are kept (%s)", recompute_refusal(blocks)
+                     or "the model checkpoints its own layers")
         return None
-    refusal = recompute_refusal(blocks)
-    if refusal:
-        log.info("placement.activations auto: activations are kept (%s)", refusal)
-        return None
-    return RecomputeTrial(recompute, ForwardTimer(recompute.modules), lambda: controller.recomputed_acquires)
+    return RecomputeTrial(recompute, ForwardTimer(recompute.modules, device), lambda: controller.recomputed_acquires)
+
+
+def may_try_recompute(cfg: TierstoreConfig, blocks: list[Block]) -> bool:
+    """``placement.activations: auto`` may try the layers recomputed: they can be, and do not checkpoint
+    themselves."""
+    return (cfg.placement.activations == "auto" and recompute_refusal(blocks) is None
+            and not already_checkpointed(blocks))
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -525,7 +535,7 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
         first = resolve_plan(blocks, first_cfg, device, rates=rates)
         if not first.spilled_blocks and not first.placement.host_sums and _plan_fits(
                 blocks, first_cfg, homes, first.source, dtype, first.placement, limit, spares=first.plan.pre_commit_buffers):
-            trial_note = (TRIAL_NOTE,) if cfg.placement.activations == "auto" else ()
+            trial_note = (TRIAL_NOTE,) if may_try_recompute(cfg, blocks) else ()
             first.plan.notes = (FIRST_STEP_NOTE, *trial_note, *first.plan.notes)
             placement = dataclasses.replace(first.placement, rates=rates, notes=(FIRST_STEP_NOTE,))
             return dataclasses.replace(first, placement=placement, measured_first_step=True)

@@ -134,11 +134,18 @@ class StepTimes:
     cpu_s: float
     h2d_s: float
     d2h_s: float
+    # The three run after the backward (updates wait for the commit: clipping, fp16) rather than beside it.
+    after_backward: bool = False
 
     @property
     def bound_s(self) -> float:
         """The slowest of the three: what the choice of ``gpu_stream_fraction`` minimises."""
         return max(self.cpu_s, self.h2d_s, self.d2h_s)
+
+    def step_s(self, compute_s: float) -> float:
+        """A step with ``compute_s`` of forward and backward: the three after it when they wait for the commit (the
+        next forward they overlap is left out), else beside it."""
+        return compute_s + self.bound_s if self.after_backward else max(compute_s, self.bound_s)
 
     def describe(self) -> str:
         """``T_cpu 0.09 s, T_h2d 0.11 s, T_d2h 0.10 s``."""
@@ -187,7 +194,8 @@ def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed:
     grads_nbytes = GRAD_ITEMSIZE * host_numel
     return StepTimes(cpu_s=host_numel / rates.adam_params_per_s,
                      h2d_s=(STATE_ITEMSIZE * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,
-                     d2h_s=(STATE_ITEMSIZE * streamed_numel + grads_nbytes) / rates.d2h_bytes_per_s)
+                     d2h_s=(STATE_ITEMSIZE * streamed_numel + grads_nbytes) / rates.d2h_bytes_per_s,
+                     after_backward=inputs.updates_wait_for_commit)
 
 
 def activation_reserve_nbytes(inputs: PlacementInputs) -> int:

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 FIRST_STEP_NOTE = ("auto placement: chosen from the first step's measured GPU peak (runtime.measured_placement): "
                    "the first step updates on the CPU, streaming and keeping nothing where those are auto; the "
                    "GPU's share follows")
+COMPUTE_PER_FORWARD = 3  # a step's forward and backward, in forwards (a backward costs about two)
 TRIAL_NOTE = ("placement.activations auto: where the first step's state does not all fit on the GPU beside its "
               "activations, the second step recomputes the layers' forwards in the backward and is measured too; the "
               "faster placement of the two by the time model is adopted")
@@ -134,9 +135,15 @@ class FirstStepPlacement:
         try:
             self._place()
         except Exception as error:  # the step stands; a change adopt_placement could not undo stops the next step
+            self.done, self._kept = True, None
             self._end_trial(keep_on=False)
             self._say(logging.WARNING, f"auto placement after the first step failed ({error!r}); every update stays "
                                        "on the CPU")
+
+    def close(self) -> None:
+        """The session closes: a trial under way ends (its timer's hooks come off, recomputation is undone)."""
+        self.done = True
+        self._end_trial(keep_on=False)
 
     def _measure(self, which: str) -> _Measured | None:
         """Auto placement at the reserve the measured step's peak supports (None: the session is gone)."""
@@ -156,8 +163,8 @@ class FirstStepPlacement:
             self._end_trial(keep_on=False)
             return
         if self._kept is None and self._worth_a_trial(outcome.placement):
-            self._kept, self.done, self.started = outcome, False, False
             self.trial.recompute.turn_on()  # type: ignore[union-attr]  # _worth_a_trial: there is a trial
+            self._kept, self.done, self.started = outcome, False, False
             self._say(logging.INFO, f"{outcome.line}: with an activation reserve of {approx_size(outcome.reserve)} "
                                     f"{_on_the_gpu(outcome.placement)}; the second step recomputes the layers' "
                                     "activations in the backward (placement.activations: auto) to measure what that "
@@ -199,17 +206,21 @@ class FirstStepPlacement:
         return True
 
     def _choose(self, kept: _Measured, recomputed: _Measured) -> tuple[_Measured, str]:
-        """The faster of the two measured steps' placements by the time model (the recomputed one pays its
-        forward again, timed in the second step), and the line that says why."""
+        """The faster of the two measured steps' placements by the time model, and the line that says why. The
+        layers' forward ``F`` is timed in the second step; the step's forward and backward are taken as ``3 F``
+        (a backward costs about two forwards) and the recomputed one as ``4 F``: each placement's terms then
+        follow the compute when updates wait for the commit, else overlap it (``StepTimes.step_s``)."""
         forward_s = self.trial.timer.seconds()  # type: ignore[union-attr]  # a second step runs only with a trial
-        keep_s = kept.placement.times.bound_s if kept.placement.times else float("inf")
-        recompute_s = (recomputed.placement.times.bound_s if recomputed.placement.times else float("inf")) + forward_s
+        compute_s = COMPUTE_PER_FORWARD * forward_s
+        keep_s = kept.placement.times.step_s(compute_s) if kept.placement.times else float("inf")
+        recompute_s = (recomputed.placement.times.step_s(compute_s + forward_s) if recomputed.placement.times
+                       else float("inf"))
         chosen = recomputed if recompute_s < keep_s else kept
         verdict = ("activations recomputed (placement.activations: auto)" if chosen is recomputed
                    else "activations kept (placement.activations: auto): recomputing them does not pay")
         return chosen, (f"{recomputed.line} with the layers recomputed, where {kept.line} keeping their "
                         f"activations: recomputed, {_on_the_gpu(recomputed.placement)} for a modelled "
-                        f"{recompute_s:.3f} s a step ({forward_s:.3f} s of it the recomputed forward, as timed); "
+                        f"{recompute_s:.3f} s a step (the layers' forward timed at {forward_s:.3f} s, run twice); "
                         f"kept, {_on_the_gpu(kept.placement)} for {keep_s:.3f} s: {verdict}")
 
     def _say_verdict(self, verdict: str) -> None:

@@ -3,34 +3,42 @@ the backward instead of keeping its activations, as ``torch.utils.checkpoint`` d
 
 Why a placement choice: under a GPU cap the activations of a whole forward compete with optimizer state for the
 same memory. On an H100 under DeepSpeed ZeRO-2's reservation (31.06 GiB, the 1.35B benchmark model, clipping)
-the first step's activations took 25 GiB, so auto placement kept 2 of 27 blocks resident and streamed half the
-rest (0.400 s a step); with every layer recomputed the first step peaked at 7.25 GiB and every block was
-updated on the GPU (0.324 s: the recomputed forward costs less than the CPU's share of AdamW it removes; call K1
-in the README). The gradients are the same: the recomputed forward is the same computation on the same weights
-(random state is restored, as ``torch.utils.checkpoint`` does).
+the first step peaked at 28.0 GiB (25.1 beyond the plan), so auto placement kept 2 of 27 blocks resident and
+streamed half the rest (0.400 s a step); with every layer recomputed the first step peaked at 7.25 GiB and every
+block was updated on the GPU (0.324 s: the recomputed forward costs less than the CPU's share of AdamW it
+removes; calls K1 and K3 in the README). The gradients are the same: the recomputed forward is the same
+computation on the same weights; the random state is restored as ``torch.utils.checkpoint`` does, on every
+device a tensor argument lives on (keyword arguments too: their devices are passed to it as empty tensors,
+which it reads from the positional ones only).
 
 How: a layer block's module (``Block.modules[0]`` of an ``is_layer`` block) gets a subclass of its own class
 whose ``__call__`` runs the original ``__call__`` (hooks included) under non-reentrant
 ``torch.utils.checkpoint``, so the recomputation fires the runtime's hooks as a model's own checkpointing does
 (``runtime.hooks`` sees it inside the autograd engine and holds the block's weights for its backward).
 :meth:`Recompute.undo` gives every module its class back (``OffloadSession.close`` calls it). While it is on, the
-modules' class names print as before, but a model pickled whole (``torch.save(model)``) cannot be loaded
-without tierstore; state dicts are unchanged.
+modules' class names print as before, state dicts are unchanged, and a copy (``copy.deepcopy``) or a pickle of a
+layer gets the layer's own class. Hugging Face layers are called with a key/value cache in training when the
+config's ``use_cache`` is on (Llama's default): a recomputed forward would append to it a second time, so while
+recording a graph the call gets ``use_cache=False`` and no cache, as Hugging Face's own checkpointing does (not
+where the layer class sets ``_can_checkpoint_with_cache``). A layer's forward hooks, like its forward, run again
+in the recomputation.
 
 A layer class with its own ``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in transformers 4.5x, which
 checkpoints there when the model's own checkpointing is on and otherwise calls ``nn.Module.__call__``) has that
-call recomputed. What it refuses (:func:`recompute_refusal`): a layer with batch-norm running statistics (a
-recomputed forward would update them twice).
+call recomputed. What it refuses (:func:`recompute_refusal`): a layer with normalisation running statistics
+(batch or instance norm: a recomputed forward would update them twice).
 """
 
 from __future__ import annotations
 
+import copyreg
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from runtime.blocks import Block
@@ -39,6 +47,29 @@ log = logging.getLogger(__name__)
 
 _RECOMPUTED: dict[type, type] = {}  # a layer class -> its recomputing subclass (one per class, reused)
 _ORIGINAL = "_tierstore_recomputes"  # the attribute of a recomputing subclass naming the class it extends
+
+
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # Hugging Face's names of a layer's cache
+
+
+def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face layer's keyword arguments without its key/value cache (see the module docstring)."""
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return kwargs
+    if not (kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_KWARGS)):
+        return kwargs
+    kwargs = {**kwargs, **{name: None for name in _CACHE_KWARGS if kwargs.get(name) is not None}}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _device_anchors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """An empty tensor on each accelerator a keyword argument's tensor lives on and no positional one does:
+    ``torch.utils.checkpoint`` saves and restores the random state of the devices of its positional tensors."""
+    positional = {leaf.device for leaf in tree_flatten(args)[0] if isinstance(leaf, torch.Tensor)}
+    keyword = {leaf.device for leaf in tree_flatten(kwargs)[0] if isinstance(leaf, torch.Tensor)}
+    return tuple(torch.empty(0, device=device) for device in keyword - positional if device.type != "cpu")
 
 
 def _recomputing_class(cls: type) -> type:
@@ -50,13 +81,26 @@ def _recomputing_class(cls: type) -> type:
             # Only a forward that records a graph keeps activations worth dropping; evaluation runs as before.
             if not torch.is_grad_enabled():
                 return original_call(self, *args, **kwargs)
-            return checkpoint(original_call, self, *args, use_reentrant=False, **kwargs)
+            kwargs = _without_cache(self, kwargs)
+            anchors = _device_anchors(args, kwargs)
 
-        def _get_name(self: nn.Module) -> str:  # what print(model) shows: the user's class name
-            return cls.__name__
+            def run(*anchored: Any, **named: Any) -> Any:
+                return original_call(self, *anchored[len(anchors):], **named)
 
-        _RECOMPUTED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_get_name": _get_name,
-                                                       "__module__": cls.__module__, _ORIGINAL: cls})
+            return checkpoint(run, *anchors, *args, use_reentrant=False, **kwargs)
+
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            # A copy or a pickle of the layer gets its own class (copy.deepcopy of the model is an ordinary model),
+            # rebuilt by the standard library's object reconstructor (pickle refuses another class through
+            # copyreg.__newobj__), so a pickle does not need tierstore to load.
+            func, args, *rest = cls.__reduce_ex__(self, protocol)
+            if args and args[0] is _RECOMPUTED[cls]:
+                func, args = copyreg._reconstructor, (cls, object, None)
+            return (func, args, *rest)
+
+        _RECOMPUTED[cls] = type(cls.__name__, (cls,), {
+            "__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, _ORIGINAL: cls})
     return _RECOMPUTED[cls]
 
 
@@ -73,20 +117,17 @@ def recompute_refusal(blocks: Sequence[Block]) -> str | None:
     for module in modules:
         cls = getattr(type(module), _ORIGINAL, type(module))
         for inner in module.modules():
-            if isinstance(inner, nn.modules.batchnorm._BatchNorm) and inner.track_running_stats:
-                return (f"{cls.__name__} holds batch-norm running statistics ({type(inner).__name__}), which a "
+            if isinstance(inner, nn.modules.batchnorm._NormBase) and inner.track_running_stats:
+                return (f"{cls.__name__} holds normalisation running statistics ({type(inner).__name__}), which a "
                         "recomputed forward would update twice")
     return None
 
 
-def already_checkpointed(model: nn.Module) -> bool:
-    """The model checkpoints its own layers (Hugging Face ``gradient_checkpointing_enable()``), so recomputing
-    them again would run each forward a third time."""
-    # transformers 5 renamed the property (the old name warns); older versions have only the old one
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name) or name in vars(model):
-            return bool(getattr(model, name))
-    return False
+def already_checkpointed(blocks: Sequence[Block]) -> bool:
+    """A layer checkpoints itself (Hugging Face's ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing``
+    on each layer), so recomputing it again would run its forward once more."""
+    return any(getattr(inner, "gradient_checkpointing", False) is True
+               for module in layer_modules(blocks) for inner in module.modules())
 
 
 class Recompute:
@@ -100,8 +141,8 @@ class Recompute:
         """Every layer's forward is recomputed in its backward from the next forward on."""
         if self.on:
             return
-        for module in self.modules:
-            module.__class__ = _recomputing_class(type(module))
+        for module in self.modules:  # from the layer's own class, should a copy carry a recomputing one
+            module.__class__ = _recomputing_class(getattr(type(module), _ORIGINAL, type(module)))
         self.on = True
         log.info("activations: the forwards of %d layers are recomputed in the backward", len(self.modules))
 
@@ -117,31 +158,34 @@ class Recompute:
 class ForwardTimer:
     """The GPU seconds the layers' training forwards of a step take: what recomputing them adds to its backward.
 
-    CUDA events on the current stream at each layer's forward pre-hook and forward hook, for every forward that
-    records a graph (a recomputation inside the backward is not counted), summed layer by layer. Per layer, not
-    from the first layer to the last: between layers the forward may wait for an update (in a step whose updates
-    run on the CPU, the second measured step, the wait is most of the span; call K2 in the README chose to keep
-    the activations on such a span), and the recomputation in the backward waits for none. The pre-hook runs after
-    the runtime's own, which waits for the layer's weights, so a layer's span holds its compute only."""
+    CUDA events on the device's current stream at each layer's forward pre-hook and forward hook, for every forward
+    that records a graph (a recomputation inside the backward is not counted), summed layer by layer. Per layer,
+    not from the first layer to the last: between layers the forward may wait for an update (in a step whose
+    updates run on the CPU, the second measured step, the wait is most of the span; call K2 in the README chose to
+    keep the activations on such a span), and the recomputation in the backward waits for none. The pre-hook runs
+    after the runtime's own, which waits for the layer's weights, so a layer's span holds its compute only. Only
+    the modules given are timed (a ``copy.deepcopy`` of the model shares the hooks' closures)."""
 
-    def __init__(self, modules: Sequence[nn.Module]):
+    def __init__(self, modules: Sequence[nn.Module], device: torch.device):
         from runtime.hooks import in_backward
 
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._open: dict[int, torch.cuda.Event] = {}  # id(module) -> its forward's start, until the forward ends
+        timed = {id(module) for module in modules}
+
+        def mark() -> torch.cuda.Event:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            return event
 
         def begin(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled() and not in_backward():
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-                self._open[id(module)] = start
+            if id(module) in timed and torch.is_grad_enabled() and not in_backward():
+                self._open[id(module)] = mark()
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
             start = self._open.pop(id(module), None)
             if start is not None and torch.is_grad_enabled() and not in_backward():
-                stop = torch.cuda.Event(enable_timing=True)
-                stop.record()
-                self._spans.append((start, stop))
+                self._spans.append((start, mark()))
 
         self._handles = [handle for module in modules
                          for handle in (module.register_forward_pre_hook(begin), module.register_forward_hook(end))]

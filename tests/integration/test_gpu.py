@@ -336,7 +336,7 @@ def test_recomputed_layers_train_like_the_plain_loop_in_less_memory():
         model, optimizer = offload(model, {"dtype": "bf16", "placement": {"weights": "gpu", "activations": activations},
                                            "optimizer": {"gpu_update_fraction": 0.5, "gpu_stream_fraction": 0.0}})
         session = optimizer.session
-        timer = ForwardTimer(model.layers)
+        timer = ForwardTimer(model.layers, torch.device("cuda", torch.cuda.current_device()))
         data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=16, seq_len=1024, seed=0)
         peak = 0
         with session:
@@ -363,6 +363,57 @@ def test_recomputed_layers_train_like_the_plain_loop_in_less_memory():
         _assert_close(ours, reference)
     assert peaks["recompute"] < 0.8 * peaks["keep"], peaks
     print(f"allocated peak {peaks}; layers' forward {forward_s}")
+
+
+def test_recomputed_dropout_layers_called_with_keywords_get_the_same_masks():
+    """torch.utils.checkpoint restores the random state of the devices its positional tensors live on; a layer
+    called with its input as a keyword gets its device passed as an empty tensor, so the recomputed dropout draws
+    the mask of the forward: the same training as the plain model, bit for bit in fp32."""
+    import copy
+
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.dropout = nn.Linear(256, 256), nn.Dropout(0.5)
+
+        def forward(self, *, hidden):
+            return hidden + self.dropout(torch.tanh(self.linear(hidden)))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(hidden=x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    ours = Model()
+    plain = copy.deepcopy(ours).cuda()
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    ours, optimizer = offload(ours, {"dtype": "fp32", "placement": {"weights": "gpu", "activations": "recompute"},
+                                     "blocks": {"min_block_size": 1}, "optimizer": {"grad_clip": None,
+                                     "gpu_update_fraction": 1.0, "gpu_stream_fraction": 0.0}})
+    x = torch.randn(64, 256, device="cuda")
+    with optimizer.session:
+        for step in range(3):
+            torch.cuda.manual_seed(step)
+            loss = ours(x)
+            torch.cuda.manual_seed(1000 + step)  # the backward's recomputation must not draw from here
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.cuda.manual_seed(step)
+            expected = plain(x)
+            expected.backward()
+            reference.step()
+            reference.zero_grad()
+            assert loss.item() == expected.item(), step
+        assert optimizer.session.controller.recomputed_acquires == 3 * 3
 
 
 def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_the_gpu(caplog):

@@ -16,6 +16,7 @@ from runtime.autoplace import (
     ACTIVATION_SHARE,
     Placement,
     PlacementInputs,
+    StepTimes,
     Rates,
     activation_reserve_nbytes,
     blocks_within,
@@ -463,3 +464,13 @@ def test_the_rate_beside_copies_falls_back_to_the_rate_alone_and_never_exceeds_i
     monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies",
                         lambda *args, **kwargs: ([numel / 3e9, numel / 2e9, numel / 2.5e9], True))
     assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == pytest.approx(2.5e9)
+
+
+def test_a_steps_modelled_time_follows_the_compute_or_overlaps_it():
+    """StepTimes.step_s: terms that wait for the commit come after the forward and backward; otherwise they run
+    beside them, and a step is the longer of the two (what the recompute trial compares)."""
+    beside = StepTimes(0.25, 0.1, 0.05)
+    after = StepTimes(0.25, 0.1, 0.05, after_backward=True)
+    assert beside.step_s(0.3) == 0.3 and beside.step_s(0.2) == 0.25
+    assert after.step_s(0.3) == pytest.approx(0.55)
+
