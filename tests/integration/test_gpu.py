@@ -368,52 +368,15 @@ def test_recomputed_layers_train_like_the_plain_loop_in_less_memory():
 def test_recomputed_dropout_layers_called_with_keywords_get_the_same_masks():
     """torch.utils.checkpoint restores the random state of the devices its positional tensors live on; a layer
     called with its input as a keyword gets its device passed as an empty tensor, so the recomputed dropout draws
-    the mask of the forward: the same training as the plain model, bit for bit in fp32."""
-    import copy
-
-    from torch import nn
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear, self.dropout = nn.Linear(256, 256), nn.Dropout(0.5)
-
-        def forward(self, *, hidden):
-            return hidden + self.dropout(torch.tanh(self.linear(hidden)))
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(Layer() for _ in range(3))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(hidden=x)
-            return x.square().mean()
+    the mask of the forward: the same training as the plain model, bit for bit in fp32 (GPU updates)."""
+    from tests.integration.test_recompute import RECOMPUTE_SMALL_BLOCKS, KeywordDropoutModel, train_beside_plain
 
     torch.manual_seed(0)
-    ours = Model()
-    plain = copy.deepcopy(ours).cuda()
-    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-    ours, optimizer = offload(ours, {"dtype": "fp32", "placement": {"weights": "gpu", "activations": "recompute"},
-                                     "blocks": {"min_block_size": 1}, "optimizer": {"grad_clip": None,
-                                     "gpu_update_fraction": 1.0, "gpu_stream_fraction": 0.0}})
-    x = torch.randn(64, 256, device="cuda")
-    with optimizer.session:
-        for step in range(3):
-            torch.cuda.manual_seed(step)
-            loss = ours(x)
-            torch.cuda.manual_seed(1000 + step)  # the backward's recomputation must not draw from here
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            torch.cuda.manual_seed(step)
-            expected = plain(x)
-            expected.backward()
-            reference.step()
-            reference.zero_grad()
-            assert loss.item() == expected.item(), step
-        assert optimizer.session.controller.recomputed_acquires == 3 * 3
+    model, x = KeywordDropoutModel(256), torch.randn(64, 256, device="cuda")
+    config = {**RECOMPUTE_SMALL_BLOCKS, "placement": {"weights": "gpu", "activations": "recompute"},
+              "optimizer": {"grad_clip": None, "gpu_update_fraction": 1.0, "gpu_stream_fraction": 0.0}}
+    session = train_beside_plain(model, config, lambda m: m(x), device="cuda")
+    assert session.controller.recomputed_acquires == 3 * 3
 
 
 def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_the_gpu(caplog):

@@ -14,6 +14,7 @@ from torch import nn
 
 from runtime import offload
 from runtime.api import _adopt_placement, _note_in_plan
+from runtime.api import OffloadSession
 from runtime.autoplace import Placement, StepTimes
 from runtime.blocks import build_blocks
 from runtime.example_model import ExampleLM
@@ -62,6 +63,36 @@ def test_recomputed_layers_print_and_evaluate_as_before():
         with torch.no_grad():  # no graph: no checkpoint, the same loss
             assert model(x, y).item() == before
         assert optimizer.session.controller.recomputed_acquires == 0
+
+
+def train_beside_plain(model: nn.Module, config: dict, loss_of, *, steps: int = 3, device: str = "cpu") -> OffloadSession:
+    """Train ``model`` offloaded with ``config`` and a copy of it with torch's fused AdamW (the same
+    hyper-parameters), ``loss_of(model)`` a step, each step's random state seeded alike for both and another one
+    for the offloaded backward (a recomputation must not draw from it); every loss must be equal. Returns the
+    offloaded session, closed."""
+    plain = copy.deepcopy(model).to(device)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    ours, optimizer = offload(model, config)
+    seed = torch.cuda.manual_seed if device == "cuda" else torch.manual_seed
+    with optimizer.session:
+        for step in range(steps):
+            seed(step)
+            loss = loss_of(ours)
+            seed(1000 + step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seed(step)
+            expected = loss_of(plain)
+            expected.backward()
+            reference.step()
+            reference.zero_grad()
+            assert loss.item() == expected.item(), step
+    return optimizer.session
+
+
+RECOMPUTE_SMALL_BLOCKS = {"dtype": "fp32", "placement": {"activations": "recompute"}, "blocks": {"min_block_size": 1},
+                          "optimizer": {"grad_clip": None}}
 
 
 class _NormedLayer(nn.Module):
@@ -113,25 +144,10 @@ class _CallingModel(nn.Module):
 
 def test_a_layer_class_with_its_own_call_is_recomputed_through_it():
     torch.manual_seed(0)
-    ours = _CallingModel()
-    plain = copy.deepcopy(ours)
-    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-    ours, optimizer = offload(ours, {"dtype": "fp32", "placement": {"activations": "recompute"},
-                                     "blocks": {"min_block_size": 1}, "optimizer": {"grad_clip": None}})
-    x = torch.randn(4, 16)
-    with optimizer.session:
-        for _ in range(3):
-            loss = ours(x)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            expected = plain(x)
-            expected.backward()
-            reference.step()
-            reference.zero_grad()
-            assert loss.item() == expected.item()
-        assert optimizer.session.controller.recomputed_acquires == 3 * 3
-        assert [layer.calls for layer in ours.layers] == [6, 6, 6]  # the forward's call and the recomputation's
+    model, x = _CallingModel(), torch.randn(4, 16)
+    session = train_beside_plain(model, RECOMPUTE_SMALL_BLOCKS, lambda m: m(x))
+    assert session.controller.recomputed_acquires == 3 * 3
+    assert [layer.calls for layer in model.layers] == [6, 6, 6]  # the forward's call and the recomputation's
 
 
 def test_recompute_refuses_batch_norm_layers_and_a_model_that_checkpoints_itself():
@@ -261,27 +277,14 @@ def test_a_hugging_face_llama_with_its_cache_on_and_a_padded_batch_recomputes_ex
                                       attn_implementation=attention)
     assert config.use_cache
     torch.manual_seed(0)
-    ours = transformers.LlamaForCausalLM(config)
-    plain = copy.deepcopy(ours)
-    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-    ours, optimizer = offload(ours, {"dtype": "fp32", "placement": {"activations": "recompute"},
-                                     "optimizer": {"grad_clip": None}})
+    model = transformers.LlamaForCausalLM(config)
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, :5] = 0  # left padding in the second row
     batch = {"input_ids": tokens[:, :-1], "attention_mask": mask, "labels": tokens[:, 1:]}
-    with optimizer.session:
-        for _ in range(3):
-            loss = ours(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            expected = plain(**batch).loss
-            expected.backward()
-            reference.step()
-            reference.zero_grad()
-            assert loss.item() == expected.item()
-        assert optimizer.session.controller.recomputed_acquires == 3 * 3
+    session = train_beside_plain(model, {"dtype": "fp32", "placement": {"activations": "recompute"},
+                                         "optimizer": {"grad_clip": None}}, lambda m: m(**batch).loss)
+    assert session.controller.recomputed_acquires == 3 * 3
 
 
 def test_a_copy_or_a_pickle_taken_while_recomputing_is_an_ordinary_model():
@@ -360,19 +363,23 @@ def test_an_error_while_turning_recomputation_on_ends_the_trial_cleanly(caplog, 
         assert_identical(session.master_state_dict(), reference)
 
 
-class _KeywordDropoutLayer(nn.Module):
-    def __init__(self):
+class KeywordDropoutLayer(nn.Module):
+    """A layer whose only tensor argument is a keyword, with dropout."""
+
+    def __init__(self, width: int = 32):
         super().__init__()
-        self.linear, self.dropout = nn.Linear(32, 32), nn.Dropout(0.5)
+        self.linear, self.dropout = nn.Linear(width, width), nn.Dropout(0.5)
 
     def forward(self, *, hidden):
         return hidden + self.dropout(torch.tanh(self.linear(hidden)))
 
 
-class _KeywordDropoutModel(nn.Module):
-    def __init__(self):
+class KeywordDropoutModel(nn.Module):
+    """Three keyword-called dropout layers; the loss is the output's mean square."""
+
+    def __init__(self, width: int = 32):
         super().__init__()
-        self.layers = nn.ModuleList(_KeywordDropoutLayer() for _ in range(3))
+        self.layers = nn.ModuleList(KeywordDropoutLayer(width) for _ in range(3))
 
     def forward(self, x):
         for layer in self.layers:
@@ -382,27 +389,9 @@ class _KeywordDropoutModel(nn.Module):
 
 def test_recomputed_dropout_layers_called_with_keywords_train_like_the_plain_model():
     """The recomputation draws the forward's dropout masks (the random state is restored), also for a layer whose
-    only tensor argument is a keyword; the backward's own draws (seeded elsewhere here) do not leak in. The GPU
-    test of the same checks the device's random state."""
+    only tensor argument is a keyword; the backward's own draws (seeded elsewhere) do not leak in. The GPU test of
+    the same checks the device's random state."""
     torch.manual_seed(0)
-    ours = _KeywordDropoutModel()
-    plain = copy.deepcopy(ours)
-    reference = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-    ours, optimizer = offload(ours, {"dtype": "fp32", "placement": {"activations": "recompute"},
-                                     "blocks": {"min_block_size": 1}, "optimizer": {"grad_clip": None}})
-    x = torch.randn(8, 32)
-    with optimizer.session:
-        for step in range(3):
-            torch.manual_seed(step)
-            loss = ours(x)
-            torch.manual_seed(1000 + step)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            torch.manual_seed(step)
-            expected = plain(x)
-            expected.backward()
-            reference.step()
-            reference.zero_grad()
-            assert loss.item() == expected.item(), step
-        assert optimizer.session.controller.recomputed_acquires == 3 * 3
+    model, x = KeywordDropoutModel(), torch.randn(8, 32)
+    session = train_beside_plain(model, RECOMPUTE_SMALL_BLOCKS, lambda m: m(x))
+    assert session.controller.recomputed_acquires == 3 * 3
