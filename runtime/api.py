@@ -247,7 +247,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     blocks, resolved, budgets = plan_model(model, cfg, device)
     if cfg.placement.activations == "recompute":
         refusal = recompute_refusal(blocks) or (
-            "the model already checkpoints its layers (gradient_checkpointing_enable())" if already_checkpointed(blocks)
+            "the model already checkpoints its layers (gradient_checkpointing_enable())" if already_checkpointed(blocks, model)
             else None)
         if refusal:
             raise ValueError(f"placement.activations: recompute cannot apply: {refusal}; set placement.activations: "
@@ -296,7 +296,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     session.placement = resolved.placement
     if device.type == "cuda" and (resolved.measured_first_step or resolved.placement.activation_reserve_nbytes):
         install_oom_hint(session, _oom_hint)  # silent until auto placement has reserved something
-    recompute = Recompute(blocks)
+    recompute = Recompute(blocks, model)
     session.on_close.append(recompute.undo)
     if cfg.placement.activations == "recompute":
         recompute.turn_on()
@@ -354,7 +354,7 @@ def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recom
                      device: torch.device) -> RecomputeTrial | None:
     """What ``placement.activations: auto`` lets the measured first step try (None: the activations are kept;
     the log says why when the layers cannot be recomputed)."""
-    if not may_try_recompute(cfg, blocks):
+    if not may_try_recompute(cfg, blocks, recompute.model):
         if cfg.placement.activations == "auto":
             log.info("placement.activations auto: activations are kept (%s)", recompute_refusal(blocks)
                      or "the model checkpoints its own layers")
@@ -362,11 +362,11 @@ def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recom
     return RecomputeTrial(recompute, ForwardTimer(recompute.modules, device), lambda: controller.recomputed_acquires)
 
 
-def may_try_recompute(cfg: TierstoreConfig, blocks: list[Block]) -> bool:
-    """``placement.activations: auto`` may try the layers recomputed: they can be, and do not checkpoint
-    themselves."""
+def may_try_recompute(cfg: TierstoreConfig, blocks: list[Block], model: nn.Module | None = None) -> bool:
+    """``placement.activations: auto`` may try the layers recomputed: they can be, and the model (where given) does
+    not checkpoint them itself."""
     return (cfg.placement.activations == "auto" and recompute_refusal(blocks) is None
-            and not already_checkpointed(blocks))
+            and not already_checkpointed(blocks, model))
 
 
 def _reset_peak(device: torch.device) -> None:

@@ -166,7 +166,8 @@ class PlacementConfig:
         "gradients, a third more compute, far less activation memory). `auto`: where the first step is measured "
         "(the update fraction and activation reserve `auto`, on a GPU) and its training state does not all fit "
         "on the GPU beside the activations, the second step tries `recompute`, and recomputation stays on when "
-        "the placement it allows is modelled faster by more than the recomputed forward costs; otherwise `keep`.")
+        "the modelled step with the placement it allows, the recomputed forward counted, is the shorter; "
+        "otherwise `keep`.")
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ yet run on a GPU).
 With ``placement.activations: auto`` (``RecomputeTrial``) a first step whose placement leaves updates on the CPU
 is followed by a second measured step with the layers' forwards recomputed in the backward
 (``runtime.recompute``), its updates still on the CPU; at its commit auto placement is asked at the reserve that
-step supports, and the faster of the two placements by the time model (``Placement.times``, the recomputed one
-paying its forward again, timed in that step by ``ForwardTimer``) is adopted, recomputation staying on only with
-its own.
+step supports, and the faster of the two placements by the time model is adopted, recomputation staying on only
+with its own: ``StepTimes.step_s`` of each (``Placement.times``) over a compute of three forwards kept, four
+recomputed, the forward being the layers' as ``ForwardTimer`` timed it in that step (the embedding, head and loss
+are left out, which errs towards the smaller CPU and copy terms, recomputation's, where those overlap the compute).
 
 What it leaves out: sessions whose first-step plan spills moments to NVMe or sums micro-batch gradients in host
 memory, and accumulated steps that may fetch a compute-dtype copy of the weights (chosen for the first step, the

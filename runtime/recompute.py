@@ -17,11 +17,14 @@ whose ``__call__`` runs the original ``__call__`` (hooks included) under non-ree
 (``runtime.hooks`` sees it inside the autograd engine and holds the block's weights for its backward).
 :meth:`Recompute.undo` gives every module its class back (``OffloadSession.close`` calls it). While it is on, the
 modules' class names print as before, state dicts are unchanged, and a copy (``copy.deepcopy``) or a pickle of a
-layer gets the layer's own class. Hugging Face layers are called with a key/value cache in training when the
-config's ``use_cache`` is on (Llama's default): a recomputed forward would append to it a second time, so while
-recording a graph the call gets ``use_cache=False`` and no cache, as Hugging Face's own checkpointing does (not
-where the layer class sets ``_can_checkpoint_with_cache``). A layer's forward hooks, like its forward, run again
-in the recomputation.
+layer gets the layer's own class (not a class with its own ``__deepcopy__``; a class whose pickling passes
+arguments to ``__new__`` is rebuilt without them). Hugging Face layers are called with a key/value cache in
+training when the config's ``use_cache`` is on (Llama's and GPT-2's default): a recomputed forward would append
+to it a second time. So while recomputation is on, a model whose forward takes ``use_cache`` is given
+``use_cache=False`` in training forwards (a forward pre-hook; Hugging Face does the same under its own
+checkpointing), and a cache that still reaches a layer, by a keyword Hugging Face uses or positionally, is
+dropped with a warning (not where the layer class sets ``_can_checkpoint_with_cache``). A layer's forward hooks,
+like its forward, run again in the recomputation.
 
 A layer class with its own ``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in transformers 4.5x, which
 checkpoints there when the model's own checkpointing is on and otherwise calls ``nn.Module.__call__``) has that
@@ -32,8 +35,9 @@ call recomputed. What it refuses (:func:`recompute_refusal`): a layer with norma
 from __future__ import annotations
 
 import copyreg
+import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,18 +54,32 @@ _ORIGINAL = "_tierstore_recomputes"  # the attribute of a recomputing subclass n
 
 
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # Hugging Face's names of a layer's cache
+_warned_of_a_cache = False
 
 
-def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A Hugging Face layer's keyword arguments without its key/value cache (see the module docstring)."""
+def _is_cache(value: Any) -> bool:
+    """A Hugging Face key/value cache object (``transformers.Cache`` or a subclass), known without importing it."""
+    return value is not None and any(klass.__name__ == "Cache" and klass.__module__.startswith("transformers")
+                                     for klass in type(value).__mro__)
+
+
+def _without_cache(module: nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A layer's arguments without a key/value cache: the cache keywords Hugging Face names, and any argument that
+    is a cache object (GPT-2 passes it positionally), become None, with a warning the first time (a cache with a
+    prefix in it would change what the layer computes: Hugging Face's own checkpointing drops it the same way)."""
+    global _warned_of_a_cache
     if getattr(module, "_can_checkpoint_with_cache", False):
-        return kwargs
-    if not (kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_KWARGS)):
-        return kwargs
-    kwargs = {**kwargs, **{name: None for name in _CACHE_KWARGS if kwargs.get(name) is not None}}
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    return kwargs
+        return args, kwargs
+    named = [name for name, value in kwargs.items() if value is not None and (name in _CACHE_KWARGS or _is_cache(value))]
+    if not named and not any(_is_cache(arg) for arg in args):
+        return args, kwargs
+    if not _warned_of_a_cache:
+        _warned_of_a_cache = True
+        log.warning("placement.activations: recompute: %s was called with a key/value cache while recording a graph; "
+                    "the recomputed layers run without it (a recomputed forward would append to it twice). Pass "
+                    "use_cache=False in training to silence this", type(module).__name__)
+    return tuple(None if _is_cache(arg) else arg for arg in args), {**kwargs, **{name: None for name in named}}
 
 
 def _device_anchors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -81,21 +99,29 @@ def _recomputing_class(cls: type) -> type:
             # Only a forward that records a graph keeps activations worth dropping; evaluation runs as before.
             if not torch.is_grad_enabled():
                 return original_call(self, *args, **kwargs)
-            kwargs = _without_cache(self, kwargs)
+            args, kwargs = _without_cache(self, args, kwargs)
             anchors = _device_anchors(args, kwargs)
 
-            def run(*anchored: Any, **named: Any) -> Any:
-                return original_call(self, *anchored[len(anchors):], **named)
+            # The keywords are bound here, not handed to checkpoint, whose own keywords (use_reentrant, debug,
+            # context_fn...) a layer's could collide with; autograd records through them all the same.
+            def run(*anchored: Any) -> Any:
+                return original_call(self, *anchored[len(anchors):], **kwargs)
 
-            return checkpoint(run, *anchors, *args, use_reentrant=False, **kwargs)
+            return checkpoint(run, *anchors, *args, use_reentrant=False)
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
             # A copy or a pickle of the layer gets its own class (copy.deepcopy of the model is an ordinary model),
-            # rebuilt by the standard library's object reconstructor (pickle refuses another class through
-            # copyreg.__newobj__), so a pickle does not need tierstore to load.
+            # rebuilt by the standard library's object reconstructor where the reduction would name this class
+            # (pickle refuses another class through copyreg.__newobj__), so a pickle does not need tierstore.
+            recomputing = _RECOMPUTED[cls]
             func, args, *rest = cls.__reduce_ex__(self, protocol)
-            if args and args[0] is _RECOMPUTED[cls]:
-                func, args = copyreg._reconstructor, (cls, object, None)
+            if func is recomputing:
+                func = cls
+            if args and args[0] is recomputing:
+                if func is copyreg.__newobj__:
+                    func, args = copyreg._reconstructor, (cls, object, None)
+                else:
+                    args = (cls, *args[1:])
             return (func, args, *rest)
 
         _RECOMPUTED[cls] = type(cls.__name__, (cls,), {
@@ -123,35 +149,65 @@ def recompute_refusal(blocks: Sequence[Block]) -> str | None:
     return None
 
 
-def already_checkpointed(blocks: Sequence[Block]) -> bool:
-    """A layer checkpoints itself (Hugging Face's ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing``
-    on each layer), so recomputing it again would run its forward once more."""
-    return any(getattr(inner, "gradient_checkpointing", False) is True
-               for module in layer_modules(blocks) for inner in module.modules())
+def already_checkpointed(blocks: Sequence[Block], model: nn.Module | None = None) -> bool:
+    """The model checkpoints its layers (Hugging Face's ``gradient_checkpointing_enable()`` sets
+    ``gradient_checkpointing`` on each layer, or in versions before ``GradientCheckpointingLayer`` on the module
+    that calls them), so recomputing them again would run their forward once more."""
+    modules = [inner for module in layer_modules(blocks) for inner in module.modules()]
+    if model is not None:
+        modules += list(model.modules())
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in modules)
+
+
+def _cache_switch(model: nn.Module | None) -> Callable[[], None] | None:
+    """Where ``model``'s forward takes ``use_cache`` (a Hugging Face model), a forward pre-hook that passes
+    ``use_cache=False`` to a training forward, as Hugging Face does under its own checkpointing (versions before
+    ``GradientCheckpointingLayer`` expect a layer given a cache to return it); returns the hook's remover."""
+    if model is None:
+        return None
+    try:
+        parameters = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if "use_cache" not in parameters:
+        return None
+    position = parameters.index("use_cache")
+
+    def no_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if module is model and module.training and torch.is_grad_enabled() and len(args) <= position:
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    return model.register_forward_pre_hook(no_cache, with_kwargs=True).remove
 
 
 class Recompute:
-    """Turns recomputation of the layers' forwards on and off; ``on`` says which it is."""
+    """Turns recomputation of the layers' forwards on and off; ``on`` says which it is. ``model``: the model whose
+    training forwards get ``use_cache=False`` while it is on (where its forward takes it)."""
 
-    def __init__(self, blocks: Sequence[Block]):
+    def __init__(self, blocks: Sequence[Block], model: nn.Module | None = None):
         self.modules = layer_modules(blocks)
+        self.model = model
         self.on = False
+        self._cache_off: Callable[[], None] | None = None
 
     def turn_on(self) -> None:
         """Every layer's forward is recomputed in its backward from the next forward on."""
         if self.on:
             return
+        self.on = True  # first: undo() then restores whatever a failure half-way left swapped
         for module in self.modules:  # from the layer's own class, should a copy carry a recomputing one
             module.__class__ = _recomputing_class(getattr(type(module), _ORIGINAL, type(module)))
-        self.on = True
+        self._cache_off = _cache_switch(self.model)
         log.info("activations: the forwards of %d layers are recomputed in the backward", len(self.modules))
 
     def undo(self) -> None:
         """Every layer gets its own class back (idempotent)."""
-        if not self.on:
-            return
         for module in self.modules:
             module.__class__ = getattr(type(module), _ORIGINAL, type(module))
+        if self._cache_off is not None:
+            self._cache_off()
+            self._cache_off = None
         self.on = False
 
 

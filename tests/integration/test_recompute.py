@@ -26,6 +26,14 @@ from tests.integration.test_parity import SHAPE, assert_identical, make_batches,
 GiB = 1 << 30
 
 
+@pytest.fixture(autouse=True)
+def warn_of_a_cache_again(monkeypatch):
+    """The cache warning is said once a process; each test here may look for it (or for its absence)."""
+    import runtime.recompute as recompute_module
+
+    monkeypatch.setattr(recompute_module, "_warned_of_a_cache", False)
+
+
 def _layer_classes(model: ExampleLM) -> set[type]:
     return {type(layer) for layer in model.layers}
 
@@ -266,7 +274,7 @@ def test_no_trial_where_everything_fits_or_the_model_recomputes_itself():
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_a_hugging_face_llama_with_its_cache_on_and_a_padded_batch_recomputes_exactly(attention):
+def test_a_hugging_face_llama_with_its_cache_on_and_a_padded_batch_recomputes_exactly(attention, caplog):
     """Llama's config has use_cache on: a training forward passes each layer a key/value cache, which a recomputed
     forward would append to again (keys twice as long: a shape error with a padding mask or eager attention). The
     recomputing call drops the cache as Hugging Face's own checkpointing does, and training is bit-identical to
@@ -285,6 +293,7 @@ def test_a_hugging_face_llama_with_its_cache_on_and_a_padded_batch_recomputes_ex
     session = train_beside_plain(model, {"dtype": "fp32", "placement": {"activations": "recompute"},
                                          "optimizer": {"grad_clip": None}}, lambda m: m(**batch).loss)
     assert session.controller.recomputed_acquires == 3 * 3
+    assert "key/value cache" not in caplog.text  # use_cache was off for the training forwards
 
 
 def test_a_copy_or_a_pickle_taken_while_recomputing_is_an_ordinary_model():
@@ -395,3 +404,62 @@ def test_recomputed_dropout_layers_called_with_keywords_train_like_the_plain_mod
     model, x = KeywordDropoutModel(), torch.randn(8, 32)
     session = train_beside_plain(model, RECOMPUTE_SMALL_BLOCKS, lambda m: m(x))
     assert session.controller.recomputed_acquires == 3 * 3
+
+
+def test_a_gpt2_with_its_cache_on_recomputes_exactly(caplog):
+    """GPT-2 hands its blocks the cache positionally; the model's own use_cache (on in its config) is turned off for
+    training forwards while the layers are recomputed, as Hugging Face's checkpointing does, and training is
+    bit-identical to the plain model's, with a padding mask and eager attention."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=3, n_head=4,
+                                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    assert config.use_cache
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0
+    batch = {"input_ids": tokens[:, :-1], "attention_mask": mask, "labels": tokens[:, 1:]}
+    session = train_beside_plain(model, {"dtype": "fp32", "placement": {"activations": "recompute"},
+                                         "optimizer": {"grad_clip": None}}, lambda m: m(**batch).loss)
+    assert session.controller.recomputed_acquires == 3 * 3
+    assert "key/value cache" not in caplog.text  # no layer was handed one: the model's forward made none
+    assert not model._forward_pre_hooks_with_kwargs  # close() took the use_cache switch off
+
+
+def test_a_cache_passed_to_a_layer_by_name_or_position_is_dropped_with_a_warning(caplog):
+    import runtime.recompute as recompute_module
+
+    Cache = type("Cache", (), {"__module__": "transformers.cache_utils"})
+    DynamicCache = type("DynamicCache", (Cache,), {"__module__": "transformers.cache_utils"})
+    layer, hidden, cache = nn.Linear(2, 2), torch.zeros(1), DynamicCache()
+    args, kwargs = recompute_module._without_cache(layer, (hidden, cache), {"layer_past": (hidden,), "use_cache": True})
+    assert args == (hidden, None) and kwargs == {"layer_past": None, "use_cache": True}
+    assert "called with a key/value cache while recording a graph" in caplog.text
+    untouched = ((hidden,), {"cache": None, "scale": 0.5})
+    assert recompute_module._without_cache(layer, *untouched) == untouched
+    layer._can_checkpoint_with_cache = True
+    assert recompute_module._without_cache(layer, (hidden, cache), {}) == ((hidden, cache), {})
+
+
+def test_undo_after_a_turn_on_that_failed_half_way_restores_every_layer(monkeypatch):
+    import runtime.recompute as recompute_module
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    original = type(model.layers[0])
+    real, calls = recompute_module._recomputing_class, []
+
+    def second_fails(cls):
+        calls.append(cls)
+        if len(calls) == 2:
+            raise RuntimeError("no class for this one")
+        return real(cls)
+
+    monkeypatch.setattr(recompute_module, "_recomputing_class", second_fails)
+    recompute = Recompute(build_blocks(model, 1))
+    with pytest.raises(RuntimeError):
+        recompute.turn_on()
+    assert type(model.layers[0]) is not original  # the first was swapped before the failure
+    recompute.undo()
+    assert all(type(layer) is original for layer in model.layers)
