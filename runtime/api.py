@@ -26,7 +26,7 @@ from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.param_guard import ParamGuard
 from runtime.measured_placement import (FIRST_STEP_NOTE, TRIAL_NOTE, FirstStepPlacement, RecomputeTrial,
                                         first_step_listener)
-from runtime.recompute import ForwardTimer, Recompute, already_checkpointed, recompute_refusal
+from runtime.recompute import BufferWatch, ForwardTimer, Recompute, already_checkpointed, recompute_refusal
 from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_by_stream, cuda_reserved_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
@@ -60,6 +60,7 @@ class OffloadSession:
     state_dict_hooks: StateDictHooks
     optimizer: Any = None  # the OffloadAdamW this session serves (set by offload)
     placement: Placement | None = None  # the resolved placement knobs and the activation reserve (set by offload)
+    recompute: Recompute | None = None  # the layers' recomputation (placement.activations; set by offload)
     closed: bool = False
     on_close: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run by close(), last
 
@@ -296,7 +297,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     session.placement = resolved.placement
     if device.type == "cuda" and (resolved.measured_first_step or resolved.placement.activation_reserve_nbytes):
         install_oom_hint(session, _oom_hint)  # silent until auto placement has reserved something
-    recompute = Recompute(blocks, model)
+    recompute = session.recompute = Recompute(blocks, model)
     session.on_close.append(recompute.undo)
     if cfg.placement.activations == "recompute":
         recompute.turn_on()
@@ -359,7 +360,9 @@ def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recom
             log.info("placement.activations auto: activations are kept (%s)", recompute_refusal(blocks)
                      or "the model checkpoints its own layers")
         return None
-    return RecomputeTrial(recompute, ForwardTimer(recompute.modules, device), lambda: controller.recomputed_acquires)
+    return RecomputeTrial(recompute, ForwardTimer(recompute.modules, device),
+                          lambda: controller.recomputed_acquires > 0 or already_checkpointed(blocks, recompute.model),
+                          BufferWatch(recompute.modules))
 
 
 def may_try_recompute(cfg: TierstoreConfig, blocks: list[Block], model: nn.Module | None = None) -> bool:
@@ -394,7 +397,8 @@ def _oom_hint(session: OffloadSession, requested: int, allocated: int) -> str | 
     return reserve_hint(requested_nbytes=requested, allocated_nbytes=allocated,
                         store_gpu_nbytes=session.store.tiers[TierName.GPU].used_nbytes,
                         reserve_nbytes=placement.activation_reserve_nbytes,
-                        placed_nbytes=state + placement.keep_for_backward_nbytes)
+                        placed_nbytes=state + placement.keep_for_backward_nbytes,
+                        recomputed=session.recompute is not None and session.recompute.on)
 
 
 def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,

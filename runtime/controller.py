@@ -154,8 +154,9 @@ class Controller:
         self.clipper = GradClipper(self)
         self.optimizer_step = 0  # committed optimizer steps
         self.micro = 0  # backward passes since the last committed step
-        # Blocks acquired by a forward recomputed inside a backward (activation checkpointing: the model's own, or
-        # runtime.recompute's), counted over the session.
+        # Layer blocks acquired by a forward recomputed inside a backward (activation checkpointing: the model's own
+        # where its hooks see it, or runtime.recompute's), counted over the session. A head or a loss recomputed by
+        # the model does not count: its layers may still be worth recomputing.
         self.recomputed_acquires = 0
         self._phase = StepPhase.IDLE  # where the step in progress is (runtime.step_phase); set only by _set_phase
         self._interrupted: str | None = None  # while INTERRUPTED: why the blocks are at different steps
@@ -357,7 +358,7 @@ class Controller:
             self.schedule.observe(index, phase)
             self._ready(index)
             if phase == "recompute":
-                self.recomputed_acquires += 1
+                self.recomputed_acquires += self.blocks[index].is_layer
                 # Activation checkpointing may stop a recomputation early (its forward hook never runs):
                 # the weights are held until the block's gradients are done instead of by a user count.
                 self._in_backward_use[index] = True

@@ -50,7 +50,7 @@ import torch
 from runtime.autoplace import Placement
 from runtime.controller import StepEvent
 from runtime.peak_hint import StreamPools, supported_reserve
-from runtime.recompute import ForwardTimer, Recompute
+from runtime.recompute import BufferWatch, ForwardTimer, Recompute
 from runtime.units import approx_size
 from tierstore import CapacityError
 
@@ -68,12 +68,14 @@ TRIAL_NOTE = ("placement.activations auto: where the first step's state does not
 @dataclass
 class RecomputeTrial:
     """What ``placement.activations: auto`` gives the first-step placement: the layers' recomputation to try in
-    a second measured step, the timer of their forwards (what recomputing costs), and how many recomputed
-    forwards the controller has seen (the model's own checkpointing: nothing to try)."""
+    a second measured step, the timer of their forwards (what recomputing costs), whether the model checkpoints
+    its layers itself (seen recomputing, or flagged, perhaps since offload(): nothing to try), and a watch on the
+    layers' buffers (a forward that changes them must not run twice)."""
 
     recompute: Recompute
     timer: ForwardTimer
-    recomputed_acquires: Callable[[], int]
+    checkpoints_itself: Callable[[], bool]
+    buffers: BufferWatch
 
     def close(self, keep_on: bool) -> None:
         """The trial is over: the timer's hooks come off, recomputation stays on only when chosen."""
@@ -128,6 +130,7 @@ class FirstStepPlacement:
                 self.reset_peak()
                 if self.trial is not None:
                     self.trial.timer.restart()
+                    self.trial.buffers.mark()
                 self.started = True
             return
         if event.kind != "commit" or not self.started:
@@ -163,8 +166,7 @@ class FirstStepPlacement:
         if outcome is None:
             self._end_trial(keep_on=False)
             return
-        if self._kept is None and self._worth_a_trial(outcome.placement):
-            self.trial.recompute.turn_on()  # type: ignore[union-attr]  # _worth_a_trial: there is a trial
+        if self._kept is None and self._worth_a_trial(outcome.placement) and self._trial_started(outcome):
             self._kept, self.done, self.started = outcome, False, False
             self._say(logging.INFO, f"{outcome.line}: with an activation reserve of {approx_size(outcome.reserve)} "
                                     f"{_on_the_gpu(outcome.placement)}; the second step recomputes the layers' "
@@ -201,8 +203,27 @@ class FirstStepPlacement:
         model does not already recompute its layers."""
         if self.trial is None:
             return False
-        if self.trial.recomputed_acquires() or placement.gpu_update_fraction >= 1 or placement.times is None:
+        if placement.gpu_update_fraction >= 1 or placement.times is None:
             self._end_trial(keep_on=False)
+            return False
+        why_not = ("the model checkpoints its layers itself" if self.trial.checkpoints_itself() else None)
+        changed = self.trial.buffers.changed()
+        if changed is not None:
+            why_not = f"the layers' forward changed a buffer ({changed}), which a recomputed forward would change again"
+        if why_not is not None:
+            self._end_trial(keep_on=False)
+            self._say(logging.INFO, f"placement.activations auto: activations kept, not tried: {why_not}")
+            return False
+        return True
+
+    def _trial_started(self, outcome: _Measured) -> bool:
+        """Turn recomputation on for the second step; where that fails, the first step's placement stands."""
+        try:
+            self.trial.recompute.turn_on()  # type: ignore[union-attr]  # called after _worth_a_trial
+        except Exception as error:
+            self._end_trial(keep_on=False)
+            self._say(logging.WARNING, f"placement.activations auto: the layers could not be recomputed ({error!r}); "
+                                       "activations kept")
             return False
         return True
 

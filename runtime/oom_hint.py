@@ -31,10 +31,12 @@ HEADROOM = 1.1  # the suggested reserve over what the failed step reached: the s
 
 
 def reserve_hint(*, requested_nbytes: int, allocated_nbytes: int, store_gpu_nbytes: int, reserve_nbytes: int,
-                 placed_nbytes: int) -> str:
+                 placed_nbytes: int, recomputed: bool = False) -> str:
     """The log line for an out-of-memory error: the step held ``allocated_nbytes`` (``store_gpu_nbytes`` of them the
     store's) and asked for ``requested_nbytes`` more; ``auto`` placement had reserved ``reserve_nbytes`` for
-    activations and put ``placed_nbytes`` of optimizer state and kept weights on the GPU."""
+    activations and put ``placed_nbytes`` of optimizer state and kept weights on the GPU. ``recomputed``: the
+    layers' activations were being recomputed (a reserve set by hand turns off the measured steps that chose
+    that, so the line names the setting too)."""
     needed = max(0, allocated_nbytes + requested_nbytes - store_gpu_nbytes)
     suggested = math.ceil(needed * HEADROOM / GiB)
     return (f"CUDA out of memory with auto placement: the step held {approx_size(allocated_nbytes)} "
@@ -42,6 +44,7 @@ def reserve_hint(*, requested_nbytes: int, allocated_nbytes: int, store_gpu_nbyt
             f"auto placement had reserved {approx_size(reserve_nbytes)} for activations and put "
             f"{approx_size(placed_nbytes)} of optimizer state and kept weights on the GPU. This step needs at least "
             f"{approx_size(needed)} beside tierstore's memory: set tiers.gpu.activation_reserve: {suggested}GiB "
+            f"{'with placement.activations: recompute (the layers were recomputed) ' if recomputed else ''}"
             f"(auto placement then puts less on the GPU), or lower tiers.gpu.budget / the batch size")
 
 

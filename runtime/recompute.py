@@ -96,8 +96,10 @@ def _recomputing_class(cls: type) -> type:
         original_call = cls.__call__
 
         def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            # Only a forward that records a graph keeps activations worth dropping; evaluation runs as before.
-            if not torch.is_grad_enabled():
+            # Only a training forward that records a graph keeps activations worth dropping: evaluation (also with
+            # gradients on, which may use a cache) runs as before, and so does a layer that checkpoints itself
+            # (Hugging Face's, turned on after offload(), e.g. by the Trainer's gradient_checkpointing).
+            if not (torch.is_grad_enabled() and self.training) or getattr(self, "gradient_checkpointing", False) is True:
                 return original_call(self, *args, **kwargs)
             args, kwargs = _without_cache(self, args, kwargs)
             anchors = _device_anchors(args, kwargs)
@@ -211,11 +213,34 @@ class Recompute:
         self.on = False
 
 
+class BufferWatch:
+    """Whether the layers' forwards change their buffers (in place, or by replacing them): such a forward run again
+    in the backward would change them twice (spectral norm's power iteration, quantisation observers, a counter or
+    an average kept in a buffer). ``mark()`` before a step, ``changed()`` after it."""
+
+    def __init__(self, modules: Sequence[nn.Module]):
+        self.modules = list(modules)
+        self._seen: dict[str, tuple[int, int]] = {}
+
+    def _now(self) -> dict[str, tuple[int, int]]:
+        return {f"{type(module).__name__}[{index}].{name}": (id(buffer), buffer._version)
+                for index, module in enumerate(self.modules) for name, buffer in module.named_buffers()}
+
+    def mark(self) -> None:
+        """Remember every buffer of the layers as it is now."""
+        self._seen = self._now()
+
+    def changed(self) -> str | None:
+        """The first buffer changed or replaced since ``mark()`` (None: none)."""
+        now = self._now()
+        return next((name for name, seen in self._seen.items() if now.get(name) != seen), None)
+
+
 class ForwardTimer:
     """The GPU seconds the layers' training forwards of a step take: what recomputing them adds to its backward.
 
-    CUDA events on the device's current stream at each layer's forward pre-hook and forward hook, for every forward
-    that records a graph (a recomputation inside the backward is not counted), summed layer by layer. Per layer,
+    CUDA events on the device's current stream at each layer's forward pre-hook and forward hook, for every training
+    forward that records a graph (a recomputation inside the backward is not counted), summed layer by layer. Per layer,
     not from the first layer to the last: between layers the forward may wait for an update (in a step whose
     updates run on the CPU, the second measured step, the wait is most of the span; call K2 in the README chose to
     keep the activations on such a span), and the recomputation in the backward waits for none. The pre-hook runs
@@ -235,7 +260,7 @@ class ForwardTimer:
             return event
 
         def begin(module: nn.Module, args: Any) -> None:
-            if id(module) in timed and torch.is_grad_enabled() and not in_backward():
+            if id(module) in timed and module.training and torch.is_grad_enabled() and not in_backward():
                 self._open[id(module)] = mark()
 
         def end(module: nn.Module, args: Any, output: Any) -> None:

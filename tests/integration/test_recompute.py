@@ -19,7 +19,8 @@ from runtime.autoplace import Placement, StepTimes
 from runtime.blocks import build_blocks
 from runtime.example_model import ExampleLM
 from runtime.measured_placement import FirstStepPlacement, RecomputeTrial
-from runtime.recompute import Recompute
+import runtime.recompute as recompute_module
+from runtime.recompute import BufferWatch, Recompute
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, step_and_check
 
@@ -201,6 +202,12 @@ def _placement(update: float, stream: float, bound_s: float, after_backward: boo
                      times=StepTimes(bound_s, bound_s / 2, bound_s / 2, after_backward=after_backward))
 
 
+def _trial(session, recompute: Recompute, timer) -> RecomputeTrial:
+    """The trial offload() builds (runtime.api._recompute_trial), with a stand-in timer."""
+    return RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires > 0,
+                          BufferWatch(recompute.modules))
+
+
 @pytest.mark.parametrize("recompute_pays", [True, False])
 def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it_pays(caplog, recompute_pays):
     """The first step's placement leaves updates on the CPU, so the second step recomputes the layers (its updates
@@ -223,7 +230,7 @@ def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it
                                   adopt=functools.partial(_adopt_placement, weakref.ref(session)),
                                   peak=lambda: 4 * GiB, reset_peak=lambda: None,
                                   report=functools.partial(_note_in_plan, weakref.ref(session)),
-                                  trial=RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires))
+                                  trial=_trial(session, recompute, timer))
     session.controller.step_listeners.append(listener)
     caplog.set_level(logging.INFO, logger="runtime.measured_placement")
     batches = make_batches(5)
@@ -263,7 +270,7 @@ def test_no_trial_where_everything_fits_or_the_model_recomputes_itself():
         listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
                                       adopt=functools.partial(_adopt_placement, weakref.ref(session)),
                                       peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                      trial=RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires))
+                                      trial=_trial(session, recompute, timer))
         session.controller.step_listeners.append(listener)
         with session:
             for x, y in make_batches(2):
@@ -332,7 +339,7 @@ def test_a_session_closed_mid_trial_takes_the_timers_hooks_off_and_the_layers_cl
     listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(_placement(0.2, 0.0, 0.2)),
                                   adopt=functools.partial(_adopt_placement, weakref.ref(session)),
                                   peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                  trial=RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires))
+                                  trial=_trial(session, recompute, timer))
     session.controller.step_listeners.append(listener)
     session.on_close.append(listener.close)
     x, y = make_batches(1)[0]
@@ -344,7 +351,7 @@ def test_a_session_closed_mid_trial_takes_the_timers_hooks_off_and_the_layers_cl
     assert not any(hasattr(type(layer), "_tierstore_recomputes") for layer in model.layers)
 
 
-def test_an_error_while_turning_recomputation_on_ends_the_trial_cleanly(caplog, monkeypatch):
+def test_an_error_while_turning_recomputation_on_keeps_the_first_steps_placement(caplog, monkeypatch):
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, dtype=torch.float32)
@@ -358,17 +365,19 @@ def test_an_error_while_turning_recomputation_on_ends_the_trial_cleanly(caplog, 
         raise RuntimeError("cannot swap the class")
 
     monkeypatch.setattr(recompute, "turn_on", broken)
-    ask = _Asked(_placement(0.2, 0.0, 0.2), _placement(1.0, 0.0, 0.0))
+    first = _placement(0.2, 0.0, 0.2)
+    ask = _Asked(first, _placement(1.0, 0.0, 0.0))
     listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
                                   adopt=functools.partial(_adopt_placement, weakref.ref(session)),
                                   peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                  trial=RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires))
+                                  trial=_trial(session, recompute, timer))
     session.controller.step_listeners.append(listener)
     with session:
         for x, y in make_batches(3):
             step_and_check(model, optimizer, reference, x, y)
         assert listener.done and listener.trial is None and timer.removed and len(ask.reserves) == 1
-        assert "auto placement after the first step failed" in caplog.text
+        assert listener.chosen is first and session.controller.gpu_updated  # the first step's placement stands
+        assert "the layers could not be recomputed" in caplog.text
         assert_identical(session.master_state_dict(), reference)
 
 
@@ -463,3 +472,86 @@ def test_undo_after_a_turn_on_that_failed_half_way_restores_every_layer(monkeypa
     assert type(model.layers[0]) is not original  # the first was swapped before the failure
     recompute.undo()
     assert all(type(layer) is original for layer in model.layers)
+
+
+class _CountingLayer(nn.Module):
+    """A layer whose forward changes a buffer: recomputing it would count twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return torch.tanh(self.linear(x))
+
+
+class _CountingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_CountingLayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("why", ["buffers", "checkpointing enabled after offload"])
+def test_no_trial_for_layers_that_change_their_buffers_or_start_checkpointing_themselves(caplog, why):
+    import logging
+
+    torch.manual_seed(0)
+    model = _CountingModel() if why == "buffers" else ExampleLM(SHAPE)
+    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
+                                       "blocks": {"min_block_size": 1},
+                                       "optimizer": {"gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}})
+    session = optimizer.session
+    recompute, timer = Recompute(session.blocks), _Timer(0.05)
+    first = _placement(0.2, 0.0, 0.2)
+    ask = _Asked(first)
+    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
+                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
+                                  peak=lambda: 4 * GiB, reset_peak=lambda: None,
+                                  trial=RecomputeTrial(recompute, timer, lambda: recompute_module.already_checkpointed(
+                                      session.blocks, model), BufferWatch(recompute.modules)))
+    session.controller.step_listeners.append(listener)
+    if why != "buffers":
+        for layer in model.layers:  # as the HF Trainer's gradient_checkpointing does, inside train()
+            layer.gradient_checkpointing = True
+    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    x = torch.randn(4, 16) if why == "buffers" else None
+    with session:
+        for batch in (make_batches(2) if x is None else [(x,), (x,)]):
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert listener.chosen is first and not recompute.on and len(ask.reserves) == 1
+    assert ("changed a buffer (_CountingLayer[0].calls)" if why == "buffers"
+            else "checkpoints its layers itself") in caplog.text
+
+
+def test_explicit_recompute_leaves_evaluation_and_self_checkpointing_layers_alone():
+    """Recomputation is for training forwards: a forward in eval mode with gradients on (which may use a cache)
+    runs as is, and so does a layer that checkpoints itself (Hugging Face's flag, set after offload())."""
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "recompute"}})
+    x, y = make_batches(1)[0]
+    with optimizer.session:
+        controller = optimizer.session.controller
+        model.eval()
+        model(x, y).backward()
+        assert controller.recomputed_acquires == 0
+        optimizer.zero_grad()
+        model.train()
+        model(x, y).backward()
+        assert controller.recomputed_acquires == SHAPE.num_layers
+        optimizer.zero_grad()
+        for layer in model.layers:
+            layer.gradient_checkpointing = True
+        model(x, y).backward()
+        assert controller.recomputed_acquires == SHAPE.num_layers  # not again: the layer's own flag wins
+        optimizer.zero_grad()

@@ -16,6 +16,11 @@ def test_hint_names_the_setting_and_a_reserve_above_what_the_step_reached():
     assert "tiers.gpu.activation_reserve: 26GiB" in line
     assert "23.00 GiB beside tierstore's memory" in line
     assert "reserved 20.00 GiB for activations" in line
+    assert "placement.activations" not in line
+    recomputed = reserve_hint(requested_nbytes=1 * GiB, allocated_nbytes=30 * GiB, store_gpu_nbytes=8 * GiB,
+                              reserve_nbytes=20 * GiB, placed_nbytes=6 * GiB, recomputed=True)
+    # a reserve set by hand ends the measured steps that chose recomputation: the line names both settings
+    assert "activation_reserve: 26GiB with placement.activations: recompute" in recomputed
 
 
 def test_hint_never_suggests_a_negative_reserve():
