@@ -119,6 +119,7 @@ class FirstStepPlacement:
         self.done = False
         self.chosen: Placement | None = None  # what was adopted (None: nothing yet, or nothing more fitted)
         self._kept: _Measured | None = None  # the first step's outcome, while the second tries recomputation
+        self.measured_steps = 0  # steps run as measured (1, or 2 with a recompute trial): not yet placed
 
     def __call__(self, event: StepEvent) -> None:
         if self.done:
@@ -135,6 +136,7 @@ class FirstStepPlacement:
             return
         if event.kind != "commit" or not self.started:
             return
+        self.measured_steps += 1
         self.done = True
         try:
             self._place()
@@ -238,8 +240,10 @@ class FirstStepPlacement:
         recompute_s = (recomputed.placement.times.step_s(compute_s + forward_s) if recomputed.placement.times
                        else float("inf"))
         chosen = recomputed if recompute_s < keep_s else kept
-        verdict = ("activations recomputed (placement.activations: auto)" if chosen is recomputed
-                   else "activations kept (placement.activations: auto): recomputing them does not pay")
+        verdict = ("activations recomputed (placement.activations: auto; set it to recompute to skip this trial in "
+                   "a later run)" if chosen is recomputed
+                   else "activations kept (placement.activations: auto): recomputing them does not pay (set it to "
+                        "keep to skip this trial in a later run)")
         return chosen, (f"{recomputed.line} with the layers recomputed, where {kept.line} keeping their "
                         f"activations: recomputed, {_on_the_gpu(recomputed.placement)} for a modelled "
                         f"{recompute_s:.3f} s a step (the layers' forward timed at {forward_s:.3f} s, run twice); "

@@ -232,14 +232,21 @@ def summarize(raw: RawProfile) -> dict[str, Any]:
         "top_blocks": top_blocks(raw.stalls, waits, raw.meta),
         "steps": steps,
     }
-    summary["steady"] = steady_state(steps, _steady_update_stall_by_block(raw))
+    summary["steady"] = steady_state(steps, _steady_update_stall_by_block(raw), skip=_unsteady_steps(raw.meta))
     summary["advice"] = advise(summary)
     return summary
 
 
+def _unsteady_steps(meta: dict[str, Any]) -> int:
+    """Steps a steady state leaves out: the first (it learns the schedule), or every step auto placement measured
+    before it placed the state (two with a recompute trial: runtime.measured_placement)."""
+    return max(1, int(meta.get("placement_steps", 0)))
+
+
 def _steady_update_stall_by_block(raw: RawProfile) -> dict[str, float]:
-    """Mean update-stall seconds per steady step (all but the first, which learned the schedule) by block."""
-    first = 1 if len(raw.marks) > 1 else 0
+    """Mean update-stall seconds per steady step (those after ``_unsteady_steps``) by block."""
+    skip = _unsteady_steps(raw.meta)
+    first = skip if len(raw.marks) > skip else max(0, len(raw.marks) - 1)
     lo = raw.marks[first - 1].num_stalls if first else 0
     hi = raw.marks[-1].num_stalls if raw.marks else 0
     by_block: dict[str, float] = {}
@@ -266,10 +273,12 @@ def top_blocks(stalls: list[StallEvent], waits: dict[int, float], meta: dict[str
     return [{"block": b, "name": names.get(b, f"block{b}"), "seconds": sum(c.values()), "by_cause": c} for b, c in ranked]
 
 
-def steady_state(steps: list[dict[str, Any]], update_stall_by_block: dict[str, float] | None = None) -> dict[str, Any]:
-    """Per-step means over the steps after the first (the first learns the schedule; all of them if only one).
+def steady_state(steps: list[dict[str, Any]], update_stall_by_block: dict[str, float] | None = None, *,
+                 skip: int = 1) -> dict[str, Any]:
+    """Per-step means over the steps after the first ``skip`` (the first learns the schedule; with auto placement
+    measured, the steps before it placed the state; the last one alone where no more ran).
     ``update_stall_by_block``: mean update-stall seconds per step by block (JSON keys are strings)."""
-    chosen = steps[1:] if len(steps) > 1 else steps
+    chosen = steps[skip:] if len(steps) > skip else steps[-1:]
     if not chosen:
         return {"steps": 0}
 

@@ -241,9 +241,12 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
     else:
         device_name = "CPU (no CUDA)"
     usage = store.usage()
+    first_step = first_step_listener(controller.step_listeners)
     return {
         "device": device_name,
         "device_type": device.type,
+        # steps that ran before auto placement was adopted (measured, every update on the CPU): not steady
+        "placement_steps": first_step.measured_steps if first_step is not None else 0,
         "nvme_io_mode": store.nvme_io_mode,
         "config": {
             "prefetch_depth": cfg.prefetch.depth,

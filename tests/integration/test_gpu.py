@@ -420,7 +420,7 @@ def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_
             if step == 1:
                 recomputed_by_then = session.controller.recomputed_acquires
         assert "the second step recomputes the layers' activations" in caplog.text, caplog.text
-        assert "activations recomputed (placement.activations: auto)" in caplog.text, caplog.text
+        assert "activations recomputed (placement.activations: auto;" in caplog.text, caplog.text
         assert session.controller.gpu_updated == frozenset(b.index for b in session.blocks)
         assert recomputed_by_then == shape.num_layers  # the trial step
         assert session.controller.recomputed_acquires == shape.num_layers * 3  # and every step since

@@ -232,6 +232,20 @@ def test_stalls_by_cause_and_block(fake):
     assert summary["steady"]["update_stall_by_block"] == {"0": pytest.approx(1.0)}
 
 
+def test_the_steady_state_leaves_out_the_steps_auto_placement_measured(fake):
+    """Auto placement's measured steps (one, or two with a recompute trial) update on the CPU: a steady state
+    starts after them (runtime.profiler.collect's meta says how many)."""
+    from runtime.profiler.analysis import _unsteady_steps, steady_state
+
+    session, profiler = fake
+    two_steps(session)
+    s1, s2 = profiler.summary()["steps"]
+    assert steady_state([s1, s2, s1])["stall_s"][STALL_UPDATE] == pytest.approx(0.5)  # steps 2 and 3
+    assert steady_state([s1, s2, s1], skip=2)["stall_s"][STALL_UPDATE] == 0.0  # step 3 alone
+    assert steady_state([s1, s2], skip=2)["stall_s"][STALL_UPDATE] == pytest.approx(1.0)  # the last one
+    assert [_unsteady_steps(meta) for meta in ({}, {"placement_steps": 1}, {"placement_steps": 2})] == [1, 1, 2]
+
+
 def test_adam_overlap_with_gpu_work(fake):
     session, profiler = fake
     two_steps(session)
