@@ -353,8 +353,8 @@ def _adopt_placement(session_ref: Callable[[], OffloadSession | None], placement
 
 def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recompute, controller: Controller,
                      device: torch.device) -> RecomputeTrial | None:
-    """What ``placement.activations: auto`` lets the measured first step try (None: the activations are kept;
-    the log says why when the layers cannot be recomputed)."""
+    """What ``placement.activations: auto`` lets the measured first step try (None: no trial; under ``auto`` the
+    activations are then kept and the log says why, under ``recompute`` the layers already are)."""
     if not may_try_recompute(cfg, blocks, recompute.model):
         if cfg.placement.activations == "auto":
             log.info("placement.activations auto: activations are kept (%s)", recompute_refusal(blocks)

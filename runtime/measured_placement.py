@@ -20,8 +20,8 @@ at the commit for the compute stream and for side streams and how much of each i
 weight fetches' copy stream serves only that stream), to tell how much of such a difference is that cache (not
 yet run on a GPU).
 
-With ``placement.activations: auto`` (``RecomputeTrial``) a first step whose placement leaves updates on the CPU
-is followed by a second measured step with the layers' forwards recomputed in the backward
+With ``placement.activations: auto`` (``RecomputeTrial``) a first step whose placement does not put every block's
+update on the GPU (some streamed or left to the CPU) is followed by a second measured step with the layers' forwards recomputed in the backward
 (``runtime.recompute``), its updates still on the CPU; at its commit auto placement is asked at the reserve that
 step supports, and the faster of the two placements by the time model is adopted, recomputation staying on only
 with its own: ``StepTimes.step_s`` of each (``Placement.times``) over a compute of three forwards kept, four

@@ -4,9 +4,9 @@ the backward instead of keeping its activations, as ``torch.utils.checkpoint`` d
 Why a placement choice: under a GPU cap the activations of a whole forward compete with optimizer state for the
 same memory. On an H100 under DeepSpeed ZeRO-2's reservation (31.06 GiB, the 1.35B benchmark model, clipping)
 the first step peaked at 28.0 GiB (25.1 beyond the plan), so auto placement kept 2 of 27 blocks resident and
-streamed half the rest (0.400 s a step); with every layer recomputed the first step peaked at 7.25 GiB and every
-block was updated on the GPU (0.324 s: the recomputed forward costs less than the CPU's share of AdamW it
-removes; calls K1 and K3 in the README). The gradients are the same: the recomputed forward is the same
+streamed half the rest (0.400 s a step, call K1 in the README); with every layer recomputed the second measured
+step peaked at 7.29 GiB and every block was updated on the GPU (0.321 s: the recomputed forward costs less than
+the CPU's share of AdamW it removes; call K3). The gradients are the same: the recomputed forward is the same
 computation on the same weights; the random state is restored as ``torch.utils.checkpoint`` does, on every
 device a tensor argument lives on (keyword arguments too: their devices are passed to it as empty tensors,
 which it reads from the positional ones only).
@@ -26,9 +26,9 @@ checkpointing), and a cache that still reaches a layer, by a keyword Hugging Fac
 dropped with a warning (not where the layer class sets ``_can_checkpoint_with_cache``). A layer's forward hooks,
 like its forward, run again in the recomputation.
 
-A layer class with its own ``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in transformers 4.5x, which
-checkpoints there when the model's own checkpointing is on and otherwise calls ``nn.Module.__call__``) has that
-call recomputed. What it refuses (:func:`recompute_refusal`): a layer with normalisation running statistics
+A layer class with its own ``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in some transformers
+versions, which checkpoints there when the model's own checkpointing is on and otherwise calls
+``nn.Module.__call__``; likely 5.17 on the lent machine, call K3) has that call recomputed. What it refuses (:func:`recompute_refusal`): a layer with normalisation running statistics
 (batch or instance norm: a recomputed forward would update them twice).
 """
 

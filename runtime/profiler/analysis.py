@@ -239,7 +239,8 @@ def summarize(raw: RawProfile) -> dict[str, Any]:
 
 def _unsteady_steps(meta: dict[str, Any]) -> int:
     """Steps a steady state leaves out: the first (it learns the schedule), or every step auto placement measured
-    before it placed the state (two with a recompute trial: runtime.measured_placement)."""
+    before it placed the state (two with a recompute trial: runtime.measured_placement). Counted from the
+    session's start: a profile begun later (a profiler attached after the first steps) leaves out as many."""
     return max(1, int(meta.get("placement_steps", 0)))
 
 

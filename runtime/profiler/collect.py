@@ -155,9 +155,11 @@ class Profiler:
         ends = controller.stats.backward_end_s
         backward_end = ends[-1] if ends and ends[-1] >= begin else event.time_s
         usage = {tier: figures["used_nbytes"] for tier, figures in self.session.store.usage().items()}
-        if self.session.placement is not self._meta_placement:  # placed after a measured first step
-            self._meta, self._meta_placement = session_meta(self.session), self.session.placement
         first_step = first_step_listener(controller.step_listeners)
+        measured = first_step.measured_steps if first_step is not None else 0
+        # placed after measured steps, or one more measured (a recompute trial, or none adopted): the meta says so
+        if self.session.placement is not self._meta_placement or self._meta.get("placement_steps", 0) != measured:
+            self._meta, self._meta_placement = session_meta(self.session), self.session.placement
         if self._gpu_peak_at_start and first_step is not None and first_step.started:
             self._gpu_peak_at_start = 0  # the peak statistics were reset when the first step began: all is the steps'
         self._gpu_peak = _gpu_peak_now(self.session)

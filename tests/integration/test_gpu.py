@@ -300,7 +300,7 @@ def test_the_allocators_pools_are_split_by_the_stream_they_serve():
     from runtime.peak_hint import cuda_reserved_by_stream
 
     # Allocated bytes, not segment sizes: streams come from a pool, and a stream an earlier test used may still
-    # have a cached segment that serves this allocation without a new one (call K1 failed the segment form).
+    # have a cached segment that serves this allocation without a new one.
     def allocated(pools):
         return pools.own_nbytes - pools.own_free_nbytes, pools.other_nbytes - pools.other_free_nbytes
 

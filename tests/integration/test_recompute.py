@@ -125,7 +125,7 @@ class _NormedModel(nn.Module):
 
 
 class _CallingLayer(nn.Module):
-    """A layer class with its own __call__, as Hugging Face's GradientCheckpointingLayer has in transformers 4.5x."""
+    """A layer class with its own __call__, as Hugging Face's GradientCheckpointingLayer has in some versions."""
 
     def __init__(self):
         super().__init__()
