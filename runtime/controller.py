@@ -107,7 +107,8 @@ class StallEvent:
 
 @dataclass(frozen=True)
 class StepEvent:
-    """A step boundary: "begin" when a forward starts (on_step_begin), "commit" in step()."""
+    """A step boundary: "begin" when a forward starts (on_step_begin), "commit" in step(), "drop" when the step in
+    progress was dropped (discard_pending: zero_grad() before step(), a caught exception)."""
 
     kind: str
     step: int  # committed optimizer steps after the event
@@ -863,6 +864,8 @@ class Controller:
             raise
         if not interrupted:
             self._set_phase(StepPhase.IDLE)
+        if self.step_listeners:
+            self._emit(self.step_listeners, StepEvent("drop", self.optimizer_step, time.perf_counter()))
 
     def _interrupt(self, why: str) -> None:
         """The next step must refuse (with ``why``) until a checkpoint load puts every block at one step."""

@@ -24,7 +24,8 @@ With ``placement.activations: auto`` (``RecomputeTrial``) a first step whose pla
 update on the GPU (some streamed or left to the CPU) is followed by a second measured step with the layers' forwards recomputed in the backward
 (``runtime.recompute``), its updates still on the CPU; at its commit auto placement is asked at the reserve that
 step supports, and the faster of the two placements by the time model is adopted, recomputation staying on only
-with its own: ``StepTimes.step_s`` of each (``Placement.times``) over a compute of three forwards kept, four
+with its own (a measured step that is dropped, by ``zero_grad()`` before ``step()`` or a caught exception, is measured
+again from the next training forward): ``StepTimes.step_s`` of each (``Placement.times``) over a compute of three forwards kept, four
 recomputed, the forward being the layers' as ``ForwardTimer`` timed it in that step (the embedding, head and loss
 are left out, which errs towards the smaller CPU and copy terms, recomputation's, where those overlap the compute).
 
@@ -123,6 +124,9 @@ class FirstStepPlacement:
 
     def __call__(self, event: StepEvent) -> None:
         if self.done:
+            return
+        if event.kind == "drop":  # the measured step was dropped: measure the next one from its start
+            self.started = False
             return
         if event.kind == "begin":
             # A forward that records a graph ("train", or "grad-eval": a loop that trains in eval mode) may end in

@@ -555,3 +555,28 @@ def test_explicit_recompute_leaves_evaluation_and_self_checkpointing_layers_alon
         model(x, y).backward()
         assert controller.recomputed_acquires == SHAPE.num_layers  # not again: the layer's own flag wins
         optimizer.zero_grad()
+
+
+def test_a_dropped_step_is_not_measured_the_next_one_is(caplog):
+    """zero_grad() before step() drops the step in progress: the first-step listener measures the next training
+    step from its start (its peak reset and the timer restarted there), not the dropped attempt."""
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
+                                       "optimizer": {"gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}})
+    session = optimizer.session
+    recompute, timer = Recompute(session.blocks), _Timer(0.05)
+    resets = []
+    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(_placement(1.0, 0.0, 0.0)),
+                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
+                                  peak=lambda: 4 * GiB, reset_peak=lambda: resets.append(1),
+                                  trial=_trial(session, recompute, timer))
+    session.controller.step_listeners.append(listener)
+    (x, y), (x2, y2) = make_batches(2)
+    with session:
+        model(x, y).backward()
+        optimizer.zero_grad()  # dropped
+        assert resets == [1] and timer.restarts == 1 and not listener.started and listener.measured_steps == 0
+        model(x2, y2).backward()
+        optimizer.step()
+        assert resets == [1, 1] and timer.restarts == 2 and listener.measured_steps == 1 and listener.done
