@@ -17,17 +17,18 @@ from the allocated peak left the second step 0.75 GiB short. With weights fetche
 was 2-3 GiB above the allocated one on the benchmark model under ZeRO-2's memory (calls Z2, Z3), enough that auto
 placement could not afford the hand-set row's keep_for_backward; the line also says what the allocator holds
 at the commit for the compute stream and for side streams and how much of each is cached free (a cache of the
-weight fetches' copy stream serves only that stream), to tell how much of such a difference is that cache (not
-yet run on a GPU).
+weight fetches' copy stream serves only that stream), to tell how much of such a difference is that cache (calls
+K1-K4, weights resident: side streams held 260-320 MiB, the compute stream 26-28 GiB, most of it cached free).
 
 With ``placement.activations: auto`` (``RecomputeTrial``) a first step whose placement does not put every block's
-update on the GPU (some streamed or left to the CPU) is followed by a second measured step with the layers' forwards recomputed in the backward
-(``runtime.recompute``), its updates still on the CPU; at its commit auto placement is asked at the reserve that
-step supports, and the faster of the two placements by the time model is adopted, recomputation staying on only
-with its own (a measured step that is dropped, by ``zero_grad()`` before ``step()`` or a caught exception, is measured
-again from the next training forward): ``StepTimes.step_s`` of each (``Placement.times``) over a compute of three forwards kept, four
-recomputed, the forward being the layers' as ``ForwardTimer`` timed it in that step (the embedding, head and loss
-are left out, which errs towards the smaller CPU and copy terms, recomputation's, where those overlap the compute).
+update on the GPU (some streamed or left to the CPU) is followed by a second measured step with the layers'
+forwards recomputed in the backward (``runtime.recompute``), its updates still on the CPU; at its commit auto
+placement is asked at the reserve that step supports, and the faster of the two placements by the time model is
+adopted, recomputation staying on only with its own: ``StepTimes.step_s`` of each (``Placement.times``) over a
+compute of three forwards kept, four recomputed, the forward being the layers' as ``ForwardTimer`` timed it in
+that step (the embedding, head and loss are left out, which errs towards the smaller CPU and copy terms,
+recomputation's, where those overlap the compute). A measured step that is dropped (``zero_grad()`` before
+``step()``, a caught exception) is measured again from the next training forward.
 
 What it leaves out: sessions whose first-step plan spills moments to NVMe or sums micro-batch gradients in host
 memory, and accumulated steps that may fetch a compute-dtype copy of the weights (chosen for the first step, the
