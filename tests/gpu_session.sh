@@ -28,7 +28,8 @@ if [ ! -s "$OUT/device.txt" ]; then  # once per $OUT
   python3 -c "import torch, os; print('torch', torch.__version__, 'cpus', os.cpu_count())" | tee -a "$OUT/device.txt"
 fi
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  # -v: each test's name and outcome as it ends, so a run cut by a time limit still says which test failed
+  python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -60
   [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli train 2>&1 | tee "$OUT/train_default.log" | tail -12
 fi
 if [[ $what == store || $what == all ]]; then
