@@ -108,7 +108,8 @@ class StallEvent:
 @dataclass(frozen=True)
 class StepEvent:
     """A step boundary: "begin" when a forward starts (on_step_begin), "commit" in step(), "drop" when the step in
-    progress was dropped (discard_pending: zero_grad() before step(), a caught exception)."""
+    progress was dropped (discard_pending: zero_grad() before step(), a caught exception in a backward) or its
+    first forward raised (seen when the next forward begins, before its "begin")."""
 
     kind: str
     step: int  # committed optimizer steps after the event
@@ -327,10 +328,16 @@ class Controller:
         if self._phase is StepPhase.BACKWARD:  # the last backward raised and the user carried on: drop its step
             log.warning("the previous backward did not finish (an exception?); its step is dropped")
             self.discard_pending()
+        forward_raised = False
         for index, state in enumerate(self.weights.states):
             if state.users:  # a forward raised inside this block: nothing else holds it
                 state.users = 0
                 self._release(index)
+                forward_raised = True
+        if forward_raised and self.micro == 0 and self.step_listeners:
+            # The step's first forward raised (an out-of-memory error a loop retried, say): nothing was pending to
+            # drop, but listeners measuring the step must start again here, as after a drop.
+            self._emit(self.step_listeners, StepEvent("drop", self.optimizer_step, time.perf_counter()))
         if self._phase is StepPhase.READY:
             raise RuntimeError(
                 "the model ran forward after the last micro-batch's backward without optimizer.step(): call "

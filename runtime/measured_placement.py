@@ -121,6 +121,7 @@ class FirstStepPlacement:
         self.done = False
         self.chosen: Placement | None = None  # what was adopted (None: nothing yet, or nothing more fitted)
         self._kept: _Measured | None = None  # the first step's outcome, while the second tries recomputation
+        self._signature = ""  # the measured step's: "train", or "grad-eval" (trained in eval mode)
         self.measured_steps = 0  # steps run as measured (1, or 2 with a recompute trial): not yet placed
 
     def __call__(self, event: StepEvent) -> None:
@@ -133,11 +134,15 @@ class FirstStepPlacement:
             # A forward that records a graph ("train", or "grad-eval": a loop that trains in eval mode) may end in
             # a commit; an evaluation forward never does.
             if not self.started and event.signature != "eval":
+                self.started, self._signature = True, event.signature
                 self.reset_peak()
                 if self.trial is not None:
-                    self.trial.timer.restart()
-                    self.trial.buffers.mark()
-                self.started = True
+                    try:
+                        self.trial.timer.restart()
+                        self.trial.buffers.mark()
+                    except Exception as error:  # the trial's own helpers: no trial, the placement goes on
+                        self._end_trial(keep_on=False)
+                        log.warning("placement.activations auto: no recompute trial (%r)", error)
             return
         if event.kind != "commit" or not self.started:
             return
@@ -194,11 +199,26 @@ class FirstStepPlacement:
         try:
             self.adopt(placement)
         except (CapacityError, torch.OutOfMemoryError) as error:  # adopt_placement put everything back
-            self._end_trial(keep_on=False)
-            self._say_verdict(verdict)
-            self._say(logging.WARNING, f"{measured}, but its placement could not be adopted ({error}); every update "
-                                       "stays on the CPU")
-            return
+            kept = self._kept
+            if not (recomputed and kept is not None):
+                self._end_trial(keep_on=False)
+                self._say_verdict(verdict)
+                self._say(logging.WARNING, f"{measured}, but its placement could not be adopted ({error}); every "
+                                           "update stays on the CPU")
+                return
+            # The recomputed placement did not fit after all: the first step's may, with the activations kept.
+            verdict += (f"; but that placement could not be adopted ({error}), so the first step's is, activations "
+                        "kept")
+            recomputed = False
+            placement, reserve, measured = kept.placement, kept.reserve, kept.line
+            try:
+                self.adopt(placement)
+            except (CapacityError, torch.OutOfMemoryError) as again:
+                self._end_trial(keep_on=False)
+                self._say_verdict(verdict)
+                self._say(logging.WARNING, f"{measured}, but its placement could not be adopted ({again}); every "
+                                           "update stays on the CPU")
+                return
         self._end_trial(keep_on=recomputed)
         self.chosen = placement
         self._say_verdict(verdict)  # after adopt: the plan's notes it replaced keep the line
@@ -206,15 +226,20 @@ class FirstStepPlacement:
         log.info("%s", "\n".join(placement.notes))
 
     def _worth_a_trial(self, placement: Placement) -> bool:
-        """Recomputation may pay: the state does not all fit on the GPU beside the measured activations, and the
-        model does not already recompute its layers."""
+        """Recomputation may pay: the state does not all fit on the GPU beside the measured activations, the step
+        trained in train mode, the model does not checkpoint its layers itself, and their forwards changed no
+        buffer."""
         if self.trial is None:
             return False
-        if placement.gpu_update_fraction >= 1 or placement.times is None:
+        # Recomputation acts on training forwards only: a loop that trains in eval mode has nothing to try.
+        if placement.gpu_update_fraction >= 1 or placement.times is None or self._signature != "train":
             self._end_trial(keep_on=False)
             return False
-        why_not = ("the model checkpoints its layers itself" if self.trial.checkpoints_itself() else None)
-        changed = self.trial.buffers.changed()
+        try:
+            why_not = ("the model checkpoints its layers itself" if self.trial.checkpoints_itself() else None)
+            changed = self.trial.buffers.changed()
+        except Exception as error:  # the trial's own checks: no trial, the first step's placement goes on
+            why_not, changed = f"its checks failed ({error!r})", None
         if changed is not None:
             why_not = f"the layers' forward changed a buffer ({changed}), which a recomputed forward would change again"
         if why_not is not None:

@@ -44,7 +44,7 @@ def reserve_hint(*, requested_nbytes: int, allocated_nbytes: int, store_gpu_nbyt
             f"auto placement had reserved {approx_size(reserve_nbytes)} for activations and put "
             f"{approx_size(placed_nbytes)} of optimizer state and kept weights on the GPU. This step needs at least "
             f"{approx_size(needed)} beside tierstore's memory: set tiers.gpu.activation_reserve: {suggested}GiB "
-            f"{'with placement.activations: recompute (the layers were recomputed) ' if recomputed else ''}"
+            f"{'with placement.activations: recompute, as the layers were, ' if recomputed else ''}"
             f"(auto placement then puts less on the GPU), or lower tiers.gpu.budget / the batch size")
 
 

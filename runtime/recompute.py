@@ -220,10 +220,11 @@ class BufferWatch:
 
     def __init__(self, modules: Sequence[nn.Module]):
         self.modules = list(modules)
-        self._seen: dict[str, tuple[int, int]] = {}
+        # name -> (the buffer, its version): the tensor itself is held, so a replacement can never reuse its id
+        self._seen: dict[str, tuple[torch.Tensor, int]] = {}
 
-    def _now(self) -> dict[str, tuple[int, int]]:
-        return {f"{type(module).__name__}[{index}].{name}": (id(buffer), buffer._version)
+    def _now(self) -> dict[str, tuple[torch.Tensor, int]]:
+        return {f"{type(module).__name__}[{index}].{name}": (buffer, buffer._version)
                 for index, module in enumerate(self.modules) for name, buffer in module.named_buffers()}
 
     def mark(self) -> None:
@@ -231,9 +232,13 @@ class BufferWatch:
         self._seen = self._now()
 
     def changed(self) -> str | None:
-        """The first buffer changed or replaced since ``mark()`` (None: none)."""
+        """The first buffer changed in place or replaced since ``mark()`` (None: none)."""
         now = self._now()
-        return next((name for name, seen in self._seen.items() if now.get(name) != seen), None)
+        for name, (buffer, version) in self._seen.items():
+            current = now.get(name)
+            if current is None or current[0] is not buffer or current[1] != version:
+                return name
+        return None
 
 
 class ForwardTimer:

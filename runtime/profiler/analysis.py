@@ -232,21 +232,23 @@ def summarize(raw: RawProfile) -> dict[str, Any]:
         "top_blocks": top_blocks(raw.stalls, waits, raw.meta),
         "steps": steps,
     }
-    summary["steady"] = steady_state(steps, _steady_update_stall_by_block(raw), skip=_unsteady_steps(raw.meta))
+    summary["steady"] = steady_state(steps, _steady_update_stall_by_block(raw),
+                                     skip=_unsteady_steps(raw.meta, [step["step"] for step in steps]))
     summary["advice"] = advise(summary)
     return summary
 
 
-def _unsteady_steps(meta: dict[str, Any]) -> int:
-    """Steps a steady state leaves out: the first (it learns the schedule), or every step auto placement measured
-    before it placed the state (two with a recompute trial: runtime.measured_placement). Counted from the
-    session's start: a profile begun later (a profiler attached after the first steps) leaves out as many."""
-    return max(1, int(meta.get("placement_steps", 0)))
+def _unsteady_steps(meta: dict[str, Any], step_numbers: list[int]) -> int:
+    """Steps of the profile a steady state leaves out: its first (the session's first learns the schedule), or
+    every step auto placement measured before it placed the state (two with a recompute trial:
+    runtime.measured_placement), those the profile saw: ``step_numbers`` are its steps' optimizer steps."""
+    measured = int(meta.get("placement_steps", 0))
+    return max(1, sum(1 for number in step_numbers if number <= measured))
 
 
 def _steady_update_stall_by_block(raw: RawProfile) -> dict[str, float]:
     """Mean update-stall seconds per steady step (those after ``_unsteady_steps``) by block."""
-    skip = _unsteady_steps(raw.meta)
+    skip = _unsteady_steps(raw.meta, [mark.step for mark in raw.marks])
     first = skip if len(raw.marks) > skip else max(0, len(raw.marks) - 1)
     lo = raw.marks[first - 1].num_stalls if first else 0
     hi = raw.marks[-1].num_stalls if raw.marks else 0

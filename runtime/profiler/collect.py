@@ -144,6 +144,9 @@ class Profiler:
                 self._dropped += 1
 
     def _on_step(self, event: StepEvent) -> None:
+        if event.kind == "drop":  # the dropped attempt is not the next step's compute
+            self._window_begin_s = None
+            return
         if event.kind == "begin":
             if event.signature == "train" and self._window_begin_s is None:
                 self._window_begin_s = event.time_s

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import weakref
 
 import pytest
@@ -22,6 +23,7 @@ from runtime.measured_placement import FirstStepPlacement, RecomputeTrial
 import runtime.recompute as recompute_module
 from runtime.recompute import BufferWatch, Recompute
 from tests.integration.reference_loop import ReferenceTrainer
+from tierstore import CapacityError
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, step_and_check
 
 GiB = 1 << 30
@@ -580,3 +582,77 @@ def test_a_dropped_step_is_not_measured_the_next_one_is(caplog):
         model(x2, y2).backward()
         optimizer.step()
         assert resets == [1, 1] and timer.restarts == 2 and listener.measured_steps == 1 and listener.done
+
+
+def test_a_recomputed_placement_that_cannot_be_adopted_falls_back_to_the_first_steps(caplog):
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, dtype=torch.float32, grad_clip=0.05)
+    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
+                                       "optimizer": {"grad_clip": 0.05, "gpu_update_fraction": 0.0,
+                                                     "gpu_stream_fraction": 0.0}})
+    session = optimizer.session
+    recompute, timer = Recompute(session.blocks), _Timer(0.05)
+    kept, recomputed = _placement(0.2, 0.0, 0.2), _placement(1.0, 0.0, 0.0)
+    adopt = functools.partial(_adopt_placement, weakref.ref(session))
+
+    def adopt_all_but_everything(placement):
+        if placement is recomputed:
+            raise CapacityError("gpu", 4 * GiB, 15 * GiB, 16 * GiB, "master and moments of every block")
+        adopt(placement)
+
+    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(kept, recomputed),
+                                  adopt=adopt_all_but_everything, peak=lambda: 4 * GiB, reset_peak=lambda: None,
+                                  trial=_trial(session, recompute, timer))
+    session.controller.step_listeners.append(listener)
+    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    with session:
+        for x, y in make_batches(4):
+            step_and_check(model, optimizer, reference, x, y)
+        assert listener.chosen is kept and not recompute.on and session.controller.gpu_updated
+        assert_identical(session.master_state_dict(), reference)
+    assert "could not be adopted" in caplog.text and "so the first step's is, activations kept" in caplog.text
+
+
+def test_a_first_forward_that_raised_is_not_measured_nor_is_a_trial_in_eval_mode():
+    """The first measured forward raising (a loop that retries after an out-of-memory error) starts the
+    measurement again at the next forward; a loop that trains in eval mode gets no trial (nothing is recomputed
+    outside train mode)."""
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
+                                       "optimizer": {"gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}})
+    session = optimizer.session
+    recompute, timer = Recompute(session.blocks), _Timer(0.05)
+    resets, first = [], _placement(0.2, 0.0, 0.2)
+    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(first),
+                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
+                                  peak=lambda: 4 * GiB, reset_peak=lambda: resets.append(1),
+                                  trial=_trial(session, recompute, timer))
+    session.controller.step_listeners.append(listener)
+    (x, y), (x2, y2) = make_batches(2)
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    # inside layer 1's forward (after the runtime's own pre-hook acquired its block), as an allocation would fail
+    failing = model.layers[1].register_forward_pre_hook(out_of_memory)
+    with session:
+        model.eval()  # trains in eval mode (a "grad-eval" step)
+        with pytest.raises(torch.OutOfMemoryError):
+            model(x, y)
+        failing.remove()
+        model(x2, y2).backward()  # the raised forward is seen here: "drop", then this step is measured anew
+        optimizer.step()
+        assert resets == [1, 1] and timer.restarts == 2 and listener.measured_steps == 1
+        assert listener.chosen is first and not recompute.on and timer.removed  # eval mode: no trial
+
+
+def test_a_buffer_replaced_twice_is_seen_changed():
+    layer = _CountingLayer()
+    watch = BufferWatch([layer])
+    watch.mark()
+    for _ in range(2):  # replaced, not changed in place: a freed tensor's id may come back
+        layer.calls = layer.calls + 1
+    assert watch.changed() == "_CountingLayer[0].calls"
+    watch.mark()
+    assert watch.changed() is None

@@ -243,7 +243,9 @@ def test_the_steady_state_leaves_out_the_steps_auto_placement_measured(fake):
     assert steady_state([s1, s2, s1])["stall_s"][STALL_UPDATE] == pytest.approx(0.5)  # steps 2 and 3
     assert steady_state([s1, s2, s1], skip=2)["stall_s"][STALL_UPDATE] == 0.0  # step 3 alone
     assert steady_state([s1, s2], skip=2)["stall_s"][STALL_UPDATE] == pytest.approx(1.0)  # the last one
-    assert [_unsteady_steps(meta) for meta in ({}, {"placement_steps": 1}, {"placement_steps": 2})] == [1, 1, 2]
+    numbers = [1, 2, 3, 4]
+    assert [_unsteady_steps(meta, numbers) for meta in ({}, {"placement_steps": 1}, {"placement_steps": 2})] == [1, 1, 2]
+    assert _unsteady_steps({"placement_steps": 2}, [4, 5, 6]) == 1  # a profile begun after the measured steps
 
 
 def test_adam_overlap_with_gpu_work(fake):
