@@ -210,13 +210,9 @@ def _trial(session, recompute: Recompute, timer) -> RecomputeTrial:
                           BufferWatch(recompute.modules))
 
 
-@pytest.mark.parametrize("recompute_pays", [True, False])
-def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it_pays(caplog, recompute_pays):
-    """The first step's placement leaves updates on the CPU, so the second step recomputes the layers (its updates
-    still on the CPU); its placement is adopted with recomputation on when its modelled step plus the timed forward
-    beats the first's, else the first's is adopted and the layers get their classes back. Exact throughout."""
-    import logging
-
+def _clipping_session_on_the_cpu():
+    """The example model offloaded with every update on the CPU and a clip that binds, beside its reference, with
+    a Recompute for its layers and a stand-in timer: what a first-step listener's trial is tested on."""
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     reference = ReferenceTrainer(model, dtype=torch.float32, grad_clip=0.05)
@@ -224,7 +220,17 @@ def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it
                                        "optimizer": {"grad_clip": 0.05, "gpu_update_fraction": 0.0,
                                                      "gpu_stream_fraction": 0.0}})
     session = optimizer.session
-    recompute, timer = Recompute(session.blocks), _Timer(0.05)
+    return model, optimizer, reference, session, Recompute(session.blocks), _Timer(0.05)
+
+
+@pytest.mark.parametrize("recompute_pays", [True, False])
+def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it_pays(caplog, recompute_pays):
+    """The first step's placement leaves updates on the CPU, so the second step recomputes the layers (its updates
+    still on the CPU); its placement is adopted with recomputation on when its modelled step plus the timed forward
+    beats the first's, else the first's is adopted and the layers get their classes back. Exact throughout."""
+    import logging
+
+    model, optimizer, reference, session, recompute, timer = _clipping_session_on_the_cpu()
     session.on_close.append(recompute.undo)
     kept, recomputed = _placement(0.2, 0.3, 0.2), _placement(1.0, 0.0, 0.1 if recompute_pays else 0.18)
     ask = _Asked(kept, recomputed)
@@ -585,14 +591,7 @@ def test_a_dropped_step_is_not_measured_the_next_one_is(caplog):
 
 
 def test_a_recomputed_placement_that_cannot_be_adopted_falls_back_to_the_first_steps(caplog):
-    torch.manual_seed(0)
-    model = ExampleLM(SHAPE)
-    reference = ReferenceTrainer(model, dtype=torch.float32, grad_clip=0.05)
-    model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
-                                       "optimizer": {"grad_clip": 0.05, "gpu_update_fraction": 0.0,
-                                                     "gpu_stream_fraction": 0.0}})
-    session = optimizer.session
-    recompute, timer = Recompute(session.blocks), _Timer(0.05)
+    model, optimizer, reference, session, recompute, timer = _clipping_session_on_the_cpu()
     kept, recomputed = _placement(0.2, 0.0, 0.2), _placement(1.0, 0.0, 0.0)
     adopt = functools.partial(_adopt_placement, weakref.ref(session))
 
