@@ -26,10 +26,13 @@ checkpointing), and a cache that still reaches a layer, by a keyword Hugging Fac
 dropped with a warning (not where the layer class sets ``_can_checkpoint_with_cache``). A layer's forward hooks,
 like its forward, run again in the recomputation.
 
-A layer class with its own ``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in some transformers
-versions, which checkpoints there when the model's own checkpointing is on and otherwise calls
-``nn.Module.__call__``; likely 5.17 on the lent machine, call K3) has that call recomputed. What it refuses (:func:`recompute_refusal`): a layer with normalisation running statistics
-(batch or instance norm: a recomputed forward would update them twice).
+Only training forwards that record a graph are recomputed (an eval-mode forward runs as is), and a layer flagged
+to checkpoint itself (``gradient_checkpointing``, set by Hugging Face) runs its own. A layer class with its own
+``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in some transformers versions, which checkpoints there
+when the model's own checkpointing is on and otherwise calls ``nn.Module.__call__``; likely 5.17 on the lent
+machine, call K3) has that call recomputed. What it refuses (:func:`recompute_refusal`): a layer with
+normalisation running statistics (batch or instance norm: a recomputed forward would update them twice).
+``BufferWatch`` tells ``auto``'s trial whether the layers' forwards change other buffers.
 """
 
 from __future__ import annotations
