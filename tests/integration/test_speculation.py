@@ -17,8 +17,30 @@ def worker_stats(stats):
     return stats[2]
 
 
+def early_jobs_run_before_their_verdict(session) -> None:
+    """``run_both``'s ``prepare``: the commit's verdict on an early job waits (up to 5 s) until the worker has
+    started it. On this tiny model the backward can end before the worker thread gets the GIL, and a verdict on a
+    job still queued withdraws it (the ordinary update runs instead: exact too, but then neither the publish nor
+    the redo path is exercised; CI saw that on a loaded 2-core machine)."""
+    import time
+
+    from runtime.overlap import JobPhase
+
+    worker = session.controller.worker
+    resolve = worker.resolve
+
+    def resolve_once_started(job, holds, redo):
+        deadline = time.monotonic() + 5
+        while job.phase is JobPhase.QUEUED and time.monotonic() < deadline:
+            time.sleep(0.001)  # lets the worker thread take the GIL
+        resolve(job, holds, redo)
+
+    worker.resolve = resolve_once_started
+
+
 def test_clip_that_never_scales_publishes_every_early_update():
-    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 1e6}})
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 1e6}},
+                                                          prepare=early_jobs_run_before_their_verdict)
     assert ours == theirs
     assert_identical(weights, reference)
     worker = worker_stats(stats)
@@ -45,7 +67,8 @@ def test_an_early_updates_kernel_time_is_counted(monkeypatch):
 
 
 def test_clip_below_one_redoes_every_early_update_exactly():
-    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 0.05}})
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": 0.05}},
+                                                          prepare=early_jobs_run_before_their_verdict)
     assert ours == theirs
     assert_identical(weights, reference)
     assert max(stats[0].grad_norms) > 0.05
