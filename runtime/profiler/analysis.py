@@ -213,7 +213,7 @@ def summarize(raw: RawProfile) -> dict[str, Any]:
     total_adam = sum(a for a, _ in adam.values())
     summary: dict[str, Any] = {
         "version": SUMMARY_VERSION,
-        **{k: raw.meta.get(k) for k in ("device", "device_type", "nvme_io_mode", "config", "blocks", "memory")},
+        **{k: raw.meta.get(k) for k in ("device", "device_type", "nvme_io_mode", "config", "blocks", "memory", "placement_steps")},
         "ceilings_gbps": dict(raw.ceilings_gbps),
         "duration_s": raw.end_s - t0,
         "dropped_events": raw.dropped_events,

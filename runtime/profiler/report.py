@@ -39,7 +39,8 @@ def _header(summary: dict[str, Any]) -> str:
              f"nvme io_threads {cfg.get('io_threads')}; master on {homes.get('master')}, moments on {homes.get('exp_avg')}, "
              f"weights from {WEIGHT_SOURCE_TEXT.get(cfg.get('weight_source'), cfg.get('weight_source'))}; "
              f"gpu_update_fraction {cfg.get('gpu_update_fraction')}; "
-             f"accumulation {cfg.get('accumulation_steps')}"]
+             f"accumulation {cfg.get('accumulation_steps')}"
+             f"{'; activations recomputed' if cfg.get('activations_recomputed') else ''}"]
     hits, misses = totals["hits"], totals["misses"]
     adam, hidden = totals["adam_s"], totals["adam_hidden_s"]
     lines.append(f"prefetch: {hits} hits, {misses} misses; CPU Adam {adam:.3f} s, {hidden:.3f} s of it "

@@ -103,6 +103,7 @@ def test_stalls_and_hits_match_the_controller(profiled):
     assert summary["steps"][0]["misses"] > 0  # the first step learns the schedule: every fetch is on demand
     assert summary["totals"]["stall_s"][STALL_FETCH_HOST] > 0
     assert summary["totals"]["adam_s"] > 0 and summary["steps"][0]["usage_nbytes"]["nvme"] > 0
+    assert summary["config"]["activations_recomputed"] is False and summary["placement_steps"] == 0  # on the CPU
 
 
 def test_outputs_are_written_and_valid(profiled):

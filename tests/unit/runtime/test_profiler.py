@@ -457,3 +457,14 @@ def test_with_a_set_update_fraction_the_advice_is_capped_by_the_measured_peak():
     room = 24 - 12.5 - GPU_MARGIN * 24  # GiB: 10.3 at a 5% margin, three layers of 3.25 GiB
     assert blocks_within([b["numel"] for b in meta["blocks"]], fraction) == 1 + int(room // 3.25)
     assert "the step's peak left" in raise_it["change"]
+
+
+def test_the_report_says_when_the_layers_activations_were_recomputed(fake):
+    session, profiler = fake
+    two_steps(session)
+    summary = profiler.summary()  # this fake's meta predates the key: the line says nothing of it
+    assert "activations recomputed" not in format_report(summary)
+    summary["config"]["activations_recomputed"] = False
+    assert "activations recomputed" not in format_report(summary)
+    summary["config"]["activations_recomputed"] = True
+    assert "accumulation 1; activations recomputed" in format_report(summary).splitlines()[1]
