@@ -369,10 +369,10 @@ def test_recomputed_dropout_layers_called_with_keywords_get_the_same_masks():
     """torch.utils.checkpoint restores the random state of the devices its positional tensors live on; a layer
     called with its input as a keyword gets its device passed as an empty tensor, so the recomputed dropout draws
     the mask of the forward: the same training as the plain model, bit for bit in fp32 (GPU updates)."""
-    from tests.integration.test_recompute import RECOMPUTE_SMALL_BLOCKS, KeywordDropoutModel, train_beside_plain
+    from tests.integration.test_recompute import RECOMPUTE_SMALL_BLOCKS, keyword_dropout_model, train_beside_plain
 
     torch.manual_seed(0)
-    model, x = KeywordDropoutModel(256), torch.randn(64, 256, device="cuda")
+    model, x = keyword_dropout_model(256), torch.randn(64, 256, device="cuda")
     config = {**RECOMPUTE_SMALL_BLOCKS, "placement": {"weights": "gpu", "activations": "recompute"},
               "optimizer": {"grad_clip": None, "gpu_update_fraction": 1.0, "gpu_stream_fraction": 0.0}}
     session = train_beside_plain(model, config, lambda m: m(x), device="cuda")

@@ -106,6 +106,26 @@ RECOMPUTE_SMALL_BLOCKS = {"dtype": "fp32", "placement": {"activations": "recompu
                           "optimizer": {"grad_clip": None}}
 
 
+class LayerStack(nn.Module):
+    """Layers called one after another (``call(layer, x)``, by default ``layer(x)``): the repeated layers
+    ``runtime.blocks`` finds; the loss is the output's mean square."""
+
+    def __init__(self, layers, call=None):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.call = call or (lambda layer, x: layer(x))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.call(layer, x)
+        return x.square().mean()
+
+
+def keyword_dropout_model(width: int = 32) -> LayerStack:
+    """Three keyword-called dropout layers (``KeywordDropoutLayer``)."""
+    return LayerStack([KeywordDropoutLayer(width) for _ in range(3)], call=lambda layer, x: layer(hidden=x))
+
+
 class _NormedLayer(nn.Module):
     def __init__(self):
         super().__init__()
@@ -113,17 +133,6 @@ class _NormedLayer(nn.Module):
 
     def forward(self, x):
         return self.norm(self.linear(x))
-
-
-class _NormedModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(_NormedLayer() for _ in range(2))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.sum()
 
 
 class _CallingLayer(nn.Module):
@@ -142,20 +151,10 @@ class _CallingLayer(nn.Module):
         return torch.tanh(self.linear(x)) * scale
 
 
-class _CallingModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(_CallingLayer() for _ in range(3))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x, scale=0.5)
-        return x.square().mean()
-
-
 def test_a_layer_class_with_its_own_call_is_recomputed_through_it():
     torch.manual_seed(0)
-    model, x = _CallingModel(), torch.randn(4, 16)
+    model = LayerStack([_CallingLayer() for _ in range(3)], call=lambda layer, x: layer(x, scale=0.5))
+    x = torch.randn(4, 16)
     session = train_beside_plain(model, RECOMPUTE_SMALL_BLOCKS, lambda m: m(x))
     assert session.controller.recomputed_acquires == 3 * 3
     assert [layer.calls for layer in model.layers] == [6, 6, 6]  # the forward's call and the recomputation's
@@ -164,7 +163,7 @@ def test_a_layer_class_with_its_own_call_is_recomputed_through_it():
 def test_recompute_refuses_batch_norm_layers_and_a_model_that_checkpoints_itself():
     with pytest.raises(ValueError, match=r"placement\.activations: recompute cannot apply: .*BatchNorm1d.*"
                                          r"set placement\.activations: keep"):
-        offload(_NormedModel(), {"dtype": "fp32", "placement": {"activations": "recompute"}})
+        offload(LayerStack([_NormedLayer() for _ in range(2)]), {"dtype": "fp32", "placement": {"activations": "recompute"}})
     model = ExampleLM(SHAPE)
     for layer in model.layers:  # what Hugging Face's gradient_checkpointing_enable() sets on each layer
         layer.gradient_checkpointing = True
@@ -400,25 +399,12 @@ class KeywordDropoutLayer(nn.Module):
         return hidden + self.dropout(torch.tanh(self.linear(hidden)))
 
 
-class KeywordDropoutModel(nn.Module):
-    """Three keyword-called dropout layers; the loss is the output's mean square."""
-
-    def __init__(self, width: int = 32):
-        super().__init__()
-        self.layers = nn.ModuleList(KeywordDropoutLayer(width) for _ in range(3))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(hidden=x)
-        return x.square().mean()
-
-
 def test_recomputed_dropout_layers_called_with_keywords_train_like_the_plain_model():
     """The recomputation draws the forward's dropout masks (the random state is restored), also for a layer whose
     only tensor argument is a keyword; the backward's own draws (seeded elsewhere) do not leak in. The GPU test of
     the same checks the device's random state."""
     torch.manual_seed(0)
-    model, x = KeywordDropoutModel(), torch.randn(8, 32)
+    model, x = keyword_dropout_model(), torch.randn(8, 32)
     session = train_beside_plain(model, RECOMPUTE_SMALL_BLOCKS, lambda m: m(x))
     assert session.controller.recomputed_acquires == 3 * 3
 
@@ -496,23 +482,12 @@ class _CountingLayer(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-class _CountingModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(_CountingLayer() for _ in range(3))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.square().mean()
-
-
 @pytest.mark.parametrize("why", ["buffers", "checkpointing enabled after offload"])
 def test_no_trial_for_layers_that_change_their_buffers_or_start_checkpointing_themselves(caplog, why):
     import logging
 
     torch.manual_seed(0)
-    model = _CountingModel() if why == "buffers" else ExampleLM(SHAPE)
+    model = LayerStack([_CountingLayer() for _ in range(3)]) if why == "buffers" else ExampleLM(SHAPE)
     model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
                                        "blocks": {"min_block_size": 1},
                                        "optimizer": {"gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}})
