@@ -64,6 +64,12 @@ class OffloadSession:
     closed: bool = False
     on_close: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run by close(), last
 
+    @property
+    def activations_recomputed(self) -> bool:
+        """The layers' forwards are recomputed in the backward now (placement.activations: recompute, or auto's
+        choice)."""
+        return self.recompute is not None and self.recompute.on
+
     def __enter__(self) -> "OffloadSession":
         return self
 
@@ -247,9 +253,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         initialize([(n, p) for n, p in model.named_parameters() if id(p) in uninitialized and not p.requires_grad], init)
     blocks, resolved, budgets = plan_model(model, cfg, device)
     if cfg.placement.activations == "recompute":
-        refusal = recompute_refusal(blocks) or (
-            "the model already checkpoints its layers (gradient_checkpointing_enable())" if already_checkpointed(blocks, model)
-            else None)
+        refusal = recompute_refusal(blocks, model)
         if refusal:
             raise ValueError(f"placement.activations: recompute cannot apply: {refusal}; set placement.activations: "
                              "keep")
@@ -355,10 +359,11 @@ def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recom
                      device: torch.device) -> RecomputeTrial | None:
     """What ``placement.activations: auto`` lets the measured first step try (None: no trial; under ``auto`` the
     activations are then kept and the log says why, under ``recompute`` the layers already are)."""
-    if not may_try_recompute(cfg, blocks, recompute.model):
-        if cfg.placement.activations == "auto":
-            log.info("placement.activations auto: activations are kept (%s)", recompute_refusal(blocks)
-                     or "the model checkpoints its own layers")
+    if cfg.placement.activations != "auto":
+        return None
+    refusal = recompute_refusal(blocks, recompute.model)
+    if refusal:
+        log.info("placement.activations auto: activations are kept (%s)", refusal)
         return None
     return RecomputeTrial(recompute, ForwardTimer(recompute.modules, device),
                           lambda: controller.recomputed_acquires > 0 or already_checkpointed(blocks, recompute.model),
@@ -368,8 +373,7 @@ def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recom
 def may_try_recompute(cfg: TierstoreConfig, blocks: list[Block], model: nn.Module | None = None) -> bool:
     """``placement.activations: auto`` may try the layers recomputed: they can be, and the model (where given) does
     not checkpoint them itself."""
-    return (cfg.placement.activations == "auto" and recompute_refusal(blocks) is None
-            and not already_checkpointed(blocks, model))
+    return cfg.placement.activations == "auto" and recompute_refusal(blocks, model) is None
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -398,7 +402,7 @@ def _oom_hint(session: OffloadSession, requested: int, allocated: int) -> str | 
                         store_gpu_nbytes=session.store.tiers[TierName.GPU].used_nbytes,
                         reserve_nbytes=placement.activation_reserve_nbytes,
                         placed_nbytes=state + placement.keep_for_backward_nbytes,
-                        recomputed=session.recompute is not None and session.recompute.on)
+                        recomputed=session.activations_recomputed)
 
 
 def plan_for(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName], source: WeightSource,

@@ -31,7 +31,8 @@ to checkpoint itself (``gradient_checkpointing``, set by Hugging Face) runs its 
 ``__call__`` (Hugging Face's ``GradientCheckpointingLayer`` in some transformers versions, which checkpoints there
 when the model's own checkpointing is on and otherwise calls ``nn.Module.__call__``; likely 5.17 on the lent
 machine, call K3) has that call recomputed. What it refuses (:func:`recompute_refusal`): a layer with
-normalisation running statistics (batch or instance norm: a recomputed forward would update them twice).
+normalisation running statistics (batch or instance norm: a recomputed forward would update them twice), and a
+model flagged to checkpoint its layers itself.
 ``BufferWatch`` tells ``auto``'s trial whether the layers' forwards change other buffers.
 """
 
@@ -140,8 +141,9 @@ def layer_modules(blocks: Sequence[Block]) -> list[nn.Module]:
     return [block.modules[0] for block in blocks if block.is_layer and block.modules]
 
 
-def recompute_refusal(blocks: Sequence[Block]) -> str | None:
-    """Why the layers' forwards cannot be recomputed (None: they can)."""
+def recompute_refusal(blocks: Sequence[Block], model: nn.Module | None = None) -> str | None:
+    """Why the layers' forwards cannot be recomputed (None: they can): no layers, normalisation running statistics,
+    or the model checkpointing them itself (``already_checkpointed``, the model's own flag counted where given)."""
     modules = layer_modules(blocks)
     if not modules:
         return "the model has no repeated layers to recompute (runtime.blocks found no layer container)"
@@ -151,6 +153,8 @@ def recompute_refusal(blocks: Sequence[Block]) -> str | None:
             if isinstance(inner, nn.modules.batchnorm._NormBase) and inner.track_running_stats:
                 return (f"{cls.__name__} holds normalisation running statistics ({type(inner).__name__}), which a "
                         "recomputed forward would update twice")
+    if already_checkpointed(blocks, model):
+        return "the model already checkpoints its layers (gradient_checkpointing_enable())"
     return None
 
 

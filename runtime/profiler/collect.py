@@ -262,7 +262,7 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
             "cpu_threads": controller.options.cpu_threads,
             "weight_source": controller.options.weight_source.value,
             # the layers' activations recomputed in the backward (placement.activations), as the session runs now
-            "activations_recomputed": bool(session.recompute is not None and session.recompute.on),
+            "activations_recomputed": session.activations_recomputed,
             "homes": homes,
             "host_budget_nbytes": usage.get(TierName.HOST.value, {}).get("capacity_nbytes", 0),
             **placement_figures(session),  # the GPU budget; auto or not, the activation reserve, plan bytes, keep
