@@ -1,14 +1,24 @@
-"""Shared fixtures: the compute device (CUDA when present, else CPU), tmpfs and disk directories, gpu marker."""
+"""Shared fixtures: the compute device (CUDA when present, else CPU), tmpfs and disk directories, gpu marker; failures
+reported as they happen on request."""
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With TIERSTORE_FAILURES_NOW set (tests/gpu_session.sh sets it), a failure's traceback is written as the test
+    ends, not in pytest's summary: a device call cut by its time limit still brings back why a test failed."""
+    if report.failed and os.environ.get("TIERSTORE_FAILURES_NOW"):
+        sys.stderr.write(f"\n{report.nodeid} {report.when} FAILED:\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -29,7 +29,8 @@ if [ ! -s "$OUT/device.txt" ]; then  # once per $OUT
 fi
 if [[ $what == tests || $what == all ]]; then
   # -v: each test's name and outcome as it ends, so a run cut by a time limit still says which test failed
-  python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -60
+  # TIERSTORE_FAILURES_NOW: a failure's traceback as the test ends (tests/conftest.py), not only in the summary
+  TIERSTORE_FAILURES_NOW=1 python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -60
   [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli train 2>&1 | tee "$OUT/train_default.log" | tail -12
 fi
 if [[ $what == store || $what == all ]]; then
