@@ -129,6 +129,8 @@ class FirstStepPlacement:
             return
         if event.kind == "drop":  # the measured step was dropped: measure the next one from its start
             self.started = False
+            if self.trial is not None:
+                self.trial.timer.drop_step()
             return
         if event.kind == "begin":
             # A forward that records a graph ("train", or "grad-eval": a loop that trains in eval mode) may end in
@@ -138,7 +140,7 @@ class FirstStepPlacement:
                 self.reset_peak()
                 if self.trial is not None:
                     try:
-                        self.trial.timer.restart()
+                        self.trial.timer.next_step()  # each layer's least over the measured steps
                         self.trial.buffers.mark()
                     except Exception as error:  # the trial's own helpers: no trial, the placement goes on
                         self._end_trial(keep_on=False)
@@ -261,9 +263,10 @@ class FirstStepPlacement:
 
     def _choose(self, kept: _Measured, recomputed: _Measured) -> tuple[_Measured, str]:
         """The faster of the two measured steps' placements by the time model, and the line that says why. The
-        layers' forward ``F`` is timed in the second step; the step's forward and backward are taken as ``3 F``
-        (a backward costs about two forwards) and the recomputed one as ``4 F``: each placement's terms then
-        follow the compute when updates wait for the commit, else overlap it (``StepTimes.step_s``)."""
+        layers' forward ``F`` is timed in both measured steps (each layer's least: ``ForwardTimer``); the step's
+        forward and backward are taken as ``3 F`` (a backward costs about two forwards) and the recomputed one as
+        ``4 F``: each placement's terms then follow the compute when updates wait for the commit, else overlap it
+        (``StepTimes.step_s``)."""
         forward_s = self.trial.timer.seconds()  # type: ignore[union-attr]  # a second step runs only with a trial
         compute_s = COMPUTE_PER_FORWARD * forward_s
         keep_s = kept.placement.times.step_s(compute_s) if kept.placement.times else float("inf")

@@ -97,6 +97,8 @@ def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: in
     waiting on blocking events (a spinning wait would take a core from the kernel's threads). Returns the times
     and whether copies completed between the first timed step's start and the last one's end with the thread
     still feeding (False: some steps may have run alone, and the figure is an upper bound)."""
+    if device.index is None:  # 'cuda': the feeding thread must be told which device, and starts on device 0
+        device = torch.device("cuda", torch.cuda.current_device())
     stop, started = threading.Event(), threading.Event()
     copied = [0]
     errors: list[BaseException] = []

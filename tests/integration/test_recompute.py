@@ -175,10 +175,13 @@ class _Timer:
     """ForwardTimer's interface without CUDA events: the second step's forward took ``seconds``."""
 
     def __init__(self, seconds: float):
-        self._seconds, self.restarts, self.removed = seconds, 0, False
+        self._seconds, self.steps, self.drops, self.removed = seconds, 0, 0, False
 
-    def restart(self):
-        self.restarts += 1
+    def next_step(self):
+        self.steps += 1
+
+    def drop_step(self):
+        self.drops += 1
 
     def seconds(self):
         return self._seconds
@@ -246,7 +249,7 @@ def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it
         assert recompute.on and listener.chosen is None and not session.controller.gpu_updated
         step_and_check(model, optimizer, reference, *batches[1])
         assert session.controller.recomputed_acquires == SHAPE.num_layers  # the trial step recomputed
-        assert timer.removed and timer.restarts == 2
+        assert timer.removed and timer.steps == 2
         assert listener.chosen is (recomputed if recompute_pays else kept)
         assert recompute.on is recompute_pays
         for x, y in batches[2:]:
@@ -559,10 +562,10 @@ def test_a_dropped_step_is_not_measured_the_next_one_is(caplog):
     with session:
         model(x, y).backward()
         optimizer.zero_grad()  # dropped
-        assert resets == [1] and timer.restarts == 1 and not listener.started and listener.measured_steps == 0
+        assert resets == [1] and timer.steps == 1 and timer.drops == 1 and not listener.started and listener.measured_steps == 0
         model(x2, y2).backward()
         optimizer.step()
-        assert resets == [1, 1] and timer.restarts == 2 and listener.measured_steps == 1 and listener.done
+        assert resets == [1, 1] and timer.steps == 2 and timer.drops == 1 and listener.measured_steps == 1 and listener.done
 
 
 def test_a_recomputed_placement_that_cannot_be_adopted_falls_back_to_the_first_steps(caplog):
@@ -617,7 +620,7 @@ def test_a_first_forward_that_raised_is_not_measured_nor_is_a_trial_in_eval_mode
         failing.remove()
         model(x2, y2).backward()  # the raised forward is seen here: "drop", then this step is measured anew
         optimizer.step()
-        assert resets == [1, 1] and timer.restarts == 2 and listener.measured_steps == 1
+        assert resets == [1, 1] and timer.steps == 2 and timer.drops == 1 and listener.measured_steps == 1
         assert listener.chosen is first and not recompute.on and timer.removed  # eval mode: no trial
 
 
@@ -630,3 +633,15 @@ def test_a_buffer_replaced_twice_is_seen_changed():
     assert watch.changed() == "_CountingLayer[0].calls"
     watch.mark()
     assert watch.changed() is None
+
+
+def test_the_forward_time_counts_each_layers_least_over_the_measured_steps():
+    """A layer's span in the second measured step grows while the first step's CPU updates run beside it; each layer
+    counts its least time over the steps, and a layer a step did not run (a dropped attempt's, say) is not
+    counted there."""
+    from runtime.recompute import least_per_layer
+
+    first, second = {"a": 0.030, "b": 0.050}, {"a": 0.040, "b": 0.020, "c": 0.010}
+    assert least_per_layer([first, second]) == pytest.approx(0.030 + 0.020 + 0.010)
+    assert least_per_layer([second]) == pytest.approx(0.070)
+    assert least_per_layer([{}, first]) == pytest.approx(0.080) and least_per_layer([]) == 0
