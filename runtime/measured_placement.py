@@ -25,8 +25,8 @@ update on the GPU (some streamed or left to the CPU) is followed by a second mea
 forwards recomputed in the backward (``runtime.recompute``), its updates still on the CPU; at its commit auto
 placement is asked at the reserve that step supports, and the faster of the two placements by the time model is
 adopted, recomputation staying on only with its own: ``StepTimes.step_s`` of each (``Placement.times``) over a
-compute of three forwards kept, four recomputed, the forward being the layers' as ``ForwardTimer`` timed it in
-that step (the embedding, head and loss are left out, which errs towards the smaller CPU and copy terms,
+compute of three forwards kept, four recomputed, the forward being the layers' as ``ForwardTimer`` timed them,
+each layer's least over the two measured steps (the embedding, head and loss are left out, which errs towards the smaller CPU and copy terms,
 recomputation's, where those overlap the compute). A measured step that is dropped (``zero_grad()`` before
 ``step()``, a caught exception) is measured again from the next training forward.
 
@@ -128,9 +128,11 @@ class FirstStepPlacement:
         if self.done:
             return
         if event.kind == "drop":  # the measured step was dropped: measure the next one from its start
-            self.started = False
-            if self.trial is not None:
+            # Between the measured steps (no step under way: an evaluation forward that raised) the first step's
+            # forwards stay timed.
+            if self.started and self.trial is not None:
                 self.trial.timer.drop_step()
+            self.started = False
             return
         if event.kind == "begin":
             # A forward that records a graph ("train", or "grad-eval": a loop that trains in eval mode) may end in
@@ -188,7 +190,11 @@ class FirstStepPlacement:
                                     "frees, its updates still on the CPU")
             return
         recomputed, verdict = False, ""
-        if self._kept is not None:
+        if self._kept is not None and self.trial is None:
+            # The trial ended as the second step began (its helpers failed): that step kept its activations too,
+            # and its own measurement places it.
+            verdict = "activations kept (placement.activations: auto): the recompute trial ended before its step"
+        elif self._kept is not None:
             chosen, verdict = self._choose(self._kept, outcome)
             recomputed, outcome = chosen is outcome, chosen
         placement, reserve, measured = outcome.placement, outcome.reserve, outcome.line

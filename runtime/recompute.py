@@ -271,7 +271,9 @@ class ForwardTimer:
     (they slow the launching thread): the second measured step's forward runs beside the first step's updates, and
     timed there alone the benchmark model's layers read 0.104 s against 0.076-0.082 in other steps (call L4), which
     priced recomputation above keeping. So each layer counts its least time over the steps timed (``next_step``
-    starts one): the first step's forward runs beside no update. Only the modules given are timed (a
+    starts one): the first step's forward runs beside no update, and its first layer's warm-up is not counted
+    either (a least of the step totals would keep one of the two). With step-to-step noise alone the figure reads
+    slightly low. Only the modules given are timed (a
     ``copy.deepcopy`` of the model shares the hooks' closures)."""
 
     def __init__(self, modules: Sequence[nn.Module], device: torch.device):

@@ -390,8 +390,10 @@ def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_
 
     The plain loop runs first, alone: its weights, moments and cached activations on the same GPU would count in
     the reserved peaks auto placement measures. The budget is the smallest whose room beside the first step's
-    measured peak, less supported_reserve's margin and rounding, holds a tenth of the state (a room of about half
-    the state streamed a third of it, and the kept placement then won on this small model, call L4)."""
+    peak, read here after its backward, less supported_reserve's margin and rounding, holds a tenth of the state
+    (a room of about half the state streamed a third of it, and the kept placement then won on this small model,
+    call L4); the runtime reads the peak at the commit, a little later, so its room may be a quarter GiB smaller
+    (no block on the GPU): the premise, most updates on the CPU, holds either way."""
     import gc
     import logging
 

@@ -18,6 +18,7 @@ from runtime.api import _adopt_placement, _note_in_plan
 from runtime.api import OffloadSession
 from runtime.autoplace import Placement, StepTimes
 from runtime.blocks import build_blocks
+from runtime.controller import StepEvent
 from runtime.example_model import ExampleLM
 from runtime.measured_placement import FirstStepPlacement, RecomputeTrial
 import runtime.recompute as recompute_module
@@ -172,13 +173,17 @@ def test_recompute_refuses_batch_norm_layers_and_a_model_that_checkpoints_itself
 
 
 class _Timer:
-    """ForwardTimer's interface without CUDA events: the second step's forward took ``seconds``."""
+    """ForwardTimer's interface without CUDA events: the measured steps' layers took ``seconds`` (each layer's
+    least); counts the steps begun and dropped. ``fail_at_step``: next_step raises when that step begins."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, fail_at_step: int | None = None):
         self._seconds, self.steps, self.drops, self.removed = seconds, 0, 0, False
+        self.fail_at_step = fail_at_step
 
     def next_step(self):
         self.steps += 1
+        if self.steps == self.fail_at_step:
+            raise RuntimeError("a CUDA event could not be read (a stand-in)")
 
     def drop_step(self):
         self.drops += 1
@@ -545,7 +550,8 @@ def test_explicit_recompute_leaves_evaluation_and_self_checkpointing_layers_alon
 
 def test_a_dropped_step_is_not_measured_the_next_one_is(caplog):
     """zero_grad() before step() drops the step in progress: the first-step listener measures the next training
-    step from its start (its peak reset and the timer restarted there), not the dropped attempt."""
+    step from its start (its peak reset there, the timer's spans of the dropped attempt forgotten), not the dropped
+    attempt."""
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
     model, optimizer = offload(model, {"dtype": "fp32", "placement": {"activations": "keep"},
@@ -566,6 +572,32 @@ def test_a_dropped_step_is_not_measured_the_next_one_is(caplog):
         model(x2, y2).backward()
         optimizer.step()
         assert resets == [1, 1] and timer.steps == 2 and timer.drops == 1 and listener.measured_steps == 1 and listener.done
+
+
+def test_a_trial_whose_timer_fails_as_its_step_begins_places_by_that_step_kept(caplog):
+    """The timer raising as the second measured step begins ends the trial there (nothing recomputed); that step,
+    run with its activations kept, is measured and its placement adopted (not every update left on the CPU); a
+    drop between the measured steps (no step under way) leaves the first step's forwards timed. Exact."""
+    model, optimizer, reference, session, recompute, _ = _clipping_session_on_the_cpu()
+    timer = _Timer(0.05, fail_at_step=2)
+    first, second = _placement(0.2, 0.0, 0.2), _placement(0.3, 0.0, 0.2)
+    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(first, second),
+                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
+                                  peak=lambda: 4 * GiB, reset_peak=lambda: None, trial=_trial(session, recompute, timer))
+    session.controller.step_listeners.append(listener)
+    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    with session:
+        batches = make_batches(4)
+        step_and_check(model, optimizer, reference, *batches[0])
+        assert recompute.on and listener.chosen is None
+        listener(StepEvent("drop", 1, 0.0))  # between the measured steps
+        assert timer.drops == 0
+        for x, y in batches[1:]:
+            step_and_check(model, optimizer, reference, x, y)
+        assert listener.chosen is second and not recompute.on and timer.removed
+        assert session.controller.recomputed_acquires == 0 and session.controller.gpu_updated
+        assert_identical(session.master_state_dict(), reference)
+    assert "the recompute trial ended before its step" in caplog.text and "no recompute trial" in caplog.text
 
 
 def test_a_recomputed_placement_that_cannot_be_adopted_falls_back_to_the_first_steps(caplog):
