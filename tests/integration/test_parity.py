@@ -184,6 +184,36 @@ def test_bf16_weights_from_a_host_copy_under_accumulation_bit_identical(monkeypa
     assert sum(e.nbytes for e in fetched) >= 2 * sum(p.numel() for p in reference.masters) * 3 * STEPS
 
 
+def test_bf16_weights_fetched_from_the_master_in_pieces_bit_identical(monkeypatch):
+    """Weights fetched from the fp32 master cross in pieces of at most FETCH_PIECE_NUMEL elements, each cast into
+    the compute weights after its copy ([Note: fetch staging] in runtime.weights): with pieces far smaller than a
+    block, training matches the mixed-precision reference bit for bit, and every block's master crossed whole
+    (its pieces' bytes add up to its fp32 size, once per forward and backward fetch)."""
+    import runtime.weights as weights_module
+    from runtime.weights import WeightSource
+
+    monkeypatch.setattr(weights_module, "FETCH_PIECE_NUMEL", 1000)
+    seen = {}
+
+    def inspect(session):
+        seen["source"] = session.controller.options.weight_source
+        seen["numels"] = {block.key("master"): block.numel for block in session.blocks}
+
+    config = {"dtype": "bf16", "placement": {"weights": "host"}}
+    ours, theirs, weights, reference, events, _ = run_both(config, dtype=torch.bfloat16, inspect=inspect)
+    assert seen["source"] is WeightSource.MASTER
+    assert ours == theirs
+    assert_identical(weights, reference)
+    fetched: dict[str, list[int]] = {}
+    for event in events:
+        if event.kind == "h2d":
+            fetched.setdefault(event.key, []).append(event.nbytes)
+    assert set(fetched) == set(seen["numels"]), set(fetched) ^ set(seen["numels"])
+    for key, sizes in fetched.items():
+        numel = seen["numels"][key]
+        assert max(sizes) <= 1000 * 4 and sum(sizes) % (numel * 4) == 0 and sum(sizes) >= 2 * numel * 4, (key, sizes)
+
+
 def test_fp32_tied_embeddings():
     shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, tie_embeddings=True)
     ours, theirs, weights, reference, _, _ = run_both({"dtype": "fp32"}, shape=shape)
