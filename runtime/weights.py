@@ -127,9 +127,10 @@ class WeightManager:
         [Note: fetch staging] The staging is ``FETCH_PIECE_NUMEL`` fp32 elements at most, allocated and freed on
         the copy stream (the allocator hands its memory to the next piece or fetch there, ordered by that stream),
         so the GPU holds one piece of fp32 staging at a time. Casting at the compute stream's wait held a whole
-        fp32 copy of every block in flight: 4.39 GiB of the 8B scenario's 24 GiB (the 2.1 GB head and three
-        layers), room for another layer's update on the GPU. The cast is the same ``copy_``, on another stream:
-        the same bits."""
+        fp32 copy of every block in flight: up to 4.39 GiB of the 8B scenario's 24 GiB (the 2.1 GB head and three
+        layers). The cast is the same ``copy_``, on another stream: the same bits (GPU tests, call L7). The memory
+        plan still counts the whole window (``runtime.plan``): given to optimizer state, the 8B scenario's
+        hand-set activation reserves no longer held its activations (L7, L8), so for now it is headroom."""
         piece = min(flat.numel(), FETCH_PIECE_NUMEL)
         with self._copy_stream_context():
             staging = torch.empty(piece, dtype=torch.float32, device=self.device)

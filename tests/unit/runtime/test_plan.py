@@ -316,8 +316,7 @@ def test_weights_in_flight_are_the_largest_blocks_the_window_can_hold():
     homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
     plan = make_plan([n * 1024 for n in numels], homes, "master", 2, 2, 1)  # depth 2: four blocks in flight
     rows = {kind: nbytes for kind, _, nbytes in plan.rows}
-    assert rows["weights (4 blocks in flight)"] == 120 * 1024 * 2
-    assert rows["fetch staging (fp32)"] == 50 * 1024 * 4  # one piece at a time: the largest block, under a piece
+    assert rows["weights (4 blocks in flight)"] == 120 * 1024 * 2 and rows["fetch staging (fp32)"] == 120 * 1024 * 4
     # A block updated on the GPU is not fetched: the window is the others' (the head and three layers).
     plan = make_plan([n * 1024 for n in numels[1:]], homes, "master", 2, 2, 1, gpu_updated_numels=[50 * 1024])
     rows = {kind: nbytes for kind, _, nbytes in plan.rows}

@@ -118,7 +118,7 @@ def storage_nbytes(t: torch.Tensor) -> int:
 
 def assert_released(s: Setup, index: int) -> None:
     state = s.weights.states[index]
-    assert not state.resident and state.handle is None and state.staging is None
+    assert not state.resident and state.handle is None
     assert not s.weights.is_fetched(index)
     assert storage_nbytes(state.flat) == 0
     for slot in s.blocks[index].slots:
@@ -161,7 +161,7 @@ def test_fetched_values_equal_the_host_master_cast_to_the_compute_dtype(dtype):
             s.weights.fetch(index, prefetch=True)
         for index in range(len(s.blocks)):
             assert s.weights.wait(index) is True
-            assert s.weights.states[index].staging is None  # cast done, staging dropped
+            assert s.weights.states[index].handle is None  # copied and cast, in pieces on the copy stream
             assert storage_nbytes(s.weights.states[index].flat) == s.blocks[index].numel * dtype.itemsize
             assert_holds_master(s, index, dtype)
         if dtype == F32:  # the model computes with them exactly as the original model does
