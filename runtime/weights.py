@@ -2,9 +2,9 @@
 
 Each block has one flat buffer of the compute dtype on the device; the block's parameters are views into
 it, bound once. When the block is not resident its storage is resized to zero bytes (the views stay, so
-tensors saved by autograd in forward see the refetched bytes in backward). A fetch is one H2D copy from the
-block's host source (the fp32 master, cast on the GPU, or a separate host copy in the compute dtype); a
-release resizes the storage back to zero. GPU bytes are reserved against the GPU tier's budget.
+tensors saved by autograd in forward see the refetched bytes in backward). A fetch is an H2D copy from the
+block's host source: the fp32 master in pieces, each cast on the GPU's copy stream ([Note: fetch staging]), or a
+separate host copy in the compute dtype, whole; a release resizes the storage back to zero. GPU bytes are reserved against the GPU tier's budget.
 """
 
 from __future__ import annotations
@@ -113,10 +113,15 @@ class WeightManager:
             except BaseException:
                 self._gpu_tier.unreserve(self.nbytes(index))
                 raise
-        if self.needs_cast:
-            state.handle = self._fetch_and_cast(key, src, state.flat)
-        else:
-            state.handle = self.store.engine.h2d(key, src, state.flat, order_after_current=False)
+        try:
+            if self.needs_cast:
+                state.handle = self._fetch_and_cast(key, src, state.flat)
+            else:
+                state.handle = self.store.engine.h2d(key, src, state.flat, order_after_current=False)
+        except BaseException:  # e.g. no room for the staging piece: the block goes back to holding nothing
+            state.flat.untyped_storage().resize_(0)
+            self._gpu_tier.unreserve(self.nbytes(index))
+            raise
         state.prefetched = prefetch
 
     def _fetch_and_cast(self, key: str, src: torch.Tensor, flat: torch.Tensor) -> Handle:
@@ -130,7 +135,10 @@ class WeightManager:
         fp32 copy of every block in flight: up to 4.39 GiB of the 8B scenario's 24 GiB (the 2.1 GB head and three
         layers). The cast is the same ``copy_``, on another stream: the same bits (GPU tests, call L7). The memory
         plan still counts the whole window (``runtime.plan``): given to optimizer state, the 8B scenario's
-        hand-set activation reserves no longer held its activations (L7, L8), so for now it is headroom."""
+        hand-set activation reserves no longer held its activations (L7, L8), so for now it is headroom. Each piece
+        is its own transfer event (a profile's transfer counts count pieces; a fetch stall's device wait sums
+        them). Not measured apart: whether a piece's cast, run between two copies on the copy stream, slows the
+        fetches (a few microseconds of GPU time per 256 MiB piece)."""
         piece = min(flat.numel(), FETCH_PIECE_NUMEL)
         with self._copy_stream_context():
             staging = torch.empty(piece, dtype=torch.float32, device=self.device)
@@ -154,8 +162,8 @@ class WeightManager:
         return torch.cuda.stream(stream) if stream is not None else _NullContext()
 
     def wait(self, index: int) -> bool:
-        """Make the current stream wait for block index's weights (fetching on demand); finish the cast.
-        Returns True when the weights were resident or prefetched (a schedule hit)."""
+        """Make the current stream wait for block index's weights (fetching on demand; a fetch from the master is
+        cast on the copy stream before its last event). Returns True when the weights were resident or prefetched (a schedule hit)."""
         with self._lock:
             return self._wait(index)
 

@@ -149,7 +149,8 @@ def _stall_figures(stalls: list[StallEvent], device_waits: dict[int, float]) -> 
 
 
 def device_waits(stalls: list[StallEvent], transfers: list[TransferEvent], source_keys: dict[int, str]) -> dict[int, float]:
-    """Per fetch stall (by position): the CUDA-measured duration of the H2D copy it issued. On a GPU an
+    """Per fetch stall (by position): the CUDA-measured duration of the H2D copies it issued (a fetch from the fp32
+    master crosses in pieces, each its own event: [Note: fetch staging] in runtime.weights). On a GPU an
     on-demand copy makes the compute stream wait on the device, which host time does not show."""
     issued: dict[str, list[TransferEvent]] = {}
     for event in transfers:
@@ -159,10 +160,10 @@ def device_waits(stalls: list[StallEvent], transfers: list[TransferEvent], sourc
     for i, stall in enumerate(stalls):
         if stall.cause not in FETCH_CAUSES:
             continue
-        for event in issued.get(source_keys.get(stall.block, ""), []):
-            if stall.start_s <= event.start_s <= stall.start_s + stall.seconds:
-                out[i] = event.device_s or 0.0
-                break
+        pieces = [event.device_s or 0.0 for event in issued.get(source_keys.get(stall.block, ""), [])
+                  if stall.start_s <= event.start_s <= stall.start_s + stall.seconds]
+        if pieces:
+            out[i] = sum(pieces)
     return out
 
 

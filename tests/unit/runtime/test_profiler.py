@@ -468,3 +468,19 @@ def test_the_report_says_when_the_layers_activations_were_recomputed(fake):
     assert "activations recomputed" not in format_report(summary)
     summary["config"]["activations_recomputed"] = True
     assert "accumulation 1; activations recomputed" in format_report(summary).splitlines()[1]
+
+
+def test_a_fetch_stalls_device_wait_sums_the_pieces_its_fetch_issued():
+    """A fetch from the fp32 master crosses in pieces, one transfer event each ([Note: fetch staging]): the stall's
+    estimated device wait is every piece issued inside it, not the first alone; pieces of other fetches of the
+    same block (before or after the stall) and update stalls get none."""
+    from runtime.profiler.analysis import device_waits
+
+    def piece(start_s: float, device_s: float, key: str = "b1.master") -> TransferEvent:
+        return TransferEvent("h2d", key, "host", "gpu", 1 << 20, start_s, start_s + 0.01, device_s)
+
+    stalls = [StallEvent(1, STALL_FETCH_HOST, 0.5, 0, start_s=10.0), StallEvent(1, STALL_UPDATE, 0.5, 0, start_s=10.0)]
+    transfers = [piece(9.0, 0.4), piece(10.1, 0.02), piece(10.2, 0.03), piece(10.3, 0.05), piece(10.2, 0.9, "b2.master"),
+                 piece(11.0, 0.7)]
+    waits = device_waits(stalls, transfers, {1: "b1.master", 2: "b2.master"})
+    assert waits == {0: pytest.approx(0.10)}

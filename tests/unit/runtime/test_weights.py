@@ -357,3 +357,24 @@ def holds_host_master(s: Setup, index: int) -> bool:
     """The block's resident weights equal its host master (now) cast to their dtype."""
     flat = s.weights.states[index].flat
     return torch.equal(flat, s.store.tensor(s.blocks[index].key("master"), TierName.HOST).to(flat.dtype))
+
+
+def test_a_fetch_whose_staging_cannot_be_allocated_leaves_the_block_holding_nothing(monkeypatch):
+    """A fetch from the fp32 master that fails before its copies are issued (no room for the staging piece)
+    gives back the weights' bytes and their reservation: the block is released, and a later fetch succeeds."""
+    with make_setup(compute_dtype=torch.bfloat16) as s:
+        tier = s.store.tiers[TierName.GPU]
+        before = tier.used_nbytes
+        real = WeightManager._fetch_and_cast
+
+        def no_room(self, key, src, flat):
+            raise torch.OutOfMemoryError("no room for the staging piece (a stand-in)")
+
+        monkeypatch.setattr(WeightManager, "_fetch_and_cast", no_room)
+        with pytest.raises(torch.OutOfMemoryError):
+            s.weights.fetch(2, prefetch=True)
+        assert_released(s, 2)
+        assert tier.used_nbytes == before
+        monkeypatch.setattr(WeightManager, "_fetch_and_cast", real)
+        assert s.weights.wait(2) is False  # fetched on demand now
+        assert_holds_master(s, 2, torch.bfloat16)
