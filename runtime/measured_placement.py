@@ -26,8 +26,8 @@ forwards recomputed in the backward (``runtime.recompute``), its updates still o
 placement is asked at the reserve that step supports, and the faster of the two placements by the time model is
 adopted, recomputation staying on only with its own: ``StepTimes.step_s`` of each (``Placement.times``) over a
 compute of three forwards kept, four recomputed, the forward being the layers' as ``ForwardTimer`` timed them,
-each layer's least over the two measured steps (the embedding, head and loss are left out, which errs towards the smaller CPU and copy terms,
-recomputation's, where those overlap the compute). A measured step that is dropped (``zero_grad()`` before
+each layer's least over the two measured steps (the embedding, head and loss are left out, which errs towards
+the smaller CPU and copy terms, recomputation's, where those overlap the compute). A measured step that is dropped (``zero_grad()`` before
 ``step()``, a caught exception) is measured again from the next training forward.
 
 What it leaves out: sessions whose first-step plan spills moments to NVMe or sums micro-batch gradients in host

@@ -273,8 +273,8 @@ class ForwardTimer:
     priced recomputation above keeping. So each layer counts its least time over the steps timed (``next_step``
     starts one): the first step's forward runs beside no update, and its first layer's warm-up is not counted
     either (a least of the step totals would keep one of the two). With step-to-step noise alone the figure reads
-    slightly low. Only the modules given are timed (a
-    ``copy.deepcopy`` of the model shares the hooks' closures)."""
+    slightly low. Only the modules given are timed (a ``copy.deepcopy`` of the model shares the hooks'
+    closures)."""
 
     def __init__(self, modules: Sequence[nn.Module], device: torch.device):
         from runtime.hooks import in_backward

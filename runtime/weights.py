@@ -4,7 +4,8 @@ Each block has one flat buffer of the compute dtype on the device; the block's p
 it, bound once. When the block is not resident its storage is resized to zero bytes (the views stay, so
 tensors saved by autograd in forward see the refetched bytes in backward). A fetch is an H2D copy from the
 block's host source: the fp32 master in pieces, each cast on the GPU's copy stream ([Note: fetch staging]), or a
-separate host copy in the compute dtype, whole; a release resizes the storage back to zero. GPU bytes are reserved against the GPU tier's budget.
+separate host copy in the compute dtype, whole; a release resizes the storage back to zero. GPU bytes are
+reserved against the GPU tier's budget.
 """
 
 from __future__ import annotations
@@ -107,18 +108,14 @@ class WeightManager:
         # Allocate on the copy stream: the copy then needs no ordering after the compute queued so far
         # (memory the allocator hands out there is ordered by that stream), and prefetches run back to back.
         # The compute stream's later use is recorded on the buffers before they are freed (see release).
-        with self._copy_stream_context():
-            try:
-                state.flat.untyped_storage().resize_(self.nbytes(index))
-            except BaseException:
-                self._gpu_tier.unreserve(self.nbytes(index))
-                raise
         try:
+            with self._copy_stream_context():
+                state.flat.untyped_storage().resize_(self.nbytes(index))
             if self.needs_cast:
                 state.handle = self._fetch_and_cast(key, src, state.flat)
             else:
                 state.handle = self.store.engine.h2d(key, src, state.flat, order_after_current=False)
-        except BaseException:  # e.g. no room for the staging piece: the block goes back to holding nothing
+        except BaseException:  # no room for the weights or the staging piece: the block goes back to holding nothing
             state.flat.untyped_storage().resize_(0)
             self._gpu_tier.unreserve(self.nbytes(index))
             raise
