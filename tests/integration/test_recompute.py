@@ -217,6 +217,20 @@ def _trial(session, recompute: Recompute, timer) -> RecomputeTrial:
                           BufferWatch(recompute.modules))
 
 
+def _listen(session, recompute: Recompute, timer, ask, *, adopt=None, reset_peak=lambda: None, report: bool = False,
+            trial: RecomputeTrial | None = None) -> FirstStepPlacement:
+    """A first-step listener as offload() attaches it, on the stand-ins the tests use (a 20 GiB budget, a 1 GiB
+    plan, a 4 GiB measured peak), attached to the session's controller. ``adopt`` defaults to the session's own
+    placement change; ``trial`` to ``_trial``'s."""
+    noted = {"report": functools.partial(_note_in_plan, weakref.ref(session))} if report else {}
+    listener = FirstStepPlacement(
+        plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
+        adopt=adopt or functools.partial(_adopt_placement, weakref.ref(session)),
+        peak=lambda: 4 * GiB, reset_peak=reset_peak, trial=trial or _trial(session, recompute, timer), **noted)
+    session.controller.step_listeners.append(listener)
+    return listener
+
+
 def _clipping_session_on_the_cpu():
     """The example model offloaded with every update on the CPU and a clip that binds, beside its reference, with
     a Recompute for its layers and a stand-in timer: what a first-step listener's trial is tested on."""
@@ -241,12 +255,7 @@ def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it
     session.on_close.append(recompute.undo)
     kept, recomputed = _placement(0.2, 0.3, 0.2), _placement(1.0, 0.0, 0.1 if recompute_pays else 0.18)
     ask = _Asked(kept, recomputed)
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
-                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                  report=functools.partial(_note_in_plan, weakref.ref(session)),
-                                  trial=_trial(session, recompute, timer))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, ask, report=True)
     caplog.set_level(logging.INFO, logger="runtime.measured_placement")
     batches = make_batches(5)
     with session:
@@ -282,11 +291,7 @@ def test_no_trial_where_everything_fits_or_the_model_recomputes_itself():
         recompute, timer = Recompute(session.blocks), _Timer(0.05)
         first = _placement(1.0 if everything_fits else 0.2, 0.0, 0.2)
         ask = _Asked(first)
-        listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
-                                      adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                      peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                      trial=_trial(session, recompute, timer))
-        session.controller.step_listeners.append(listener)
+        listener = _listen(session, recompute, timer, ask)
         with session:
             for x, y in make_batches(2):
                 model(x, y).backward()
@@ -351,11 +356,7 @@ def test_a_session_closed_mid_trial_takes_the_timers_hooks_off_and_the_layers_cl
     session = optimizer.session
     recompute, timer = Recompute(session.blocks), _Timer(0.05)
     session.on_close.append(recompute.undo)
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(_placement(0.2, 0.0, 0.2)),
-                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                  trial=_trial(session, recompute, timer))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, _Asked(_placement(0.2, 0.0, 0.2)))
     session.on_close.append(listener.close)
     x, y = make_batches(1)[0]
     model(x, y).backward()
@@ -382,11 +383,7 @@ def test_an_error_while_turning_recomputation_on_keeps_the_first_steps_placement
     monkeypatch.setattr(recompute, "turn_on", broken)
     first = _placement(0.2, 0.0, 0.2)
     ask = _Asked(first, _placement(1.0, 0.0, 0.0))
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
-                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                  trial=_trial(session, recompute, timer))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, ask)
     with session:
         for x, y in make_batches(3):
             step_and_check(model, optimizer, reference, x, y)
@@ -503,12 +500,9 @@ def test_no_trial_for_layers_that_change_their_buffers_or_start_checkpointing_th
     recompute, timer = Recompute(session.blocks), _Timer(0.05)
     first = _placement(0.2, 0.0, 0.2)
     ask = _Asked(first)
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask,
-                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                  trial=RecomputeTrial(recompute, timer, lambda: recompute_module.already_checkpointed(
-                                      session.blocks, model), BufferWatch(recompute.modules)))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, ask, trial=RecomputeTrial(
+        recompute, timer, lambda: recompute_module.already_checkpointed(session.blocks, model),
+        BufferWatch(recompute.modules)))
     if why != "buffers":
         for layer in model.layers:  # as the HF Trainer's gradient_checkpointing does, inside train()
             layer.gradient_checkpointing = True
@@ -559,11 +553,7 @@ def test_a_dropped_step_is_not_measured_the_next_one_is(caplog):
     session = optimizer.session
     recompute, timer = Recompute(session.blocks), _Timer(0.05)
     resets = []
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(_placement(1.0, 0.0, 0.0)),
-                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: 4 * GiB, reset_peak=lambda: resets.append(1),
-                                  trial=_trial(session, recompute, timer))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, _Asked(_placement(1.0, 0.0, 0.0)), reset_peak=lambda: resets.append(1))
     (x, y), (x2, y2) = make_batches(2)
     with session:
         model(x, y).backward()
@@ -581,10 +571,7 @@ def test_a_trial_whose_timer_fails_as_its_step_begins_places_by_that_step_kept(c
     model, optimizer, reference, session, recompute, _ = _clipping_session_on_the_cpu()
     timer = _Timer(0.05, fail_at_step=2)
     first, second = _placement(0.2, 0.0, 0.2), _placement(0.3, 0.0, 0.2)
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(first, second),
-                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: 4 * GiB, reset_peak=lambda: None, trial=_trial(session, recompute, timer))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, _Asked(first, second))
     caplog.set_level(logging.INFO, logger="runtime.measured_placement")
     with session:
         batches = make_batches(4)
@@ -610,10 +597,7 @@ def test_a_recomputed_placement_that_cannot_be_adopted_falls_back_to_the_first_s
             raise CapacityError("gpu", 4 * GiB, 15 * GiB, 16 * GiB, "master and moments of every block")
         adopt(placement)
 
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(kept, recomputed),
-                                  adopt=adopt_all_but_everything, peak=lambda: 4 * GiB, reset_peak=lambda: None,
-                                  trial=_trial(session, recompute, timer))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, _Asked(kept, recomputed), adopt=adopt_all_but_everything)
     caplog.set_level(logging.INFO, logger="runtime.measured_placement")
     with session:
         for x, y in make_batches(4):
@@ -634,11 +618,7 @@ def test_a_first_forward_that_raised_is_not_measured_nor_is_a_trial_in_eval_mode
     session = optimizer.session
     recompute, timer = Recompute(session.blocks), _Timer(0.05)
     resets, first = [], _placement(0.2, 0.0, 0.2)
-    listener = FirstStepPlacement(plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=_Asked(first),
-                                  adopt=functools.partial(_adopt_placement, weakref.ref(session)),
-                                  peak=lambda: 4 * GiB, reset_peak=lambda: resets.append(1),
-                                  trial=_trial(session, recompute, timer))
-    session.controller.step_listeners.append(listener)
+    listener = _listen(session, recompute, timer, _Asked(first), reset_peak=lambda: resets.append(1))
     (x, y), (x2, y2) = make_batches(2)
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
