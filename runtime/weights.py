@@ -131,8 +131,7 @@ class WeightManager:
         so the GPU holds one piece of fp32 staging at a time. Casting at the compute stream's wait held a whole
         fp32 copy of every block in flight: up to 4.39 GiB of the 8B scenario's 24 GiB (the 2.1 GB head and three
         layers). The cast is the same ``copy_``, on another stream: the same bits (GPU tests, call L7). The memory
-        plan still counts the whole window (``runtime.plan``): given to optimizer state, the 8B scenario's
-        hand-set activation reserves no longer held its activations (L7, L8), so for now it is headroom. Each piece
+        plan counts one piece (``runtime.plan``). Each piece
         is its own transfer event (a profile's transfer counts count pieces; a fetch stall's device wait sums
         them). Not measured apart: whether a piece's cast, run between two copies on the copy stream, slows the
         fetches (a few microseconds of GPU time per 256 MiB piece)."""

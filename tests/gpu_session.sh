@@ -51,8 +51,8 @@ if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scena
   # compare: this, then DeepSpeed (the block below) in one call; give both the shape: FT_ARGS="--layers 16" DS_ARGS="--layers 16 ..."
   mkdir -p /var/tmp/ts-8b
   # FT_ARGS: e.g. "--global-batch 8 --micro-batch 2" (a shorter step, another micro-batch)
-  python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan.log"
-  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune.log" | tr '\r' '\n' | tail -60
+  python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan${TAG:+_$TAG}.log"
+  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune${TAG:+_$TAG}.log" | tr '\r' '\n' | tail -60
 fi
 if [[ $what == deepspeed || $what == compare ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 16 --offload nvme")
   mkdir -p /var/tmp/ds-8b

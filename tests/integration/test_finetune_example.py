@@ -176,3 +176,23 @@ def test_the_io_settings_reach_the_config():
     assert loaded.tiers.nvme.io_threads == 2 and loaded.tiers.nvme.block_size == 256 << 20
     defaults = example.tierstore_config(example.parse_args([]), cuda=True)["tiers"]["nvme"]
     assert (defaults["io_threads"], defaults["block_size"]) == (8, "64MiB")
+
+
+def test_any_other_setting_reaches_the_config_through_set():
+    """--set KEY=VALUE puts a YAML value at a dotted path (a new section or beside the scenario's own keys), the
+    schema takes it, and a malformed one names what to write instead."""
+    from runtime.config import load_config
+
+    example = load_example()
+    args = example.parse_args(["--set", "prefetch.keep_for_backward=0", "--set", "optimizer.gpu_stream_fraction=0.25",
+                               "--set", "tiers.gpu.activation_reserve=3GiB"])
+    config = example.tierstore_config(args, cuda=True)
+    assert config["prefetch"] == {"keep_for_backward": 0}
+    assert config["optimizer"]["gpu_stream_fraction"] == 0.25 and config["optimizer"]["grad_clip"] == 1.0
+    assert config["tiers"]["gpu"]["activation_reserve"] == "3GiB"  # --set wins over --activation-reserve's default
+    loaded = load_config(config)
+    assert loaded.prefetch.keep_for_backward == 0 and loaded.optimizer.gpu_stream_fraction == 0.25
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        example.tierstore_config(example.parse_args(["--set", "prefetch.keep_for_backward"]), cuda=True)
+    with pytest.raises(SystemExit, match="not a section"):
+        example.tierstore_config(example.parse_args(["--set", "optimizer.lr.x=1"]), cuda=True)

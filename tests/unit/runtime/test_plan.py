@@ -316,11 +316,24 @@ def test_weights_in_flight_are_the_largest_blocks_the_window_can_hold():
     homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
     plan = make_plan([n * 1024 for n in numels], homes, "master", 2, 2, 1)  # depth 2: four blocks in flight
     rows = {kind: nbytes for kind, _, nbytes in plan.rows}
-    assert rows["weights (4 blocks in flight)"] == 120 * 1024 * 2 and rows["fetch staging (fp32)"] == 120 * 1024 * 4
+    assert rows["weights (4 blocks in flight)"] == 120 * 1024 * 2
+    # The fp32 master crosses one piece at a time ([Note: fetch staging]): the largest block's, not the window's.
+    assert rows["fetch staging (fp32)"] == 50 * 1024 * 4
     # A block updated on the GPU is not fetched: the window is the others' (the head and three layers).
     plan = make_plan([n * 1024 for n in numels[1:]], homes, "master", 2, 2, 1, gpu_updated_numels=[50 * 1024])
     rows = {kind: nbytes for kind, _, nbytes in plan.rows}
     assert rows["weights (4 blocks in flight)"] == 80 * 1024 * 2
+
+
+def test_fetch_staging_is_one_piece_of_a_block_larger_than_a_piece():
+    """A block larger than a fetch piece stages that piece only: 256 MiB of fp32, not the 2.1 GB of a 128k
+    vocabulary's head (the 8B plan had counted the whole window, 4.39 GiB)."""
+    from runtime.weights import FETCH_PIECE_NUMEL
+
+    homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "host"}
+    plan = make_plan([3 * FETCH_PIECE_NUMEL, FETCH_PIECE_NUMEL // 4], homes, "master", 2, 2, 1)
+    rows = {kind: nbytes for kind, _, nbytes in plan.rows}
+    assert rows["fetch staging (fp32)"] == FETCH_PIECE_NUMEL * 4
 
 
 def test_an_auto_gpu_budget_stays_under_the_process_s_memory_cap(monkeypatch):
