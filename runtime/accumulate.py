@@ -16,7 +16,8 @@ for the sign of a zero), and it is updated at the step when any micro-batch of t
 Between micro-batches the parameter's ``.grad`` is an ``OffloadedGrad`` standing for the host sum (runtime.clipping):
 ``model.zero_grad()`` (either form) drops it, as plain PyTorch drops its ``.grad``; reading its values raises. The copies off the device go through a
 few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
-pieces): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
+pieces, each made from the parameters' gradients once a buffer is free for it, so the GPU never holds a second,
+fp32 copy of a block's gradient: 2 GiB for the 8B scenario's head): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
 (1 GiB, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
 A piece holds its buffer from the moment the backward queues its copy, while the GPU may still be computing
 it, so the backward's wait for a buffer is the training thread running ahead of the GPU as much as the GPU
@@ -37,6 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +108,13 @@ class HostGradSums:
         it waited for a free staging buffer."""
         if grad.dtype != torch.float32 or grad.numel() != block.numel:
             raise ValueError(f"{block.name}: a host sum takes the block's flat fp32 gradient, got {grad.dtype} x{grad.numel()}")
+        return self.add_pieces(block, lambda begin, end: grad[begin:end], has_grad)
+
+    def add_pieces(self, block: Block, piece: Callable[[int, int], torch.Tensor], has_grad: list[bool]) -> float:
+        """:meth:`add`, with the flat fp32 gradient made a piece at a time: ``piece(begin, end)`` gives its elements
+        ``[begin, end)`` on the device, called once a staging buffer is free for them. The GPU then holds the
+        pieces whose copies are queued instead of the block's whole fp32 gradient (2 GiB for a 128k vocabulary's
+        head under the 8B scenario's 24 GiB cap). Returns the seconds it waited for a free staging buffer."""
         self._raise_if_failed()
         index = block.index
         previous = self._had_grad.get(index)
@@ -117,9 +126,13 @@ class HostGradSums:
             slot, seconds = self._free_slot()
             waited += seconds
             try:
+                source = piece(begin, end)
+                if source.dtype != torch.float32 or source.numel() != end - begin:
+                    raise ValueError(f"{block.name}: piece [{begin}, {end}) of a host sum must be {end - begin} fp32 "
+                                     f"elements, got {source.dtype} x{source.numel()}")
                 staging = self.store.tensor(self._staging[slot], TierName.HOST)[: end - begin]
                 with torch.profiler.record_function("tierstore.grad_to_host_sum"):
-                    handle = self.store.engine.d2h(block.key("grad"), grad[begin:end], staging)
+                    handle = self.store.engine.d2h(block.key("grad"), source, staging)
             except BaseException:
                 with self._cond:  # the buffer was never handed to a copy: give it back
                     self._free.append(slot)

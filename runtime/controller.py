@@ -592,15 +592,36 @@ class Controller:
             self.sums.drop(*slot)
 
     def _send_to_host_sum(self, block: Block) -> None:
-        """A micro-batch that does not end the step: the block's gradient, as fp32, joins its host sum."""
+        """A micro-batch that does not end the step: the block's gradient, as fp32, joins its host sum a piece at a
+        time (the GPU holds the pieces in flight, not a second, fp32 copy of the block's gradient)."""
         present = [slot.param.grad is not None for slot in block.slots]
         if not any(present):
             return
-        flat = self._assemble(block, present, torch.float32)
         start = time.perf_counter()
-        waited = self.sums.add(block, flat, present)  # type: ignore[union-attr]
+        try:
+            waited = self.sums.add_pieces(  # type: ignore[union-attr]
+                block, lambda begin, end: self._grad_piece(block, present, begin, end), present)
+        finally:
+            for slot in block.slots:
+                slot.param.grad = None
         if waited > 0.0 and self.stall_listeners:
             self._emit_stall(block.index, STALL_GRAD_SUM, waited, start)
+
+    def _grad_piece(self, block: Block, present: list[bool], begin: int, end: int) -> torch.Tensor:
+        """Elements ``[begin, end)`` of the block's flat gradient, as a new fp32 device tensor (zeros for
+        parameters not ``present``), read off the parameters' gradients: what :meth:`_assemble` makes, in part."""
+        piece = torch.empty(end - begin, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for slot, has in zip(block.slots, present):
+                low, high = max(begin, slot.offset), min(end, slot.offset + slot.numel)
+                if low >= high:
+                    continue
+                view = piece[low - begin : high - begin]
+                if has:
+                    view.copy_(slot.param.grad.reshape(-1)[low - slot.offset : high - slot.offset])
+                else:
+                    view.zero_()
+        return piece
 
     def _offload_grads(self, block: Block) -> None:
         """Assemble the block's fp32 gradient on the device (adding the host sum of the step's earlier
@@ -621,7 +642,7 @@ class Controller:
             flat = self._assemble(block, present, torch.float32)  # parameters without any gradient: excluded below
             with torch.no_grad():
                 if earlier is not None:  # g_last + sum: fp32 addition commutes, so the plain loop's bits
-                    flat.add_(self.store.tensor(block.key("grad"), TierName.HOST).to(self.device, non_blocking=True))
+                    self._add_host_sum(block, flat)
                 views = [v for v, present in zip(split_views(flat, [s.numel for s in block.slots]), has_grad) if present]
                 if self.scaler is not None:
                     torch._amp_foreach_non_finite_check_and_unscale_(views, self.found_inf, self.scaler.inv_scale())
@@ -643,6 +664,15 @@ class Controller:
         if job.speculative:  # runs now, out of place; the commit publishes or redoes it
             self.stats.early_updates += 1
             self.worker.submit(job)
+
+    def _add_host_sum(self, block: Block, flat: torch.Tensor) -> None:
+        """Add the block's host gradient sum into its flat fp32 gradient on the device, brought in a piece at a
+        time (``sums.piece_numel``): the GPU holds one piece beside the gradient, not a second fp32 copy of it."""
+        summed = self.store.tensor(block.key("grad"), TierName.HOST)
+        step = self.sums.piece_numel  # type: ignore[union-attr]
+        for begin in range(0, block.numel, step):
+            end = min(block.numel, begin + step)
+            flat[begin:end].add_(summed[begin:end].to(self.device, non_blocking=True))
 
     def _speculates(self, block: Block) -> bool:
         """Deferred mode: block's host update runs before the commit this step (runtime.speculation)."""

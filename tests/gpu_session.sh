@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 what=${1:-all}
+status=0  # the first failing part's exit status, the script's own at the end (the parts after it still run)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -52,13 +53,14 @@ if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scena
   mkdir -p /var/tmp/ts-8b
   # FT_ARGS: e.g. "--global-batch 8 --micro-batch 2" (a shorter step, another micro-batch)
   python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan${TAG:+_$TAG}.log"
-  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune${TAG:+_$TAG}.log" | tr '\r' '\n' | tail -60
+  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune${TAG:+_$TAG}.log" | tr '\r' '\n' | tail -60 || status=$(( status ? status : $? ))
 fi
 if [[ $what == deepspeed || $what == compare ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 16 --offload nvme")
   mkdir -p /var/tmp/ds-8b
-  python3 examples/finetune_8b_deepspeed.py --steps ${STEPS:-2} ${DS_ARGS:-} 2>&1 | tee "$OUT/deepspeed.log" | tr '\r' '\n' | grep -v "^step .*micro-batch" | tail -40
+  python3 examples/finetune_8b_deepspeed.py --steps ${STEPS:-2} ${DS_ARGS:-} 2>&1 | tee "$OUT/deepspeed.log" | tr '\r' '\n' | grep -v "^step .*micro-batch" | tail -40 || status=$(( status ? status : $? ))
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40
   python3 -m runtime.bench.profiler_bench --row host-s40-keep --preset 1.35b --seq-len 1024 --batch-size 8 --steps 8 --rounds 3 2>&1 | tee "$OUT/profiler_overhead.log" | tail -12
 fi
+exit $status

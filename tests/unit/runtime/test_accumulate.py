@@ -111,3 +111,28 @@ def test_close_is_idempotent_and_returns_the_staging_buffers(setup):
     sums.close()
     sums.close()
     assert store.usage()["host"]["used_nbytes"] < used
+
+
+def test_pieces_made_on_demand_are_summed_like_a_whole_gradient(setup):
+    """add_pieces asks for each piece once a staging buffer is free for it, in order, and sums what it gets as
+    add would the whole gradient; a piece of the wrong size or dtype is refused and its buffer given back."""
+    blocks, store, sums = setup
+    block = blocks[0]
+    grads = [torch.randn(block.numel) for _ in range(2)]
+    asked: list[tuple[int, int]] = []
+
+    def piece_of(grad: torch.Tensor):
+        def piece(begin: int, end: int) -> torch.Tensor:
+            asked.append((begin, end))
+            return grad[begin:end].clone()
+        return piece
+
+    for grad in grads:
+        sums.add_pieces(block, piece_of(grad), [True] * len(block.slots))
+    assert asked[:5] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 72)] and len(asked) == 10
+    sums.finish(block.index)
+    assert torch.equal(host_sum(store, block), grads[0] + grads[1])
+    sums.reset()
+    with pytest.raises(ValueError, match=r"piece \[0, 16\).*16 fp32 elements, got torch.bfloat16"):
+        sums.add_pieces(block, lambda begin, end: torch.zeros(end - begin, dtype=torch.bfloat16), [True] * len(block.slots))
+    assert sorted(sums._free) == [0, 1]  # the refused piece's buffer is free again
