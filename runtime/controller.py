@@ -716,7 +716,8 @@ class Controller:
 
     def _finish_update_submission(self) -> None:
         """Deferred mode, at the commit: decide clip and skip, then release the updates, each side in forward
-        order (the next forward needs the first blocks first): the host's, then the device's."""
+        order (the next forward needs the first blocks first; on the host the spilled blocks whose moments were read
+        early go before them: ``_commit_order``): the host's, then the device's."""
         if not self.deferred:
             return
         skip = False
@@ -771,6 +772,11 @@ class Controller:
                 scaled[index] = None
         return scaled
 
+    def _commit_order(self, job: UpdateJob) -> tuple[bool, int]:
+        """The order the commit queues host updates in: the spilled blocks whose moments were read early first (the
+        worker, which prefers them too, may take the first job before the next is queued), then forward order."""
+        return job.block.index not in self._read_early, job.block.index
+
     def _submit_host_jobs(self, multiplier: torch.Tensor | None, skip: bool, scaled: dict[int, Handle | None]) -> bool:
         """Queue (or resolve, when they ran early) the host-updated blocks' updates in forward order, with the
         commit's verdict: clip factors (already applied to the ``scaled`` ones), skip, parameter groups. Returns
@@ -778,7 +784,7 @@ class Controller:
         would_hold, scaled_any = True, False
         # Each job leaves the list as it is queued or resolved: a commit that fails part-way leaves the rest to
         # discard_pending (speculative ones resolved there, never twice).
-        for job in sorted(self._deferred_jobs, key=lambda j: j.block.index):
+        for job in sorted(self._deferred_jobs, key=self._commit_order):
             scales = self.clipper.user_scales(job.block)
             keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
             final = dataclasses.replace(

@@ -431,11 +431,33 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
     base["tiers"]["host"] = {"budget": plan.host_nbytes - spares - 8192}
     resolved = resolve_plan(blocks, load_config(base), resolve_device(load_config(base)))
     assert 0 < len(resolved.spilled_blocks) < len(blocks)
-    ours, theirs, weights, reference, events, (stats, _, _) = run_both(base, shape=shape)
+    commits: list[tuple[set[int], list[int]]] = []  # per commit: blocks read early, host updates as they ran
+
+    def record_update_order(session) -> None:
+        controller = session.controller
+        submit_jobs, updated = controller._submit_host_jobs, controller.worker.on_updated
+
+        def submit_host_jobs(*args, **kwargs):
+            commits.append((set(controller._read_early), []))
+            return submit_jobs(*args, **kwargs)
+
+        def on_updated(index: int) -> None:
+            if commits:
+                commits[-1][1].append(index)
+            updated(index)
+
+        controller._submit_host_jobs, controller.worker.on_updated = submit_host_jobs, on_updated
+
+    ours, theirs, weights, reference, events, (stats, _, _) = run_both(base, shape=shape, prepare=record_update_order)
     assert ours == theirs
     assert_identical(weights, reference)
     assert stats.early_reads > 0
     assert nbytes_moved(events, "read") > 0
+    # At each commit the updates whose moments wait in memory run first: their write-backs free the room the other
+    # spilled blocks are read into. The rest follow in forward order.
+    assert len(commits) == STEPS and all(early for early, _ in commits)
+    for early, order in commits:
+        assert set(order[: len(early)]) == early, (early, order)
 
 
 def test_skipped_fp16_steps_with_every_moment_on_nvme_do_not_hold_the_staging_room(tmpfs_dir):

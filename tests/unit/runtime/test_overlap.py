@@ -416,6 +416,56 @@ def test_stage_starts_reading_nvme_state_to_host(tmpfs_dir):
         assert all(s.store.state(b.key("master"), TierName.HOST) is CopyState.ABSENT for b in s.blocks if b is not block)
 
 
+
+def test_a_job_whose_state_was_read_from_nvme_runs_before_earlier_blocks(tmpfs_dir):
+    """Blocks 0-2's moments in host memory, 3-4's on NVMe (spilled): a queued job whose state already landed in
+    host memory (read early) runs before the lower-index ready jobs, so its write-back frees the room the other
+    blocks' reads need."""
+    homes = {kind: TierName.NVME for kind in ("exp_avg", "exp_avg_sq")}
+    with make_setup(homes=homes, nvme_path=str(tmpfs_dir)) as s, running(s, record_intervals=True) as worker:
+        for block in s.blocks[:3]:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                s.store.move_home(block.key(kind), TierName.HOST)
+        set_grads(s, seed=4)
+        gate = GatedHandle()
+        try:
+            worker.submit(job(s, 4, 1, grad_handle=gate))
+            assert gate.entered.wait(10)  # the worker holds block 4, its state already staged at its start
+            worker.stage(s.blocks[3])
+            for kind in ("exp_avg", "exp_avg_sq"):
+                s.store.fetch(s.blocks[3].key(kind), TierName.HOST).wait()  # block 3's read landed
+            for index in (0, 1, 2, 3):
+                worker.submit(job(s, index, 1))
+        finally:
+            gate.complete()
+        worker.synchronize(1)
+        assert [index for index, _, _, _ in worker.stats.intervals] == [4, 3, 0, 1, 2]
+
+
+def test_staging_reaches_past_the_lookahead_to_every_queued_job_on_nvme(tmpfs_dir):
+    """At a job's start the worker issues the NVMe reads of every queued job whose state lives there (room
+    permitting), not only of the next ``lookahead``: a spilled block's read no longer waits until its job is
+    among the next few."""
+    homes = {kind: TierName.NVME for kind in ("exp_avg", "exp_avg_sq")}
+    with make_setup(homes=homes, nvme_path=str(tmpfs_dir)) as s, running(s, lookahead=1) as worker:
+        set_grads(s, seed=5)
+        first, gates = GatedHandle(), [GatedHandle() for _ in range(4)]
+        try:
+            worker.submit(job(s, 4, 1, grad_handle=first))
+            assert first.entered.wait(10)
+            for index, gate in enumerate(gates):
+                worker.submit(job(s, index, 1, grad_handle=gate))
+            first.complete()
+            assert gates[0].entered.wait(10)  # block 0's job started (its staging issued) and waits for its gradient
+            for block in s.blocks[1:4]:  # one look-ahead job, and the two past it
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    assert s.store.state(block.key(kind), TierName.HOST) is not CopyState.ABSENT, (block.name, kind)
+        finally:
+            first.complete()
+            for gate in gates:
+                gate.complete()
+        worker.synchronize(1)
+
 # ---- updates before the commit (runtime.speculation) ------------------------------------------------------
 def wait_phase(job_: UpdateJob, phase: JobPhase, timeout_s: float = 10.0) -> None:
     deadline = time.perf_counter() + timeout_s
