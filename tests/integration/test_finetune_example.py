@@ -185,11 +185,13 @@ def test_any_other_setting_reaches_the_config_through_set():
 
     example = load_example()
     args = example.parse_args(["--set", "prefetch.keep_for_backward=0", "--set", "optimizer.gpu_stream_fraction=0.25",
+                               "--set", "blocks.min_block_size=1024",
                                "--set", "tiers.gpu.activation_reserve=3GiB"])
     config = example.tierstore_config(args, cuda=True)
-    assert config["prefetch"] == {"keep_for_backward": 0}
+    assert config["prefetch"] == {"keep_for_backward": 0}  # the scenario's own setting, set again
     assert config["optimizer"]["gpu_stream_fraction"] == 0.25 and config["optimizer"]["grad_clip"] == 1.0
     assert config["tiers"]["gpu"]["activation_reserve"] == "3GiB"  # --set wins over --activation-reserve's default
+    assert config["blocks"] == {"min_block_size": 1024}  # a section the scenario does not set
     loaded = load_config(config)
     assert loaded.prefetch.keep_for_backward == 0 and loaded.optimizer.gpu_stream_fraction == 0.25
     with pytest.raises(SystemExit, match="KEY=VALUE"):
