@@ -754,13 +754,14 @@ class Controller:
             self.found_inf.zero_()
 
     def _send_held_grads(self, coef: torch.Tensor | None, skip: bool) -> dict[int, Handle | None]:
-        """Scale the held gradients on the device and copy them to host in forward order, ahead of the streamed
+        """Scale the held gradients on the device and copy them to host in the commit's order, ahead of the streamed
         state's write-backs on the copy engine ([Note: held gradients]). Returns each held block's copy (None
         for a skipped step, whose gradients simply go)."""
         held = self.held.take()
         self.stats.held_grads += len(held)
         scaled: dict[int, Handle | None] = {}
-        for index, flat in held.items():
+        # In the order the commit queues the updates (_commit_order): the copy engine lands them in that order.
+        for index, flat in sorted(held.items(), key=lambda item: (item[0] not in self._read_early, item[0])):
             block = self.blocks[index]
             if not skip:
                 scale_slots(flat, block, self.clipper.user_scales(block), coef)
@@ -778,7 +779,7 @@ class Controller:
         return job.block.index not in self._read_early, job.block.index
 
     def _submit_host_jobs(self, multiplier: torch.Tensor | None, skip: bool, scaled: dict[int, Handle | None]) -> bool:
-        """Queue (or resolve, when they ran early) the host-updated blocks' updates in forward order, with the
+        """Queue (or resolve, when they ran early) the host-updated blocks' updates (``_commit_order``), with the
         commit's verdict: clip factors (already applied to the ``scaled`` ones), skip, parameter groups. Returns
         whether any factor was other than 1 (a gradient that did not wait on the device was multiplied)."""
         would_hold, scaled_any = True, False

@@ -7,7 +7,9 @@ issued ahead for queued jobs), runs fused AdamW, writes back what lives on NVMe,
 compute weights where they come from, and marks the block updated at step t. The next forward waits for that
 mark for the blocks it needs, and for nothing else.
 
-Jobs are taken by priority: lowest step, then lowest block index -- the block the next forward needs first.
+Jobs are taken by priority: lowest step, then lowest block index -- the block the next forward needs first --
+except that a ready job whose state was read from NVMe into host memory goes first: its write-back frees the
+staging room the other spilled blocks' reads wait for.
 In *streaming* mode jobs are submitted as gradients arrive and overlap backward; whatever is left when
 backward ends runs in forward order, so the next forward starts while later blocks still update. In
 *deferred* mode (the update needs the whole gradient first: global-norm clipping or fp16 overflow checks)
@@ -222,8 +224,9 @@ class UpdateWorker:
 
     # ---- the thread ----------------------------------------------------------------------------------
     def _next_job(self) -> UpdateJob | None:
-        """The job to run next: among jobs whose gradient has landed on host, the one the next forward needs
-        first (lowest step, then lowest block index); when none has landed, the oldest, whose copy the
+        """The job to run next: among jobs whose gradient has landed on host, one whose NVMe state has landed in
+        host memory, else the one the next forward needs first (lowest step, then lowest block index); when none
+        has landed, the oldest, whose copy the
         in-order D2H stream finishes first. So the worker never idles on one copy while another block's
         gradient is ready, and whatever is left when backward ends runs in forward order."""
         with self._cond:
@@ -243,8 +246,10 @@ class UpdateWorker:
         if self._state_on_disk(chosen[-1].block, staged=False):
             # Its state needs host room that the state already read for other jobs (look-ahead, early reads) may
             # hold until they run: run one of those first, or this thread would wait for room only it can free.
+            # One whose state is all read (or being read) first: a part-read one needs more room still.
             holding = [item for item in candidates if self._state_on_disk(item[-1].block, staged=True)]
-            chosen = holding[0] if holding else chosen
+            whole = [item for item in holding if not self._state_on_disk(item[-1].block, staged=False)]
+            chosen = whole[0] if whole else holding[0] if holding else chosen
         with self._cond:
             if chosen not in self._jobs:  # withdrawn by a verdict meanwhile
                 return self._next_job()
@@ -263,6 +268,8 @@ class UpdateWorker:
             if self.store.record(key).home is TierName.NVME:
                 if not self.store.state(key, TierName.HOST).is_current:
                     return False
+                if self.store.state(key, TierName.NVME) is CopyState.LOADING:
+                    return False  # its last update's write-back is still in flight: the job would wait for it
                 on_disk = True
         return on_disk
 
@@ -302,12 +309,12 @@ class UpdateWorker:
         if not (running.skip or running.publish) and not self._issue_staging(running.block)[1]:
             return  # no room even for the running job: it waits for write-backs, and nothing is read for later
         with self._cond:
-            queued = [item[-1] for item in sorted(self._jobs)]
-        for job in queued[: self.lookahead]:
-            self._issue_staging(job.block)
-        for job in queued[self.lookahead :]:
-            if self._state_on_disk(job.block, staged=False) and not self._issue_staging(job.block)[1]:
-                return  # the room is full: the next job's start asks again
+            queued = [item[-1] for item in sorted(self._jobs) if not (item[-1].skip or item[-1].publish)]
+        for position, job in enumerate(queued):
+            if position >= self.lookahead and not self._state_on_disk(job.block, staged=False):
+                continue
+            if not self._issue_staging(job.block)[1]:
+                return  # the room is full: stop, so that at most one job holds part of its state; the next start asks again
 
     def _issue_staging(self, block: Block, kinds: tuple[str, ...] = STATE_KINDS) -> tuple[bool, bool]:
         started = False
@@ -446,15 +453,38 @@ class UpdateWorker:
 
     def _host_tensor(self, key: str, timeout_s: float = 120.0) -> torch.Tensor:
         deadline = time.perf_counter() + timeout_s
+        self.store.wait_written(key)  # the block's last write-back: its host copy is about to change in place
         while True:
             try:
                 self.store.fetch(key, TierName.HOST).wait()
                 return self.store.tensor(key, TierName.HOST)
             except CapacityError as exc:
-                # Staging room is taken by write-backs still in flight: they free it when they land.
+                # Staging room is taken by write-backs still in flight (they free it when they land) or by state
+                # read ahead for queued jobs, which can only run after this one: with no write-back left to
+                # land, give the latter's room back.
+                if not self._writebacks_in_flight() and self._give_back_read_ahead():
+                    continue
                 if time.perf_counter() > deadline:
                     raise RuntimeError(f"no host room to stage {key} from NVMe for {timeout_s:.0f} s; raise tiers.host.budget") from exc
                 time.sleep(0.001)
+
+    def _writebacks_in_flight(self) -> bool:
+        with self._cond:
+            handles = list(self._writebacks)
+        return any(not handle.done() for handle in handles)
+
+    def _give_back_read_ahead(self) -> bool:
+        """Release the state read ahead for the queued job that runs last; False when no queued job holds any."""
+        with self._cond:
+            queued = [item[-1] for item in sorted(self._jobs, reverse=True)]
+        for job in queued:
+            if self._state_on_disk(job.block, staged=True):
+                try:
+                    self._release_read_ahead(job.block)
+                except RuntimeError:  # not a read-ahead (a copy still being written home): not ours to drop
+                    continue
+                return True
+        return False
 
     def _refresh_weights(self, block: Block, master: torch.Tensor, step: int) -> Handle | None:
         """Bring the block's compute weights up to date with its new master; returns a copy still reading it."""

@@ -265,6 +265,16 @@ class TierStore:
                 handle.add_done_callback(lambda h: h.error is None and self._release_after_evict(record, frm))
             return handle
 
+    def wait_written(self, key: TensorKey | str) -> None:
+        """Wait until no write of key to its NVMe home is in flight (an ``evict``) and what follows it (the release
+        of the copy it wrote from) has run: a copy about to be modified in place must not be one that a write
+        is still reading or is about to free. No-op for other homes."""
+        record = self.record(key)
+        if record.home is TierName.NVME:
+            handle = record.copies[TierName.NVME].handle
+            if handle is not None:
+                handle._wait_complete()  # never raises: a failed write surfaces through its own handle
+
     def release_read_ahead(self, key: TensorKey | str, tier: TierName | str) -> None:
         """Release key's copy on tier if it has one, once a transfer still filling it has landed: a copy read ahead
         for work that will not run (a dropped step, a skipped update). ``release``'s refusals apply."""

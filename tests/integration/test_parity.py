@@ -6,6 +6,7 @@ import torch
 import pytest
 
 from runtime import offload
+from tierstore import TierName
 from runtime.data import ByteBatches, stdlib_text_bytes
 from runtime.example_model import ExampleLM, ModelShape
 from tests.integration.reference_loop import ReferenceTrainer
@@ -438,7 +439,16 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
         submit_jobs, updated = controller._submit_host_jobs, controller.worker.on_updated
 
         def submit_host_jobs(*args, **kwargs):
-            commits.append((set(controller._read_early), []))
+            # The blocks whose moments were read whole and have landed: the worker prefers those (a read still in
+            # flight, or half refused for room, does not count).
+            for index in controller._read_early:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    handle = session.store.record(controller.blocks[index].key(kind)).copies[TierName.HOST].handle
+                    if handle is not None:
+                        handle.wait()
+            landed = {index for index in controller._read_early
+                      if controller.worker._disk_state_landed(controller.blocks[index])}
+            commits.append((landed, []))
             return submit_jobs(*args, **kwargs)
 
         def on_updated(index: int) -> None:
@@ -456,8 +466,8 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
     # At each commit the updates whose moments wait in memory run first: their write-backs free the room the other
     # spilled blocks are read into. The rest follow in forward order.
     assert len(commits) == STEPS and all(early for early, _ in commits)
-    for early, order in commits:
-        assert set(order[: len(early)]) == early, (early, order)
+    for early, order in commits:  # one more: the worker may take the first job queued before the next arrives
+        assert early <= set(order[: len(early) + 1]), (early, order)
 
 
 def test_skipped_fp16_steps_with_every_moment_on_nvme_do_not_hold_the_staging_room(tmpfs_dir):

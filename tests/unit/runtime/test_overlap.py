@@ -442,6 +442,17 @@ def test_a_job_whose_state_was_read_from_nvme_runs_before_earlier_blocks(tmpfs_d
         assert [index for index, _, _, _ in worker.stats.intervals] == [4, 3, 0, 1, 2]
 
 
+def hold_on_block_4_then_queue(s: Setup, worker: UpdateWorker, indices: tuple[int, ...]) -> tuple[GatedHandle, list[GatedHandle]]:
+    """The worker held on block 4's step-1 job (its gradient gated), then step-1 jobs of ``indices`` queued, each
+    with its own gate: complete them all (finally) to let the worker go."""
+    first, gates = GatedHandle(), [GatedHandle() for _ in indices]
+    worker.submit(job(s, 4, 1, grad_handle=first))
+    assert first.entered.wait(10)
+    for index, gate in zip(indices, gates):
+        worker.submit(job(s, index, 1, grad_handle=gate))
+    return first, gates
+
+
 def test_staging_reaches_past_the_lookahead_to_every_queued_job_on_nvme(tmpfs_dir):
     """At a job's start the worker issues the NVMe reads of every queued job whose state lives there (room
     permitting), not only of the next ``lookahead``: a spilled block's read no longer waits until its job is
@@ -449,12 +460,8 @@ def test_staging_reaches_past_the_lookahead_to_every_queued_job_on_nvme(tmpfs_di
     homes = {kind: TierName.NVME for kind in ("exp_avg", "exp_avg_sq")}
     with make_setup(homes=homes, nvme_path=str(tmpfs_dir)) as s, running(s, lookahead=1) as worker:
         set_grads(s, seed=5)
-        first, gates = GatedHandle(), [GatedHandle() for _ in range(4)]
+        first, gates = hold_on_block_4_then_queue(s, worker, (0, 1, 2, 3))
         try:
-            worker.submit(job(s, 4, 1, grad_handle=first))
-            assert first.entered.wait(10)
-            for index, gate in enumerate(gates):
-                worker.submit(job(s, index, 1, grad_handle=gate))
             first.complete()
             assert gates[0].entered.wait(10)  # block 0's job started (its staging issued) and waits for its gradient
             for block in s.blocks[1:4]:  # one look-ahead job, and the two past it
@@ -465,6 +472,30 @@ def test_staging_reaches_past_the_lookahead_to_every_queued_job_on_nvme(tmpfs_di
             for gate in gates:
                 gate.complete()
         worker.synchronize(1)
+
+
+def test_with_no_write_back_to_wait_for_the_last_queued_job_gives_its_read_ahead_back(tmpfs_dir):
+    """The worker's way out when the running job finds no host room and no write-back will free any: the state
+    read ahead for the queued job that runs last is released (a clean copy, read again when that job runs)."""
+    homes = {kind: TierName.NVME for kind in ("exp_avg", "exp_avg_sq")}
+    with make_setup(homes=homes, nvme_path=str(tmpfs_dir)) as s, running(s, lookahead=0) as worker:
+        set_grads(s, seed=6)
+        first, gates = hold_on_block_4_then_queue(s, worker, (1, 2, 3))
+        try:
+            for index in (2, 3):
+                worker.stage(s.blocks[index])
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    s.store.fetch(s.blocks[index].key(kind), TierName.HOST).wait()
+            assert worker._give_back_read_ahead()
+            state = {index: s.store.state(s.blocks[index].key("exp_avg"), TierName.HOST) for index in (1, 2, 3)}
+            assert state == {1: CopyState.ABSENT, 2: CopyState.CLEAN, 3: CopyState.ABSENT}  # block 3 runs last
+            assert worker._give_back_read_ahead() and worker._give_back_read_ahead() is False
+        finally:
+            first.complete()
+            for gate in gates:
+                gate.complete()
+        for index in (1, 2, 3, 4):  # block 0 has no job
+            worker.wait_updated(index, 1)
 
 # ---- updates before the commit (runtime.speculation) ------------------------------------------------------
 def wait_phase(job_: UpdateJob, phase: JobPhase, timeout_s: float = 10.0) -> None:

@@ -176,6 +176,24 @@ def test_a_copy_read_ahead_is_released_once_it_lands(make_store, nvme_dir: Path)
         store.release_read_ahead("k", "nvme")
 
 
+def test_wait_written_returns_once_the_write_home_and_its_release_have_run(make_store, nvme_dir: Path) -> None:
+    """A host copy written back to its NVMe home with release: wait_written (not waiting on the write's handle)
+    returns with the write landed and the host copy already released, so nobody modifies a copy a write is
+    still reading or is about to free."""
+    store = make_store(nvme_path=str(nvme_dir))
+    store.register("k", TensorMeta(torch.float32, 1 << 20), "nvme", init=torch.zeros(1 << 20))
+    store.fetch("k", "host").wait()
+    store.tensor("k", "host").fill_(3.0)
+    store.mark_dirty("k", "host")
+    store.evict("k", "host")  # written back, then released; the handle is dropped
+    store.wait_written("k")
+    assert store.state("k", "host") is CopyState.ABSENT and store.state("k", "nvme").is_current
+    store.fetch("k", "host").wait()
+    assert torch.equal(store.tensor("k", "host"), torch.full((1 << 20,), 3.0))
+    store.register("h", TensorMeta(torch.float32, 10), "host", init=torch.ones(10))
+    store.wait_written("h")  # another home: nothing to wait for
+
+
 def test_register_without_init_on_nvme_reads_zeros(make_store, nvme_dir: Path) -> None:
     store = make_store(nvme_path=str(nvme_dir))
     store.register("z", TensorMeta(torch.float16, 3000), "nvme")
