@@ -131,7 +131,12 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
             node = node.setdefault(name, {})
             if not isinstance(node, dict):
                 raise SystemExit(f"--set {setting!r}: {name} is a setting, not a section")
-        node[leaf] = yaml.safe_load(value)
+        if isinstance(node.get(leaf), dict):
+            raise SystemExit(f"--set {setting!r}: {path} is a section; set one of its keys ({', '.join(node[leaf])})")
+        try:
+            node[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise SystemExit(f"--set {setting!r}: the value is not YAML ({error}); quote strings, e.g. {path}='\"...\"'")
     return config
 
 

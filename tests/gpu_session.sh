@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 what=${1:-all}
-status=0  # the first failing part's exit status, the script's own at the end (the parts after it still run)
+status=0  # the first failing test run, plan or 8B run's exit status: the script's own at the end (later parts still run)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -31,7 +31,7 @@ fi
 if [[ $what == tests || $what == all ]]; then
   # -v: each test's name and outcome as it ends, so a run cut by a time limit still says which test failed
   # TIERSTORE_FAILURES_NOW: a failure's traceback as the test ends (tests/conftest.py), not only in the summary
-  TIERSTORE_FAILURES_NOW=1 python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -60
+  TIERSTORE_FAILURES_NOW=1 python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -60 || status=$(( status ? status : $? ))
   [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli train 2>&1 | tee "$OUT/train_default.log" | tail -12
 fi
 if [[ $what == store || $what == all ]]; then
@@ -52,7 +52,7 @@ if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scena
   # compare: this, then DeepSpeed (the block below) in one call; give both the shape: FT_ARGS="--layers 16" DS_ARGS="--layers 16 ..."
   mkdir -p /var/tmp/ts-8b
   # FT_ARGS: e.g. "--global-batch 8 --micro-batch 2" (a shorter step, another micro-batch)
-  python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan${TAG:+_$TAG}.log"
+  python3 examples/finetune_8b.py --plan-only --nvme-dir /var/tmp/ts-8b ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune_plan${TAG:+_$TAG}.log" || status=$(( status ? status : $? ))
   python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tee "$OUT/finetune${TAG:+_$TAG}.log" | tr '\r' '\n' | tail -60 || status=$(( status ? status : $? ))
 fi
 if [[ $what == deepspeed || $what == compare ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 16 --offload nvme")

@@ -198,3 +198,7 @@ def test_any_other_setting_reaches_the_config_through_set():
         example.tierstore_config(example.parse_args(["--set", "prefetch.keep_for_backward"]), cuda=True)
     with pytest.raises(SystemExit, match="not a section"):
         example.tierstore_config(example.parse_args(["--set", "optimizer.lr.x=1"]), cuda=True)
+    with pytest.raises(SystemExit, match="tiers.gpu is a section; set one of its keys"):
+        example.tierstore_config(example.parse_args(["--set", "tiers.gpu=1"]), cuda=True)
+    with pytest.raises(SystemExit, match="not YAML"):
+        example.tierstore_config(example.parse_args(["--set", "optimizer.lr=[1"]), cuda=True)
