@@ -194,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Under a hard cap the allocator's reserved memory is what counts: without expandable segments the 8B step
     # held 0.8-1.6 GiB reserved but unallocated when it ran out of memory (calls L7, L8). Read when CUDA's
-    # allocator starts, so before the cap below; a value the user set wins.
+    # allocator starts, so before anything touches CUDA; a value the user set wins. (It stays in the process's
+    # environment: harmless on the CPU, where the tests call main() in-process.)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    cuda = torch.cuda.is_available()
     logging.basicConfig(level=logging.WARNING)
     for name in ("runtime.api", "runtime.controller", "runtime.peak_hint"):  # setup's progress, the spill, the reserve hint
         logging.getLogger(name).setLevel(logging.INFO)
-    cuda = torch.cuda.is_available()
     if cuda:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
     model = build_model(args)
