@@ -567,18 +567,23 @@ class Controller:
         if state.users == 0 and index not in self.device_updates.fresh:
             self._release(index)
 
-    def _assemble(self, block: Block, present: list[bool], dtype: torch.dtype) -> torch.Tensor:
-        """The block's gradients as one flat device tensor of ``dtype`` (zeros for parameters not ``present``),
-        taken off the parameters."""
-        flat = torch.empty(block.numel, dtype=dtype, device=self.device)
+    def _assemble(self, block: Block, present: list[bool], begin: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements ``[begin, end)`` (default: all) of the block's flat gradient, as a new fp32 device tensor (zeros
+        for parameters not ``present``), taken off the parameters: a parameter's ``.grad`` is dropped once its last
+        element is in."""
+        end = block.numel if end is None else end
+        flat = torch.empty(end - begin, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for slot, has in zip(block.slots, present):
-                view = flat[slot.offset : slot.offset + slot.numel]
-                if has:
-                    view.copy_(slot.param.grad.reshape(-1))
-                else:
-                    view.zero_()
-                slot.param.grad = None
+                low, high = max(begin, slot.offset), min(end, slot.offset + slot.numel)
+                if low < high:
+                    view = flat[low - begin : high - begin]
+                    if has:
+                        view.copy_(slot.param.grad.reshape(-1)[low - slot.offset : high - slot.offset])
+                    else:
+                        view.zero_()
+                if slot.offset + slot.numel <= end:  # all of it is in (or was, in an earlier piece)
+                    slot.param.grad = None
         return flat
 
     def host_sum_holds(self, slot: tuple[int, int]) -> bool:
@@ -600,28 +605,12 @@ class Controller:
         start = time.perf_counter()
         try:
             waited = self.sums.add_pieces(  # type: ignore[union-attr]
-                block, lambda begin, end: self._grad_piece(block, present, begin, end), present)
-        finally:
+                block, lambda begin, end: self._assemble(block, present, begin, end), present)
+        finally:  # a piece that failed: the gradients go all the same, as after a whole one
             for slot in block.slots:
                 slot.param.grad = None
         if waited > 0.0 and self.stall_listeners:
             self._emit_stall(block.index, STALL_GRAD_SUM, waited, start)
-
-    def _grad_piece(self, block: Block, present: list[bool], begin: int, end: int) -> torch.Tensor:
-        """Elements ``[begin, end)`` of the block's flat gradient, as a new fp32 device tensor (zeros for
-        parameters not ``present``), read off the parameters' gradients: what :meth:`_assemble` makes, in part."""
-        piece = torch.empty(end - begin, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            for slot, has in zip(block.slots, present):
-                low, high = max(begin, slot.offset), min(end, slot.offset + slot.numel)
-                if low >= high:
-                    continue
-                view = piece[low - begin : high - begin]
-                if has:
-                    view.copy_(slot.param.grad.reshape(-1)[low - slot.offset : high - slot.offset])
-                else:
-                    view.zero_()
-        return piece
 
     def _offload_grads(self, block: Block) -> None:
         """Assemble the block's fp32 gradient on the device (adding the host sum of the step's earlier
@@ -639,7 +628,7 @@ class Controller:
         if not any(has_grad):
             job = UpdateJob(block, None, step, self.block_hypers(block), skip=True)
         else:
-            flat = self._assemble(block, present, torch.float32)  # parameters without any gradient: excluded below
+            flat = self._assemble(block, present)  # parameters without any gradient: excluded below
             with torch.no_grad():
                 if earlier is not None:  # g_last + sum: fp32 addition commutes, so the plain loop's bits
                     self._add_host_sum(block, flat)
@@ -760,8 +749,8 @@ class Controller:
         held = self.held.take()
         self.stats.held_grads += len(held)
         scaled: dict[int, Handle | None] = {}
-        # In the order the commit queues the updates (_commit_order): the copy engine lands them in that order.
-        for index, flat in sorted(held.items(), key=lambda item: (item[0] not in self._read_early, item[0])):
+        # In the order the commit queues the updates: the copy engine lands them in that order.
+        for index, flat in sorted(held.items(), key=lambda item: self._commit_order(item[0])):
             block = self.blocks[index]
             if not skip:
                 scale_slots(flat, block, self.clipper.user_scales(block), coef)
@@ -773,10 +762,11 @@ class Controller:
                 scaled[index] = None
         return scaled
 
-    def _commit_order(self, job: UpdateJob) -> tuple[bool, int]:
-        """The order the commit queues host updates in: the spilled blocks whose moments were read early first (the
-        worker, which prefers them too, may take the first job before the next is queued), then forward order."""
-        return job.block.index not in self._read_early, job.block.index
+    def _commit_order(self, index: int) -> tuple[bool, int]:
+        """Block index's place in the order the commit queues host updates (and sends held gradients) in: the
+        spilled blocks whose moments were read early first (the worker, which prefers them too, may take the first
+        job before the next is queued), then forward order."""
+        return index not in self._read_early, index
 
     def _submit_host_jobs(self, multiplier: torch.Tensor | None, skip: bool, scaled: dict[int, Handle | None]) -> bool:
         """Queue (or resolve, when they ran early) the host-updated blocks' updates (``_commit_order``), with the
@@ -785,7 +775,7 @@ class Controller:
         would_hold, scaled_any = True, False
         # Each job leaves the list as it is queued or resolved: a commit that fails part-way leaves the rest to
         # discard_pending (speculative ones resolved there, never twice).
-        for job in sorted(self._deferred_jobs, key=self._commit_order):
+        for job in sorted(self._deferred_jobs, key=lambda job: self._commit_order(job.block.index)):
             scales = self.clipper.user_scales(job.block)
             keep = self.clipper.kept(job.block, job.mask or [True] * len(job.block.slots))
             final = dataclasses.replace(

@@ -167,11 +167,10 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
         if on_device:
             plan.rows.append(("accumulated gradients (GPU-updated)", "gpu", on_device * compute_itemsize))
         if block_numels[streamed:]:
-            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS})", "host",
-                              STAGING_SLOTS * host_bytes(min(PIECE_NUMEL, max(block_numels[streamed:])), 4)))
+            piece = min(PIECE_NUMEL, max(block_numels[streamed:]))
+            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS})", "host", STAGING_SLOTS * host_bytes(piece, 4)))
             # The other micro-batches send their gradients out a piece at a time, up to one piece a staging buffer
             # in flight (each kept until its copy runs); the last brings the host sum in a piece at a time.
-            piece = min(PIECE_NUMEL, max(block_numels[streamed:]))
             plan.rows.append(("gradient assembly: host sum (fp32)", "gpu", STAGING_SLOTS * piece * 4))
     elif accumulation_steps > 1:
         plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))

@@ -131,10 +131,10 @@ class WeightManager:
         so the GPU holds one piece of fp32 staging at a time. Casting at the compute stream's wait held a whole
         fp32 copy of every block in flight: up to 4.39 GiB of the 8B scenario's 24 GiB (the 2.1 GB head and three
         layers). The cast is the same ``copy_``, on another stream: the same bits (GPU tests, call L7). The memory
-        plan counts one piece (``runtime.plan``). Each piece
-        is its own transfer event (a profile's transfer counts count pieces; a fetch stall's device wait sums
-        them). Not measured apart: whether a piece's cast, run between two copies on the copy stream, slows the
-        fetches (a few microseconds of GPU time per 256 MiB piece)."""
+        plan counts one piece (``runtime.plan``). Each piece is its own transfer event (a profile's transfer counts
+        count pieces; a fetch stall's device wait sums them). Not measured apart: whether a piece's cast, run
+        between two copies on the copy stream, slows the fetches (a few microseconds of GPU time per 256 MiB
+        piece)."""
         piece = min(flat.numel(), FETCH_PIECE_NUMEL)
         with self._copy_stream_context():
             staging = torch.empty(piece, dtype=torch.float32, device=self.device)
