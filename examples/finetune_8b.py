@@ -180,6 +180,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "store --nvme-dir DIR --disk-sweep` shows which count and --io-block the disk serves fastest")
     parser.add_argument("--io-block", default="64MiB", help="largest single read or write (tiers.nvme.block_size)")
     parser.add_argument("--plan-only", action="store_true", help="print the memory plan and whether it fits, then exit")
+    parser.add_argument("--compute-bound", action="store_true",
+                        help="no offload: time the same micro-batches with the whole model in bf16 on the GPU, uncapped "
+                             "(about 2 x 2 bytes a parameter plus activations: 40 GB at 8B), then exit. The floor the "
+                             "offloaded micro-batches are measured against")
+    parser.add_argument("--memory-history", action="store_true",
+                        help="record the CUDA allocator's history and, if the GPU runs out of memory, print what held it "
+                             "then: the live allocations summed by the line of code that made them")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="profile micro-batches 2 and 3 of the last step with torch.profiler (the GPU's kernels and copies) and "
+                             "write the Chrome trace to FILE (gzip if it ends in .gz)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other config setting, as a dotted path and a YAML value (repeatable), e.g. "
                              "--set optimizer.gpu_stream_fraction=0 --set prefetch.keep_for_backward=0")
@@ -201,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     for name in ("runtime.api", "runtime.controller", "runtime.peak_hint"):  # setup's progress, the spill, the reserve hint
         logging.getLogger(name).setLevel(logging.INFO)
-    if cuda:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
+    if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
+    if cuda and args.memory_history:
+        _explain_out_of_memory()
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())
     config = tierstore_config(args, cuda)
@@ -212,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{approx_size(args.host_budget)}", file=sys.stderr)
     if args.plan_only:
         return plan_only(model, config)
+    if args.compute_bound:
+        return compute_bound(args, num_params)
     start = time.perf_counter()
     model, optimizer = offload(model, config, init=seeded_normal_init)
     session = optimizer.session
@@ -239,6 +253,43 @@ def plan_only(model: torch.nn.Module, config: dict) -> int:
     return 0
 
 
+def compute_bound(args: argparse.Namespace, num_params: int, warmup: int = 2, timed: int = 4) -> int:
+    """Time ``timed`` micro-batches (after ``warmup``) of the same model, sequence and loss with every weight in
+    bf16 on the GPU and nothing offloaded: the micro-batches' floor. Prints the forward's and the whole micro-batch's
+    seconds and what a step's micro-batches would take at that rate."""
+    from transformers import LlamaForCausalLM
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--compute-bound needs a GPU")
+    with torch.device("cuda"):
+        model = for_training(LlamaForCausalLM._from_config(llama_config(args), torch_dtype=torch.bfloat16), args)
+    data = ByteBatches(stdlib_text_bytes(1 << 24), batch_size=args.micro_batch, seq_len=args.seq, seed=0)
+    forward_s = whole_s = 0.0
+    tracer = None
+    for micro in range(warmup + timed):
+        if args.trace and micro in (warmup, warmup + 2):  # the first two timed micro-batches, as in train()
+            tracer = _trace(tracer if micro == warmup + 2 else None, args.trace)
+        tokens = data.next()[0].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(tokens) if args.loss_piece else model(input_ids=tokens, labels=tokens).loss
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()
+        if micro >= warmup:
+            forward_s += t1 - t0
+            whole_s += time.perf_counter() - t0
+    per_micro = whole_s / timed
+    step_s = per_micro * args.global_batch // args.micro_batch
+    tokens_per_s = args.global_batch * args.seq / step_s
+    print(f"compute bound (bf16, all on the GPU, nothing offloaded): forward {forward_s / timed:.3f} s, forward + "
+          f"backward {per_micro:.3f} s a micro-batch; the step's {args.global_batch // args.micro_batch} micro-batches "
+          f"{step_s:.1f} s: {tokens_per_s:,.0f} tokens/s, {6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s; "
+          f"peak GPU {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", file=sys.stderr)
+    return 0
+
+
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace, num_params: int) -> list[float]:
     """The scenario's loop on the bundled text; prints progress and the profiler's split. Returns the step losses."""
     session = optimizer.session  # type: ignore[attr-defined]
@@ -254,6 +305,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
 
     session.store.bus.subscribe(count_disk)
     losses: list[float] = []
+    tracer = None
     try:
         with tempfile.TemporaryDirectory() as profile_dir:
             profiler = Profiler(session, measure_ceilings(session.store)).start()
@@ -262,6 +314,8 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                 summed = _sum_counters(session)
                 total = torch.zeros((), device=device)
                 for micro in range(1, accumulation + 1):
+                    if args.trace and step == args.steps and micro in (2, 4):
+                        tracer = _trace(tracer if micro == 4 else None, args.trace)
                     tokens, _ = data.next()
                     tokens = tokens.to(device)
                     loss = model(tokens) if args.loss_piece else model(input_ids=tokens, labels=tokens).loss
@@ -293,6 +347,59 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
     finally:
         session.close()
     return losses
+
+
+def _trace(running, path: str):  # type: ignore[no-untyped-def]
+    """Start torch.profiler when ``running`` is None (the device's kernels and copies; the CPU's ops on a machine
+    without CUDA); else stop it and write its Chrome trace."""
+    cuda = torch.cuda.is_available()
+    if running is None:
+        from torch.profiler import ProfilerActivity, profile
+
+        return profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]).__enter__()
+    if cuda:
+        torch.cuda.synchronize()
+    running.__exit__(None, None, None)
+    running.export_chrome_trace(path)
+    print(f"\ntrace of two micro-batches written to {path}", file=sys.stderr)
+    return None
+
+
+def _explain_out_of_memory(top: int = 30) -> None:
+    """Record the allocator's history; when CUDA runs out of memory, print the live allocations then, summed by the
+    innermost frame in this project or transformers (or the backward node that made them)."""
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="all")
+    ours = ("/runtime/", "/tierstore/", "finetune_8b", "/transformers/", "/torch/utils/checkpoint")
+
+    def where(frames: list[dict]) -> str:
+        for frame in frames:
+            if any(part in frame["filename"] for part in ours):
+                return f"{frame['filename'].rsplit('/', 2)[-1]}:{frame['line']} {frame['name']}"
+        for frame in frames:
+            if "Backward" in frame["name"] or "autograd::generated" in frame["name"]:
+                return frame["name"][:90]
+        return "elsewhere"
+
+    def on_oom(device: int, asked: int, allocated: int, free: int) -> None:
+        try:
+            explain(asked, allocated)
+        except Exception:  # the observer must not raise into the allocator: the out-of-memory error would be lost
+            logging.getLogger(__name__).exception("explaining the out-of-memory error failed")
+
+    def explain(asked: int, allocated: int) -> None:
+        held: dict[str, list[int]] = {}
+        for segment in torch.cuda.memory._snapshot()["segments"]:
+            for block in segment["blocks"]:
+                if block["state"] == "active_allocated":
+                    entry = held.setdefault(where(block.get("frames", [])), [0, 0])
+                    entry[0] += block["size"]
+                    entry[1] += 1
+        print(f"\nout of memory asking {asked / 2**20:,.0f} MiB with {allocated / 2**30:.2f} GiB allocated; live "
+              "allocations by the code that made them:", file=sys.stderr)
+        for name, (nbytes, count) in sorted(held.items(), key=lambda item: -item[1][0])[:top]:
+            print(f"  {nbytes / 2**20:10,.0f} MiB  {count:5d}  {name}", file=sys.stderr)
+
+    torch._C._cuda_attach_out_of_memory_observer(on_oom)
 
 
 def _sum_counters(session) -> list[float]:  # type: ignore[no-untyped-def]

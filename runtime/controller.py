@@ -139,7 +139,8 @@ class Controller:
         # Per-parameter step counters of device-updated blocks live on the device, as fused AdamW wants.
         self.gpu_param_steps = {i: [torch.zeros((), dtype=torch.float32, device=self.device) for _ in blocks[i].slots]
                                 for i in self.gpu_updated | self.gpu_streamed}
-        self.schedule = PrefetchSchedule(options.prefetch_depth, options.prefetch_budget_nbytes, self.weights.nbytes)
+        self.schedule = PrefetchSchedule(options.prefetch_depth, options.prefetch_budget_nbytes, self.weights.nbytes,
+                                         fetched=lambda index: index not in self.gpu_updated)
         torch.set_num_threads(options.cpu_threads)
         # The optimizer worker needs the GIL for a moment between its kernels while the training thread
         # runs Python (hooks, kernel launches) almost without pause; at the default 5 ms switch interval
@@ -345,15 +346,16 @@ class Controller:
                 "(optimizer.accumulation_steps in the config)"
             )
         fresh, self.device_updates.fresh = self.device_updates.fresh, set()
+        signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
+        self.schedule.begin(signature)
+        first = set(self.schedule.upcoming(self._wrap_limit))  # kept or fetched by the last backward for this forward
         for index, state in enumerate(self.weights.states):  # leftovers: prefetched for a path not taken
-            if state.users == 0 and not self._in_backward_use[index] and index not in fresh:
+            if state.users == 0 and not self._in_backward_use[index] and index not in fresh and index not in first:
                 self._release(index)
         self.weights.release_refreshes()  # no-op, unless a backward that held them raised before its end
         self.writebacks.forward_begin()
-        signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         if signature == "train" and self.deferred:
             self.held.forward_begin(self._copies_in_flight_nbytes)
-        self.schedule.begin(signature)
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("begin", self.optimizer_step, time.perf_counter(), signature))
 
@@ -448,10 +450,25 @@ class Controller:
             except Exception:  # an observer's bug must never break training
                 log.exception("controller listener %r failed", listener)
 
+    @property
+    def _wrap_limit(self) -> int:
+        """[Note: prefetch across micro-batches] The backward of a micro-batch that does not end the step fetches
+        the next forward's first blocks once its own remaining blocks are fewer than the depth, and keeps its last
+        ones (the forward's first): the forward is bound by the weights' copies (it computes a block faster than its
+        fp32 master crosses PCIe), the copy engine idles at the backward's end, and without this the forward began by
+        fetching again what the backward had just released. The weights cannot change between these micro-batches
+        (the step's last backward wraps nothing: its updates come first). Up to depth + 1 blocks: with the block
+        in use, the window the plan counts (depth + 2)."""
+        return self.options.prefetch_depth + 1
+
+    def _wraps(self) -> bool:
+        """Whether the micro-batch in progress is followed by another of this step (see _wrap_limit)."""
+        return self._phase is StepPhase.BACKWARD and not self.last_micro
+
     def _prefetch(self) -> None:
         if self.options.weight_source is WeightSource.RESIDENT:
             return
-        for index in self.schedule.upcoming():
+        for index in self.schedule.upcoming(wrap_limit=self._wrap_limit if self._wraps() else 0):
             if self.weights.is_fetched(index) or index in self._updating:
                 continue
             if not self.worker.is_updated(index, self.optimizer_step):
@@ -564,8 +581,13 @@ class Controller:
         elif self.sums is not None and self.sums.holds(index):
             self._send_to_host_sum(block)
         state = self.weights.states[index]
-        if state.users == 0 and index not in self.device_updates.fresh:
+        if state.users == 0 and index not in self.device_updates.fresh and not self._kept_for_next_forward(index):
             self._release(index)
+
+    def _kept_for_next_forward(self, index: int) -> bool:
+        """The block's weights stay for the next micro-batch's forward, which needs them among its first blocks
+        ([Note: prefetch across micro-batches])."""
+        return self._wraps() and index in self.schedule.upcoming(wrap_limit=self._wrap_limit)
 
     def _assemble(self, block: Block, present: list[bool], begin: int = 0, end: int | None = None) -> torch.Tensor:
         """Elements ``[begin, end)`` (default: all) of the block's flat gradient, as a new fp32 device tensor (zeros

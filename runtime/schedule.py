@@ -50,12 +50,16 @@ class _Trace:
 class PrefetchSchedule:
     """Keeps one trace per signature and predicts upcoming block uses."""
 
-    def __init__(self, depth: int, budget_nbytes: int, block_nbytes: Callable[[int], int]):
+    def __init__(self, depth: int, budget_nbytes: int, block_nbytes: Callable[[int], int],
+                 fetched: Callable[[int], bool] = lambda block: True):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self.depth = depth
         self.budget_nbytes = budget_nbytes
         self._block_nbytes = block_nbytes
+        # Whether a block's weights are fetched at all: one that stays on the device (updated there) takes no
+        # place in the window, so it is passed over rather than spending the depth.
+        self._fetched = fetched
         self._traces: dict[str, _Trace] = {}
         self._signature: str | None = None
         self._observed: list[Use] = []
@@ -101,25 +105,35 @@ class PrefetchSchedule:
                 self._cursor = i + 1
                 return
 
-    def upcoming(self, limit: int | None = None) -> list[int]:
-        """Distinct blocks expected next, in order, within depth and the byte budget."""
+    def upcoming(self, limit: int | None = None, *, wrap_limit: int = 0) -> list[int]:
+        """Distinct fetched blocks expected next, in order, within depth (``limit``) and the byte budget. With
+        ``wrap_limit``, when the step's trace ends first, the next step of the same signature's first blocks
+        follow, up to ``wrap_limit`` blocks in all: the backward of a micro-batch that another follows fetches the
+        next forward's first blocks while the copy engine would idle, and keeps its own last ones, which that
+        forward needs first."""
         trace = self._traces.get(self._signature) if self._signature else None
         if trace is None:
             return []
         limit = self.depth if limit is None else limit
-        picked: list[int] = []
-        total = 0
-        for block, _phase in trace.uses[self._cursor :]:
+        picked, total = self._pick(trace.uses[self._cursor :], limit, [], 0)
+        if wrap_limit and len(picked) < limit:  # this pass ends within the depth
+            picked, total = self._pick(trace.uses, max(limit, wrap_limit), picked, total)
+        return picked
+
+    def _pick(self, uses: list[Use], limit: int, picked: list[int], total: int) -> tuple[list[int], int]:
+        """``picked`` extended by the distinct fetched blocks of ``uses`` until ``limit`` blocks or the byte budget,
+        with the bytes picked in all."""
+        for block, _phase in uses:
             if len(picked) >= limit:
                 break
-            if block in picked:
+            if block in picked or not self._fetched(block):
                 continue
             nbytes = self._block_nbytes(block)
             if picked and total + nbytes > self.budget_nbytes:
                 break
             picked.append(block)
             total += nbytes
-        return picked
+        return picked, total
 
     def needed_within(self, block: int, num_uses: int) -> bool:
         """True when block is expected again within the next num_uses uses (so releasing it would waste a fetch)."""

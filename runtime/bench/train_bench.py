@@ -123,7 +123,8 @@ def session_placement(session: Any, accumulation: int) -> RowPlacement:
                                homes={k: v.value for k, v in options.homes.items()}, spilled=options.spilled_blocks,
                                keep_nbytes=options.keep_for_backward_nbytes,
                                compute_elem_nbytes=torch.empty((), dtype=options.compute_dtype).element_size(),
-                               accumulation=accumulation, cpu_threads=options.cpu_threads)
+                               accumulation=accumulation, cpu_threads=options.cpu_threads,
+                               prefetch_depth=options.prefetch_depth, prefetch_budget_nbytes=options.prefetch_budget_nbytes)
 
 
 def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumulation: int,

@@ -61,6 +61,7 @@ class RowPlacement:
     resident_numel: int = 0  # weights on the GPU for the whole step: never fetched
     fetch_elem_nbytes: int = 0  # bytes one fetch moves per non-resident weight (fp32 master: 4, bf16 copy: 2)
     kept_numel: int = 0  # fetched weights kept from forward to backward: fetched once per micro-batch, not twice
+    carried_numel: int = 0  # fetched weights a backward leaves for the next micro-batch's forward: not fetched again
     fresh_numel: int = 0  # fetched weights the GPU update leaves on the device: no fetch for the step's first forward
     cpu_update_numel: int = 0  # parameters whose AdamW runs on the CPU (their gradients go to host)
     gpu_update_numel: int = 0  # parameters whose AdamW runs on the GPU (resident or streamed state)
@@ -93,7 +94,8 @@ def row_traffic(p: RowPlacement) -> Traffic:
     fetched = p.num_params - p.resident_numel
     kept = min(p.kept_numel, fetched)
     fresh = min(p.fresh_numel, fetched)
-    weights_h2d = p.fetch_elem_nbytes * (p.accumulation * (2 * fetched - kept) - fresh)
+    carried = min(p.carried_numel, fetched)
+    weights_h2d = p.fetch_elem_nbytes * (p.accumulation * (2 * fetched - kept) - (p.accumulation - 1) * carried - fresh)
     h2d = weights_h2d + STATE_NBYTES * p.streamed_numel + p.refresh_elem_nbytes * p.cpu_update_numel
     d2h = p.grad_elem_nbytes * p.cpu_update_numel + STATE_NBYTES * p.streamed_numel
     return Traffic(compute_passes=p.accumulation, gpu_update_numel=p.gpu_update_numel, cpu_update_numel=p.cpu_update_numel,
@@ -102,12 +104,14 @@ def row_traffic(p: RowPlacement) -> Traffic:
 
 def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], streamed: Iterable[int],
                         weight_source: str, homes: dict[str, str], spilled: Iterable[int], keep_nbytes: int,
-                        compute_elem_nbytes: int, accumulation: int, cpu_threads: int) -> RowPlacement:
+                        compute_elem_nbytes: int, accumulation: int, cpu_threads: int, prefetch_depth: int = 0,
+                        prefetch_budget_nbytes: int = 0) -> RowPlacement:
     """The placement of a tierstore session, from what its controller resolved: block sizes in forward
     order, the device-updated and streamed block indices, the weight source (``master``: the fp32 master is
     fetched and cast on the GPU; ``weights``: a host copy in the compute dtype; ``resident``: on the GPU,
     refreshed from the master after each CPU update), each state kind's home tier, the blocks whose moments
-    spilled to NVMe, and ``prefetch.keep_for_backward``'s budget in bytes of compute weights."""
+    spilled to NVMe, ``prefetch.keep_for_backward``'s budget in bytes of compute weights, and the prefetch depth
+    and byte budget (what a backward leaves for the next micro-batch's forward)."""
     gpu_updated, streamed, spilled = set(gpu_updated), set(streamed), set(spilled)
     total = sum(block_numels)
     device = sum(block_numels[i] for i in gpu_updated)
@@ -115,6 +119,7 @@ def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], 
     resident = weight_source == "resident"
     fetched = [i for i in range(len(block_numels)) if not resident and i not in gpu_updated]
     kept = _kept_numel([block_numels[i] for i in fetched], keep_nbytes, compute_elem_nbytes)
+    carried = _carried_numel([block_numels[i] for i in fetched], prefetch_depth, prefetch_budget_nbytes, compute_elem_nbytes)
     disk = 0
     for index, numel in enumerate(block_numels):
         if index not in gpu_updated:
@@ -123,7 +128,7 @@ def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], 
             disk += FP32 * numel * len(on_disk)
     return RowPlacement(num_params=total, accumulation=accumulation, resident_numel=total if resident else device,
                         fetch_elem_nbytes={"master": FP32, "weights": compute_elem_nbytes, "resident": 0}[weight_source],
-                        kept_numel=kept, fresh_numel=0 if resident else streamed_numel,
+                        kept_numel=kept, carried_numel=carried, fresh_numel=0 if resident else streamed_numel,
                         cpu_update_numel=total - device - streamed_numel, gpu_update_numel=device + streamed_numel,
                         streamed_numel=streamed_numel, refresh_elem_nbytes=FP32 if resident else 0,
                         disk_state_nbytes=disk, cpu_threads=cpu_threads)
@@ -146,6 +151,19 @@ def _kept_numel(fetched_numels: list[int], keep_nbytes: int, elem_nbytes: int) -
         budget -= nbytes
         kept += numel if position else 0  # the last block is counted already
     return kept
+
+
+def _carried_numel(fetched_numels: list[int], depth: int, budget_nbytes: int, elem_nbytes: int) -> int:
+    """Weights (of the fetched blocks, in forward order) a backward leaves on the GPU for the next micro-batch's
+    forward ([Note: prefetch across micro-batches] in runtime.controller): the first ``depth`` blocks, within the
+    prefetch byte budget (the first block always)."""
+    carried = total = 0
+    for numel in fetched_numels[:depth]:
+        if carried and total + numel * elem_nbytes > budget_nbytes:
+            break
+        carried += numel
+        total += numel * elem_nbytes
+    return carried
 
 
 def plain_placement(num_params: int, accumulation: int) -> RowPlacement:

@@ -309,6 +309,28 @@ def test_weights_kept_for_backward_fetch_once_per_step_bit_identical():
     assert kept < partial < without, (kept, partial, without)
 
 
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_backward_keeps_and_fetches_the_next_micro_batch_s_first_blocks_bit_identical(clip, monkeypatch):
+    """[Note: prefetch across micro-batches]: the backward of a micro-batch another follows keeps its last blocks
+    and fetches the next forward's first ones, so a step fetches fewer blocks than when every forward starts from
+    nothing; the step's last backward wraps nothing (the next forward must see the updated weights: the losses and
+    weights equal the plain loop's)."""
+    def fetches(wrap: bool) -> int:
+        if not wrap:
+            monkeypatch.setattr("runtime.controller.Controller._wraps", lambda self: False)
+        config = {"dtype": "fp32", "prefetch": {"depth": 2, "keep_for_backward": 0},
+                  "optimizer": {"grad_clip": clip, "accumulation_steps": 4}}
+        ours, theirs, weights, reference, events, _ = run_both(config)
+        monkeypatch.undo()
+        assert ours == theirs
+        assert_identical(weights, reference)
+        return sum(1 for e in events if e.kind == "h2d")
+
+    without, wrapped = fetches(False), fetches(True)
+    # Each of the 3 micro-batches a step that another follows keeps at least its last fetched block.
+    assert wrapped <= without - 3 * STEPS, (wrapped, without)
+
+
 @pytest.mark.parametrize("clip,weights,ahead", [(None, "host", 1), (0.5, "host", 1), (None, "gpu", 1), (None, "host", 2), (0.5, "host", 2)])
 def test_streamed_gpu_update_bit_identical(clip, weights, ahead):
     """optimizer.gpu_stream_fraction: the streamed blocks' master and moments stay home in host memory,

@@ -271,3 +271,36 @@ def test_replaying_a_sequence_never_diverges_and_predicts_what_comes_next(uses, 
     assert s.stats.divergences == divergences
     assert s.stats.repairs == repairs
     assert s.traces()["train"] == uses
+
+
+def test_upcoming_passes_over_blocks_that_are_never_fetched():
+    """A block updated on the device keeps its weights there: it takes no place in the window or the depth."""
+    s = PrefetchSchedule(2, 1 << 30, lambda b: 100, fetched=lambda b: b != 0)
+    run_step(s, FWD_BWD)
+    s.begin("train")
+    assert s.upcoming() == [1, 2]  # block 0 is first in the trace but stays on the device
+
+
+def test_wrap_limit_continues_into_the_next_pass_only_past_the_trace_end():
+    s = make(depth=2)
+    run_step(s, FWD_BWD)
+    s.begin("train")
+    for use in FWD_BWD[:4]:
+        s.observe(*use)
+    assert s.upcoming(wrap_limit=3) == [3, 2]  # the trace still holds `depth` blocks: no wrap
+    for use in FWD_BWD[4:7]:
+        s.observe(*use)
+    assert s.upcoming() == [0]  # (0, bwd) is all that is left of this pass
+    assert s.upcoming(wrap_limit=3) == [0, 1, 2]  # then the next pass's first blocks, 3 in all
+    s.observe(*FWD_BWD[7])
+    assert s.upcoming() == []
+    assert s.upcoming(wrap_limit=3) == [0, 1, 2]
+
+
+def test_wrap_limit_keeps_the_byte_budget():
+    s = make(depth=2, budget=250, sizes={0: 100, 1: 100, 2: 100})
+    run_step(s, FWD_BWD)
+    s.begin("train")
+    for use in FWD_BWD:
+        s.observe(*use)
+    assert s.upcoming(wrap_limit=3) == [0, 1]  # a third block would pass 250 bytes
