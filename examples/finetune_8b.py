@@ -184,9 +184,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="no offload: time the same micro-batches with the whole model in bf16 on the GPU, uncapped "
                              "(about 2 x 2 bytes a parameter plus activations: 40 GB at 8B), then exit. The floor the "
                              "offloaded micro-batches are measured against")
-    parser.add_argument("--memory-history", action="store_true",
-                        help="record the CUDA allocator's history and, if the GPU runs out of memory, print what held it "
-                             "then: the live allocations summed by the line of code that made them")
     parser.add_argument("--trace", metavar="FILE",
                         help="profile micro-batches 2 and 3 of the last step with torch.profiler (the GPU's kernels and copies) and "
                              "write the Chrome trace to FILE (gzip if it ends in .gz)")
@@ -213,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.INFO)
     if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
-    if cuda and args.memory_history:
-        _explain_out_of_memory()
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())
     config = tierstore_config(args, cuda)
@@ -331,9 +326,10 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                 tokens_per_s = args.global_batch * args.seq / seconds
                 peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
                 peak_held = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0
+                retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if device.type == "cuda" else 0
                 print(f"\rstep {step}/{args.steps}: loss {losses[-1]:.4f}, {seconds:.1f} s, {tokens_per_s:,.0f} tokens/s, "
                       f"{6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s, peak GPU {peak_gpu:.1f} GiB ({peak_held:.1f} "
-                      f"held by the allocator), peak RSS "
+                      f"held by the allocator, {retries} allocation retries so far), peak RSS "
                       f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, NVMe "
                       f"{(disk['read'] - before['read']) / 1e9:.1f} GB read / {(disk['write'] - before['write']) / 1e9:.1f} GB "
                       "written", file=sys.stderr)
@@ -363,43 +359,6 @@ def _trace(running, path: str):  # type: ignore[no-untyped-def]
     running.export_chrome_trace(path)
     print(f"\ntrace of two micro-batches written to {path}", file=sys.stderr)
     return None
-
-
-def _explain_out_of_memory(top: int = 30) -> None:
-    """Record the allocator's history; when CUDA runs out of memory, print the live allocations then, summed by the
-    innermost frame in this project or transformers (or the backward node that made them)."""
-    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="all")
-    ours = ("/runtime/", "/tierstore/", "finetune_8b", "/transformers/", "/torch/utils/checkpoint")
-
-    def where(frames: list[dict]) -> str:
-        for frame in frames:
-            if any(part in frame["filename"] for part in ours):
-                return f"{frame['filename'].rsplit('/', 2)[-1]}:{frame['line']} {frame['name']}"
-        for frame in frames:
-            if "Backward" in frame["name"] or "autograd::generated" in frame["name"]:
-                return frame["name"][:90]
-        return "elsewhere"
-
-    def on_oom(device: int, asked: int, allocated: int, free: int) -> None:
-        try:
-            explain(asked, allocated)
-        except Exception:  # the observer must not raise into the allocator: the out-of-memory error would be lost
-            logging.getLogger(__name__).exception("explaining the out-of-memory error failed")
-
-    def explain(asked: int, allocated: int) -> None:
-        held: dict[str, list[int]] = {}
-        for segment in torch.cuda.memory._snapshot()["segments"]:
-            for block in segment["blocks"]:
-                if block["state"] == "active_allocated":
-                    entry = held.setdefault(where(block.get("frames", [])), [0, 0])
-                    entry[0] += block["size"]
-                    entry[1] += 1
-        print(f"\nout of memory asking {asked / 2**20:,.0f} MiB with {allocated / 2**30:.2f} GiB allocated; live "
-              "allocations by the code that made them:", file=sys.stderr)
-        for name, (nbytes, count) in sorted(held.items(), key=lambda item: -item[1][0])[:top]:
-            print(f"  {nbytes / 2**20:10,.0f} MiB  {count:5d}  {name}", file=sys.stderr)
-
-    torch._C._cuda_attach_out_of_memory_observer(on_oom)
 
 
 def _sum_counters(session) -> list[float]:  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -202,3 +203,27 @@ def test_any_other_setting_reaches_the_config_through_set():
         example.tierstore_config(example.parse_args(["--set", "tiers.gpu=1"]), cuda=True)
     with pytest.raises(SystemExit, match="not YAML"):
         example.tierstore_config(example.parse_args(["--set", "optimizer.lr=[1"]), cuda=True)
+
+
+def test_trace_writes_a_profile_of_two_micro_batches(tmp_path, capsys):
+    """--trace FILE: torch.profiler over micro-batches 2 and 3 of the last step (the CPU's ops here, the GPU's
+    kernels and copies on a GPU), written as a Chrome trace, gzipped for a .gz name."""
+    import gzip
+    import json
+
+    example = load_example()
+    trace = tmp_path / "trace.json.gz"
+    code = example.main(SMALL + ["--global-batch", "8", "--micro-batch", "2", "--steps", "2", "--lr", "3e-3",
+                                 "--nvme-dir", str(tmp_path), "--host-budget", "1GiB", "--trace", str(trace)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"aten::mm", "aten::addmm", "aten::matmul"} & names  # the model's matmuls were recorded
+
+
+def test_compute_bound_needs_a_gpu(monkeypatch):
+    """--compute-bound times the micro-batches with the whole model on the GPU: without one it says so."""
+    example = load_example()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        example.main(SMALL + ["--compute-bound"])
