@@ -188,6 +188,7 @@ class Controller:
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self._capacity_refused: set[int] = set()  # blocks whose prefetch the GPU budget refused (only with listeners)
         self._kept: dict[int, int] = {}  # blocks a training forward left on the device for backward -> bytes, oldest first
+        self._carried: set[int] = set()  # blocks a backward left on the device for the next micro-batch's forward
         self.writebacks = DeviceWritebacks(self.device)  # streamed state on its way home ([Note: paced write-back])
         self.pace_writebacks = True  # False queues each write-back at once (the bench's -nopace rows compare)
         self.device_updates = DeviceUpdates(self)  # the device-updated and streamed blocks' updates
@@ -348,9 +349,11 @@ class Controller:
         fresh, self.device_updates.fresh = self.device_updates.fresh, set()
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")
         self.schedule.begin(signature)
-        first = set(self.schedule.upcoming(self._wrap_limit))  # kept or fetched by the last backward for this forward
-        for index, state in enumerate(self.weights.states):  # leftovers: prefetched for a path not taken
-            if state.users == 0 and not self._in_backward_use[index] and index not in fresh and index not in first:
+        # The last backward's carried blocks stay when this forward begins with them; any other leftover (prefetched
+        # for a path not taken, or after anything that may have changed the weights) goes.
+        carried, self._carried = self._carried & set(self.schedule.upcoming(self._wrap_limit)), set()
+        for index, state in enumerate(self.weights.states):
+            if state.users == 0 and not self._in_backward_use[index] and index not in fresh and index not in carried:
                 self._release(index)
         self.weights.release_refreshes()  # no-op, unless a backward that held them raised before its end
         self.writebacks.forward_begin()
@@ -456,9 +459,14 @@ class Controller:
         the next forward's first blocks once its own remaining blocks are fewer than the depth, and keeps its last
         ones (the forward's first): the forward is bound by the weights' copies (it computes a block faster than its
         fp32 master crosses PCIe), the copy engine idles at the backward's end, and without this the forward began by
-        fetching again what the backward had just released. The weights cannot change between these micro-batches
-        (the step's last backward wraps nothing: its updates come first). Up to depth + 1 blocks: with the block
-        in use, the window the plan counts (depth + 2)."""
+        fetching again what the backward had just released. Up to depth + 1 blocks in all, the block in use among
+        them: within the window the plan counts (depth + 2). In the usual order a block's gradients are done before
+        the next block's backward begins, so the backward keeps the forward's first ``depth`` fetched blocks and
+        fetches one more (``runtime.bench.train_bound`` counts ``depth``). The carried blocks are named at the
+        backward's end (``_carried``) and only they survive the next forward's sweep of leftovers. No master
+        changes between these micro-batches: updates start in the step's last backward, which wraps nothing, and
+        ``step()`` releases every block it updates; ``discard_pending`` releases everything; state writes and
+        checkpoint loads are refused while a step is pending."""
         return self.options.prefetch_depth + 1
 
     def _wraps(self) -> bool:
@@ -567,6 +575,8 @@ class Controller:
                 self._block_grads_done(index)
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
+        if self._wraps():  # what the next forward finds on the device ([Note: prefetch across micro-batches])
+            self._carried = {i for i in self.schedule.upcoming(wrap_limit=self._wrap_limit) if self.weights.is_fetched(i)}
         self.weights.release_refreshes()  # no-op unless a backward held them
         self._set_phase(StepPhase.READY if self.last_micro else StepPhase.ACCUMULATING)
         self.micro += 1
@@ -842,6 +852,7 @@ class Controller:
             if self.weights.states[index].users == 0 and index not in self.device_updates.fresh:
                 self._release(index)
         self._updating.clear()
+        self._carried.clear()
         self.optimizer_step += 1
         self.micro = 0
         if self.step_listeners:
@@ -909,6 +920,7 @@ class Controller:
             if self.sums is not None:
                 self.sums.reset()
             self._release_read_early()
+            self._carried.clear()
             for index, state in enumerate(self.weights.states):
                 state.users = 0
                 self._release(index)

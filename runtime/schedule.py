@@ -107,33 +107,33 @@ class PrefetchSchedule:
 
     def upcoming(self, limit: int | None = None, *, wrap_limit: int = 0) -> list[int]:
         """Distinct fetched blocks expected next, in order, within depth (``limit``) and the byte budget. With
-        ``wrap_limit``, when the step's trace ends first, the next step of the same signature's first blocks
-        follow, up to ``wrap_limit`` blocks in all: the backward of a micro-batch that another follows fetches the
+        ``wrap_limit``, when the step's trace ends within the depth and the budget, the next step of the same
+        signature's first blocks follow, up to ``wrap_limit`` blocks in all: the backward of a micro-batch that another follows fetches the
         next forward's first blocks while the copy engine would idle, and keeps its own last ones, which that
         forward needs first."""
         trace = self._traces.get(self._signature) if self._signature else None
         if trace is None:
             return []
         limit = self.depth if limit is None else limit
-        picked, total = self._pick(trace.uses[self._cursor :], limit, [], 0)
-        if wrap_limit and len(picked) < limit:  # this pass ends within the depth
-            picked, total = self._pick(trace.uses, max(limit, wrap_limit), picked, total)
+        picked, total, ran_out = self._pick(trace.uses[self._cursor :], limit, [], 0)
+        if wrap_limit and ran_out:  # this pass ends within the depth and the byte budget
+            picked, _, _ = self._pick(trace.uses, max(limit, wrap_limit), picked, total)
         return picked
 
-    def _pick(self, uses: list[Use], limit: int, picked: list[int], total: int) -> tuple[list[int], int]:
+    def _pick(self, uses: list[Use], limit: int, picked: list[int], total: int) -> tuple[list[int], int, bool]:
         """``picked`` extended by the distinct fetched blocks of ``uses`` until ``limit`` blocks or the byte budget,
-        with the bytes picked in all."""
+        with the bytes picked in all, and whether ``uses`` ran out first."""
         for block, _phase in uses:
             if len(picked) >= limit:
-                break
+                return picked, total, False
             if block in picked or not self._fetched(block):
                 continue
             nbytes = self._block_nbytes(block)
             if picked and total + nbytes > self.budget_nbytes:
-                break
+                return picked, total, False
             picked.append(block)
             total += nbytes
-        return picked, total
+        return picked, total, len(picked) < limit
 
     def needed_within(self, block: int, num_uses: int) -> bool:
         """True when block is expected again within the next num_uses uses (so releasing it would waste a fetch)."""

@@ -309,26 +309,39 @@ def test_weights_kept_for_backward_fetch_once_per_step_bit_identical():
     assert kept < partial < without, (kept, partial, without)
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_a_backward_keeps_and_fetches_the_next_micro_batch_s_first_blocks_bit_identical(clip, monkeypatch):
-    """[Note: prefetch across micro-batches]: the backward of a micro-batch another follows keeps its last blocks
-    and fetches the next forward's first ones, so a step fetches fewer blocks than when every forward starts from
-    nothing; the step's last backward wraps nothing (the next forward must see the updated weights: the losses and
-    weights equal the plain loop's)."""
-    def fetches(wrap: bool) -> int:
+@pytest.mark.parametrize("clip,on_gpu", [(None, 0.0), (0.5, 0.0), (0.5, 0.3)])
+def test_a_backward_keeps_and_fetches_the_next_micro_batch_s_first_blocks_bit_identical(clip, on_gpu, monkeypatch):
+    """[Note: prefetch across micro-batches]: the backward of a micro-batch another follows keeps the next forward's
+    first ``depth`` fetched blocks (blocks updated on the device, ``on_gpu``, are not fetched and do not count), so
+    each such backward saves exactly ``depth`` fetches; the step's last backward wraps nothing and the losses and
+    weights equal the plain loop's."""
+    depth, accumulation = 2, 4
+
+    def fetches(wrap: bool) -> tuple[int, list[int]]:
+        """The run's weight copies, and how many fetched blocks each forward found on the device."""
+        found: list[int] = []
+
+        def watch(session) -> None:  # noqa: ANN001
+            ctl = session.controller
+            ctl.step_listeners.append(lambda event: event.kind == "begin" and found.append(
+                sum(ctl.weights.is_fetched(i) for i in range(len(ctl.blocks)) if i not in ctl.gpu_updated)))
+
         if not wrap:
             monkeypatch.setattr("runtime.controller.Controller._wraps", lambda self: False)
-        config = {"dtype": "fp32", "prefetch": {"depth": 2, "keep_for_backward": 0},
-                  "optimizer": {"grad_clip": clip, "accumulation_steps": 4}}
-        ours, theirs, weights, reference, events, _ = run_both(config)
+        config = {"dtype": "fp32", "prefetch": {"depth": depth, "keep_for_backward": 0},
+                  "optimizer": {"grad_clip": clip, "accumulation_steps": accumulation, "gpu_update_fraction": on_gpu}}
+        ours, theirs, weights, reference, events, _ = run_both(config, prepare=watch)
         monkeypatch.undo()
         assert ours == theirs
         assert_identical(weights, reference)
-        return sum(1 for e in events if e.kind == "h2d")
+        return sum(1 for e in events if e.kind == "h2d"), found
 
-    without, wrapped = fetches(False), fetches(True)
-    # Each of the 3 micro-batches a step that another follows keeps at least its last fetched block.
-    assert wrapped <= without - 3 * STEPS, (wrapped, without)
+    (without, found_without), (wrapped, found) = fetches(False), fetches(True)
+    # Every backward but each step's last wraps; the very first has no trace yet to wrap into.
+    assert without - wrapped == depth * (STEPS * (accumulation - 1) - 1), (without, wrapped)
+    # It kept `depth` blocks and fetched one more: depth + 1 wait for each forward that follows a wrapping backward.
+    assert found[2:] == [0 if micro == 0 else depth + 1 for micro in list(range(accumulation)) * STEPS][2:], found
+    assert not any(found_without)
 
 
 @pytest.mark.parametrize("clip,weights,ahead", [(None, "host", 1), (0.5, "host", 1), (None, "gpu", 1), (None, "host", 2), (0.5, "host", 2)])

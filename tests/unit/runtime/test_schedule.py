@@ -297,10 +297,20 @@ def test_wrap_limit_continues_into_the_next_pass_only_past_the_trace_end():
     assert s.upcoming(wrap_limit=3) == [0, 1, 2]
 
 
-def test_wrap_limit_keeps_the_byte_budget():
+def test_wrap_limit_counts_the_bytes_already_picked():
     s = make(depth=2, budget=250, sizes={0: 100, 1: 100, 2: 100})
     run_step(s, FWD_BWD)
     s.begin("train")
-    for use in FWD_BWD:
+    for use in FWD_BWD[:7]:
         s.observe(*use)
-    assert s.upcoming(wrap_limit=3) == [0, 1]  # a third block would pass 250 bytes
+    assert s.upcoming(wrap_limit=3) == [0, 1]  # (0, bwd) left, then block 1; block 2 would pass 250 bytes
+
+
+def test_a_pass_cut_short_by_the_byte_budget_does_not_wrap():
+    """The blocks of this pass that the budget leaves out come before the next pass's: the budget stops both."""
+    s = make(depth=2, budget=250, sizes={3: 100, 2: 200, 0: 100})
+    run_step(s, FWD_BWD)
+    s.begin("train")
+    for use in FWD_BWD[:4]:
+        s.observe(*use)
+    assert s.upcoming(wrap_limit=3) == [3]  # block 2 would pass 250 bytes: not block 0 of the next pass instead
