@@ -14,6 +14,7 @@ bytes; at the end, where the time went (the profiler's split).
 
     python examples/finetune_8b.py --plan-only                          # the plan, nothing allocated
     python examples/finetune_8b.py --nvme-dir /var/tmp/ts --steps 2     # train (on a GPU machine)
+    python examples/finetune_8b.py --compute-bound                      # the floor: all on the GPU, no cap
 
 Smaller shapes take the same flags (``--hidden --layers --heads --kv-heads --ffn --vocab``), which is how the
 tests run it on the CPU. Needs the ``hf`` extra (transformers, accelerate).
