@@ -126,6 +126,8 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
         path, sep, value = setting.partition("=")
         if not sep or not path:
             raise SystemExit(f"--set {setting!r}: expected KEY=VALUE, e.g. prefetch.keep_for_backward=0")
+        if path in SET_BY_FLAGS:  # two places for one setting would disagree (and the step lines read the flags)
+            raise SystemExit(f"--set {setting!r}: {path} comes from {SET_BY_FLAGS[path]}; set it there")
         *sections, leaf = path.split(".")
         node = config
         for name in sections:
@@ -139,6 +141,21 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
         except yaml.YAMLError as error:
             raise SystemExit(f"--set {setting!r}: the value is not YAML ({error}); quote strings, e.g. {path}='\"...\"'")
     return config
+
+
+# Settings the script derives from its own flags: --set refuses them, naming the flag.
+SET_BY_FLAGS = {
+    "dtype": "the device (bf16 on a GPU, fp32 on the CPU)",
+    "optimizer.lr": "--lr",
+    "optimizer.accumulation_steps": "--global-batch / --micro-batch",
+    "tiers.gpu.budget": "--gpu-cap",
+    "tiers.gpu.activation_reserve": "--activation-reserve",
+    "tiers.host.budget": "--host-budget",
+    "tiers.nvme.path": "--nvme-dir",
+    "tiers.nvme.budget": "--nvme-budget",
+    "tiers.nvme.io_threads": "--io-threads",
+    "tiers.nvme.block_size": "--io-block",
+}
 
 
 def add_scenario_args(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "write the Chrome trace to FILE (gzip if it ends in .gz)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other config setting, as a dotted path and a YAML value (repeatable), e.g. "
-                             "--set optimizer.gpu_stream_fraction=0 --set prefetch.keep_for_backward=0")
+                             "--set optimizer.gpu_stream_fraction=0 --set prefetch.keep_for_backward=0; those the "
+                             "flags above set (dtype, lr, accumulation, the tiers' budgets and paths) are refused")
     args = parser.parse_args(argv)
     check_scenario_args(parser, args)
     args.host_budget = parse_size(args.host_budget)

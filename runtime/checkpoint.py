@@ -35,6 +35,7 @@ from runtime.checkpoint_io import (
     META_NAME,
     CheckpointError,
     FileEntry,
+    PendingCheckpoint,
     check_listing,
     copy_range,
     find_checkpoint,

@@ -299,7 +299,7 @@ class Controller:
                 if not self.weights.states[index].resident:
                     resident.append(index)
                 self.weights.load_resident(index, self.store.tensor(self.blocks[index].key("master"), TierName.GPU))
-        except BaseException as error:
+        except BaseException:
             for index in resident:
                 self.weights.release(index)
             stuck = []

@@ -30,7 +30,6 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
-from torch import nn
 
 from runtime.blocks import Block
 

@@ -181,17 +181,16 @@ def test_the_io_settings_reach_the_config():
 
 def test_any_other_setting_reaches_the_config_through_set():
     """--set KEY=VALUE puts a YAML value at a dotted path (a new section or beside the scenario's own keys), the
-    schema takes it, and a malformed one names what to write instead."""
+    schema takes it, a malformed one names what to write instead, and a setting one of the script's flags makes
+    names that flag."""
     from runtime.config import load_config
 
     example = load_example()
     args = example.parse_args(["--set", "prefetch.keep_for_backward=0", "--set", "optimizer.gpu_stream_fraction=0.25",
-                               "--set", "blocks.min_block_size=1024",
-                               "--set", "tiers.gpu.activation_reserve=3GiB"])
+                               "--set", "blocks.min_block_size=1024"])
     config = example.tierstore_config(args, cuda=True)
     assert config["prefetch"] == {"keep_for_backward": 0}  # the scenario's own setting, set again
     assert config["optimizer"]["gpu_stream_fraction"] == 0.25 and config["optimizer"]["grad_clip"] == 1.0
-    assert config["tiers"]["gpu"]["activation_reserve"] == "3GiB"  # --set wins over --activation-reserve's default
     assert config["blocks"] == {"min_block_size": 1024}  # a section the scenario does not set
     loaded = load_config(config)
     assert loaded.prefetch.keep_for_backward == 0 and loaded.optimizer.gpu_stream_fraction == 0.25
@@ -202,7 +201,11 @@ def test_any_other_setting_reaches_the_config_through_set():
     with pytest.raises(SystemExit, match="tiers.gpu is a section; set one of its keys"):
         example.tierstore_config(example.parse_args(["--set", "tiers.gpu=1"]), cuda=True)
     with pytest.raises(SystemExit, match="not YAML"):
-        example.tierstore_config(example.parse_args(["--set", "optimizer.lr=[1"]), cuda=True)
+        example.tierstore_config(example.parse_args(["--set", "optimizer.weight_decay=[1"]), cuda=True)
+    for key, flag in [("tiers.gpu.activation_reserve=3GiB", "--activation-reserve"), ("dtype=fp16", "the device"),
+                      ("optimizer.accumulation_steps=2", "--global-batch / --micro-batch")]:
+        with pytest.raises(SystemExit, match=f"comes from {flag}"):
+            example.tierstore_config(example.parse_args(["--set", key]), cuda=True)
 
 
 def test_trace_writes_a_profile_of_two_micro_batches(tmp_path, capsys):
