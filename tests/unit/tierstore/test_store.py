@@ -176,17 +176,33 @@ def test_a_copy_read_ahead_is_released_once_it_lands(make_store, nvme_dir: Path)
         store.release_read_ahead("k", "nvme")
 
 
-def test_wait_written_returns_once_the_write_home_and_its_release_have_run(make_store, nvme_dir: Path) -> None:
+def test_wait_written_returns_once_the_write_home_and_its_release_have_run(make_store, nvme_dir: Path,
+                                                                           monkeypatch) -> None:
     """A host copy written back to its NVMe home with release: wait_written (not waiting on the write's handle)
     returns with the write landed and the host copy already released, so nobody modifies a copy a write is
     still reading or is about to free."""
+    import threading
+
+    from tierstore.nvme import NVMeDirectory
+
     store = make_store(nvme_path=str(nvme_dir))
     store.register("k", TensorMeta(torch.float32, 1 << 20), "nvme", init=torch.zeros(1 << 20))
     store.fetch("k", "host").wait()
     store.tensor("k", "host").fill_(3.0)
     store.mark_dirty("k", "host")
+    gate, write = threading.Event(), NVMeDirectory.write
+
+    def gated_write(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003 - the write waits for the gate
+        if not gate.wait(10.0):
+            raise RuntimeError("the gate never opened")
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(NVMeDirectory, "write", gated_write)
     store.evict("k", "host")  # written back, then released; the handle is dropped
+    assert store.state("k", "host") is not CopyState.ABSENT  # the write is held at the gate
+    threading.Timer(0.2, gate.set).start()
     store.wait_written("k")
+    assert gate.is_set()  # it returned only after the write could run
     assert store.state("k", "host") is CopyState.ABSENT and store.state("k", "nvme").is_current
     store.fetch("k", "host").wait()
     assert torch.equal(store.tensor("k", "host"), torch.full((1 << 20,), 3.0))
