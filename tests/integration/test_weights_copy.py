@@ -63,9 +63,22 @@ def test_the_copy_is_taken_with_the_master_in_host_memory(force_copy):
 
 @pytest.mark.parametrize("clip", [1e6, 1e-3])
 def test_published_and_redone_early_updates_refresh_the_copy(force_copy, clip):
-    """grad_clip 1e6: every early (pre-commit) update is published; 1e-3: they are redone after the clip."""
+    """grad_clip 1e6: every early (pre-commit) update is published; 1e-3: they are redone after the clip. Each
+    commit first lets the early updates run (on a loaded machine the worker may not have started them by the
+    commit, which then withdraws them: neither path would run)."""
+    def early_updates_first(session) -> None:  # noqa: ANN001
+        controller = session.controller
+        commit = controller.step
+
+        def step() -> None:
+            controller.worker.drain()
+            commit()
+
+        controller.step = step
+
     config = {"dtype": "bf16", "optimizer": {"accumulation_steps": ACC, "grad_clip": clip}}
-    ours, theirs, weights, reference, _, (_, _, worker) = run_both(config, dtype=torch.bfloat16, steps=3)
+    ours, theirs, weights, reference, _, (_, _, worker) = run_both(config, dtype=torch.bfloat16, steps=3,
+                                                                   prepare=early_updates_first)
     assert ours == theirs
     assert_identical(weights, reference)
     assert (worker.published if clip > 1 else worker.redone) > 0
