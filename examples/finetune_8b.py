@@ -295,7 +295,7 @@ def compute_bound(args: argparse.Namespace, num_params: int, warmup: int = 2, ti
             forward_s += t1 - t0
             whole_s += time.perf_counter() - t0
     per_micro = whole_s / timed
-    step_s = per_micro * args.global_batch // args.micro_batch
+    step_s = per_micro * (args.global_batch // args.micro_batch)  # (not per_micro * global // micro: a float floor)
     tokens_per_s = args.global_batch * args.seq / step_s
     print(f"compute bound (bf16, all on the GPU, nothing offloaded): forward {forward_s / timed:.3f} s, forward + "
           f"backward {per_micro:.3f} s a micro-batch; the step's {args.global_batch // args.micro_batch} micro-batches "
