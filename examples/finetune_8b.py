@@ -94,6 +94,11 @@ def for_training(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.M
     return model.train()
 
 
+def micro_batch_loss(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """The micro-batch's mean loss: the piecewise loss's, or HF's own with ``--loss-piece 0``."""
+    return model(tokens) if args.loss_piece else model(input_ids=tokens, labels=tokens).loss
+
+
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The Llama of the given shape, parameters on the meta device (buffers on the CPU), checkpointing on."""
     from accelerate import init_empty_weights
@@ -286,7 +291,7 @@ def compute_bound(args: argparse.Namespace, num_params: int, warmup: int = 2, ti
         tokens = data.next()[0].cuda()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(tokens) if args.loss_piece else model(input_ids=tokens, labels=tokens).loss
+        loss = micro_batch_loss(model, tokens, args)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         loss.backward()
@@ -332,7 +337,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                         tracer = _trace(tracer if micro == 4 else None, args.trace)
                     tokens, _ = data.next()
                     tokens = tokens.to(device)
-                    loss = model(tokens) if args.loss_piece else model(input_ids=tokens, labels=tokens).loss
+                    loss = micro_batch_loss(model, tokens, args)
                     (loss / accumulation).backward()
                     total += loss.detach()  # no .item() per micro-batch: it would wait for the GPU each time
                     print(f"\rstep {step}/{args.steps}: micro-batch {micro}/{accumulation}", end="", file=sys.stderr,

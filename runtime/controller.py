@@ -473,10 +473,14 @@ class Controller:
         """Whether the micro-batch in progress is followed by another of this step (see _wrap_limit)."""
         return self._phase is StepPhase.BACKWARD and not self.last_micro
 
+    def _upcoming(self) -> list[int]:
+        """The blocks to have on the device next: the schedule's, past this pass into the next where it wraps."""
+        return self.schedule.upcoming(wrap_limit=self._wrap_limit if self._wraps() else 0)
+
     def _prefetch(self) -> None:
         if self.options.weight_source is WeightSource.RESIDENT:
             return
-        for index in self.schedule.upcoming(wrap_limit=self._wrap_limit if self._wraps() else 0):
+        for index in self._upcoming():
             if self.weights.is_fetched(index) or index in self._updating:
                 continue
             if not self.worker.is_updated(index, self.optimizer_step):
@@ -576,7 +580,7 @@ class Controller:
         self._grad_counts = [0] * len(self.blocks)
         self._in_backward_use = [False] * len(self.blocks)
         if self._wraps():  # what the next forward finds on the device ([Note: prefetch across micro-batches])
-            self._carried = {i for i in self.schedule.upcoming(wrap_limit=self._wrap_limit) if self.weights.is_fetched(i)}
+            self._carried = {i for i in self._upcoming() if self.weights.is_fetched(i)}
         self.weights.release_refreshes()  # no-op unless a backward held them
         self._set_phase(StepPhase.READY if self.last_micro else StepPhase.ACCUMULATING)
         self.micro += 1
@@ -597,7 +601,7 @@ class Controller:
     def _kept_for_next_forward(self, index: int) -> bool:
         """The block's weights stay for the next micro-batch's forward, which needs them among its first blocks
         ([Note: prefetch across micro-batches])."""
-        return self._wraps() and index in self.schedule.upcoming(wrap_limit=self._wrap_limit)
+        return self._wraps() and index in self._upcoming()
 
     def _assemble(self, block: Block, present: list[bool], begin: int = 0, end: int | None = None) -> torch.Tensor:
         """Elements ``[begin, end)`` (default: all) of the block's flat gradient, as a new fp32 device tensor (zeros

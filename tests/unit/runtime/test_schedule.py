@@ -27,6 +27,14 @@ def run_step(schedule: PrefetchSchedule, uses, signature: str = "train") -> list
     return seen
 
 
+def second_pass(schedule: PrefetchSchedule, seen: int) -> None:
+    """Trace FWD_BWD, then begin a second pass and observe its first ``seen`` uses."""
+    run_step(schedule, FWD_BWD)
+    schedule.begin("train")
+    for use in FWD_BWD[:seen]:
+        schedule.observe(*use)
+
+
 def test_first_step_records_the_trace_and_predicts_nothing():
     s = make()
     assert s.traces() == {}
@@ -107,10 +115,7 @@ def test_budget_exactly_reached_is_allowed():
 
 def test_needed_within():
     s = make()
-    run_step(s, FWD_BWD)
-    s.begin("train")
-    for use in FWD_BWD[:3]:
-        s.observe(*use)
+    second_pass(s, 3)
     # Next uses: (3, fwd), (3, bwd), (2, bwd), (1, bwd), (0, bwd)
     assert s.needed_within(3, 1)
     assert not s.needed_within(2, 2)
@@ -139,10 +144,7 @@ def test_divergence_resynchronises_on_the_next_matching_use():
 
 def test_a_use_behind_the_cursor_does_not_move_it_back():
     s = make(depth=1)
-    run_step(s, FWD_BWD)
-    s.begin("train")
-    for use in FWD_BWD[:3]:
-        s.observe(*use)
+    second_pass(s, 3)
     s.observe(0, "fwd")  # already passed, and not ahead: cursor stays
     assert s.stats.divergences == 1
     assert s.upcoming() == [3]
@@ -283,10 +285,7 @@ def test_upcoming_passes_over_blocks_that_are_never_fetched():
 
 def test_wrap_limit_continues_into_the_next_pass_only_past_the_trace_end():
     s = make(depth=2)
-    run_step(s, FWD_BWD)
-    s.begin("train")
-    for use in FWD_BWD[:4]:
-        s.observe(*use)
+    second_pass(s, 4)
     assert s.upcoming(wrap_limit=3) == [3, 2]  # the trace still holds `depth` blocks: no wrap
     for use in FWD_BWD[4:7]:
         s.observe(*use)
@@ -299,18 +298,12 @@ def test_wrap_limit_continues_into_the_next_pass_only_past_the_trace_end():
 
 def test_wrap_limit_counts_the_bytes_already_picked():
     s = make(depth=2, budget=250, sizes={0: 100, 1: 100, 2: 100})
-    run_step(s, FWD_BWD)
-    s.begin("train")
-    for use in FWD_BWD[:7]:
-        s.observe(*use)
+    second_pass(s, 7)
     assert s.upcoming(wrap_limit=3) == [0, 1]  # (0, bwd) left, then block 1; block 2 would pass 250 bytes
 
 
 def test_a_pass_cut_short_by_the_byte_budget_does_not_wrap():
     """The blocks of this pass that the budget leaves out come before the next pass's: the budget stops both."""
     s = make(depth=2, budget=250, sizes={3: 100, 2: 200, 0: 100})
-    run_step(s, FWD_BWD)
-    s.begin("train")
-    for use in FWD_BWD[:4]:
-        s.observe(*use)
+    second_pass(s, 4)
     assert s.upcoming(wrap_limit=3) == [3]  # block 2 would pass 250 bytes: not block 0 of the next pass instead
