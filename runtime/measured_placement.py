@@ -16,9 +16,10 @@ the difference is the fragmentation the step itself caused. Under an 8 GiB cap (
 from the allocated peak left the second step 0.75 GiB short. With weights fetched from host the reserved peak
 was 2-3 GiB above the allocated one on the benchmark model under ZeRO-2's memory (calls Z2, Z3), enough that auto
 placement could not afford the hand-set row's keep_for_backward; the line also says what the allocator holds
-at the commit for the compute stream and for side streams and how much of each is cached free (a cache of the
-weight fetches' copy stream serves only that stream), to tell how much of such a difference is that cache (calls
-K1-K4, weights resident: side streams held 260-320 MiB, the compute stream 26-28 GiB, most of it cached free).
+at the commit for the compute stream and for side streams and how much of each is cached free (a side stream's
+cache serves only that stream), to tell how much of such a difference is such a cache (calls K1-K4, weights
+resident: side streams held 260-320 MiB, the compute stream 26-28 GiB, most of it cached free). Fetched weights
+have come from the compute stream's pool since [Note: weights in the compute stream's pool] (runtime.weights).
 
 With ``placement.activations: auto`` (``RecomputeTrial``) a first step whose placement does not put every block's
 update on the GPU (some streamed or left to the CPU) is followed by a second measured step with the layers'
@@ -104,7 +105,7 @@ class FirstStepPlacement:
     peak reserved GPU bytes and its reset; ``report``: where the outcome's line goes besides the log (the
     session's plan notes, which benchmarks and profiles print); ``pools``: the bytes the allocator holds at the
     commit for the compute stream and for side streams, and how much of each is cached free
-    (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetched weights and
+    (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetch staging and
     a cache only they can use, part of a peak beyond the plan that activations never took (None: not said);
     ``trial``: recomputation of the layers' activations to try when the first step's state does not all fit
     (``placement.activations: auto``; None: activations are kept)."""

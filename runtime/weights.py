@@ -68,6 +68,7 @@ class WeightManager:
         self._lock = threading.RLock()
         # RESIDENT refreshes queued behind hold_refreshes(): block index -> staging. None: they go out at once.
         self._held_refreshes: dict[int, torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None  # of master fetches, made at the first ([Note: fetch staging])
 
     @property
     def needs_cast(self) -> bool:
@@ -105,39 +106,45 @@ class WeightManager:
         if not self.needs_cast and src.dtype != state.flat.dtype:
             raise RuntimeError(f"{key} is {src.dtype}, compute weights are {state.flat.dtype}")
         self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
-        # Allocate on the copy stream: the copy then needs no ordering after the compute queued so far
-        # (memory the allocator hands out there is ordered by that stream), and prefetches run back to back.
-        # The compute stream's later use is recorded on the buffers before they are freed (see release).
+        # [Note: weights in the compute stream's pool] The weights are allocated on the caller's (compute) stream and
+        # the copy is ordered after the work queued there so far. Allocated on the copy stream they lived in its
+        # own pool: under a memory cap the compute stream's activations and the copy stream's weights took each
+        # other's room only through the allocator's retry (each one synchronizing on every pending free's event,
+        # then on the stream, the GPU idle meanwhile: 40 retries a step in the 8B scenario), and every release
+        # recorded an event on the compute stream. In one pool a release frees at once, ordered by the stream,
+        # for the next fetch or activation. The order costs a prefetch nothing in practice: it is issued at most
+        # ``depth`` blocks ahead, where the compute has long passed the point it waits for.
         try:
-            with self._copy_stream_context():
-                state.flat.untyped_storage().resize_(self.nbytes(index))
+            state.flat.untyped_storage().resize_(self.nbytes(index))
             if self.needs_cast:
                 state.handle = self._fetch_and_cast(key, src, state.flat)
             else:
-                state.handle = self.store.engine.h2d(key, src, state.flat, order_after_current=False)
+                state.handle = self.store.engine.h2d(key, src, state.flat, dst_waited=True)
         except BaseException:  # no room for the weights or the staging piece: the block goes back to holding nothing
-            state.flat.untyped_storage().resize_(0)
+            self._free_after_copies(state.flat)
             self._gpu_tier.unreserve(self.nbytes(index))
             raise
         state.prefetched = prefetch
 
     def _fetch_and_cast(self, key: str, src: torch.Tensor, flat: torch.Tensor) -> Handle:
-        """H2D the fp32 master ``src`` a piece at a time through one staging buffer, each piece cast into the
+        """H2D the fp32 master ``src`` a piece at a time through the staging buffer, each piece cast into the
         compute-dtype weights ``flat`` on the copy stream right after its copy; the handle of the last piece (the
         stream runs them in order, so waiting on it waits for all), or of the first that failed to issue.
 
-        [Note: fetch staging] The staging is ``FETCH_PIECE_NUMEL`` fp32 elements at most, allocated and freed on
-        the copy stream (the allocator hands its memory to the next piece or fetch there, ordered by that stream),
-        so the GPU holds one piece of fp32 staging at a time. Casting at the compute stream's wait held a whole
-        fp32 copy of every block in flight: up to 4.39 GiB of the 8B scenario's 24 GiB (the 2.1 GB head and three
-        layers). The cast is the same ``copy_``, on another stream: the same bits (GPU tests, call L7). The memory
-        plan counts one piece (``runtime.plan``). Each piece is its own transfer event (a profile's transfer counts
-        count pieces; a fetch stall's device wait sums them). Not measured apart: whether a piece's cast, run
-        between two copies on the copy stream, slows the fetches (a few microseconds of GPU time per 256 MiB
-        piece)."""
-        piece = min(flat.numel(), FETCH_PIECE_NUMEL)
-        with self._copy_stream_context():
-            staging = torch.empty(piece, dtype=torch.float32, device=self.device)
+        [Note: fetch staging] The staging is one buffer of ``FETCH_PIECE_NUMEL`` fp32 elements at most (the largest
+        block's size when smaller), allocated on the copy stream at the first fetch and kept: only that stream
+        uses it, in issue order, so one piece and the next need no other ordering, and the allocator never sees
+        it freed (a buffer per fetch, taken from and given back to the pools in the loop, fed the allocator's
+        retries under a cap, [Note: weights in the compute stream's pool]). Casting at the compute stream's wait
+        held a whole fp32 copy of every block in flight: up to 4.39 GiB of the 8B scenario's 24 GiB (the 2.1 GB
+        head and three layers). The cast is the same ``copy_``, on another stream: the same bits (GPU tests, call
+        L7). The memory plan counts one piece (``runtime.plan``). Each piece is its own transfer event (a
+        profile's transfer counts count pieces; a fetch stall's device wait sums them)."""
+        staging = self._fetch_staging()
+        piece = min(flat.numel(), staging.numel())
+        # Ordered after the compute stream's queued work once, for the first piece: the later pieces follow it
+        # on the copy stream.
+        order = True
         handle: Handle | None = None
         for begin in range(0, flat.numel(), piece):
             end = min(flat.numel(), begin + piece)
@@ -147,11 +154,29 @@ class WeightManager:
                 with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
                     target.copy_(part)
 
-            handle = self.store.engine.h2d_then(key, src[begin:end], part, cast, order_after_current=False)
+            handle = self.store.engine.h2d_then(key, src[begin:end], part, cast, order_after_current=order)
+            order = False
             if handle.error is not None:  # not issued: the rest would only follow it into the same failure
                 break
         assert handle is not None  # a block has at least one element
         return handle
+
+    def _fetch_staging(self) -> torch.Tensor:
+        """The fp32 staging buffer of master fetches, allocated on the copy stream the first time ([Note: fetch
+        staging])."""
+        if self._staging is None:
+            largest = max(state.block.numel for state in self.states)
+            with self._copy_stream_context():
+                self._staging = torch.empty(min(largest, FETCH_PIECE_NUMEL), dtype=torch.float32, device=self.device)
+        return self._staging
+
+    def _free_after_copies(self, flat: torch.Tensor) -> None:
+        """Give a block's bytes back, after whatever the copy stream queued into them (a fetch that failed part
+        way)."""
+        stream = self.store.engine.h2d_stream
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        flat.untyped_storage().resize_(0)
 
     def _copy_stream_context(self):  # type: ignore[no-untyped-def]
         stream = self.store.engine.h2d_stream
@@ -192,7 +217,8 @@ class WeightManager:
         if not state.resident and state.flat.untyped_storage().nbytes() == 0:
             return
         if state.flat.is_cuda:
-            # The buffer came from the copy stream's pool; the compute stream used it since.
+            # No-op when the bytes came from this stream's pool (the usual case, [Note: weights in the compute
+            # stream's pool]); a fetch the optimizer worker issued on another stream needs the use recorded.
             state.flat.record_stream(torch.cuda.current_stream(self.device))
         state.flat.untyped_storage().resize_(0)
         state.resident = False

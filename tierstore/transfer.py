@@ -175,11 +175,14 @@ class TransferEngine:
 
     # ---- host <-> device ----------------------------------------------------------------------------
     def h2d(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None,
-            order_after_current: bool = True) -> Handle:
+            order_after_current: bool = True, dst_waited: bool = False) -> Handle:
         """Copy host src into device dst. ``after``: a transfer that must complete first (e.g. staging).
         ``order_after_current``: wait for the work queued on the caller's stream first (needed when dst was
-        just allocated there); pass False for a dst used only on the copy stream."""
-        return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after, order_after_current)
+        just allocated there); pass False for a dst used only on the copy stream. ``dst_waited``: the caller's
+        stream waits for the handle before it uses or frees dst, so the copy stream's use of dst needs no record
+        (a recorded use holds dst's memory from the allocator until an event says the copy ended)."""
+        return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after, order_after_current,
+                                 dst_waited=dst_waited)
 
     def d2h(self, key: str, src: torch.Tensor, dst: torch.Tensor, after: Handle | None = None,
             paced: bool = False) -> Handle:
@@ -196,7 +199,8 @@ class TransferEngine:
 
     def _device_copy(self, kind: str, key: str, src_tier: str, dst_tier: str, src: torch.Tensor, dst: torch.Tensor,
                      stream: torch.cuda.Stream | None, after: Handle | None, order_after_current: bool = True,
-                     then: Callable[[torch.cuda.Stream | None], None] | None = None, paced: bool = False) -> Handle:
+                     then: Callable[[torch.cuda.Stream | None], None] | None = None, paced: bool = False,
+                     dst_waited: bool = False) -> Handle:
         if src.numel() != dst.numel() or src.dtype != dst.dtype:
             raise ValueError(f"copy of {key}: src {src.dtype} x{src.numel()} does not match dst {dst.dtype} x{dst.numel()}")
         handle = Handle(kind, key, src_tier, dst_tier, src.numel() * src.element_size(), self.bus)
@@ -225,7 +229,7 @@ class TransferEngine:
                         then(stream)
                     end.record(stream)
                     # Neither buffer may be reused by the allocator before the side stream is done with it.
-                    for tensor in (src, dst):
+                    for tensor in (src, dst) if not dst_waited else (src,):
                         if tensor.is_cuda:
                             tensor.record_stream(stream)
                 handle._set_issued(end, start)

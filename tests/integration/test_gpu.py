@@ -320,6 +320,50 @@ def test_the_allocators_pools_are_split_by_the_stream_they_serve():
     assert freed.other_nbytes == held.other_nbytes and freed.other_free_nbytes == held.other_free_nbytes + (64 << 20)
 
 
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_fetched_weights_come_from_the_compute_streams_pool(accumulation):
+    """[Note: weights in the compute stream's pool]: in the middle of a forward, with blocks fetched (fp32 master
+    cast on the GPU without accumulation, a bf16 host copy with it), the side streams hold no more allocated bytes
+    than the fetch staging buffer; the fetched weights are the compute stream's. Allocated on the copy stream they
+    sat in a pool the activations could reach only through an allocator retry. Training still matches the plain
+    loop."""
+    from runtime.peak_hint import cuda_reserved_by_stream
+    from runtime.weights import FETCH_PIECE_NUMEL, WeightSource
+
+    def allocated(pools):
+        return pools.own_nbytes - pools.own_free_nbytes, pools.other_nbytes - pools.other_free_nbytes
+
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=1.0, accumulation_steps=accumulation)
+    read = cuda_reserved_by_stream(torch.device("cuda"))
+    model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 1.0, "accumulation_steps": accumulation,
+                                                                      "gpu_update_fraction": 0.0,
+                                                                      "gpu_stream_fraction": 0.0}})
+    session = optimizer.session
+    seen = []
+    before = allocated(read())
+    layer = model.layers[len(model.layers) // 2]
+    hook = layer.register_forward_hook(lambda module, args, out: seen.append(allocated(read())))
+    try:
+        source = session.controller.options.weight_source
+        assert source is (WeightSource.MASTER if accumulation == 1 else WeightSource.WEIGHTS), session.plan.table()
+        _train_with_reference(model, optimizer, reference, make_batches(2 * accumulation), accumulation=accumulation)
+        ours = session.master_state_dict()
+        fetched = session.controller.weights
+        largest = max(b.numel for b in session.blocks)
+        staging = 4 * min(largest, FETCH_PIECE_NUMEL) if fetched.needs_cast else 0
+        layer_nbytes = 2 * sum(p.numel() for p in layer.parameters())
+    finally:
+        hook.remove()
+        session.close()
+    _assert_close(ours, reference)
+    assert len(seen) == 2 * accumulation
+    for compute, side in seen:
+        assert side - before[1] <= staging, (before, seen)
+        assert compute - before[0] >= layer_nbytes, (before, seen)
+
+
 def test_recomputed_layers_train_like_the_plain_loop_in_less_memory():
     """placement.activations: recompute on the GPU: the same model and batches as with the activations kept, a lower
     allocated peak in our steps (the reference's steps, run beside them, are not counted), within bf16 rounding of
