@@ -1010,6 +1010,7 @@ class Controller:
         if self.sums is not None:
             self.sums.close()
         self.worker.close()
+        self.weights.close()
         sys.setswitchinterval(self._switch_interval)
 
 

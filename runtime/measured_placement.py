@@ -105,7 +105,7 @@ class FirstStepPlacement:
     peak reserved GPU bytes and its reset; ``report``: where the outcome's line goes besides the log (the
     session's plan notes, which benchmarks and profiles print); ``pools``: the bytes the allocator holds at the
     commit for the compute stream and for side streams, and how much of each is cached free
-    (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetch staging and
+    (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetch or refresh staging and
     a cache only they can use, part of a peak beyond the plan that activations never took (None: not said);
     ``trial``: recomputation of the layers' activations to try when the first step's state does not all fit
     (``placement.activations: auto``; None: activations are kept)."""

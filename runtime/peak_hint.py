@@ -131,8 +131,8 @@ class StreamPools:
 def cuda_reserved_by_stream(device: torch.device) -> Callable[[], StreamPools]:
     """What the caching allocator holds on ``device`` now, split by stream (``StreamPools``), as a callable.
     Memory cached for one stream serves only that stream: blocks a side stream allocated (the fetch staging, the
-    gradient write-back's pieces) and freed stay reserved beside the compute stream's, a part of a reserved peak
-    beyond the plan that activations never used. Read from ``torch.cuda.memory_snapshot`` (a pass
+    refresh staging of resident weights) and freed stay reserved beside the compute stream's, a part of a reserved
+    peak beyond the plan that activations never used. Read from ``torch.cuda.memory_snapshot`` (a pass
     over every segment)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
 

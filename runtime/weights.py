@@ -113,14 +113,16 @@ class WeightManager:
         # then on the stream, the GPU idle meanwhile: 40 retries a step in the 8B scenario), and every release
         # recorded an event on the compute stream. In one pool a release frees at once, ordered by the stream,
         # for the next fetch or activation. The order costs a prefetch nothing in practice: it is issued at most
-        # ``depth`` blocks ahead, where the compute has long passed the point it waits for.
+        # ``depth`` blocks ahead, where the compute has long passed the point it waits for; but copies queued on the
+        # copy stream after it (a streamed update's state) wait behind it. A fetch the optimizer worker issues comes
+        # from that thread's stream (the default one): a release from another stream records its use there.
         try:
             state.flat.untyped_storage().resize_(self.nbytes(index))
             if self.needs_cast:
                 state.handle = self._fetch_and_cast(key, src, state.flat)
             else:
                 state.handle = self.store.engine.h2d(key, src, state.flat, dst_waited=True)
-        except BaseException:  # no room for the weights or the staging piece: the block goes back to holding nothing
+        except BaseException:  # no room for the weights (or, at the first fetch, the staging buffer): the block holds nothing
             self._free_after_copies(state.flat)
             self._gpu_tier.unreserve(self.nbytes(index))
             raise
@@ -169,6 +171,12 @@ class WeightManager:
             with self._copy_stream_context():
                 self._staging = torch.empty(min(largest, FETCH_PIECE_NUMEL), dtype=torch.float32, device=self.device)
         return self._staging
+
+    def close(self) -> None:
+        """Give the fetch staging back (idempotent): a session kept after ``close()`` holds no device memory for it.
+        Its last copies were on the copy stream, where the freed memory goes back."""
+        with self._lock:
+            self._staging = None
 
     def _free_after_copies(self, flat: torch.Tensor) -> None:
         """Give a block's bytes back, after whatever the copy stream queued into them (a fetch that failed part

@@ -178,9 +178,10 @@ class TransferEngine:
             order_after_current: bool = True, dst_waited: bool = False) -> Handle:
         """Copy host src into device dst. ``after``: a transfer that must complete first (e.g. staging).
         ``order_after_current``: wait for the work queued on the caller's stream first (needed when dst was
-        just allocated there); pass False for a dst used only on the copy stream. ``dst_waited``: the caller's
-        stream waits for the handle before it uses or frees dst, so the copy stream's use of dst needs no record
-        (a recorded use holds dst's memory from the allocator until an event says the copy ended)."""
+        just allocated there); pass False for a dst used only on the copy stream. ``dst_waited``: every stream that
+        uses or frees dst waits for the handle first (a stream other than dst's own records its use before the
+        free), so the copy stream's use of dst needs no record (a recorded use holds dst's memory from the
+        allocator until an event says the copy ended)."""
         return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after, order_after_current,
                                  dst_waited=dst_waited)
 
@@ -194,7 +195,8 @@ class TransferEngine:
     def h2d_then(self, key: str, src: torch.Tensor, dst: torch.Tensor, then: Callable[[torch.cuda.Stream | None], None],
                  after: Handle | None = None, order_after_current: bool = True) -> Handle:
         """h2d, then ``then(stream)`` enqueued on the copy stream before the handle's event (e.g. a dtype
-        cast of the staged bytes), so that waiting on the handle also waits for it."""
+        cast of the staged bytes), so that waiting on the handle also waits for it. What ``then`` writes gets no
+        recorded use: as with ``dst_waited``, the caller waits for the handle before that memory is used or freed."""
         return self._device_copy("h2d", key, "host", "gpu", src, dst, self.h2d_stream, after, order_after_current, then)
 
     def _device_copy(self, kind: str, key: str, src_tier: str, dst_tier: str, src: torch.Tensor, dst: torch.Tensor,
@@ -228,7 +230,8 @@ class TransferEngine:
                     if then is not None:
                         then(stream)
                     end.record(stream)
-                    # Neither buffer may be reused by the allocator before the side stream is done with it.
+                    # Neither buffer may be reused by the allocator before the side stream is done with it (a dst
+                    # whose users all wait for the handle first excepted: dst_waited).
                     for tensor in (src, dst) if not dst_waited else (src,):
                         if tensor.is_cuda:
                             tensor.record_stream(stream)
