@@ -178,6 +178,13 @@ class WeightManager:
         with self._lock:
             self._staging = None
 
+    def _drop_failed_fetch(self, index: int) -> None:
+        """A fetch whose copy failed (to issue or on the way): its bytes and their reservation go back."""
+        state = self.states[index]
+        state.handle = None
+        self._free_after_copies(state.flat)
+        self._gpu_tier.unreserve(self.nbytes(index))
+
     def _free_after_copies(self, flat: torch.Tensor) -> None:
         """Give a block's bytes back, after whatever the copy stream queued into them (a fetch that failed part
         way)."""
@@ -205,7 +212,11 @@ class WeightManager:
             self._fetch(index, prefetch=False)
         handle = state.handle
         assert handle is not None
-        handle.wait_stream()
+        try:
+            handle.wait_stream()
+        except BaseException:  # the copy failed: the block goes back to holding nothing, the error to the caller
+            self._drop_failed_fetch(index)
+            raise
         state.handle = None
         state.resident = True
         return hit
@@ -220,7 +231,12 @@ class WeightManager:
         if self.source is WeightSource.RESIDENT or index in self.gpu_updated or state.users > 0:
             return
         if state.handle is not None:  # prefetched but never used: the copy must end before the bytes go
-            state.handle.wait_stream()
+            try:
+                state.handle.wait_stream()
+            except Exception as error:  # nobody used it: the failed copy costs nothing but its bytes, given back
+                log.warning("a prefetch of %s failed and was never used: %r", state.block.name, error)
+                self._drop_failed_fetch(index)
+                return
             state.handle = None
         if not state.resident and state.flat.untyped_storage().nbytes() == 0:
             return

@@ -378,3 +378,42 @@ def test_a_fetch_whose_staging_cannot_be_allocated_leaves_the_block_holding_noth
         monkeypatch.setattr(WeightManager, "_fetch_and_cast", real)
         assert s.weights.wait(2) is False  # fetched on demand now
         assert_holds_master(s, 2, torch.bfloat16)
+
+
+@pytest.mark.parametrize("used", [True, False])
+def test_a_fetch_whose_copy_fails_leaves_the_block_holding_nothing(monkeypatch, used):
+    """A fetch from the fp32 master whose second piece's copy fails: waiting for it raises the copy's error (a
+    prefetch never used is released with a warning instead); either way the block's bytes and their reservation
+    go back, and a later fetch succeeds."""
+    import runtime.weights as weights_module
+    from tierstore import Handle
+
+    monkeypatch.setattr(weights_module, "FETCH_PIECE_NUMEL", 8)  # several pieces a block
+    with make_setup(compute_dtype=torch.bfloat16) as s:
+        tier = s.store.tiers[TierName.GPU]
+        before = tier.used_nbytes
+        engine = s.store.engine
+        real = engine.h2d_then
+        calls = []
+
+        def second_fails(key, src, dst, then, after=None, order_after_current=True):
+            calls.append(key)
+            if len(calls) == 2:
+                failed = Handle("h2d", key, "host", "gpu", src.numel() * src.element_size(), None)
+                failed._fail(OSError("planted copy failure"))
+                return failed
+            return real(key, src, dst, then, after, order_after_current)
+
+        monkeypatch.setattr(engine, "h2d_then", second_fails)
+        s.weights.fetch(2, prefetch=True)
+        assert len(calls) == 2 and tier.used_nbytes > before  # the pieces after the failure are not issued
+        if used:
+            with pytest.raises(OSError, match="planted copy failure"):
+                s.weights.wait(2)
+        else:
+            s.weights.release(2)
+        assert_released(s, 2)
+        assert tier.used_nbytes == before
+        monkeypatch.setattr(engine, "h2d_then", real)
+        assert s.weights.wait(2) is False  # fetched on demand now
+        assert_holds_master(s, 2, torch.bfloat16)
