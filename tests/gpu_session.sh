@@ -4,7 +4,7 @@
 # under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
 # train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
 # writes more than 8. Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|ab|all]
 # Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
 # options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options).
@@ -58,6 +58,19 @@ fi
 if [[ $what == deepspeed || $what == compare ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 16 --offload nvme")
   mkdir -p /var/tmp/ds-8b
   python3 examples/finetune_8b_deepspeed.py --steps ${STEPS:-2} ${DS_ARGS:-} 2>&1 | tee "$OUT/deepspeed.log" | tr '\r' '\n' | grep -v "^step .*micro-batch" | tail -40 || status=$(( status ? status : $? ))
+fi
+if [[ $what == ab ]]; then  # the 8B command, STEPS steps (default 1), for each code tree in AB_TREES, on one machine
+  # AB_TREES: folders holding runtime/, tierstore/ and examples/ of one commit each, made before the call with e.g.
+  # `mkdir ab_main && git archive main runtime tierstore examples | tar -x -C ab_main` (ab_*/ is git-ignored: name
+  # the folders in the device call's carry)
+  for tree in ${AB_TREES:?set AB_TREES to the code trees to compare}; do
+    rm -rf /var/tmp/ts-ab && mkdir -p /var/tmp/ts-ab
+    name=$(basename "$tree")
+    (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-ab --steps ${STEPS:-1} ${FT_ARGS:-}) 2>&1 \
+      | tr '\r' '\n' > "$OUT/ab_$name.log" || status=$(( status ? status : $? ))
+    grep -E "^step [0-9]+/[0-9]+: loss|host gradient sums" "$OUT/ab_$name.log" | sed "s/^/$name: /"
+  done
+  rm -rf /var/tmp/ts-ab
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40
