@@ -306,18 +306,6 @@ def test_the_allocators_pools_are_split_by_the_stream_they_serve():
     def allocated(pools):
         return pools.own_nbytes - pools.own_free_nbytes, pools.other_nbytes - pools.other_free_nbytes
 
-    def segment_stream(address: int) -> int | None:
-        """The stream of the allocator segment holding ``address``."""
-        for segment in torch.cuda.memory_snapshot():
-            if segment["address"] <= address < segment["address"] + segment["total_size"]:
-                return segment["stream"]
-        return None
-
-    def look(module, args):  # after the session's own pre-hook: the layer's weights are on the device
-        weight = next(module.parameters())
-        assert weight.untyped_storage().nbytes() > 0
-        seen.append((allocated(read()), segment_stream(weight.data_ptr()), torch.cuda.current_stream().cuda_stream))
-
     read = cuda_reserved_by_stream(torch.device("cuda"))
     before = read()
     side = torch.cuda.Stream()
@@ -354,6 +342,18 @@ def test_fetched_weights_come_from_the_compute_streams_pool(accumulation):
                                                                       "gpu_stream_fraction": 0.0}})
     session = optimizer.session
     seen = []
+    def segment_stream(address: int) -> int | None:
+        """The stream of the allocator segment holding ``address``."""
+        for segment in torch.cuda.memory_snapshot():
+            if segment["address"] <= address < segment["address"] + segment["total_size"]:
+                return segment["stream"]
+        return None
+
+    def look(module, args):  # after the session's own pre-hook: the layer's weights are on the device
+        weight = next(module.parameters())
+        assert weight.untyped_storage().nbytes() > 0
+        seen.append((allocated(read()), segment_stream(weight.data_ptr()), torch.cuda.current_stream().cuda_stream))
+
     before = allocated(read())
     layer = model.layers[len(model.layers) // 2]
     hook = layer.register_forward_pre_hook(look)
