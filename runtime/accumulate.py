@@ -26,7 +26,11 @@ micro-batches (41.8 s against 40.7 with four), and their 2 GiB more pinned memor
 moments to disk (59 s steady steps against 56; H200, 2026-11-26). fp32
 crosses PCIe rather than bf16 because the host adds fp32 to fp32 fastest: on the H100 box, 10.8 G elements/s
 against 6.9-8.4 for a bf16 gradient widened piece by piece (a mixed-dtype ``add_`` is 10x slower still), while
-the device-to-host copy, otherwise idle during accumulation, carries 13 G fp32 elements/s.
+the device-to-host copy, otherwise idle during accumulation, carries 13 G fp32 elements/s. bf16 across would move
+4 bytes less of host memory a parameter and micro-batch (2 written by the copy, 2 read by the sum), and host memory
+is what the 8B scenario's copies and sums share (see [Note: fetch staging]); tried with the widening done through a
+16 MiB scratch that stays in cache (call Q3, an H100, the 8B width at 16 layers, same machine): exact, but steady
+steps of 22.5 / 22.5 s against 22.8 / 20.8 with fp32, the CPU summing 11.5-11.9 s a step against 7.9-11.0.
 
 What it leaves out: when a block's gradient is done and the last micro-batch's device-side sum
 (``runtime.controller``), the update itself (``runtime.overlap``).
