@@ -10,6 +10,7 @@ reserved against the GPU tier's budget.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -198,9 +199,10 @@ class WeightManager:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         flat.untyped_storage().resize_(0)
 
-    def _copy_stream_context(self):  # type: ignore[no-untyped-def]
+    def _copy_stream_context(self) -> contextlib.AbstractContextManager[object]:
+        """Work issued inside runs on the copy stream (nothing changes without CUDA)."""
         stream = self.store.engine.h2d_stream
-        return torch.cuda.stream(stream) if stream is not None else _NullContext()
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def wait(self, index: int) -> bool:
         """Make the current stream wait for block index's weights (fetching on demand; a fetch from the master is
@@ -350,11 +352,3 @@ class WeightManager:
     def resident_nbytes(self) -> int:
         """Device bytes held by resident blocks now."""
         return sum(self.nbytes(i) for i, s in enumerate(self.states) if s.resident)
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
