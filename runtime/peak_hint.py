@@ -52,6 +52,14 @@ def supported_reserve(beyond_plan_nbytes: int, budget_nbytes: int) -> int:
     return -(-int(beyond_plan_nbytes + GPU_MARGIN * budget_nbytes) // QUARTER_GIB) * QUARTER_GIB
 
 
+def beyond_plan(config: dict[str, Any], peak_nbytes: int) -> int:
+    """What a measured GPU peak held beyond the memory plan (``config["gpu_plan_nbytes"]``) and, under automatic
+    ``keep_for_backward``, beyond the activations kept for backward: the other activations and the allocator's
+    slack, what grows with the micro-batch."""
+    keep = int(config.get("keep_for_backward_nbytes", 0)) if config.get("keep_auto") else 0
+    return max(0, peak_nbytes - int(config.get("gpu_plan_nbytes", 0)) - keep)
+
+
 def reserve_probe(config: dict[str, Any], peak_nbytes: int | None, blocks: Sequence[Block],
                   ask: Callable[[int], Placement | None]) -> dict[str, Any] | None:
     """The reserve ``peak_nbytes`` supports and what auto placement (``ask(reserve)``; None: it cannot be asked
@@ -63,8 +71,7 @@ def reserve_probe(config: dict[str, Any], peak_nbytes: int | None, blocks: Seque
         return None
     if config.get("measured_first_step"):  # its reserve came from the reserved peak: an allocated one would undercut it
         return None
-    keep = int(config.get("keep_for_backward_nbytes", 0)) if config.get("keep_auto") else 0
-    beyond = max(0, peak_nbytes - int(config.get("gpu_plan_nbytes", 0)) - keep)
+    beyond = beyond_plan(config, peak_nbytes)
     reserve = supported_reserve(beyond, int(config["gpu_budget_nbytes"]))
     if reserve >= config["activation_reserve_nbytes"]:
         return None

@@ -24,7 +24,7 @@ from typing import Any
 
 from runtime.autoplace import STATE_ITEMSIZE
 from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
-from runtime.peak_hint import GPU_MARGIN
+from runtime.peak_hint import GPU_MARGIN, beyond_plan
 from runtime.profiler.shares import share_text
 
 MIN_STALL_S = 1e-3  # waits below this per step are noise
@@ -87,11 +87,7 @@ def advise(summary: dict[str, Any]) -> list[dict[str, Any]]:
     if waits.get(STALL_UPDATE, 0.0) >= threshold:
         _update_advice(summary, cfg, waits[STALL_UPDATE], steady, threshold, add)
     if waits.get(STALL_GRAD_SUM, 0.0) >= threshold:
-        add("raise the micro-batch size and lower optimizer.accumulation_steps to match (each micro-batch's gradient "
-            "is summed on the host once, whatever its tokens)", waits[STALL_GRAD_SUM], waits[STALL_GRAD_SUM],
-            f"{waits[STALL_GRAD_SUM]:.3f} s/step the backward waited for the host gradient sums "
-            "(optimizer.accumulate_on: host) to free a buffer; host time: the GPU may still be working through "
-            "what was queued, so the step gains less when the sums are not what holds it")
+        _grad_sum_advice(summary, cfg, waits[STALL_GRAD_SUM], add)
     if not items:
         share = total / step_s if step_s > 0 else 0.0
         return [{"change": "none", "saves_s": 0.0, "measured_s": total, "why": "stalls are small",
@@ -100,7 +96,30 @@ def advise(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _text(change: str, saves: float, total: float, why: str) -> str:
+    if saves <= 0.0:
+        return f"{change}: would remove nothing of the {total:.3f} s/step the training thread waited ({why})"
     return f"{change}: would remove up to {saves:.3f} s/step of the {total:.3f} s/step the training thread waited ({why})"
+
+
+def _grad_sum_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, add: Any) -> None:
+    """The backward waited for a host-sum staging buffer: a larger micro-batch (fewer of them a step) sends fewer
+    gradients to the host. On a GPU whose peak is known it must fit: a micro-batch twice as large needs about the
+    peak's bytes beyond the plan (``runtime.peak_hint.beyond_plan``: its activations) once more, and where the peak
+    left less room than that the item says so and promises nothing (the 8B scenario: 4.8 GiB of activations, 2 GiB
+    left under the 24 GiB cap) instead of naming a change that runs out of memory."""
+    why = (f"{wait:.3f} s/step the backward waited for the host gradient sums (optimizer.accumulate_on: host) to free "
+           "a buffer; host time: the GPU may still be working through what was queued, so the step gains less when "
+           "the sums are not what holds it")
+    room, peak = _room(summary, cfg), (summary.get("memory") or {}).get("gpu_peak_nbytes")
+    if room is not None and peak and cfg.get("gpu_plan_nbytes"):
+        activations = beyond_plan(cfg, int(peak))
+        if activations > room:
+            add("keep the micro-batch size (twice as large does not fit the GPU budget)", 0.0, wait,
+                f"{why}; twice the micro-batch needs about {size_text(activations)} more for its activations (the "
+                f"peak beyond the plan) and the step's peak left {size_text(room)} free beside a {GPU_MARGIN:.0%} margin")
+            return
+    add("raise the micro-batch size and lower optimizer.accumulation_steps to match (each micro-batch's gradient "
+        "is summed on the host once, whatever its tokens)", wait, wait, why)
 
 
 def _prefetch_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], add: Any) -> None:

@@ -442,6 +442,27 @@ def test_a_reserve_probe_with_more_blocks_on_the_gpu_is_advised():
     assert changes and not any("activation_reserve" in c or "gpu_update_fraction" in c for c in changes), changes
 
 
+@pytest.mark.parametrize("peak_gib,fits", [(20.8, False), (18.5, True)])
+def test_a_larger_micro_batch_is_advised_only_where_its_activations_fit(peak_gib, fits):
+    """The backward waited 10 s a step for host-sum buffers. The 8B scenario's peak (20.8 GiB of 24 against a
+    15.7 GiB plan: 5.1 GiB of activations, 2.0 GiB left beside the 5% margin) has no room for a micro-batch twice as
+    large: the advice says so and promises nothing; at 18.5 GiB (2.8 GiB of activations, 4.3 left) it names the
+    change with the wait as its bound. Without a measured peak (the CPU) it names the change as before."""
+    meta = _llama8b_meta(embedding_on_gpu=True, reserve_gib=6.0, plan_gib=15.7, keep_gib=0.0, peak_gib=peak_gib)
+    steady = _steady()
+    steady["stall_s"]["grad_sum"], steady["device_wait_s"]["grad_sum"] = 10.0, 0.0
+    advice = advise({**meta, "steady": steady})
+    item = next(a for a in advice if "micro-batch size" in a["change"])
+    if fits:
+        assert item["change"].startswith("raise the micro-batch size") and item["saves_s"] == pytest.approx(10.0)
+    else:
+        assert item["change"].startswith("keep the micro-batch size") and item["saves_s"] == 0.0
+        assert "would remove nothing" in item["text"] and "5.1 GiB more" in item["text"], item["text"]
+        assert "left 2.0 GiB free" in item["text"], item["text"]
+    on_cpu = advise({**meta, "device_type": "cpu", "steady": steady})
+    assert next(a for a in on_cpu if "micro-batch size" in a["change"])["change"].startswith("raise")
+
+
 def test_with_a_set_update_fraction_the_advice_is_capped_by_the_measured_peak():
     """gpu_update_fraction written by hand: the advice raises it only to the blocks that fit beside the peak, with
     a fraction that selects exactly them."""
