@@ -40,6 +40,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._bind_groups()
         controller.hyper_source = self._hypers
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, while the constructor lays out the groups; afterwards refused. The offloaded parameters, their
+        blocks and their Adam state are laid out by ``offload()``: a group added later would never be updated (its
+        parameters are in no block) and would break ``state_dict()``."""
+        if "controller" not in self.__dict__:  # torch.optim.Optimizer.__init__ adds the groups it was given
+            super().add_param_group(param_group)
+            return
+        raise ValueError("add_param_group after offload(): tierstore lays out the parameters and their optimizer "
+                         "state when it offloads the model, so a group added later would never be updated. Pass "
+                         "every group to offload(model, config, param_groups=[...]) instead (a group may hold "
+                         "parameters by name, with its own lr, betas, eps and weight_decay)")
+
     def _bind_groups(self) -> None:
         """Tell the controller which group each offloaded parameter is in."""
         group_of = check_param_groups(self.param_groups, self.controller.blocks)

@@ -336,6 +336,21 @@ def test_in_place_writes_and_unsupported_settings(tmp_path):
             optimizer.step()
 
 
+def test_a_param_group_added_after_offload_is_refused_not_ignored(tmp_path):
+    """optimizer.add_param_group after offload(): refused with the way to do it (param_groups at offload), and the
+    optimizer is left as it was. It had been accepted, its parameter never updated (zeros after three steps where
+    torch's AdamW moved it), and state_dict() then failed with a bare KeyError."""
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        groups = len(optimizer.param_groups)
+        with pytest.raises(ValueError, match=r"add_param_group after offload\(\).*param_groups="):
+            optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(4))], "lr": 1e-2})
+        assert len(optimizer.param_groups) == groups
+        model(*make_batches(1)[0]).backward()
+        optimizer.step()
+        assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))
+
+
 def test_model_to_device_is_a_no_op_and_a_dtype_change_is_refused(tmp_path):
     model, optimizer = offload(fresh_model(), config(tmp_path))
     with optimizer.session:
