@@ -36,10 +36,17 @@ def main() -> None:
     training = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=args.steps,
                                               learning_rate=3e-4, logging_steps=5, save_strategy="no", report_to=[],
                                               bf16=cuda, use_cpu=not cuda)
+    # The Trainer's own AdamW leaves biases and norm weights out of weight decay: the same split as parameter groups
+    # (get_decay_parameter_names does not use the Trainer instance). One group with weight_decay would decay all.
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    names = [name for name, _ in model.named_parameters()]
+    groups = [{"params": [n for n in names if n in decay], "weight_decay": training.weight_decay},
+              {"params": [n for n in names if n not in decay], "weight_decay": 0.0}]
     model, optimizer = offload(model, {
         "dtype": "bf16" if cuda else "fp32",
-        "optimizer": {"lr": training.learning_rate, "weight_decay": training.weight_decay, "grad_clip": None,
-                      "user_grad_clip": True}})
+        "optimizer": {"lr": training.learning_rate, "betas": [training.adam_beta1, training.adam_beta2],
+                      "eps": training.adam_epsilon, "grad_clip": None, "user_grad_clip": True}},
+        param_groups=groups)
     data = ByteBatches(stdlib_text_bytes(4 << 20), batch_size=1, seq_len=128, seed=0)
     rows = [data.next()[0][0] for _ in range(8 * args.steps)]
     dataset = [{"input_ids": row, "labels": row.clone()} for row in rows]

@@ -515,9 +515,10 @@ def save_due(step: int, total_steps: int, save_every: int) -> bool:
 def resume_training(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
                     data: ResumableData | None = None, *, scheduler: Any = None) -> int:
     """Load the latest checkpoint in ``directory`` if there is one; returns its step (0: start afresh)."""
-    found = find_checkpoint(directory.path if isinstance(directory, CheckpointRoot) else directory)
+    path = directory.path if isinstance(directory, CheckpointRoot) else directory
+    found = find_checkpoint(path)
     if found is None:
-        log.warning("no checkpoint in %s yet; starting from step 0", directory)
+        log.warning("no checkpoint in %s yet; starting from step 0", path)
         return 0
     return load_checkpoint(session, found, data, scheduler=scheduler)
 

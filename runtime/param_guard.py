@@ -7,7 +7,9 @@ would read freed memory -- a segfault on the CPU, an illegal memory access that 
 So each offloaded parameter's class becomes a subclass of its own class (still an ``nn.Parameter``) whose
 ``__torch_function__`` routes every torch call on it:
 
-- inside the block's own forward or backward (the hooks acquired it): the call runs as is;
+- inside the block's own forward or backward (the hooks acquired it): the call runs as is, but for a write
+  into the parameter (a hook registered after ``offload()``, ``nn.Embedding(max_norm=...)``), which is refused: it
+  would change only the compute copy fetched for the pass, not the fp32 master;
 - metadata (shape, dtype, device, ``.grad``, hooks, ``requires_grad``): as is, nothing fetched;
 - views: returned *guarded* as well, so a view taken now reads correctly later (it fetches the block again
   if it was released meanwhile); ``detach()`` and ``.data`` fetch nothing;
@@ -185,12 +187,19 @@ class ParamGuard:
             guarded = [(t, self.block_of(t)) for t in _tensors_in((*args, *kwargs.values()))]
             indices = {index for _, index in guarded if index is not None}
             if all(self.access.in_pass(i) for i in indices):
+                if indices and self._writes_guarded(func, args, kwargs):
+                    raise RuntimeError(
+                        f"{getattr(func, '__name__', func)} writes into an offloaded parameter while its block runs "
+                        "forward or backward (a hook registered after offload(), nn.Embedding(max_norm=...)): it would "
+                        "change only the compute copy fetched for this pass, not the fp32 master, and be lost. Write "
+                        "parameters between steps (param.copy_(...) under torch.no_grad(), load_state_dict), or register "
+                        "the hook before offload()")
                 result = func(*args, **kwargs)
                 # A view made inside a pass (a hook keeping w.t()) must stay safe after the block is released.
                 if isinstance(result, torch.Tensor) and result._is_view():
                     return self._guard_views(result)
                 return result
-            if (_is_in_place(func) and self._is_guarded(args[0] if args else None)) or self._is_guarded(kwargs.get("out")):
+            if self._writes_guarded(func, args, kwargs):
                 return self._write(func, args, kwargs, guarded)
             if (func == TO and self._no_op_to(args, kwargs)) or (func == CUDA and self._no_op_cuda(args, kwargs)):
                 return args[0]
@@ -208,6 +217,10 @@ class ParamGuard:
                 args[1][id(source)] = value
                 return value
             return self._guard_views(func(*args, **kwargs))
+
+    def _writes_guarded(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """The call writes into a guarded tensor: in place on its first argument, or through ``out=``."""
+        return (_is_in_place(func) and self._is_guarded(args[0] if args else None)) or self._is_guarded(kwargs.get("out"))
 
     def _is_guarded(self, tensor: Any) -> bool:
         return isinstance(tensor, torch.Tensor) and self.block_of(tensor) is not None

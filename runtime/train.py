@@ -26,6 +26,7 @@ from runtime.data import ByteBatches, stdlib_text_bytes
 from runtime.example_model import ExampleLM, ModelShape
 from runtime.traffic import TrafficCounter
 from runtime.profiler import Profiler, measure_ceilings
+from runtime.profiler.outputs import check_profile_dir
 from tierstore import TierStoreError
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config if args.config else default_config(), overrides=overrides or None)
     if args.resume and cfg.train.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
+    if cfg.profile.dir:  # refused now, not after the run's steps
+        check_profile_dir(cfg.profile.dir)
     # Opened first, so a used or busy checkpoint root is refused before anything is allocated; held (locked)
     # for the whole run.
     root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)

@@ -9,8 +9,10 @@ on one thread.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from runtime.controller import StallEvent
 from runtime.profiler.analysis import PATH_NAMES, placed_intervals, summarize
 from runtime.profiler.records import RawProfile
 from runtime.profiler.report import CAUSE_NAMES, format_report
+from tierstore.files import create_new
 
 log = logging.getLogger(__name__)
 
@@ -148,19 +151,46 @@ def write_plot(summary: dict[str, Any], path: Path) -> bool:
     stalls.set_ylabel("seconds")
     stalls.set_title("training-thread stalls per step, by cause")
     stalls.legend(loc="best", fontsize="small")
-    figure.savefig(path, format="png", dpi=100)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
+    write_new(path, png.getvalue())
     return True
 
 
-def save_profile(raw: RawProfile, directory: str | Path, trace: bool = True, plot: bool = True) -> SavedProfile:
-    """Write a raw profile's outputs under directory (created if needed)."""
+def write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` as ``path``, created new with ``O_EXCL|O_NOFOLLOW`` (``tierstore.files.create_new``, mode
+    0600): a file or a link already at that name (an earlier profile's, or one planted there) is unlinked first,
+    never written through."""
+    with os.fdopen(create_new(path, flags=os.O_WRONLY, replace_stale=True), "wb") as out:
+        out.write(data)
+
+
+def check_profile_dir(directory: str | Path) -> Path:
+    """The profile directory, made if missing, refused (ValueError, naming it and what to change) when it is not a
+    directory we can write: checked before a run trains, so a run does not end in an error after all its steps."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"profile directory {directory} is a file: give --profile (profile.dir) a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"profile directory {directory} cannot be made ({exc.strerror}): give --profile "
+                         "(profile.dir) a directory you can write") from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"profile directory {directory} is not writable: give --profile (profile.dir) a directory "
+                         "you can write")
+    return directory
+
+
+def save_profile(raw: RawProfile, directory: str | Path, trace: bool = True, plot: bool = True) -> SavedProfile:
+    """Write a raw profile's outputs under directory (created if needed), each file created new: a link planted at
+    one of their names is removed, never followed (``write_new``)."""
+    directory = check_profile_dir(directory)
     saved = SavedProfile(directory)
     summary = summarize(raw)
     if trace:
         saved.files["trace"] = directory / "trace.json"
-        saved.files["trace"].write_text(json.dumps(chrome_trace(raw)))
+        write_new(saved.files["trace"], json.dumps(chrome_trace(raw)).encode())
     else:
         saved.skipped["trace"] = "disabled (profile.trace: false)"
     if plot:
@@ -175,7 +205,7 @@ def save_profile(raw: RawProfile, directory: str | Path, trace: bool = True, plo
     saved.files["summary"] = directory / "summary.json"
     summary["outputs"] = {role: path.name for role, path in saved.files.items()}
     summary["skipped"] = dict(saved.skipped)
-    saved.files["report"].write_text(format_report(summary))
-    saved.files["summary"].write_text(json.dumps(summary, indent=1))
+    write_new(saved.files["report"], format_report(summary).encode())
+    write_new(saved.files["summary"], json.dumps(summary, indent=1).encode())
     log.info("profile written to %s (%s)", directory, ", ".join(p.name for p in saved.files.values()))
     return saved

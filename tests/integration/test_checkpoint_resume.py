@@ -4,6 +4,7 @@ uninterrupted run's bit for bit (fp32, CPU), also when the new session puts the 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -129,6 +130,17 @@ def test_cli_resume_restores_the_lr_schedule(tmp_path, capsys):
     meta = json.loads((resumed / "step-000006" / "meta.json").read_text())
     assert meta["scheduler"]["last_epoch"] == 6 and meta["param_groups"][0]["lr"] < meta["param_groups"][0]["initial_lr"]
     assert block_digests(resumed / "step-000006") == block_digests(straight / "step-000006")
+    capsys.readouterr()
+
+
+def test_cli_resume_into_an_empty_directory_names_it(tmp_path, capsys, caplog):
+    """`--resume` where no checkpoint is yet: training starts at step 0 and the warning names the directory (it
+    had printed the CheckpointRoot object's repr)."""
+    empty = tmp_path / "fresh"
+    with caplog.at_level(logging.WARNING, logger="runtime.checkpoint"):
+        assert cli_main(["train", "--config", str(tiny_cli_config(tmp_path)), "--steps", "1",
+                         "--checkpoint-dir", str(empty), "--resume"]) == 0
+    assert f"no checkpoint in {empty} yet; starting from step 0" in caplog.text, caplog.text
     capsys.readouterr()
 
 

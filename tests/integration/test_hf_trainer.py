@@ -31,24 +31,30 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in rows]
 
 
-def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "keep"):
+def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "keep", weight_decay: float = 0.0):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config())
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("ours" if offloaded else "plain")), per_device_train_batch_size=4 // accumulation,
-        gradient_accumulation_steps=accumulation, max_steps=STEPS,
+        gradient_accumulation_steps=accumulation, max_steps=STEPS, weight_decay=weight_decay,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
         optim="adamw_torch_fused", lr_scheduler_type="linear", warmup_steps=1)
     optimizers = (None, None)
     session = None
     if offloaded:
         (tmp_path / "swap").mkdir(exist_ok=True)
+        # The README's recipe: the Trainer's weight-decay split as parameter groups.
+        decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+        names = [name for name, _ in model.named_parameters()]
+        groups = [{"params": [n for n in names if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [n for n in names if n not in decay], "weight_decay": 0.0}]
         model, optimizer = offload(model, {
             "device": "cpu", "dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path / "swap")}},
             "placement": {"moments": "nvme", "activations": activations},
-            "optimizer": {"lr": args.learning_rate, "weight_decay": args.weight_decay, "grad_clip": None,
+            "optimizer": {"lr": args.learning_rate, "grad_clip": None,
                           "user_grad_clip": True, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
-                          "accumulation_steps": accumulation, "accumulate_on": "host" if accumulation > 1 else "gpu"}})
+                          "accumulation_steps": accumulation, "accumulate_on": "host" if accumulation > 1 else "gpu"}},
+            param_groups=groups)
         optimizers = (optimizer, None)
         session = optimizer.session
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(), optimizers=optimizers)
@@ -61,11 +67,13 @@ def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "
 
 # accumulation 2: the micro-batches' gradients summed in host memory; recompute: the decoder layers' forwards run
 # again in the backward (placement.activations)
-@pytest.mark.parametrize("accumulation, activations", [(1, "keep"), (2, "keep"), (1, "recompute")])
-def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumulation, activations):
-    plain_logs, plain_weights, _ = train(tmp_path, offloaded=False, accumulation=accumulation)
+# weight decay 0.1: the Trainer's split (no decay on norm weights) as param_groups, the README's recipe
+@pytest.mark.parametrize("accumulation, activations, weight_decay",
+                         [(1, "keep", 0.0), (2, "keep", 0.0), (1, "recompute", 0.0), (1, "keep", 0.1)])
+def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumulation, activations, weight_decay):
+    plain_logs, plain_weights, _ = train(tmp_path, offloaded=False, accumulation=accumulation, weight_decay=weight_decay)
     ours_logs, ours_weights, session = train(tmp_path, offloaded=True, accumulation=accumulation,
-                                             activations=activations)
+                                             activations=activations, weight_decay=weight_decay)
     assert (session.controller.sums is not None) == (accumulation > 1)
     assert (session.controller.recomputed_acquires > 0) == (activations == "recompute")
     # The Trainer's clip acted, so gradients waited on the device for the commit and were scaled there

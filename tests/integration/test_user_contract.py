@@ -351,6 +351,29 @@ def test_a_param_group_added_after_offload_is_refused_not_ignored(tmp_path):
         assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))
 
 
+def test_a_write_into_a_parameter_during_its_forward_is_refused_not_lost(tmp_path):
+    """A forward pre-hook registered after offload() that clamps its layer's weight in place runs inside the pass,
+    on the compute copy fetched for it: the write would be lost (the fp32 master keeps the old values; plain torch
+    keeps the clamped ones). Refused with what to do instead; without the hook the next step equals the plain
+    loop's."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    batch = make_batches(1)[0]
+
+    def clamp(module, args):
+        with torch.no_grad():
+            module.weight.clamp_(-0.05, 0.05)
+
+    with optimizer.session:
+        hook = model.layers[0].gate_up.register_forward_pre_hook(clamp)
+        with pytest.raises(RuntimeError, match=r"clamp_ writes into an offloaded parameter while its block runs"):
+            model(*batch)
+        hook.remove()
+        offloaded_step(model, optimizer, batch)
+        plain_step(plain, plain_opt, batch)
+        assert_same(optimizer.session.master_state_dict(), dict(plain.named_parameters()))
+
+
 def test_model_to_device_is_a_no_op_and_a_dtype_change_is_refused(tmp_path):
     model, optimizer = offload(fresh_model(), config(tmp_path))
     with optimizer.session:

@@ -387,6 +387,42 @@ def test_ceiling_probe_never_writes_through_a_planted_link(nvme_dir, tmp_path_fa
     assert sorted(p.name for p in nvme_dir.iterdir() if not p.name.endswith(".lock")) == [".tierstore-ceiling-probe"]
 
 
+def test_saved_profile_files_never_write_through_planted_links(fake, tmp_path):
+    """Links planted at every name a saved profile writes (trace, report, summary, plot) point at other files:
+    the links are removed and the profile written as new files; the victims are unchanged. They had been written
+    through (Path.write_text follows a link)."""
+    session, profiler = fake
+    two_steps(session)
+    profiler.stop()
+    out, victims = tmp_path / "prof", tmp_path / "victims"
+    out.mkdir()
+    victims.mkdir()
+    names = ("trace.json", "report.txt", "summary.json", "plot.png")
+    for name in names:
+        (victims / name).write_bytes(b"someone else's file\n")
+        (out / name).symlink_to(victims / name)
+    saved = profiler.save(out)
+    for name in names:
+        assert (victims / name).read_bytes() == b"someone else's file\n", name
+    for path in saved.files.values():
+        assert path.is_file() and not path.is_symlink(), path
+    assert json.loads((out / "summary.json").read_text())["version"] == 1
+    saved = profiler.save(out)  # again into the same directory: the earlier profile's files are replaced
+    assert json.loads((out / "summary.json").read_text())["version"] == 1
+
+
+def test_a_profile_directory_that_cannot_hold_a_profile_is_refused_before_training(tmp_path, capsys):
+    """``tierstore train --profile FILE``: refused with exit status 2 and one line naming it, before the model is
+    built (it had trained every step, then failed with a FileExistsError traceback and status 1)."""
+    from runtime import cli
+
+    target = tmp_path / "a_file"
+    target.write_text("not a directory")
+    assert cli.main(["train", "--steps", "1", "--profile", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"profile directory {target} is a file" in err and "tierstore train:" not in err
+
+
 def test_a_failing_controller_listener_is_logged_not_raised(caplog):
     def broken(event: object) -> None:
         raise ValueError("profiler bug")
