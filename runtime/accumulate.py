@@ -14,7 +14,9 @@ what a plain loop's ``.grad`` holds for fp32 parameters, bit for bit (a plain lo
 bf16; this sum is exact to fp32). A parameter without a gradient in some micro-batch adds zero there (exact, but
 for the sign of a zero), and it is updated at the step when any micro-batch of the step gave it a gradient.
 Between micro-batches the parameter's ``.grad`` is an ``OffloadedGrad`` standing for the host sum (runtime.clipping):
-``model.zero_grad()`` (either form) drops it, as plain PyTorch drops its ``.grad``; reading its values raises. The copies off the device go through a
+``model.zero_grad()`` (either form) drops it, as plain PyTorch drops its ``.grad``; its 2-norm and a multiply by one number
+(``clip_grad_norm_``, the HF Trainer's clip before a short last step) are served from and applied to the host sum;
+reading its values raises. The copies off the device go through a
 few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
 pieces, each made from the parameters' gradients once a buffer is free for it, so the GPU never holds a second,
 fp32 copy of a block's gradient: 2 GiB for the 8B scenario's head): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
@@ -176,7 +178,7 @@ class HostGradSums:
         landed) and forget that it had one; a later micro-batch's gradient then starts it afresh (0 + g = g)."""
         if index not in self.blocks:
             return
-        self._wait_landed(index)
+        self.wait_landed(index)
         had_grad = self._had_grad.get(index)
         if not self._sent[index] or had_grad is None or not had_grad[position]:
             return
@@ -187,12 +189,12 @@ class HostGradSums:
     def finish(self, index: int) -> list[bool] | None:
         """Wait until every micro-batch sent for block index is in its host sum and start the next step's sum.
         Returns which parameters got a gradient in those micro-batches, or None when none was sent."""
-        self._wait_landed(index)
+        self.wait_landed(index)
         had_grad = self._had_grad.pop(index, None)
         self._sent[index] = self._landed[index] = 0
         return had_grad
 
-    def _wait_landed(self, index: int) -> None:
+    def wait_landed(self, index: int) -> None:
         """Wait until every piece sent for block index is in its host sum (a failed sum raises)."""
         with self._cond:
             while self._landed[index] < self._sent[index] and self._error is None and not self._stopping:

@@ -38,6 +38,13 @@ _GRAD_METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.dtype.__get
                             torch.Tensor.element_size, torch.Tensor.__len__})
 
 
+def _two_norm_only(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a norm of an offloaded gradient other than its whole 2-norm (the one that is known)."""
+    order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
+    if order not in (2, 2.0, "fro", None) or kwargs.get("dim") is not None:
+        raise RuntimeError(f"{name}: only the 2-norm of an offloaded gradient is known (asked: {order})")
+
+
 class OffloadedGrad(torch.Tensor):
     """Stands for a parameter's gradient that already left the device for the pending step (no storage)."""
 
@@ -144,11 +151,9 @@ class GradClipper:
                 return func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
         if grads[0].slot not in self._proxies:  # between micro-batches: the gradient is a sum in host memory
-            return self._host_sum_call(func, name, args, grads[0])
+            return self._host_sum_call(func, name, args, kwargs, grads[0])
         if func is torch._foreach_norm or func in _NORM_CALLS:
-            order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
-            if order not in (2, 2.0, "fro", None) or kwargs.get("dim") is not None:
-                raise RuntimeError(f"{name}: only the 2-norm of an offloaded gradient is known (asked: {order})")
+            _two_norm_only(name, args, kwargs)
             norms = [self._norm(g).to(g.dtype) for g in grads]
             return norms if func is torch._foreach_norm else norms[0]
         if func is torch._foreach_mul_ or func in _SCALE_CALLS:
@@ -161,10 +166,14 @@ class GradClipper:
             "pending step. Its norm and clip_grad_norm_ work; for the last step's global norm read "
             "optimizer.last_grad_norm")
 
-    def _host_sum_call(self, func: Any, name: str, args: tuple[Any, ...], grad: OffloadedGrad) -> Any:
+    def _host_sum_call(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       grad: OffloadedGrad) -> Any:
         """A call on a gradient summed in host memory between micro-batches: what ``model.zero_grad()`` does to it
         (with ``set_to_none=False``: ``grad_fn``, ``detach_``, ``zero_``) drops the sum so far, as plain PyTorch
-        zeroes its ``.grad``; anything else raises."""
+        zeroes its ``.grad``; its 2-norm is the host sum's and a multiply by one number scales the host sum
+        (``clip_grad_norm_`` before ``optimizer.step()`` ends a step early: the HF Trainer's last step of an
+        epoch the accumulation does not divide); in a list, the gradients still on the device (blocks updated
+        there) are served as they are. Anything else raises."""
         if func == torch.Tensor.grad_fn.__get__:
             return None
         if func == torch.Tensor.detach_:
@@ -172,11 +181,38 @@ class GradClipper:
         if func == torch.Tensor.zero_:
             self.controller.drop_host_sum(grad.slot)
             return args[0]
+        if func is torch._foreach_norm or func in _NORM_CALLS:
+            _two_norm_only(name, args, kwargs)
+            if func is not torch._foreach_norm:
+                return self._host_sum_norm(grad)
+            with torch._C.DisableTorchFunctionSubclass():
+                return [self._host_sum_norm(g) if isinstance(g, OffloadedGrad) else torch._foreach_norm([g])[0]
+                        for g in args[0]]
+        if func is torch._foreach_mul_ or func in _SCALE_CALLS:
+            factor = args[1]
+            if isinstance(factor, torch.Tensor) and factor.numel() != 1 or isinstance(factor, (list, tuple)):
+                raise RuntimeError(f"{name}: a gradient summed in host memory between micro-batches can be multiplied "
+                                   "only by one number (what clip_grad_norm_ does)")
+            with torch._C.DisableTorchFunctionSubclass():
+                for g in (args[0] if func is torch._foreach_mul_ else [args[0]]):
+                    if isinstance(g, OffloadedGrad):
+                        summed = self.controller.host_sum_of(g.slot)
+                        summed.mul_(factor.to(summed.device) if isinstance(factor, torch.Tensor) else factor)
+                    else:
+                        g.mul_(factor)
+            return args[0]
         raise RuntimeError(
             f"{name} on the gradient of {self._name(grad)}: between micro-batches it is summed in host memory "
-            "(optimizer.accumulate_on: host), not on the device. After the last micro-batch's backward its norm and "
-            "clip_grad_norm_ work; model.zero_grad() drops it; to read .grad on the device between micro-batches "
-            "set optimizer.accumulate_on: gpu")
+            "(optimizer.accumulate_on: host), not on the device. Its norm and clip_grad_norm_ work; "
+            "model.zero_grad() drops it; to read .grad on the device between micro-batches set "
+            "optimizer.accumulate_on: gpu")
+
+    def _host_sum_norm(self, grad: OffloadedGrad) -> torch.Tensor:
+        """The 2-norm of a gradient summed in host memory so far, computed there (as ``torch._foreach_norm``
+        computes a ``.grad``'s), in the gradient's dtype on its device."""
+        with torch._C.DisableTorchFunctionSubclass():
+            norm = torch._foreach_norm([self.controller.host_sum_of(grad.slot)])[0]
+            return norm.to(device=grad.device, dtype=grad.dtype)
 
     def _norm(self, grad: OffloadedGrad) -> torch.Tensor:
         if grad.slot not in self._norms:

@@ -235,7 +235,8 @@ class OptimizerConfig:
         "applies exactly, and `zero_grad()` before `step()` drops the step. Without it (and without `grad_clip` "
         "or fp16) updates start as gradients land, and a clip in the loop raises an error instead of being ignored.")
     accumulation_steps: int = _leaf(IntSpec(min=1), 1,
-                                    "Micro-batches whose gradients are summed per update.")
+                                    "Micro-batches whose gradients are summed per update (a `step()` after fewer updates with the gradients "
+                                    "summed so far, as plain PyTorch does).")
     accumulate_on: str = _leaf(
         ChoiceSpec(choices=("auto", "gpu", "host")), "auto",
         "Where the micro-batches' gradients of one step are summed (with `accumulation_steps` above 1). `gpu`: "

@@ -626,6 +626,17 @@ class Controller:
         """Between micro-batches: parameter ``slot`` has a gradient summed in host memory this step."""
         return self.sums is not None and self._phase is StepPhase.ACCUMULATING and self.sums.has_grad(*slot)
 
+    def host_sum_of(self, slot: tuple[int, int]) -> torch.Tensor:
+        """Between micro-batches: parameter ``slot``'s gradient summed in host memory so far (fp32, in the
+        parameter's shape), once every piece sent for its block has landed. A view of the sum itself: what is
+        written into it is what the step updates with."""
+        index, position = slot
+        assert self.sums is not None
+        self.sums.wait_landed(index)
+        param = self.blocks[index].slots[position]
+        summed = self.store.tensor(self.blocks[index].key("grad"), TierName.HOST)
+        return summed[param.offset : param.offset + param.numel].view(param.shape)
+
     def drop_host_sum(self, slot: tuple[int, int]) -> None:
         """``p.grad`` assigned between micro-batches (``model.zero_grad()``): the parameter's host sum of the step
         so far is dropped, as plain PyTorch drops its accumulated ``.grad`` (no-op unless sums run on the host)."""
@@ -844,6 +855,8 @@ class Controller:
         self.check_not_interrupted()
         if self._phase is StepPhase.IDLE:
             return  # no backward since the last step (or its step was dropped): like torch, nothing to do
+        if self._phase is StepPhase.ACCUMULATING:
+            self._end_accumulation_early()
         if self._phase is not StepPhase.READY:
             raise RuntimeError(
                 f"optimizer.step() called after {self.micro} backward pass(es); the config's "
@@ -861,6 +874,30 @@ class Controller:
         self.micro = 0
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("commit", self.optimizer_step, time.perf_counter()))
+
+    def _end_accumulation_early(self) -> None:
+        """``optimizer.step()`` after fewer backward passes than ``optimizer.accumulation_steps``: the HF Trainer's
+        last step of an epoch whose micro-batches the accumulation does not divide, or a loop's last, short window.
+        Plain PyTorch steps with the gradients summed so far; so does this. The step ends as its last micro-batch's
+        backward would have ended it: every block's gradient summed so far (in ``.grad`` on the device, or in its
+        host sum) is taken off now, in backward order, with the same calls a backward makes (the streamed blocks'
+        state brought in ahead of its update, the held gradients' room measured now)."""
+        log.info("optimizer.step() after %d of %d micro-batches: the step updates with the gradients summed so far",
+                 self.micro, self.options.accumulation_steps)
+        self.micro = self.options.accumulation_steps - 1  # the micro-batch that ends the step, for what follows
+        self._set_phase(StepPhase.BACKWARD)  # a backward's phase: p.grad reads the real gradient, not a host sum's
+        if self.deferred:
+            self.held.begin(self._streamed_state_nbytes)
+        if self.gpu_streamed:
+            self.device_updates.begin_streaming()
+        for index in range(len(self.blocks) - 1, -1, -1):
+            if self.gpu_streamed:
+                self.writebacks.settle()
+                ahead = range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1)
+                self.device_updates.stream_in_order(ahead, always=0 if self.deferred else 2)
+            self._offload_grads(self.blocks[index])
+        self._set_phase(StepPhase.READY)
+        self.micro += 1
 
     def synchronize(self) -> None:
         """Block until every committed update has finished."""

@@ -31,12 +31,15 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in rows]
 
 
-def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "keep", weight_decay: float = 0.0):
+def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "keep", weight_decay: float = 0.0,
+          epochs: int | None = None):
+    """STEPS optimizer steps (or ``epochs`` epochs of the 16 rows) of the stock Trainer, plain or offloaded."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config())
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("ours" if offloaded else "plain")), per_device_train_batch_size=4 // accumulation,
-        gradient_accumulation_steps=accumulation, max_steps=STEPS, weight_decay=weight_decay,
+        gradient_accumulation_steps=accumulation, max_steps=STEPS if epochs is None else -1,
+        num_train_epochs=epochs or 1, weight_decay=weight_decay,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
         optim="adamw_torch_fused", lr_scheduler_type="linear", warmup_steps=1)
     optimizers = (None, None)
@@ -89,6 +92,18 @@ def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumul
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved-ours"))
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, plain_weights[name]), name
+
+
+def test_an_epoch_the_accumulation_does_not_divide_ends_with_a_short_step_like_the_plain_trainer(tmp_path):
+    """16 micro-batches an epoch, gradient_accumulation_steps 3: the Trainer steps after the epoch's last micro-batch,
+    the sixth step holding one micro-batch instead of three. Same losses, logged grad norms and weights as the plain
+    Trainer (it had raised 'optimizer.step() called after 1 backward pass(es)' at the first epoch's end)."""
+    plain_logs, plain_weights, _ = train(tmp_path, offloaded=False, accumulation=3, epochs=2)
+    ours_logs, ours_weights, session = train(tmp_path, offloaded=True, accumulation=3, epochs=2)
+    session.close()
+    assert len(ours_logs) == 12 and ours_logs == plain_logs
+    for name in plain_weights:
+        assert torch.equal(ours_weights[name], plain_weights[name]), name
 
 
 def test_sharded_save_a_few_blocks_at_a_time_loads_with_from_pretrained(tmp_path):

@@ -42,7 +42,7 @@ def train_both(config: dict, accumulation: int, *, shape: ModelShape = SHAPE, ch
                 if position < accumulation - 1:  # the device keeps nothing between micro-batches
                     assert all(isinstance(p.grad, OffloadedGrad) for p in model.parameters())
                     with pytest.raises(RuntimeError, match="summed in host memory.*accumulate_on: gpu"):
-                        next(model.parameters()).grad.norm()
+                        next(model.parameters()).grad.abs()  # its norm is served (from the host sum), not its values
             optimizer.step()
             optimizer.zero_grad()
             theirs += reference.train_step(micro)

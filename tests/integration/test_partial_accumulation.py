@@ -1,0 +1,98 @@
+"""``optimizer.step()`` after fewer backward passes than ``optimizer.accumulation_steps``: the HF Trainer's last
+step of an epoch whose micro-batches the accumulation does not divide. Plain PyTorch steps with the gradients
+summed so far; the offloaded step must too, bit for bit in fp32 on the CPU, whatever the gradients' path (summed
+on the device or in host memory, updates streamed or waiting for the commit, blocks updated on the device)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime import offload
+from runtime.example_model import ExampleLM
+from tests.integration.reference_loop import ReferenceTrainer
+from tests.integration.test_parity import SHAPE, assert_identical, make_batches
+
+ACCUMULATION = 3
+WINDOWS = [3, 1, 3, 2]  # micro-batches of each optimizer step: two short ones
+
+
+@pytest.mark.parametrize("optimizer", [
+    {"accumulate_on": "host", "grad_clip": None},  # updates stream as the gradients land
+    {"accumulate_on": "host", "grad_clip": 0.05},  # updates wait for the commit (every step clips)
+    {"accumulate_on": "gpu", "grad_clip": None},
+    {"accumulate_on": "gpu", "grad_clip": 0.05},
+    {"accumulate_on": "host", "grad_clip": 0.05, "gpu_update_fraction": 0.3, "gpu_stream_fraction": 0.3},
+], ids=["host-stream", "host-clip", "gpu-stream", "gpu-clip", "host-device-updates"])
+def test_a_short_last_window_steps_with_the_gradients_summed_so_far(optimizer):
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    clip = optimizer["grad_clip"]
+    reference = ReferenceTrainer(model, grad_clip=clip, accumulation_steps=ACCUMULATION)
+    model, opt = offload(model, {"dtype": "fp32", "optimizer": {"accumulation_steps": ACCUMULATION, **optimizer}})
+    controller = opt.session.controller
+    assert (controller.sums is not None) == (optimizer["accumulate_on"] == "host")
+    if "gpu_stream_fraction" in optimizer:  # on the CPU the 'device' updates run there too, through the same path
+        assert controller.gpu_updated and controller.gpu_streamed
+    batches = make_batches(sum(WINDOWS))
+    ours, theirs = [], []
+    with opt.session:
+        begin = 0
+        for size in WINDOWS:
+            window = batches[begin : begin + size]
+            begin += size
+            for x, y in window:
+                loss = model(x, y)
+                ours.append(loss.item())
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            theirs += reference.train_step(window)
+        weights = opt.session.master_state_dict()
+    assert ours == theirs
+    assert_identical(weights, reference)
+
+
+# "gpu" alone as an id would mark a GPU test (tests/conftest.py)
+@pytest.mark.parametrize("accumulate_on, fraction", [("host", 0.0), ("gpu", 0.0), ("host", 0.3)],
+                         ids=["sums-in-host-memory", "sums-on-device", "host-sums-beside-device-updated-blocks"])
+def test_clip_grad_norm_between_micro_batches_acts_on_the_sum_so_far(accumulate_on, fraction):
+    """clip_grad_norm_ after the first of three micro-batches (the HF Trainer clips so before a short last step):
+    the norm returned is the sum so far's and the clip scales it; the later micro-batches add to the scaled sum,
+    as to a plain loop's .grad. Losses, norms and weights equal torch's fused AdamW loop, bit for bit; also where
+    the blocks updated on the device keep their gradients there (the norms' list mixes both)."""
+    torch.manual_seed(0)
+    plain = ExampleLM(SHAPE)
+    model = copy.deepcopy(plain)
+    hyper = {"lr": 1e-3, "weight_decay": 0.01}
+    plain_opt = torch.optim.AdamW(plain.parameters(), **hyper, fused=True)
+    model, opt = offload(model, {"dtype": "fp32", "optimizer": {**hyper, "grad_clip": None, "user_grad_clip": True,
+                                                                "accumulation_steps": ACCUMULATION,
+                                                                "accumulate_on": accumulate_on,
+                                                                "gpu_update_fraction": fraction,
+                                                                "gpu_stream_fraction": 0.0}})
+    assert bool(opt.session.controller.gpu_updated) == (fraction > 0)
+    batches = make_batches(2 * ACCUMULATION)
+    with opt.session:
+        for step in range(2):
+            window = batches[step * ACCUMULATION : (step + 1) * ACCUMULATION]
+            for net, optimizer in ((plain, plain_opt), (model, opt)):
+                norms, losses = [], []
+                for position, (x, y) in enumerate(window):
+                    loss = net(x, y)
+                    losses.append(loss.item())
+                    loss.backward()
+                    if position == 0:
+                        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05).item())
+                norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05).item())
+                optimizer.step()
+                optimizer.zero_grad()
+                if net is plain:
+                    expected = (norms, losses)
+                else:
+                    assert (norms, losses) == expected
+        weights = opt.session.master_state_dict()
+    for name, param in plain.named_parameters():
+        assert torch.equal(weights[name], param.detach()), name
