@@ -50,12 +50,14 @@ class OffloadedGrad(torch.Tensor):
 
     clipper: "GradClipper"
     slot: tuple[int, int]  # (block index, position in the block)
+    step: int  # the optimizer step it stands for a gradient of (the controller's count of committed steps then)
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, clipper: "GradClipper", slot: tuple[int, int]) -> "OffloadedGrad":
         grad = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
         grad.clipper = clipper
         grad.slot = slot
+        grad.step = clipper.controller.optimizer_step
         return grad
 
     @classmethod
@@ -178,9 +180,20 @@ class GradClipper:
             return None
         if func == torch.Tensor.detach_:
             return args[0]
+        if func in (torch.Tensor.zero_, torch._foreach_norm, torch._foreach_mul_) or func in _NORM_CALLS | _SCALE_CALLS:
+            stale = [g for g in _flat(args) if isinstance(g, OffloadedGrad)
+                     and (g.step != self.controller.optimizer_step or not self.controller.host_sum_holds(g.slot))]
+            if stale:  # kept from a step that has ended: the host buffer is another step's now
+                raise RuntimeError(f"{name} on a p.grad of {self._name(stale[0])} kept from a step that has ended: "
+                                   "read p.grad again")
         if func == torch.Tensor.zero_:
             self.controller.drop_host_sum(grad.slot)
             return args[0]
+        if (func is torch._foreach_norm or func in _NORM_CALLS | _SCALE_CALLS or func is torch._foreach_mul_) \
+                and self.controller.scaler is not None:
+            raise RuntimeError(f"{name} on the gradient of {self._name(grad)} between micro-batches: under fp16 loss "
+                               "scaling its sum in host memory is still multiplied by the loss scale. Clip after the "
+                               "step's last micro-batch, or let tierstore clip (optimizer.grad_clip)")
         if func is torch._foreach_norm or func in _NORM_CALLS:
             _two_norm_only(name, args, kwargs)
             if func is not torch._foreach_norm:

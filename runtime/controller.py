@@ -157,6 +157,7 @@ class Controller:
         self.clipper = GradClipper(self)
         self.optimizer_step = 0  # committed optimizer steps
         self.micro = 0  # backward passes since the last committed step
+        self.forward_running = False  # between the model's forward pre-hook and its post-hook (runtime.hooks)
         # Layer blocks acquired by a forward recomputed inside a backward (activation checkpointing: the model's own
         # where its hooks see it, or runtime.recompute's), counted over the session. A head or a loss recomputed by
         # the model does not count: its layers may still be worth recomputing.
@@ -330,12 +331,7 @@ class Controller:
         if self._phase is StepPhase.BACKWARD:  # the last backward raised and the user carried on: drop its step
             log.warning("the previous backward did not finish (an exception?); its step is dropped")
             self.discard_pending()
-        forward_raised = False
-        for index, state in enumerate(self.weights.states):
-            if state.users:  # a forward raised inside this block: nothing else holds it
-                state.users = 0
-                self._release(index)
-                forward_raised = True
+        forward_raised = self.drop_raised_forward_holds()
         if forward_raised and self.micro == 0 and self.step_listeners:
             # The step's first forward raised (an out-of-memory error a loop retried, say): nothing was pending to
             # drop, but listeners measuring the step must start again here, as after a drop.
@@ -361,6 +357,27 @@ class Controller:
             self.held.forward_begin(self._copies_in_flight_nbytes)
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("begin", self.optimizer_step, time.perf_counter(), signature))
+        self.forward_running = True
+
+    def drop_raised_forward_holds(self) -> bool:
+        """Outside a forward: blocks a forward that raised left held (their users counted, never released) are
+        released. Returns whether there were any."""
+        raised = False
+        for index, state in enumerate(self.weights.states):
+            if state.users:  # a forward raised inside this block: nothing else holds it
+                state.users = 0
+                self._release(index)
+                raised = True
+        return raised
+
+    def on_forward_end(self) -> None:
+        """The model's forward returned or raised (its post-hook runs either way)."""
+        self.forward_running = False
+
+    @property
+    def pass_running(self) -> bool:
+        """A forward or a backward of the model is under way now (a block still held by one that raised is not)."""
+        return self.forward_running or torch._C._current_graph_task_id() != -1  # inside the autograd engine
 
     def acquire(self, indices: list[int], phase: str) -> None:
         """Blocks are about to be used: record the use, wait for their update and weights, prefetch ahead."""
@@ -896,6 +913,7 @@ class Controller:
                 ahead = range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1)
                 self.device_updates.stream_in_order(ahead, always=0 if self.deferred else 2)
             self._offload_grads(self.blocks[index])
+        self.weights.release_refreshes()  # as at a backward's end: no-op unless the streamed state held them
         self._set_phase(StepPhase.READY)
         self.micro += 1
 

@@ -38,6 +38,8 @@ class HookSet:
         # Module hooks are closures that act only for the module they were registered on: a copy.deepcopy of
         # the model shares them (functions are copied by reference) and must not drive this session.
         self._handles.append(model.register_forward_pre_hook(self._make_root_pre_forward(model)))
+        # always_call: it runs when the forward raises too, so the controller knows no forward is running then.
+        self._handles.append(model.register_forward_hook(self._make_root_post_forward(model), always_call=True))
         for module, indices in self._module_blocks.items():
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(indices, module)))
             self._handles.append(module.register_forward_hook(self._make_post_forward(indices, module)))
@@ -67,6 +69,13 @@ class HookSet:
                 self.controller.on_step_begin()
 
         return root_pre_forward
+
+    def _make_root_post_forward(self, root: nn.Module):  # type: ignore[no-untyped-def]
+        def root_post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if module is root and not in_backward():
+                self.controller.on_forward_end()
+
+        return root_post_forward
 
     def _make_pre_forward(self, indices: list[int], hooked: nn.Module):  # type: ignore[no-untyped-def]
         def pre_forward(module: nn.Module, args: Any) -> None:

@@ -186,7 +186,12 @@ class ParamGuard:
                 return func(*args, **kwargs)
             guarded = [(t, self.block_of(t)) for t in _tensors_in((*args, *kwargs.values()))]
             indices = {index for _, index in guarded if index is not None}
-            if all(self.access.in_pass(i) for i in indices):
+            # A write while a pass runs is refused below; one after a pass that raised (its blocks still held
+            # until the next forward) is a write between steps, to the master.
+            stale_write = bool(indices) and self._writes_guarded(func, args, kwargs) and not self.access.pass_running()
+            if stale_write:
+                self.access.controller.drop_raised_forward_holds()  # their fetched copies would keep the old values
+            if not stale_write and all(self.access.in_pass(i) for i in indices):
                 if indices and self._writes_guarded(func, args, kwargs):
                     raise RuntimeError(
                         f"{getattr(func, '__name__', func)} writes into an offloaded parameter while its block runs "

@@ -96,3 +96,48 @@ def test_clip_grad_norm_between_micro_batches_acts_on_the_sum_so_far(accumulate_
         weights = opt.session.master_state_dict()
     for name, param in plain.named_parameters():
         assert torch.equal(weights[name], param.detach()), name
+
+
+def test_a_p_grad_kept_from_an_ended_step_is_refused_not_applied_to_the_next():
+    """A p.grad stand-in kept from step 1's micro-batches, multiplied during step 2's: in plain PyTorch a dead
+    tensor, so step 2 is unchanged. Here it is refused (it would have scaled step 2's live host sum), as is its
+    norm, and also a stand-in kept past step() without accumulation; the training equals the plain loop's."""
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)
+    reference = ReferenceTrainer(model, grad_clip=None, accumulation_steps=2)
+    model, opt = offload(model, {"dtype": "fp32", "optimizer": {"accumulation_steps": 2, "accumulate_on": "host",
+                                                                "grad_clip": None, "user_grad_clip": True}})
+    batches = make_batches(4)
+    with opt.session:
+        model(*batches[0]).backward()
+        kept = next(model.parameters()).grad  # stands for the host sum of step 1
+        kept.norm()  # served while step 1 accumulates
+        model(*batches[1]).backward()
+        opt.step()
+        opt.zero_grad()
+        model(*batches[2]).backward()
+        with pytest.raises(RuntimeError, match="kept from a step that has ended"):
+            kept.mul_(0.0)
+        with pytest.raises(RuntimeError, match="kept from a step that has ended"):
+            kept.norm()
+        model(*batches[3]).backward()
+        opt.step()
+        opt.zero_grad()
+        weights = opt.session.master_state_dict()
+    reference.train_step(batches[:2])
+    reference.train_step(batches[2:])
+    assert_identical(weights, reference)
+
+
+def test_under_fp16_loss_scaling_a_host_sum_between_micro_batches_is_not_clipped():
+    """fp16: between micro-batches the host sum still carries the loss scale, so its norm would be the scaled one
+    and a clip would shrink the step by the scale: refused, naming what to do instead."""
+    torch.manual_seed(0)
+    model, opt = offload(ExampleLM(SHAPE), {"dtype": "fp16", "optimizer": {
+        "accumulation_steps": 2, "accumulate_on": "host", "grad_clip": None, "user_grad_clip": True,
+        "loss_scale": {"initial": 1024.0}}})
+    with opt.session:
+        x, y = make_batches(1)[0]
+        opt.scale_loss(model(x, y)).backward()
+        with pytest.raises(RuntimeError, match="under fp16 loss scaling"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

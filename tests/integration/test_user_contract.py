@@ -374,6 +374,29 @@ def test_a_write_into_a_parameter_during_its_forward_is_refused_not_lost(tmp_pat
         assert_same(optimizer.session.master_state_dict(), dict(plain.named_parameters()))
 
 
+def test_a_write_between_steps_after_a_forward_that_raised_reaches_the_master(tmp_path):
+    """A forward raised inside a block (its blocks stay held until the next forward): a write between steps, as a
+    retry loop's recovery makes (load_state_dict, an in-place edit), is still a write to the fp32 master, not
+    refused as a write during a pass and not lost in the held compute copy."""
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+
+    def boom(module, args):
+        raise RuntimeError("planted failure")
+
+    with optimizer.session:
+        hook = model.layers[1].register_forward_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="planted failure"):
+            model(*make_batches(1)[0])
+        hook.remove()
+        assert optimizer.session.controller.weights.states[2].users  # layers.1's block, held by the raised forward
+        weight = model.layers[1].gate_up.weight
+        with torch.no_grad():
+            weight.mul_(0.5)
+        expected = fresh_model().layers[1].gate_up.weight.detach() * 0.5
+        assert torch.equal(optimizer.session.master_state_dict()["layers.1.gate_up.weight"], expected)
+        assert torch.equal(weight.detach().clone(), expected)
+
+
 def test_model_to_device_is_a_no_op_and_a_dtype_change_is_refused(tmp_path):
     model, optimizer = offload(fresh_model(), config(tmp_path))
     with optimizer.session:

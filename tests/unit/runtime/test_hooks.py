@@ -22,6 +22,9 @@ class _Recorder:
     def on_step_begin(self) -> None:
         self.calls.append(("step_begin", None))
 
+    def on_forward_end(self) -> None:
+        self.calls.append(("forward_end", None))
+
     def acquire(self, indices: list[int], phase: str) -> None:
         self.calls.append((f"acquire {phase}", tuple(indices)))
 
@@ -65,7 +68,7 @@ def test_a_step_calls_the_controller_in_order_and_ends_the_backward_once():
     model, recorder, _ = _hooked()
     model(torch.randn(3, 8)).backward()
     names = recorder.names()
-    assert names[:5] == ["step_begin", "acquire fwd", "release fwd", "acquire fwd", "release fwd"]
+    assert names[:6] == ["step_begin", "acquire fwd", "release fwd", "acquire fwd", "release fwd", "forward_end"]
     assert [arg for name, arg in recorder.calls if name == "acquire fwd"] == [(0,), (1,)]
     assert [arg for name, arg in recorder.calls if name == "backward_begin"] == [(1,), (0,)]  # reverse order
     assert names.count("param_grad") == 4  # two weights, two biases
@@ -93,11 +96,25 @@ def test_a_no_grad_forward_acquires_and_releases_and_remove_takes_every_hook_off
     model, recorder, hooks = _hooked()
     with torch.no_grad():
         model(torch.randn(3, 8))
-    assert recorder.names() == ["step_begin", "acquire fwd", "release fwd", "acquire fwd", "release fwd"]
+    assert recorder.names() == ["step_begin", "acquire fwd", "release fwd", "acquire fwd", "release fwd", "forward_end"]
     hooks.remove()
     recorder.calls.clear()
     model(torch.randn(3, 8)).backward()
     assert recorder.calls == []
+
+
+def test_a_forward_that_raises_still_ends_the_forward():
+    """The root's post-hook runs when the forward raises (always_call): the controller learns no forward runs."""
+    model, recorder, _ = _hooked()
+
+    def fail(module: nn.Module, args: object) -> None:
+        raise ValueError("planted")
+
+    handle = model.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(ValueError, match="planted"):
+        model(torch.randn(3, 8))
+    handle.remove()
+    assert recorder.names()[0] == "step_begin" and recorder.names()[-1] == "forward_end"
 
 
 def test_a_deepcopy_of_the_model_does_not_drive_the_session():
