@@ -4,8 +4,9 @@
 2 x 64-token batch (tests/integration/soak_child.py; about 0.1 s a step, under two minutes on a two-core
 box). Sampled every 25 steps after the updates have landed: the host tier's bytes in use and arena size,
 the GPU tier's bytes, open file descriptors and threads stay exactly the same after warm-up; resident memory
-stays within 2%: the mean of the last quarter of the samples against the mean of the first quarter after
-warm-up (single samples move about 1% either way as the allocators take and return memory in chunks).
+stays within 2%: the median of the last quarter of the samples against the median of the first quarter after
+warm-up (single samples move about 1% either way as the allocators take and return memory in chunks, and now and
+then 5% low).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from statistics import mean
+from statistics import median
 
 import pytest
 
@@ -37,7 +38,9 @@ def test_soak_keeps_memory_files_and_threads_flat():
     for key in ("host_used", "host_arena", "gpu_used", "gpu_reserved", "fds", "threads"):
         assert {s[key] for s in after} == {after[0][key]}, (key, [s[key] for s in after])
     quarter = max(len(after) // 4, 1)
-    early, late = mean(s["rss"] for s in after[:quarter]), mean(s["rss"] for s in after[-quarter:])
+    # Medians: a sample taken just after the allocator returned a chunk reads ~5% low (517 against 545 MiB in one
+    # run, three such in the first quarter), which moved the means by 2% with no growth at all.
+    early, late = median(s["rss"] for s in after[:quarter]), median(s["rss"] for s in after[-quarter:])
     growth = late / early - 1
     spread = max(abs(s["rss"] - early) / early for s in after)
     summary = (f"soak: {STEPS} steps in {samples[-1]['s']:.0f} s; RSS {early / 2**20:.0f} MiB after warm-up, "
