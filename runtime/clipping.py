@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runtime.blocks import Block
+from runtime.step_phase import StepPhase
 
 if TYPE_CHECKING:
     from runtime.controller import Controller
@@ -289,7 +290,11 @@ class GradClipper:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """``optimizer.clip_grad_norm_``: scale every pending gradient as torch.nn.utils.clip_grad_norm_ would;
-        returns the total norm before clipping."""
+        returns the total norm before clipping. Between micro-batches (a step about to end early: the gradients
+        summed so far) it is torch's clip over the offloaded parameters, served from the sums."""
+        if self.controller.phase is StepPhase.ACCUMULATING:
+            params = [slot.param for block in self.controller.blocks for slot in block.slots]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
         if not self._norms:
             if self._proxies:
                 block_index, position = next(iter(self._proxies))

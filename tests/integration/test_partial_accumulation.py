@@ -56,9 +56,11 @@ def test_a_short_last_window_steps_with_the_gradients_summed_so_far(optimizer):
 
 
 # "gpu" alone as an id would mark a GPU test (tests/conftest.py)
-@pytest.mark.parametrize("accumulate_on, fraction", [("host", 0.0), ("gpu", 0.0), ("host", 0.3)],
-                         ids=["sums-in-host-memory", "sums-on-device", "host-sums-beside-device-updated-blocks"])
-def test_clip_grad_norm_between_micro_batches_acts_on_the_sum_so_far(accumulate_on, fraction):
+@pytest.mark.parametrize("accumulate_on, fraction, own", [("host", 0.0, False), ("gpu", 0.0, False),
+                                                          ("host", 0.3, False), ("host", 0.0, True)],
+                         ids=["sums-in-host-memory", "sums-on-device", "host-sums-beside-device-updated-blocks",
+                              "optimizer-clip-grad-norm"])
+def test_clip_grad_norm_between_micro_batches_acts_on_the_sum_so_far(accumulate_on, fraction, own):
     """clip_grad_norm_ after the first of three micro-batches (the HF Trainer clips so before a short last step):
     the norm returned is the sum so far's and the clip scales it; the later micro-batches add to the scaled sum,
     as to a plain loop's .grad. Losses, norms and weights equal torch's fused AdamW loop, bit for bit; also where
@@ -75,6 +77,12 @@ def test_clip_grad_norm_between_micro_batches_acts_on_the_sum_so_far(accumulate_
                                                                 "gpu_stream_fraction": 0.0}})
     assert bool(opt.session.controller.gpu_updated) == (fraction > 0)
     batches = make_batches(2 * ACCUMULATION)
+
+    def clip(net, optimizer) -> float:  # own: the offloaded optimizer's clip_grad_norm_ instead of torch's
+        if own and net is not plain:
+            return optimizer.clip_grad_norm_(0.05).item()
+        return torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05).item()
+
     with opt.session:
         for step in range(2):
             window = batches[step * ACCUMULATION : (step + 1) * ACCUMULATION]
@@ -85,8 +93,8 @@ def test_clip_grad_norm_between_micro_batches_acts_on_the_sum_so_far(accumulate_
                     losses.append(loss.item())
                     loss.backward()
                     if position == 0:
-                        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05).item())
-                norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05).item())
+                        norms.append(clip(net, optimizer))
+                norms.append(clip(net, optimizer))
                 optimizer.step()
                 optimizer.zero_grad()
                 if net is plain:
