@@ -158,6 +158,10 @@ class Controller:
         self.optimizer_step = 0  # committed optimizer steps
         self.micro = 0  # backward passes since the last committed step
         self.forward_running = False  # between the model's forward pre-hook and its post-hook (runtime.hooks)
+        # Streaming updates: (step, the parameter groups' values) as this step's first update read them, and
+        # whether a later change was reported (_warn_if_hypers_changed_since_backward).
+        self._hypers_read: tuple[int, list[AdamWHyper]] | None = None  # (the step count then, the values)
+        self._warned_hypers = False
         # Layer blocks acquired by a forward recomputed inside a backward (activation checkpointing: the model's own
         # where its hooks see it, or runtime.recompute's), counted over the session. A head or a loss recomputed by
         # the model does not count: its layers may still be worth recomputing.
@@ -681,6 +685,8 @@ class Controller:
         micro-batches when there is one), check / unscale / take norms, copy it to host (or hold it on the
         device until the commit: [Note: held gradients] in runtime.held_grads)."""
         present = [slot.param.grad is not None for slot in block.slots]
+        if not self.deferred and self._hypers_read is None:  # streaming: the step's updates take the groups as now
+            self._hypers_read = (self.optimizer_step, self.hyper_source())
         earlier = self.sums.finish(block.index) if self.sums is not None and self.sums.holds(block.index) else None
         self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         has_grad = present if earlier is None else [a or b for a, b in zip(present, earlier)]
@@ -879,6 +885,7 @@ class Controller:
                 f"optimizer.step() called after {self.micro} backward pass(es); the config's "
                 f"optimizer.accumulation_steps is {self.options.accumulation_steps}: call backward that many times per step"
             )
+        self._warn_if_hypers_changed_since_backward()
         self._finish_update_submission()
         self.clipper.reset()
         self._set_phase(StepPhase.IDLE)
@@ -891,6 +898,20 @@ class Controller:
         self.micro = 0
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("commit", self.optimizer_step, time.perf_counter()))
+
+    def _warn_if_hypers_changed_since_backward(self) -> None:
+        """Streaming updates took the parameter groups' values (lr, betas, eps, weight_decay) as the backward found
+        them; a change made after the backward, before ``step()``, applies from the next step, where plain
+        PyTorch applies it to this one. Said once a session, not silently."""
+        read, self._hypers_read = self._hypers_read, None
+        if read is None or self._warned_hypers or read[1] == self.hyper_source():
+            return
+        self._warned_hypers = True
+        log.warning("optimizer.param_groups changed between backward() and step() (lr, betas, eps or weight_decay): "
+                    "this step's updates started as its gradients landed and used the values the backward found; "
+                    "the change applies from the next step. Change them before the forward (a scheduler's step() "
+                    "after optimizer.step() does), or set optimizer.user_grad_clip: true so that updates wait for "
+                    "optimizer.step() and read them there")
 
     def _end_accumulation_early(self) -> None:
         """``optimizer.step()`` after fewer backward passes than ``optimizer.accumulation_steps``: the HF Trainer's
@@ -1040,6 +1061,8 @@ class Controller:
                 "was taken off the parameters for its update when that backward reached it, so a second one could not "
                 f"be added to the step. Call optimizer.step() (or zero_grad()) after every {self.options.accumulation_steps} "
                 "backward pass(es), or raise optimizer.accumulation_steps to the number of backward passes per step")
+        if self._phase is StepPhase.IDLE:  # a step's first backward: nothing of a dropped step's is read now
+            self._hypers_read = None
         self._set_phase(StepPhase.BACKWARD)
 
     def _set_phase(self, phase: StepPhase) -> None:

@@ -603,3 +603,31 @@ def test_deepcopy_gives_a_plain_model_with_the_current_weights(tmp_path):
             assert_same(dict(ema.named_parameters()), dict(plain.named_parameters()))
             assert torch.equal(ema(*batch), plain(*batch))
         assert_same(model.state_dict(), plain.state_dict())
+
+
+@pytest.mark.parametrize("user_clip, when", [(False, "before step"), (True, "before step"), (False, "after step")])
+def test_an_lr_change_between_backward_and_step_is_said_when_it_applies_a_step_late(tmp_path, caplog, user_clip, when):
+    """Streaming updates start as gradients land, with the lr the backward found: an lr set after backward, before
+    step(), applies from the next step (plain torch applies it to this one). Said once, as a warning naming the
+    setting that makes it exact; with optimizer.user_grad_clip the updates read it at step(): nothing to say, and
+    the weights equal the plain loop's. A change after step() (a scheduler's) applies on time: nothing to say."""
+    import logging
+
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=user_clip))
+    batches = make_batches(3)
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+        for number, batch in enumerate(batches):
+            for net, opt in ((model, optimizer), (plain, plain_opt)):
+                net(*batch).backward()
+                if when == "before step":
+                    opt.param_groups[0]["lr"] = LR * (number + 2)
+                opt.step()
+                opt.zero_grad()
+                if when == "after step":
+                    opt.param_groups[0]["lr"] = LR * (number + 2)
+        warnings = [r for r in caplog.records if "changed between backward() and step()" in r.getMessage()]
+        late = when == "before step" and not user_clip
+        assert len(warnings) == (1 if late else 0)
+        if not late:
+            assert_same(optimizer.session.master_state_dict(), dict(plain.named_parameters()))
