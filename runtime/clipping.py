@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _NORM_CALLS = frozenset({torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm})
 _SCALE_CALLS = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
+# What a gradient summed in host memory serves between micro-batches (GradClipper._host_sum_call): norms and scaling.
+_HOST_SUM_SERVED = _NORM_CALLS | _SCALE_CALLS | {torch._foreach_norm, torch._foreach_mul_}
 _GRAD_METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
                             torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.ndim.__get__,
                             torch.Tensor.is_cuda.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
@@ -181,7 +183,7 @@ class GradClipper:
             return None
         if func == torch.Tensor.detach_:
             return args[0]
-        if func in (torch.Tensor.zero_, torch._foreach_norm, torch._foreach_mul_) or func in _NORM_CALLS | _SCALE_CALLS:
+        if func == torch.Tensor.zero_ or func in _HOST_SUM_SERVED:
             stale = [g for g in _flat(args) if isinstance(g, OffloadedGrad)
                      and (g.step != self.controller.optimizer_step or not self.controller.host_sum_holds(g.slot))]
             if stale:  # kept from a step that has ended: the host buffer is another step's now
@@ -190,8 +192,7 @@ class GradClipper:
         if func == torch.Tensor.zero_:
             self.controller.drop_host_sum(grad.slot)
             return args[0]
-        if (func is torch._foreach_norm or func in _NORM_CALLS | _SCALE_CALLS or func is torch._foreach_mul_) \
-                and self.controller.scaler is not None:
+        if func in _HOST_SUM_SERVED and self.controller.scaler is not None:
             raise RuntimeError(f"{name} on the gradient of {self._name(grad)} between micro-batches: under fp16 loss "
                                "scaling its sum in host memory is still multiplied by the loss scale. Clip after the "
                                "step's last micro-batch, or let tierstore clip (optimizer.grad_clip)")

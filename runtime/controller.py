@@ -158,9 +158,9 @@ class Controller:
         self.optimizer_step = 0  # committed optimizer steps
         self.micro = 0  # backward passes since the last committed step
         self.forward_running = False  # between the model's forward pre-hook and its post-hook (runtime.hooks)
-        # Streaming updates: (step, the parameter groups' values) as this step's first update read them, and
-        # whether a later change was reported (_warn_if_hypers_changed_since_backward).
-        self._hypers_read: tuple[int, list[AdamWHyper]] | None = None  # (the step count then, the values)
+        # Streaming updates: the parameter groups' values as this step's first update read them, and whether a
+        # later change was reported (_warn_if_hypers_changed_since_backward).
+        self._hypers_read: list[AdamWHyper] | None = None
         self._warned_hypers = False
         # Layer blocks acquired by a forward recomputed inside a backward (activation checkpointing: the model's own
         # where its hooks see it, or runtime.recompute's), counted over the session. A head or a loss recomputed by
@@ -534,11 +534,9 @@ class Controller:
             self._enter_backward()
         if self._paces_forward and begins:
             self.writebacks.forward_end()
-        if begins and self.last_micro and self.deferred:
-            self.held.begin(self._streamed_state_nbytes)
+        if begins and self.last_micro:
+            self._begin_last_backward()
         if self.gpu_streamed and self.last_micro:
-            if begins:
-                self.device_updates.begin_streaming()
             self.writebacks.settle()
         if begins and self.deferred and self._spilled_in_update_order:
             self._read_spilled_early()
@@ -547,12 +545,23 @@ class Controller:
             self._in_backward_use[index] = True
             self._ready(index)
             if self.gpu_streamed and self.last_micro:
-                # Backward runs in descending block order: this block, then the ones it reaches next. When the
-                # updates wait for the commit (clipping, fp16) the state waits on the device too, so every copy
-                # must fit the memory the backward freed; at the commit only the update itself is left.
-                ahead = range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1)
-                self.device_updates.stream_in_order(ahead, always=0 if self.deferred else 2)
+                self._stream_state_ahead_of(index)
         self._prefetch()
+
+    def _begin_last_backward(self) -> None:
+        """The backward that ends the step begins (or a short step ends early: ``_end_accumulation_early``): the
+        room held gradients may take is measured now, and the streamed blocks' state starts to come in."""
+        if self.deferred:
+            self.held.begin(self._streamed_state_nbytes)
+        if self.gpu_streamed:
+            self.device_updates.begin_streaming()
+
+    def _stream_state_ahead_of(self, index: int) -> None:
+        """Backward runs in descending block order: block index's streamed state, then that of the ones it reaches
+        next. When the updates wait for the commit (clipping, fp16) the state waits on the device too, so every copy
+        must fit the memory the backward freed; at the commit only the update itself is left."""
+        ahead = range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1)
+        self.device_updates.stream_in_order(ahead, always=0 if self.deferred else 2)
 
     def _read_spilled_early(self) -> None:
         """Updates that wait for the commit run in forward order, and each spilled block's update first reads its
@@ -686,7 +695,7 @@ class Controller:
         device until the commit: [Note: held gradients] in runtime.held_grads)."""
         present = [slot.param.grad is not None for slot in block.slots]
         if not self.deferred and self._hypers_read is None:  # streaming: the step's updates take the groups as now
-            self._hypers_read = (self.optimizer_step, self.hyper_source())
+            self._hypers_read = self.hyper_source()
         earlier = self.sums.finish(block.index) if self.sums is not None and self.sums.holds(block.index) else None
         self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         has_grad = present if earlier is None else [a or b for a, b in zip(present, earlier)]
@@ -904,7 +913,7 @@ class Controller:
         them; a change made after the backward, before ``step()``, applies from the next step, where plain
         PyTorch applies it to this one. Said once a session, not silently."""
         read, self._hypers_read = self._hypers_read, None
-        if read is None or self._warned_hypers or read[1] == self.hyper_source():
+        if read is None or self._warned_hypers or read == self.hyper_source():
             return
         self._warned_hypers = True
         log.warning("optimizer.param_groups changed between backward() and step() (lr, betas, eps or weight_decay): "
@@ -924,15 +933,11 @@ class Controller:
                  self.micro, self.options.accumulation_steps)
         self.micro = self.options.accumulation_steps - 1  # the micro-batch that ends the step, for what follows
         self._set_phase(StepPhase.BACKWARD)  # a backward's phase: p.grad reads the real gradient, not a host sum's
-        if self.deferred:
-            self.held.begin(self._streamed_state_nbytes)
-        if self.gpu_streamed:
-            self.device_updates.begin_streaming()
+        self._begin_last_backward()
         for index in range(len(self.blocks) - 1, -1, -1):
             if self.gpu_streamed:
                 self.writebacks.settle()
-                ahead = range(index, max(index - 1 - self.options.gpu_stream_ahead, -1), -1)
-                self.device_updates.stream_in_order(ahead, always=0 if self.deferred else 2)
+                self._stream_state_ahead_of(index)
             self._offload_grads(self.blocks[index])
         self.weights.release_refreshes()  # as at a backward's end: no-op unless the streamed state held them
         self._set_phase(StepPhase.READY)

@@ -186,13 +186,14 @@ class ParamGuard:
                 return func(*args, **kwargs)
             guarded = [(t, self.block_of(t)) for t in _tensors_in((*args, *kwargs.values()))]
             indices = {index for _, index in guarded if index is not None}
+            writes = bool(indices) and self._writes_guarded(func, args, kwargs)
             # A write while a pass runs is refused below; one after a pass that raised (its blocks still held
             # until the next forward) is a write between steps, to the master.
-            stale_write = bool(indices) and self._writes_guarded(func, args, kwargs) and not self.access.pass_running()
+            stale_write = writes and not self.access.controller.pass_running
             if stale_write:
                 self.access.controller.drop_raised_forward_holds()  # their fetched copies would keep the old values
             if not stale_write and all(self.access.in_pass(i) for i in indices):
-                if indices and self._writes_guarded(func, args, kwargs):
+                if writes:
                     raise RuntimeError(
                         f"{getattr(func, '__name__', func)} writes into an offloaded parameter while its block runs "
                         "forward or backward (a hook registered after offload(), nn.Embedding(max_norm=...)): it would "
@@ -204,7 +205,7 @@ class ParamGuard:
                 if isinstance(result, torch.Tensor) and result._is_view():
                     return self._guard_views(result)
                 return result
-            if self._writes_guarded(func, args, kwargs):
+            if writes:
                 return self._write(func, args, kwargs, guarded)
             if (func == TO and self._no_op_to(args, kwargs)) or (func == CUDA and self._no_op_cuda(args, kwargs)):
                 return args[0]

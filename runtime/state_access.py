@@ -77,10 +77,6 @@ class StateAccess:
             self._refresh_compute(block)
 
     # ---- compute weights -------------------------------------------------------------------------------
-    def pass_running(self) -> bool:
-        """A forward or backward of the model runs now (not: a block left held by one that raised)."""
-        return self.controller.pass_running
-
     def in_pass(self, index: int) -> bool:
         """True while block index is acquired by a forward or backward (its weights are current on the device)."""
         return self.weights.states[index].users > 0 or self.controller.in_backward_use(index)
