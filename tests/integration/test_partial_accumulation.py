@@ -53,6 +53,8 @@ def test_a_short_last_window_steps_with_the_gradients_summed_so_far(optimizer):
         weights = opt.session.master_state_dict()
     assert ours == theirs
     assert_identical(weights, reference)
+    if controller.sums is not None:  # the micro-batches before each window's last really went through host memory
+        assert controller.sums.stats.nbytes > 0
 
 
 # "gpu" alone as an id would mark a GPU test (tests/conftest.py)
