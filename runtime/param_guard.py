@@ -106,6 +106,18 @@ def _is_in_place(func: Callable[..., Any]) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or func in IN_PLACE_DUNDERS
 
 
+def _target_positional(func: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An in-place call whose target came as a keyword, as ``torch.nn.init``'s functions pass it here
+    (``nn.init.normal_(w)`` reaches ``__torch_function__`` with ``args=()`` and ``tensor=w``; ``reset_parameters()``
+    calls them): the target moved first, where the write path looks for it. Without this such a call read as a
+    read and changed only the fetched compute copy, never the master."""
+    if args or not _is_in_place(func) or not isinstance(kwargs.get("tensor"), torch.Tensor):
+        return args, kwargs
+    rest = dict(kwargs)
+    return (rest.pop("tensor"),), rest
+
+
 class ParamGuard:
     """Routes torch calls on one session's offloaded parameters, their views and their offloaded gradients."""
 
@@ -184,6 +196,7 @@ class ParamGuard:
             if func == GRAD_SET:
                 self.clipper.on_grad_set(args[0], args[1])
                 return func(*args, **kwargs)
+            args, kwargs = _target_positional(func, args, kwargs)
             guarded = [(t, self.block_of(t)) for t in _tensors_in((*args, *kwargs.values()))]
             indices = {index for _, index in guarded if index is not None}
             writes = bool(indices) and self._writes_guarded(func, args, kwargs)

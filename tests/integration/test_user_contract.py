@@ -336,6 +336,31 @@ def test_in_place_writes_and_unsupported_settings(tmp_path):
             optimizer.step()
 
 
+def test_nn_init_and_reset_parameters_after_offload_reach_the_master(tmp_path):
+    """torch.nn.init's functions pass the tensor as a keyword (``tensor=w``): re-initialising a head or a layer
+    after offload() (a new classifier, reset_parameters()) must change the trained weights as in plain PyTorch, not
+    only the copy read back. Bit for bit against the plain loop, through a step."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+
+    def reinit(net: nn.Module) -> None:
+        torch.manual_seed(5)
+        with torch.no_grad():
+            nn.init.normal_(net.layers[2].down.weight, std=0.02)
+            nn.init.constant_(net.norm.weight, 0.5)
+            net.layers[1].gate_up.reset_parameters()  # kaiming_uniform_ through nn.init
+
+    with optimizer.session:
+        reinit(plain)
+        reinit(model)
+        assert_same(model.state_dict(), plain.state_dict())
+        assert_same(optimizer.session.master_state_dict(), plain.state_dict())
+        for batch in make_batches(2):
+            plain_step(plain, plain_opt, batch)
+            offloaded_step(model, optimizer, batch)
+        assert_same(model.state_dict(), plain.state_dict())
+
+
 def test_a_param_group_added_after_offload_is_refused_not_ignored(tmp_path):
     """optimizer.add_param_group after offload(): refused with the way to do it (param_groups at offload), and the
     optimizer is left as it was. It had been accepted, its parameter never updated (zeros after three steps where
