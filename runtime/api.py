@@ -105,8 +105,13 @@ class OffloadSession:
         failure: BaseException | None = None
         try:
             if self.controller.step_pending:
-                log.warning("close(): a backward ran since the last optimizer.step(); that step is dropped")
                 self.controller.discard_pending()
+                if self.controller.interrupted is None:
+                    log.warning("close(): a backward ran since the last optimizer.step(); that step is dropped")
+            if self.controller.interrupted is not None:  # the user must not take them for the last step's weights
+                log.error("close(): the weights handed back are not the last committed step's (training would "
+                          "have refused to go on): %s", self.controller.interrupted)
+            self.access.mixed_steps_allowed = True
             values = self.access.slot_values("master", {s.name: s.dtype for b in self.blocks for s in b.slots})
         except MemoryError as exc:
             log.warning("close(): the trained weights do not fit in host memory, the parameters are left on the meta "

@@ -979,10 +979,13 @@ class Controller:
         # CPU and device updates alike run as gradients land when they do not wait for the commit.
         interrupted = broken is not None or (bool(self._updating) and not self.deferred)
         if interrupted:
+            started = len(self._updating)
             self._interrupt(broken or (
-                f"a step was abandoned after {len(self._updating)} of {len(self.blocks)} blocks had "
-                "started their update (updates start as gradients land), so the blocks are at "
-                "different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
+                (f"a step was abandoned after {started} of {len(self.blocks)} blocks had started their update "
+                 "(updates start as gradients land), so the blocks are at different steps" if started < len(self.blocks)
+                 else "a step was abandoned after every block's update had started (updates start as gradients "
+                      "land): the weights and moments hold a step optimizer.step() never committed")
+                + ". Restore the last checkpoint (runtime.checkpoint.load_checkpoint), "
                 "or set optimizer.user_grad_clip: true so that updates wait for optimizer.step() "
                 "and an abandoned step changes nothing"))
         speculative = [job for job in self._deferred_jobs if job.speculative]
@@ -1056,6 +1059,12 @@ class Controller:
         """Raise when an abandoned step left blocks at different steps."""
         if self._phase is StepPhase.INTERRUPTED:
             raise RuntimeError(self._interrupted)
+
+    @property
+    def interrupted(self) -> str | None:
+        """Why the blocks are at different steps (an abandoned streaming step, a commit that failed part-way), or
+        None when they are at one step."""
+        return self._interrupted if self._phase is StepPhase.INTERRUPTED else None
 
     def _enter_backward(self) -> None:
         """A backward's first block: a micro-batch of the step in progress, or the step's first."""

@@ -59,6 +59,7 @@ class StateAccess:
         # While a load_state_dict() runs, master writes of one block are gathered: staged once, written back and
         # their compute weights refreshed once, when the load ends (or before anything reads them).
         self._batch: set[int] | None = None
+        self.mixed_steps_allowed = False  # close(): hand the weights back even when an abandoned step mixed them
 
     # ---- batched writes (load_state_dict) --------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -89,6 +90,7 @@ class StateAccess:
         are guarded too and fetch again when read)."""
         controller = self.controller
         self.end_batch()  # a read sees every write before it
+        self._check_one_step()
         if controller.update_under_way(index):
             raise RuntimeError(
                 f"block {self.blocks[index].name} is being updated: its gradient landed and, with streaming updates, "
@@ -129,7 +131,16 @@ class StateAccess:
         """Call ``use`` with block's flat fp32 tensor of one kind (master, exp_avg, exp_avg_sq) where it can be
         read (host, or the GPU for device-updated blocks); a copy staged from NVMe is released afterwards.
         Call ``settle()`` first."""
+        self._check_one_step()
         self._with_state(block, kind, use, write=False)
+
+    def _check_one_step(self) -> None:
+        """Reads hand out one step's values: refused (with the way back) while an abandoned streaming step left
+        the blocks at different steps, where a state_dict, a save or a parameter read would silently mix the
+        updated blocks with the others. ``close()`` reads anyway, under ``mixed_steps_allowed``, and says so."""
+        why = self.controller.interrupted
+        if why is not None and not self.mixed_steps_allowed:
+            raise RuntimeError(f"reading parameters or optimizer state now would mix two steps: {why}")
 
     def write_state(self, block: Block, kind: str, apply: Callable[[torch.Tensor], None]) -> None:
         """Modify block's flat fp32 tensor of one kind in place through ``apply``; it is written back to its

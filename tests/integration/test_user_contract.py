@@ -229,12 +229,16 @@ def test_a_second_backward_reaching_only_a_parameter_is_refused_and_leaves_nothi
         assert_same(model.state_dict(), plain.state_dict())
 
 
-def test_a_failed_last_micro_batch_whose_first_hook_was_a_parameters_is_an_abandoned_step(tmp_path):
+def test_a_failed_last_micro_batch_whose_first_hook_was_a_parameters_is_an_abandoned_step(tmp_path, caplog):
     """Accumulation 2, updates starting as gradients land: the last micro-batch's backward completes one block's
     gradient (through a parameter's hook, before any block's), then raises. The dropped step had started that
-    block's update, so the next step refuses with the recovery to make."""
+    block's update, so the next step refuses with the recovery to make; so do reads and saves, which would hand
+    out a mix of the two steps, until a checkpoint load; close() hands the weights back and says what they are."""
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+
     model, optimizer = offload(fresh_model(), config(tmp_path, accumulation_steps=2))
     batches = make_batches(3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def fail(param: torch.Tensor) -> None:  # runs after tierstore's own hook on the same parameter
         raise ValueError("planted")
@@ -248,6 +252,49 @@ def test_a_failed_last_micro_batch_whose_first_hook_was_a_parameters_is_an_aband
         optimizer.zero_grad()  # drops the step
         with pytest.raises(RuntimeError, match="a step was abandoned"):
             model(*batches[1])
+        for read in (model.state_dict, optimizer.state_dict, optimizer.session.master_state_dict,
+                     lambda: model.layers[0].qkv.weight.clone(), lambda: model.embed.weight.sum(),
+                     lambda: save_checkpoint(optimizer.session, tmp_path / "mixed")):
+            with pytest.raises(RuntimeError, match="a step was abandoned"):
+                read()
+        assert not (tmp_path / "mixed").exists()
+    with caplog.at_level("ERROR", logger="runtime.api"):
+        optimizer.session.close()  # hands back what there is, and says it is not one step's
+    assert "not the last committed step's" in caplog.text and "1 of" in caplog.text
+    assert not torch.equal(model.embed.weight, before["embed.weight"])  # the block whose update had started
+    assert torch.equal(model.layers[0].qkv.weight, before["layers.0.qkv.weight"])
+
+
+def test_reads_after_an_abandoned_streaming_step_come_back_with_a_checkpoint_load(tmp_path, caplog):
+    """A backward that raises after some blocks' streaming updates started, then zero_grad(): reads refuse (they
+    would mix steps) until load_checkpoint puts every block at the saved step; then they equal the plain loop's
+    state at that step, and training goes on exactly."""
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    batches = make_batches(3)
+    with optimizer.session:
+        plain_step(plain, plain_opt, batches[0])
+        offloaded_step(model, optimizer, batches[0])
+        save_checkpoint(optimizer.session, tmp_path / "ckpt")
+        def fail(*_: object) -> None:
+            raise ValueError("planted")
+
+        handle = model.layers[1].register_full_backward_hook(fail)
+        with pytest.raises(ValueError, match="planted"):
+            model(*batches[1]).backward()
+        handle.remove()
+        optimizer.zero_grad()
+        with pytest.raises(RuntimeError, match="would mix two steps"):
+            model.state_dict()
+        load_checkpoint(optimizer.session, tmp_path / "ckpt")
+        assert_same(model.state_dict(), plain.state_dict())
+        for batch in batches[1:]:
+            plain_step(plain, plain_opt, batch)
+            offloaded_step(model, optimizer, batch)
+        assert_same(model.state_dict(), plain.state_dict())
+    assert "not the last committed step's" not in caplog.text
 
 
 def train_side_by_side(*pairs: tuple[nn.Module, torch.optim.Optimizer], steps: int,
