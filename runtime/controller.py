@@ -146,6 +146,7 @@ class Controller:
         # runs Python (hooks, kernel launches) almost without pause; at the default 5 ms switch interval
         # every such moment can cost 5 ms. Restored at close().
         self._switch_interval = sys.getswitchinterval()
+        self.closed = False  # close() ran: the tiers are freed, the model is a plain module again
         sys.setswitchinterval(min(self._switch_interval, 0.0005))
         self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals)
         self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
@@ -1060,6 +1061,16 @@ class Controller:
         if self._phase is StepPhase.INTERRUPTED:
             raise RuntimeError(self._interrupted)
 
+    def check_open(self) -> None:
+        """Raise, saying what to do, when the optimizer is used after its session closed (it would change nothing
+        or read freed state)."""
+        if self.closed:
+            raise RuntimeError(
+                "this optimizer's offload session was closed (optimizer.session.close(), or the end of `with "
+                "optimizer.session:`): its tiers were freed and the model is a plain module again. Save the optimizer "
+                "state (optimizer.state_dict(), runtime.checkpoint.save_checkpoint) before closing; to train on, "
+                "offload the model again (offload(model, config)) and load that state")
+
     @property
     def interrupted(self) -> str | None:
         """Why the blocks are at different steps (an abandoned streaming step, a commit that failed part-way), or
@@ -1099,6 +1110,7 @@ class Controller:
 
     def close(self) -> None:
         """Stop the host sums and the worker (finishing queued updates)."""
+        self.closed = True
         if self.sums is not None:
             self.sums.close()
         self.worker.close()

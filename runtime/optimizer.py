@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 GROUP_KEYS = frozenset({"params", "lr", "betas", "eps", "weight_decay", "initial_lr", "name"})
 UNSUPPORTED = {"amsgrad": False, "maximize": False}  # AdamW options the offloaded update does not implement
+# The implementation flags torch.optim.AdamW(fused=True) saves in each group, whose update ours equals bit for bit:
+# a state_dict loaded into a plain AdamW without them falls back to its foreach kernel (1e-8 off, not exact).
+TORCH_ADAMW_FLAGS = {**UNSUPPORTED, "foreach": None, "capturable": False, "differentiable": False, "fused": True,
+                     "decoupled_weight_decay": True}
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -70,6 +74,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Commit the update started by the last micro-batch's backward."""
+        self.controller.check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -104,6 +109,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Clip the pending step's gradients to a global 2-norm of ``max_norm``, exactly as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` would; returns the total norm.
         Needs updates that wait for the commit (``optimizer.user_grad_clip: true``, or ``optimizer.grad_clip``)."""
+        self.controller.check_open()
         return self.controller.clipper.clip(max_norm)
 
     @property
@@ -142,7 +148,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                             "exp_avg_sq": by_name["exp_avg_sq"][slot.name]}
         groups, start = [], 0
         for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
+            saved = {**TORCH_ADAMW_FLAGS, **{k: v for k, v in group.items() if k != "params"}}
             saved["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(saved)

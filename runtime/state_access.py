@@ -114,6 +114,7 @@ class StateAccess:
         """Wait for every committed update, its write-backs and its weight refreshes; unless ``writing`` (another
         write of a batch), finish the batched writes first."""
         controller = self.controller
+        controller.check_open()
         if not writing or controller.step_pending:
             self.end_batch()
         if controller.step_pending:

@@ -361,6 +361,34 @@ def test_optimizer_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
             plain_step(plain, plain_opt, batch)
             offloaded_step(model, optimizer, batch)
         assert_same(model.state_dict(), plain.state_dict())
+    # The other way: the saved state into torch's fused AdamW over a plain model (training moved off tierstore)
+    # goes on exactly like the plain loop; its groups say which AdamW they are for (a group without `fused`
+    # falls back to torch's foreach kernel, 1e-8 off).
+    assert saved_opt["param_groups"][0].keys() == theirs["param_groups"][0].keys()
+    moved = fresh_model(seed=5)
+    moved.load_state_dict(saved_model)
+    moved_opt = torch.optim.AdamW(moved.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    buffer.seek(0)
+    moved_opt.load_state_dict(torch.load(buffer))
+    for batch in batches[3:]:
+        plain_step(moved, moved_opt, batch)
+    assert_same(moved.state_dict(), plain.state_dict())
+
+
+def test_the_optimizer_after_close_refuses_instead_of_doing_nothing(tmp_path):
+    """After `with optimizer.session:` ends, step() changed nothing and state_dict() raised a KeyError: each
+    now says the session was closed and what to do; zero_grad() still clears the plain model's gradients."""
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    batch = make_batches(1)[0]
+    with optimizer.session:
+        offloaded_step(model, optimizer, batch)
+    model(*batch).backward()  # a plain module now
+    for call in (optimizer.step, optimizer.state_dict, lambda: optimizer.clip_grad_norm_(1.0),
+                 lambda: optimizer.load_state_dict({"state": {}, "param_groups": optimizer.param_groups})):
+        with pytest.raises(RuntimeError, match="offload session was closed"):
+            call()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_in_place_writes_and_unsupported_settings(tmp_path):
