@@ -23,7 +23,7 @@ from runtime.hooks import HookSet, StateDictHooks
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
 from runtime.oom_hint import install_oom_hint, reserve_hint
 from runtime.optimizer import OffloadAdamW, check_param_groups, param_groups_of
-from runtime.param_guard import ParamGuard
+from runtime.param_guard import ParamGuard, is_offloaded
 from runtime.measured_placement import (FIRST_STEP_NOTE, TRIAL_NOTE, FirstStepPlacement, RecomputeTrial,
                                         first_step_listener)
 from runtime.recompute import BufferWatch, ForwardTimer, Recompute, already_checkpointed, recompute_refusal
@@ -244,6 +244,10 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     The parameters stay ordinary to read and write between steps (``runtime.param_guard``), and
     ``state_dict()`` / ``load_state_dict()`` read and write the tiers.
     """
+    if any(is_offloaded(p) for p in model.parameters()):  # a notebook cell run twice
+        raise ValueError("this model is already offloaded: offload() ran on it and its session is open. Use the "
+                         "optimizer that call returned, or close its session first (optimizer.session.close()) and "
+                         "offload again")
     cfg = config if isinstance(config, TierstoreConfig) else load_config(config)
     device = resolve_device(cfg)
     dtype = DTYPES[cfg.dtype]
@@ -291,7 +295,9 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         state_dict_hooks = StateDictHooks(model, blocks, lambda block: session.weights_of(block),
                                           access.begin_batch, access.end_batch)
         session = OffloadSession(cfg, blocks, store, controller, hooks, plan, model, access, guard, state_dict_hooks)
-        optimizer = OffloadAdamW(groups, controller, access)
+        offloaded_ids = {id(p) for p in offloaded}
+        optimizer = OffloadAdamW(groups, controller, access,
+                                 frozen=[(n, p) for n, p in model.named_parameters() if id(p) not in offloaded_ids])
     except BaseException:
         for undo in (guard, hooks, state_dict_hooks):
             if undo is not None:

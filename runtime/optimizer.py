@@ -11,7 +11,7 @@ worker (or the GPU) as gradients arrive; ``step()`` commits it and returns at on
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -35,12 +35,16 @@ TORCH_ADAMW_FLAGS = {**UNSUPPORTED, "foreach": None, "capturable": False, "diffe
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW whose state lives in tierstore. Use like torch.optim.AdamW; see ``scale_loss`` for fp16."""
 
-    def __init__(self, params: Iterable[Any], controller: Controller, access: "StateAccess"):
+    def __init__(self, params: Iterable[Any], controller: Controller, access: "StateAccess",
+                 frozen: Sequence[tuple[str, torch.nn.Parameter]] = ()):
+        """``frozen``: the model's parameters offload() left out (requires_grad False then), by name: a gradient on
+        one at ``step()`` means it was unfrozen since, and is refused rather than silently never updated."""
         hyper = controller.options.hyper
         defaults = dict(lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps, weight_decay=hyper.weight_decay)
         super().__init__(params, defaults)
         self.controller = controller
         self.access = access
+        self._frozen = list(frozen)
         self._bind_groups()
         controller.hyper_source = self._hypers
 
@@ -79,8 +83,21 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_unfrozen()
         self.controller.step()
         return loss
+
+    def _refuse_unfrozen(self) -> None:
+        """Progressive unfreezing: a parameter frozen when offload() ran has no block and no Adam state, so a
+        gradient on it would never be applied (plain AdamW over all the parameters trains it from then on)."""
+        unfrozen = [name for name, p in self._frozen if p.grad is not None]
+        if unfrozen:
+            names = ", ".join(unfrozen[:3]) + (f" and {len(unfrozen) - 3} more" if len(unfrozen) > 3 else "")
+            raise ValueError(
+                f"{names} got a gradient but {'was' if len(unfrozen) == 1 else 'were'} frozen (requires_grad=False) "
+                "when offload() ran, so tierstore has no optimizer state for it and would never update it. Unfreeze "
+                "every parameter that will train before offload() (freeze it again with requires_grad_(False) until "
+                "its turn: an offloaded parameter without a gradient is not updated), or keep it frozen")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients. Called before ``step()`` after a backward, it drops that step's pending update (as

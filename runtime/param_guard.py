@@ -106,6 +106,11 @@ def _is_in_place(func: Callable[..., Any]) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or func in IN_PLACE_DUNDERS
 
 
+def is_offloaded(param: torch.Tensor) -> bool:
+    """True for a parameter an open offload session routes (its class is one of a ``ParamGuard``'s)."""
+    return type(param).__module__ == __name__ and type(param).__name__.startswith("Offloaded")
+
+
 def _target_positional(func: Callable[..., Any], args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """An in-place call whose target came as a keyword, as ``torch.nn.init``'s functions pass it here

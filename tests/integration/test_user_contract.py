@@ -391,6 +391,36 @@ def test_the_optimizer_after_close_refuses_instead_of_doing_nothing(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_parameter_unfrozen_after_offload_is_refused_not_left_untrained(tmp_path):
+    """Progressive unfreezing: plain AdamW over all the parameters trains a layer from the step it is unfrozen;
+    tierstore never offloaded it (frozen at offload()), so step() refuses, naming it, instead of ignoring it."""
+    model = fresh_model()
+    model.layers[1].requires_grad_(False)
+    model, optimizer = offload(model, config(tmp_path))
+    batches = make_batches(2)
+    with optimizer.session:
+        offloaded_step(model, optimizer, batches[0])  # frozen: fine
+        model.layers[1].requires_grad_(True)
+        model(*batches[1]).backward()
+        with pytest.raises(ValueError, match=r"layers\.1\.\S+ .*frozen \(requires_grad=False\) when offload\(\) ran"):
+            optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_offload_twice_says_the_model_is_offloaded_and_the_first_session_trains_on(tmp_path):
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path / "a"))
+    with optimizer.session:
+        with pytest.raises(ValueError, match="already offloaded"):
+            offload(model, config(tmp_path / "b"))
+        for batch in make_batches(2):
+            plain_step(plain, plain_opt, batch)
+            offloaded_step(model, optimizer, batch)
+        assert_same(model.state_dict(), plain.state_dict())
+    again, second = offload(model, config(tmp_path / "c"))  # closed: offloading again is fine
+    second.session.close()
+
+
 def test_in_place_writes_and_unsupported_settings(tmp_path):
     model, optimizer = offload(fresh_model(), config(tmp_path))
     with optimizer.session:
