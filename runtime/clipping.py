@@ -124,14 +124,24 @@ class GradClipper:
     def on_grad_set(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         """``param.grad = value`` after backward (``model.zero_grad()``): None drops the parameter from the pending
         update, as plain PyTorch skips a parameter without gradient; with streaming updates, which already ran,
-        it raises. Assigning a gradient there raises."""
+        it raises. Assigning a gradient there raises, and so does assigning one after the step's last backward to a
+        parameter that backward gave none (it would never be applied). Between steps an assigned gradient is what
+        the next ``step()`` applies (``Controller._step_from_assigned_grads``)."""
         slot = self.controller.param_slot.get(id(param))
         if slot is not None and slot not in self._proxies:
             # Between micro-batches: what the step summed on the host so far goes, as the plain .grad would.
             self.controller.drop_host_sum(slot)
-        if slot is None or slot not in self._proxies:
+        ready = self.controller.phase is StepPhase.READY
+        if slot is None or (slot not in self._proxies and not (ready and value is not None)):
             return
         name = self.controller.blocks[slot[0]].slots[slot[1]].name
+        if value is not None and slot not in self._proxies:
+            # No gradient in the step's last backward: its block's update was decided without one, so a gradient
+            # assigned now would silently never be applied.
+            raise RuntimeError(f"{name}: a gradient can't be assigned after the step's last backward, before "
+                               "optimizer.step(): its block's update was decided without one. Assign gradients "
+                               "by hand between steps (after optimizer.step() or zero_grad()), with no backward before "
+                               "the step() that applies them")
         if value is not None:
             raise RuntimeError(f"{name}: its gradient of this step already left the device; a gradient can't be "
                                "assigned before optimizer.step()")

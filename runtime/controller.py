@@ -172,6 +172,7 @@ class Controller:
         self._placement_broken = False  # a failed placement change left state on the device: no load mends it
         self._grad_counts = [0] * len(blocks)
         self._in_backward_use = [False] * len(blocks)
+        self._grad_only_use: set[int] = set()  # blocks a backward that is no micro-batch holds (on_grad_only_backward)
         self._deferred_jobs: list[UpdateJob] = []
         self.held = HeldGrads(self.device)  # [Note: held gradients]
         # Whether this step's host gradients may be held: where a clip (ours or the user's) may scale them.
@@ -353,6 +354,7 @@ class Controller:
         # The last backward's carried blocks stay when this forward begins with them; any other leftover (prefetched
         # for a path not taken, or after anything that may have changed the weights) goes.
         carried, self._carried = self._carried & set(self.schedule.upcoming(self._wrap_limit)), set()
+        self._grad_only_use.clear()  # a gradient-only backward that raised: its blocks go in the sweep below
         for index, state in enumerate(self.weights.states):
             if state.users == 0 and not self._in_backward_use[index] and index not in fresh and index not in carried:
                 self._release(index)
@@ -548,6 +550,35 @@ class Controller:
             if self.gpu_streamed and self.last_micro:
                 self._stream_state_ahead_of(index)
         self._prefetch()
+
+    def on_grad_only_backward(self, indices: list[int]) -> None:
+        """A backward that accumulates into no offloaded parameter's ``.grad`` reaches a module (``runtime.hooks``):
+        ``torch.autograd.grad`` of an input's gradient (a saliency map) or of the parameters' (which the user may
+        assign to ``.grad`` and step with), ``backward(inputs=[x])``. Plain PyTorch's parameters and optimizer see
+        nothing of it, so it is no micro-batch of the step: the phase stays. Its arithmetic needs the block's weights:
+        they are held until the backward ends (``on_grad_only_backward_end``). After the step's last backward it is
+        refused: the blocks' masters are then being updated for that step, and a fetch would read them half-way."""
+        self.check_not_interrupted()
+        if self._phase is StepPhase.READY:
+            raise RuntimeError(
+                "a backward that accumulates into no parameter (torch.autograd.grad, backward(inputs=...)) ran after "
+                "the step's last backward, before optimizer.step(): the blocks' weights are being updated for that "
+                "step. Take such gradients before that backward, or after optimizer.step()")
+        for index in indices:
+            self.schedule.observe(index, "bwd")
+            self._grad_only_use.add(index)
+            self._ready(index)
+        self._prefetch()
+
+    def on_grad_only_backward_end(self) -> None:
+        """The backward of ``on_grad_only_backward`` ended: the blocks it held go, unless something else holds them (a
+        training backward it ran inside, a forward) or the next forward wants them (``_carried``, a device update's
+        fresh weights)."""
+        held, self._grad_only_use = self._grad_only_use, set()
+        for index in sorted(held):
+            if self.weights.states[index].users == 0 and not self._in_backward_use[index] \
+                    and index not in self._carried and index not in self.device_updates.fresh:
+                self._release(index)
 
     def _begin_last_backward(self) -> None:
         """The backward that ends the step begins (or a short step ends early: ``_end_accumulation_early``): the
@@ -887,7 +918,9 @@ class Controller:
         """Commit the optimizer step whose updates the last backward started."""
         self.check_not_interrupted()
         if self._phase is StepPhase.IDLE:
-            return  # no backward since the last step (or its step was dropped): like torch, nothing to do
+            if not self._has_assigned_grads():
+                return  # no backward and no gradient since the last step (or its step was dropped): like torch, nothing to do
+            self._step_from_assigned_grads()
         if self._phase is StepPhase.ACCUMULATING:
             self._end_accumulation_early()
         if self._phase is not StepPhase.READY:
@@ -932,8 +965,32 @@ class Controller:
         state brought in ahead of its update, the held gradients' room measured now)."""
         log.info("optimizer.step() after %d of %d micro-batches: the step updates with the gradients summed so far",
                  self.micro, self.options.accumulation_steps)
-        self.micro = self.options.accumulation_steps - 1  # the micro-batch that ends the step, for what follows
         self._set_phase(StepPhase.BACKWARD)  # a backward's phase: p.grad reads the real gradient, not a host sum's
+        self._take_grads_now()
+
+    def _has_assigned_grads(self) -> bool:
+        """Between steps, whether some offloaded parameter holds a real ``.grad``: one assigned by hand, since a
+        backward's gradients leave the parameters for their update and a dropped step clears them."""
+        return any(torch.Tensor.grad.__get__(slot.param) is not None for block in self.blocks for slot in block.slots)
+
+    def _step_from_assigned_grads(self) -> None:
+        """``optimizer.step()`` with no backward since the last step, but gradients in ``.grad`` that the user assigned
+        (``p.grad = g`` after ``torch.autograd.grad(loss, params)``, or gradients made elsewhere). Plain PyTorch steps
+        with them; so does this, taking them off the parameters as a step's last backward would."""
+        if self.scaler is not None:
+            raise RuntimeError(
+                "optimizer.step() found gradients assigned to .grad by hand under fp16 loss scaling (dtype: fp16): "
+                "tierstore divides a step's gradients by its loss scale, and these never carried it. Compute them "
+                "with optimizer.scale_loss(loss).backward()")
+        log.info("optimizer.step() with no backward since the last step: the step updates with the gradients "
+                 "assigned to the parameters' .grad")
+        self._enter_backward()
+        self._take_grads_now()
+
+    def _take_grads_now(self) -> None:
+        """End the step as its last micro-batch's backward would (``_end_accumulation_early``,
+        ``_step_from_assigned_grads``): every block's gradient so far is taken off now, in backward order."""
+        self.micro = self.options.accumulation_steps - 1  # the micro-batch that ends the step, for what follows
         self._begin_last_backward()
         for index in range(len(self.blocks) - 1, -1, -1):
             if self.gpu_streamed:

@@ -5,6 +5,14 @@
   when gradients will flow, hooks the module's outputs so that the module's backward acquires them again;
 - each parameter's post-accumulate-grad hook counts the block's finished gradients; the first one of a
   backward queues an end-of-backward callback on the autograd engine.
+
+A backward is a micro-batch of the optimizer step only when it accumulates into an offloaded parameter's ``.grad``.
+One that does not (``torch.autograd.grad`` of an input's or a parameter's gradient: a saliency map, gradients the
+user assigns to ``.grad`` themselves; ``backward(inputs=[x])``) still needs each block's weights for its arithmetic:
+its modules' hooks acquire them through ``Controller.on_grad_only_backward`` and release them at its end, and the
+step is left as it was. A backward that builds a graph of itself (``create_graph=True``: double backward, a
+gradient penalty) is refused: the graph it builds reads each block's weights again, in an order no module hook
+sees, after the block was released.
 """
 
 from __future__ import annotations
@@ -27,6 +35,33 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def refuse_create_graph() -> None:
+    """Raise when the running backward builds a graph of itself: the engine runs a backward in grad mode exactly when
+    it was called with ``create_graph=True``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True) for a gradient penalty, "
+            "double backward) reached an offloaded block: the graph it builds reads the block's weights again in a "
+            "later backward, after tierstore released them, in an order no hook of tierstore's sees: higher-order "
+            "gradients are not supported. Nothing of the step changed. Compute the penalty without create_graph (a "
+            "finite-difference estimate of the gradient's norm, say), or train this model without offload")
+
+
+def _will_accumulate(param: torch.Tensor) -> bool:
+    """Whether the running backward will add into ``param.grad``: the engine executes its gradient accumulator. A
+    parameter ``torch.autograd.grad`` returns has its accumulator captured, not run (the engine refuses the question
+    with a RuntimeError then)."""
+    with torch._C.DisableTorchFunctionSubclass():  # metadata and a view only: not through the parameter guard
+        if not param.requires_grad:
+            return False
+        with torch.enable_grad():
+            accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # the live one, the graph's
+    try:
+        return torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()": captured
+        return False
+
+
 class HookSet:
     """Registers the runtime's hooks on a model; ``remove()`` takes them all off."""
 
@@ -34,6 +69,10 @@ class HookSet:
         self.controller = controller
         self._handles: list[Any] = []
         self._end_queued = False
+        self._grad_only_end_queued = False
+        # The offloaded parameters, and whether the graph task seen last (its id) accumulates into any of them.
+        self._params = [slot.param for block in blocks for slot in block.slots]
+        self._task: tuple[int, bool] = (-1, False)
         self._module_blocks = self._needed_blocks(model, blocks)
         # Module hooks are closures that act only for the module they were registered on: a copy.deepcopy of
         # the model shares them (functions are copied by reference) and must not drive this session.
@@ -65,7 +104,7 @@ class HookSet:
             if module is root and not in_backward():
                 # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
                 # that raised (the engine drops its callbacks then).
-                self._end_queued = False
+                self._end_queued = self._grad_only_end_queued = False
                 self.controller.on_step_begin()
 
         return root_pre_forward
@@ -98,12 +137,29 @@ class HookSet:
         return post_forward
 
     def _pre_backward(self, indices: list[int]) -> None:
-        self._queue_end_of_backward()
-        self.controller.on_backward_begin(indices)
+        refuse_create_graph()
+        if self._accumulates():
+            self._queue_end_of_backward()
+            self.controller.on_backward_begin(indices)
+        else:
+            self._queue_end_of_grad_only_backward()
+            self.controller.on_grad_only_backward(indices)
 
     def _param_grad(self, param: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # backward(create_graph=True): .grad holds a graph that reads the weights
+            with torch._C.DisableTorchFunctionSubclass():  # not through the parameter guard: nothing to drop there
+                torch.Tensor.grad.__set__(param, None)
+            refuse_create_graph()
         self._queue_end_of_backward()
         self.controller.on_param_grad(param)  # type: ignore[arg-type]
+
+    def _accumulates(self) -> bool:
+        """Whether the running backward accumulates into some offloaded parameter's ``.grad`` (asked once per graph
+        task: its modules' hooks all get the same answer)."""
+        task = torch._C._current_graph_task_id()
+        if self._task[0] != task:
+            self._task = (task, any(_will_accumulate(p) for p in self._params))
+        return self._task[1]
 
     def _queue_end_of_backward(self) -> None:
         if self._end_queued:
@@ -113,6 +169,17 @@ class HookSet:
         def end() -> None:
             self._end_queued = False
             self.controller.on_backward_end()
+
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _queue_end_of_grad_only_backward(self) -> None:
+        if self._grad_only_end_queued:
+            return
+        self._grad_only_end_queued = True
+
+        def end() -> None:
+            self._grad_only_end_queued = False
+            self.controller.on_grad_only_backward_end()
 
         torch.autograd.Variable._execution_engine.queue_callback(end)
 

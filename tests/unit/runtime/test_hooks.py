@@ -40,6 +40,12 @@ class _Recorder:
     def on_backward_end(self) -> None:
         self.calls.append(("backward_end", None))
 
+    def on_grad_only_backward(self, indices: list[int]) -> None:
+        self.calls.append(("grad_only_begin", tuple(indices)))
+
+    def on_grad_only_backward_end(self) -> None:
+        self.calls.append(("grad_only_end", None))
+
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
 
@@ -123,3 +129,41 @@ def test_a_deepcopy_of_the_model_does_not_drive_the_session():
     recorder.calls.clear()
     twin(torch.randn(3, 8)).backward()
     assert recorder.calls == []
+
+
+@pytest.mark.parametrize("how", ["input", "parameters", "inputs="])
+def test_a_backward_that_accumulates_into_no_parameter_is_no_micro_batch(how):
+    """torch.autograd.grad of an input's or the parameters' gradient, backward(inputs=[x]): the blocks are acquired
+    for the arithmetic (grad_only_begin, in reverse order) and released at the end, and the step sees no backward."""
+    model, recorder, _ = _hooked()
+    x = torch.randn(3, 8, requires_grad=True)
+    loss = model(x)
+    recorder.calls.clear()
+    if how == "input":
+        torch.autograd.grad(loss, x)
+    elif how == "parameters":
+        torch.autograd.grad(loss, list(model.parameters()))
+    else:
+        loss.backward(inputs=[x])
+    assert recorder.calls == [("grad_only_begin", (1,)), ("grad_only_begin", (0,)), ("grad_only_end", None)]
+    recorder.calls.clear()
+    model(x).backward(inputs=[model.layers[0].weight])  # accumulates into one offloaded parameter: a micro-batch
+    assert [name for name in recorder.names() if "backward" in name or "grad" in name] == [
+        "backward_begin", "backward_begin", "param_grad", "backward_end"]
+
+
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_a_create_graph_backward_is_refused_before_anything_is_counted(how):
+    """A graph of the backward would read the blocks' weights again after their release: refused at its first hook,
+    no controller call made, no gradient left on a parameter."""
+    model, recorder, _ = _hooked()
+    x = torch.randn(3, 8, requires_grad=True)
+    loss = model(x)
+    recorder.calls.clear()
+    with pytest.raises(RuntimeError, match="create_graph=True .* higher-order gradients are not supported"):
+        if how == "grad":
+            torch.autograd.grad(loss, x, create_graph=True)
+        else:
+            loss.backward(create_graph=True)
+    assert recorder.calls == []
+    assert all(p.grad is None for p in model.parameters())
