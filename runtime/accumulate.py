@@ -33,6 +33,8 @@ the device-to-host copy, otherwise idle during accumulation, carries 13 G fp32 e
 is what the 8B scenario's copies and sums share (see [Note: fetch staging]); tried with the widening done through a
 16 MiB scratch that stays in cache (call Q3, an H100, the 8B width at 16 layers, same machine): exact, but steady
 steps of 22.5 / 22.5 s against 22.8 / 20.8 with fp32, the CPU summing 11.5-11.9 s a step against 7.9-11.0.
+Copying a step's first micro-batch straight into the pinned sum (no staging, no CPU copy) was exact and no faster
+either (call R2, same shape: 21.4 / 20.6 s against 20.8 / 20.3; CPU summing 6.6-7.0 s against 6.8-7.3).
 
 What it leaves out: when a block's gradient is done and the last micro-batch's device-side sum
 (``runtime.controller``), the update itself (``runtime.overlap``).
