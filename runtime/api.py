@@ -18,6 +18,7 @@ from runtime.adam import AdamWHyper
 from runtime.autoplace import STATE_ITEMSIZE, Placement, PlacementInputs, Rates, choose_placement, measure_rates
 from runtime.blocks import Block, build_blocks
 from runtime.config import TierstoreConfig, load_config
+from runtime.config_schema import clip_threshold
 from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
 from runtime.hooks import HookSet, StateDictHooks
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
@@ -704,7 +705,7 @@ def first_step_config(cfg: TierstoreConfig) -> TierstoreConfig:
 def waits_for_commit(cfg: TierstoreConfig) -> bool:
     """True when updates need the whole gradient before they can commit: clipping (tierstore's or the loop's)
     or fp16 overflow checks."""
-    return cfg.optimizer.grad_clip is not None or cfg.dtype == "fp16" or cfg.optimizer.user_grad_clip
+    return clip_threshold(cfg.optimizer) is not None or cfg.dtype == "fp16" or cfg.optimizer.user_grad_clip
 
 
 def cpu_threads(cfg: TierstoreConfig) -> int:
@@ -744,7 +745,7 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
     return RuntimeOptions(
         compute_dtype=dtype, weight_source=resolved.source, homes=resolved.homes,
         hyper=AdamWHyper(lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay),
-        grad_clip=opt.grad_clip, accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
+        grad_clip=clip_threshold(opt), accumulation_steps=opt.accumulation_steps, prefetch_depth=cfg.prefetch.depth,
         prefetch_budget_nbytes=cfg.prefetch.budget, loss_scale=loss_scale, cpu_threads=cpu_threads(cfg),
         record_intervals=record_intervals, gpu_update_fraction=placement.gpu_update_fraction,
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,

@@ -218,6 +218,7 @@ class GradClipper:
             if isinstance(factor, torch.Tensor) and factor.numel() != 1 or isinstance(factor, (list, tuple)):
                 raise RuntimeError(f"{name}: a gradient summed in host memory between micro-batches can be multiplied "
                                    "only by one number (what clip_grad_norm_ does)")
+            self._refuse_second_clip(grad)
             with torch._C.DisableTorchFunctionSubclass():
                 for g in (args[0] if func is torch._foreach_mul_ else [args[0]]):
                     if isinstance(g, OffloadedGrad):
@@ -244,9 +245,21 @@ class GradClipper:
             raise RuntimeError(self._streaming_message(grad))
         return self._norm_of(grad.slot)
 
+    def _refuse_second_clip(self, grad: OffloadedGrad) -> None:
+        """The loop scales a gradient (its clip) while tierstore clips too (``optimizer.grad_clip``): each step would
+        be clipped twice, which plain PyTorch does not do (tierstore's 1.0 where the loop clipped at 5.0)."""
+        threshold = self.controller.options.grad_clip
+        if threshold is not None:
+            raise RuntimeError(
+                f"{self._name(grad)}: your loop scales the gradients (clip_grad_norm_) and tierstore clips them too "
+                f"(optimizer.grad_clip: {threshold}): the step would be clipped twice, unlike plain PyTorch. Set "
+                "optimizer.user_grad_clip: true (tierstore's own clip is then off) to clip in your loop, or drop the "
+                "loop's clip and keep optimizer.grad_clip")
+
     def _scale(self, grad: OffloadedGrad, factor: Any) -> None:
         if grad.slot not in self._norms:
             raise RuntimeError(self._streaming_message(grad))
+        self._refuse_second_clip(grad)
         factor = factor if isinstance(factor, torch.Tensor) else torch.tensor(float(factor))
         if factor.numel() != 1:  # the stored norm scales by one number; an elementwise factor would change it unknowably
             raise RuntimeError(

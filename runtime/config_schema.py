@@ -226,8 +226,11 @@ class OptimizerConfig:
     eps: float = _leaf(FloatSpec(min=0.0, min_open=True), 1e-8,
                        "Added to the denominator for numerical stability.")
     weight_decay: float = _leaf(FloatSpec(min=0.0), 0.01, "Decoupled weight decay.")
-    grad_clip: float | None = _leaf(FloatSpec(min=0.0, min_open=True, nullable=True), 1.0,
-                                    "Global gradient-norm clipping threshold; null: no clipping.")
+    grad_clip: float | None | Literal["auto"] = _leaf(
+        FloatSpec(min=0.0, min_open=True, nullable=True, auto=True), "auto",
+        "Global gradient-norm clipping threshold tierstore applies at each step's commit; null: none. `auto` (the "
+        "default): 1.0, or none with `user_grad_clip: true` (your loop clips: its clip is then the only one, as in "
+        "plain PyTorch; a number there is refused, since each step would be clipped twice).", 1.0)
     user_grad_clip: bool = _leaf(
         BoolSpec(), False,
         "Your training loop clips gradients itself (`torch.nn.utils.clip_grad_norm_`, HF Trainer's "
@@ -416,6 +419,13 @@ class Problem:
     line_paths: tuple[str, ...] = ()
 
 
+def clip_threshold(opt: OptimizerConfig) -> float | None:
+    """The norm tierstore clips each step's gradients to (``optimizer.grad_clip`` with ``auto`` resolved), or None."""
+    if opt.grad_clip == "auto":
+        return None if opt.user_grad_clip else 1.0
+    return opt.grad_clip  # type: ignore[return-value]
+
+
 def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
     """Return the contradictions between settings of ``cfg``, in a fixed order (empty: none)."""
     problems = []
@@ -434,6 +444,12 @@ def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
             f"({nvme.budget} bytes); lower block_size or raise tiers.nvme.budget.",
             ("tiers.nvme.budget",)))
     opt = cfg.optimizer
+    if opt.user_grad_clip and isinstance(opt.grad_clip, float):
+        problems.append(Problem(
+            "bad_value", "optimizer.grad_clip",
+            f"optimizer.grad_clip ({opt.grad_clip}) with optimizer.user_grad_clip: true would clip every step twice: "
+            "tierstore would clip again after your loop's clip, which plain PyTorch does not. Leave grad_clip out "
+            "(`auto`: no clip of tierstore's beside the loop's) or set it to null.", ("optimizer.user_grad_clip",)))
     # `auto` is resolved at offload time (runtime.autoplace), where these rules hold by construction.
     explicit = isinstance(opt.gpu_update_fraction, float) and isinstance(opt.gpu_stream_fraction, float)
     if explicit and opt.gpu_update_fraction + opt.gpu_stream_fraction > 1.0:

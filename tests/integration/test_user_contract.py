@@ -142,6 +142,45 @@ def test_user_clipping_is_exact_and_returns_the_true_norm(tmp_path, how):
         assert_same(model.state_dict(), plain.state_dict())
 
 
+@pytest.mark.parametrize("loop_clip", [None, 5.0], ids=["no-clip", "clip-5"])
+def test_user_grad_clip_leaves_tierstore_s_own_clip_off_by_default(tmp_path, loop_clip):
+    """With ``user_grad_clip: true`` and ``grad_clip`` left out, the loop's clip is the only one, as in plain
+    PyTorch: at 5.0 (never binding here) and with none at all (the HF Trainer's max_grad_norm=0), under
+    accumulation, bit for bit. tierstore's default 1.0 used to clip these steps on top (found by an audit)."""
+    plain, plain_opt = plain_model()
+    cfg = config(tmp_path, user_grad_clip=True, accumulation_steps=2)
+    del cfg["optimizer"]["grad_clip"]  # left out: `auto`
+    model, optimizer = offload(fresh_model(), cfg)
+    batches = make_batches(6)
+    with optimizer.session:
+        for i in range(0, len(batches), 2):
+            for m, opt in ((plain, plain_opt), (model, optimizer)):
+                for batch in batches[i:i + 2]:
+                    m(*batch).backward()
+                if loop_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), loop_clip)
+                opt.step()
+                opt.zero_grad()
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_a_loop_clip_beside_tierstore_s_clip_is_refused_not_stacked(tmp_path):
+    """tierstore's default clip (1.0) and a clip in the loop would clip every step twice: refused at the loop's clip
+    with the key to set, and refused in the config where both are set by hand."""
+    from runtime.config import ConfigError, load_config
+
+    cfg = config(tmp_path)
+    del cfg["optimizer"]["grad_clip"]  # the default: `auto`, 1.0 without user_grad_clip
+    model, optimizer = offload(fresh_model(), cfg)
+    with optimizer.session:
+        model(*make_batches(1)[0]).backward()
+        with pytest.raises(RuntimeError, match="clipped twice.*optimizer.user_grad_clip: true"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        optimizer.zero_grad()
+    with pytest.raises(ConfigError, match="would clip every step twice"):
+        load_config({"optimizer": {"grad_clip": 1.0, "user_grad_clip": True}})
+
+
 def test_an_elementwise_factor_on_an_offloaded_gradient_is_refused_and_a_scalar_one_is_exact(tmp_path):
     """``p.grad.mul_`` after backward: one number is applied exactly (as clip_grad_norm_'s coefficient is); a
     tensor of several elements would change the stored norm in a way nobody could know, so it raises."""
