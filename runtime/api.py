@@ -84,7 +84,7 @@ class OffloadSession:
     def weights_of(self, block: Block, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Block's current weights by parameter name: CPU tensors cast from the fp32 master to ``dtype`` (default:
         the parameters' compute dtype)."""
-        self.access.settle()
+        self.access.settle(read_only=True)
         dtype = dtype or self.controller.options.compute_dtype
         return self.access.block_values(block, "master", {slot.name: dtype for slot in block.slots})
 

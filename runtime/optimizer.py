@@ -152,7 +152,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """torch.optim.AdamW's layout: ``state`` (per parameter index: ``step``, ``exp_avg``, ``exp_avg_sq``, CPU
         tensors read from the tiers) and ``param_groups``. A parameter that was never updated has no state,
         as in torch. Refused, with the numbers, when the moments would not fit in host memory."""
-        self.access.settle()  # every committed update landed: its step counters and moments are final
+        self.access.settle(read_only=True)  # every committed update landed: its step counters and moments are final
         slots = self._slots()
         updated = any(float(self._step_counter(block.index, position)) > 0 for _, block, position, _ in slots)
         by_name = {kind: self.access.slot_values(kind) if updated else {} for kind in ("exp_avg", "exp_avg_sq")}

@@ -19,6 +19,7 @@ import torch
 
 from runtime.blocks import Block
 from runtime.hostmem import host_memory
+from runtime.step_phase import StepPhase
 from runtime.weights import WeightSource
 from tierstore import CapacityError, TierName
 
@@ -110,14 +111,16 @@ class StateAccess:
             self.weights.wait(index)
 
     # ---- fp32 state --------------------------------------------------------------------------------------
-    def settle(self, writing: bool = False) -> None:
+    def settle(self, writing: bool = False, *, read_only: bool = False) -> None:
         """Wait for every committed update, its write-backs and its weight refreshes; unless ``writing`` (another
-        write of a batch), finish the batched writes first."""
+        write of a batch), finish the batched writes first. ``read_only``: a read, which may also come between
+        micro-batches (a state_dict saved at an epoch's end with micro-batches left over, after an evaluation
+        mid-window): no block changes before the step's last backward, so it reads the last step's state."""
         controller = self.controller
         controller.check_open()
         if not writing or controller.step_pending:
             self.end_batch()
-        if controller.step_pending:
+        if controller.step_pending and not (read_only and controller.phase is StepPhase.ACCUMULATING):
             raise RuntimeError(
                 "the training state is being updated: a backward ran since the last optimizer.step(). Read or "
                 "write parameters and optimizer state between steps (after optimizer.step(), or after "
@@ -196,7 +199,7 @@ class StateAccess:
                 f"(under {memory.limit}); "
                 "write it block by block instead: optimizer.session.save_pretrained(DIR) for weights, "
                 "runtime.checkpoint.save_checkpoint(session, DIR) for the whole training state")
-        self.settle()
+        self.settle(read_only=True)
         out: dict[str, torch.Tensor] = {}
         for block in self.blocks:
             out.update(self.block_values(block, kind, dtypes))

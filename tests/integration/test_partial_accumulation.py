@@ -151,3 +151,41 @@ def test_under_fp16_loss_scaling_a_host_sum_between_micro_batches_is_not_clipped
         opt.scale_loss(model(x, y)).backward()
         with pytest.raises(RuntimeError, match="under fp16 loss scaling"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+@pytest.mark.parametrize("accumulate_on", ["host", "gpu"], ids=["sums-in-host-memory", "sums-on-device"])
+def test_state_reads_between_micro_batches_give_the_last_step_and_training_goes_on(accumulate_on):
+    """A state_dict saved with an accumulation window open (an epoch's leftover micro-batches, a 'save best' after
+    an evaluation mid-window) was refused ('a backward ran since the last optimizer.step()') while plain PyTorch
+    saves the weights of the last step. It now reads them, as do optimizer.state_dict() and the masters; a write
+    there is still refused; the window then ends exactly like the plain loop's."""
+    torch.manual_seed(0)
+    plain = ExampleLM(SHAPE)
+    model = copy.deepcopy(plain)
+    hyper = {"lr": 1e-3, "weight_decay": 0.01}
+    plain_opt = torch.optim.AdamW(plain.parameters(), **hyper, fused=True)
+    model, opt = offload(model, {"dtype": "fp32", "optimizer": {**hyper, "grad_clip": None,
+                                                                "accumulation_steps": ACCUMULATION,
+                                                                "accumulate_on": accumulate_on}})
+    batches = make_batches(2 * ACCUMULATION)
+    with opt.session:
+        for i, (x, y) in enumerate(batches):
+            for m in (plain, model):
+                m(x, y).backward()
+            if i % ACCUMULATION == 1:  # mid-window
+                ours, theirs = model.state_dict(), plain.state_dict()
+                assert ours.keys() == theirs.keys()
+                assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+                masters = opt.session.master_state_dict()
+                assert all(torch.equal(masters[k], theirs[k]) for k in masters)
+                saved, plain_saved = opt.state_dict(), plain_opt.state_dict()
+                for index, state in plain_saved["state"].items():
+                    assert torch.equal(saved["state"][index]["exp_avg"], state["exp_avg"])
+                with pytest.raises(RuntimeError, match="a backward ran since the last optimizer.step"):
+                    opt.load_state_dict(saved)
+            if i % ACCUMULATION == ACCUMULATION - 1:
+                for o in (plain_opt, opt):
+                    o.step()
+                    o.zero_grad()
+        ours, theirs = model.state_dict(), plain.state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
