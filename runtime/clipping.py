@@ -176,9 +176,16 @@ class GradClipper:
             for g in grads:
                 self._scale(g, factor)
             return args[0]
+        if "unscale" in name:  # torch.amp.GradScaler.unscale_ / step in the loop
+            raise RuntimeError(
+                f"torch.amp.GradScaler in your loop ({name} on the gradient of {self._name(grads[0])}): tierstore "
+                "scales the loss itself. With dtype: fp16 call optimizer.scale_loss(loss).backward() and "
+                "optimizer.step() (overflowing steps are skipped, the scale backs off, as GradScaler does); bf16 "
+                "needs no scaler")
         raise RuntimeError(
             f"{name} on the gradient of {self._name(grads[0])}: that gradient already left the device for the "
-            "pending step. Its norm and clip_grad_norm_ work; for the last step's global norm read "
+            "pending step. Its 2-norm and a multiply by one number (clip_grad_norm_) work, not other reads or "
+            "changes (clip_grad_value_, a norm other than 2); for the last step's global norm read "
             "optimizer.last_grad_norm")
 
     def _host_sum_call(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -344,9 +344,11 @@ class Controller:
             self._emit(self.step_listeners, StepEvent("drop", self.optimizer_step, time.perf_counter()))
         if self._phase is StepPhase.READY:
             raise RuntimeError(
-                "the model ran forward after the last micro-batch's backward without optimizer.step(): call "
-                f"optimizer.step() after every {self.options.accumulation_steps} backward pass(es) "
-                "(optimizer.accumulation_steps in the config)"
+                "the model ran forward after the step's last backward (micro-batch "
+                f"{self.options.accumulation_steps} of optimizer.accumulation_steps: {self.options.accumulation_steps})"
+                " but before optimizer.step(): the blocks' updates for that step are under way. Call "
+                "optimizer.step() first (an evaluation too runs after it), and set optimizer.accumulation_steps to "
+                "the backward passes your loop makes per step() (a step() after fewer is fine)"
             )
         fresh, self.device_updates.fresh = self.device_updates.fresh, set()
         signature = "train" if torch.is_grad_enabled() and self.model.training else ("eval" if not torch.is_grad_enabled() else "grad-eval")

@@ -181,6 +181,26 @@ def test_a_loop_clip_beside_tierstore_s_clip_is_refused_not_stacked(tmp_path):
         load_config({"optimizer": {"grad_clip": 1.0, "user_grad_clip": True}})
 
 
+def test_gradient_calls_tierstore_cannot_serve_say_what_to_use(tmp_path):
+    """What a loop may call on a gradient that left the device, and cannot: torch.amp.GradScaler's unscale (the
+    message names optimizer.scale_loss), clip_grad_value_ and a norm other than 2 (refused, naming what works);
+    a forward between the step's last backward and step() names step()."""
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    batch = make_batches(1)[0]
+    with optimizer.session:
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(*batch)).backward()
+        with pytest.raises(RuntimeError, match=r"GradScaler in your loop.*optimizer\.scale_loss"):
+            scaler.unscale_(optimizer)
+        with pytest.raises(RuntimeError, match="clip_grad_value_, a norm other than 2"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        with pytest.raises(RuntimeError, match="only the 2-norm"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"Call optimizer\.step\(\) first"):
+            model(*batch)
+        optimizer.zero_grad()
+
+
 def test_an_elementwise_factor_on_an_offloaded_gradient_is_refused_and_a_scalar_one_is_exact(tmp_path):
     """``p.grad.mul_`` after backward: one number is applied exactly (as clip_grad_norm_'s coefficient is); a
     tensor of several elements would change the stored norm in a way nobody could know, so it raises."""
