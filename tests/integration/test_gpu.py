@@ -663,3 +663,30 @@ def test_other_backwards_and_assigned_gradients_on_gpu(placement, fraction, stre
                 model.state_dict()
     with pytest.raises(RuntimeError, match="offload session was closed"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("sums", ["host", "gpu"], ids=["host-sums", "device-sums"])
+def test_state_reads_between_micro_batches_on_gpu(sums, tmpfs_dir):
+    """On the GPU, with device-updated and CPU-updated blocks: model.state_dict(), the masters and
+    optimizer.state_dict() read between the micro-batches of a window equal what they read right after the last
+    step (nothing changes before the window's last backward), and the window then ends with finite weights."""
+    torch.manual_seed(0)
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": None, "accumulation_steps": 3, "accumulate_on": sums,
+                                             "gpu_update_fraction": 0.3},
+              "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
+    model, optimizer = offload(ExampleLM(SHAPE), config)
+    batches = make_batches(6)
+    with optimizer.session:
+        for i, (x, y) in enumerate(batches):
+            model(x.cuda(), y.cuda()).backward()
+            if i % 3 == 2:
+                optimizer.step()
+                optimizer.zero_grad()
+                after_step = (model.state_dict(), optimizer.session.master_state_dict(), optimizer.state_dict())
+            elif i == 4:  # mid-window of the second step
+                weights, masters, state = model.state_dict(), optimizer.session.master_state_dict(), optimizer.state_dict()
+                assert all(torch.equal(weights[k], after_step[0][k]) for k in weights)
+                assert all(torch.equal(masters[k], after_step[1][k]) for k in masters)
+                for index, entry in after_step[2]["state"].items():
+                    assert torch.equal(state["state"][index]["exp_avg_sq"], entry["exp_avg_sq"])
+        assert all(torch.isfinite(v.float()).all() for v in optimizer.session.master_state_dict().values())
