@@ -17,8 +17,8 @@ from torch import nn
 from runtime.adam import AdamWHyper
 from runtime.autoplace import STATE_ITEMSIZE, Placement, PlacementInputs, Rates, choose_placement, measure_rates
 from runtime.blocks import Block, build_blocks
-from runtime.config import TierstoreConfig, load_config
-from runtime.config_schema import clip_threshold
+from runtime.config import ConfigError, TierstoreConfig, load_config
+from runtime.config_schema import clip_threshold, consistency_problems
 from runtime.controller import Controller, RuntimeOptions, gpu_streamed_blocks, gpu_updated_blocks
 from runtime.hooks import HookSet, StateDictHooks
 from runtime.materialize import ParamInit, initialize, materialize_meta_parameters
@@ -250,6 +250,8 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                          "optimizer that call returned, or close its session first (optimizer.session.close()) and "
                          "offload again")
     cfg = config if isinstance(config, TierstoreConfig) else load_config(config)
+    for problem in consistency_problems(cfg)[:1]:  # a config built in code, not loaded, is checked here
+        raise ConfigError(problem.message, problem.path, kind=problem.kind)
     device = resolve_device(cfg)
     dtype = DTYPES[cfg.dtype]
     if dtype is torch.float16 and device.type == "cpu":

@@ -181,7 +181,7 @@ class GradClipper:
                 f"torch.amp.GradScaler in your loop ({name} on the gradient of {self._name(grads[0])}): tierstore "
                 "scales the loss itself. With dtype: fp16 call optimizer.scale_loss(loss).backward() and "
                 "optimizer.step() (overflowing steps are skipped, the scale backs off, as GradScaler does); bf16 "
-                "needs no scaler")
+                "needs no scaler: under the HF Trainer, whose fp16=True runs GradScaler, train with bf16=True")
         raise RuntimeError(
             f"{name} on the gradient of {self._name(grads[0])}: that gradient already left the device for the "
             "pending step. Its 2-norm and a multiply by one number (clip_grad_norm_) work, not other reads or "
@@ -259,9 +259,11 @@ class GradClipper:
         if threshold is not None:
             raise RuntimeError(
                 f"{self._name(grad)}: your loop scales the gradients (clip_grad_norm_) and tierstore clips them too "
-                f"(optimizer.grad_clip: {threshold}): the step would be clipped twice, unlike plain PyTorch. Set "
-                "optimizer.user_grad_clip: true (tierstore's own clip is then off) to clip in your loop, or drop the "
-                "loop's clip and keep optimizer.grad_clip")
+                f"(optimizer.grad_clip: {threshold}): the step would be clipped twice, unlike plain PyTorch. "
+                + ("Set optimizer.grad_clip: null (or leave it out) to clip in your loop only"
+                   if self.controller.options.hold_updates else
+                   "Set optimizer.user_grad_clip: true (tierstore's own clip is then off) to clip in your loop")
+                + ", or drop the loop's clip and keep optimizer.grad_clip")
 
     def _scale(self, grad: OffloadedGrad, factor: Any) -> None:
         if grad.slot not in self._norms:

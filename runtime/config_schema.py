@@ -449,7 +449,9 @@ def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
             "bad_value", "optimizer.grad_clip",
             f"optimizer.grad_clip ({opt.grad_clip}) with optimizer.user_grad_clip: true would clip every step twice: "
             "tierstore would clip again after your loop's clip, which plain PyTorch does not. Leave grad_clip out "
-            "(`auto`: no clip of tierstore's beside the loop's) or set it to null.", ("optimizer.user_grad_clip",)))
+            "(`auto`: no clip of tierstore's beside the loop's) or set it to null. (A config that tierstore wrote "
+            "before 2026-11-28 holds grad_clip: 1.0, the default then: runs with it clipped each step twice, and "
+            "without it a resumed run clips once.)", ("optimizer.user_grad_clip",)))
     # `auto` is resolved at offload time (runtime.autoplace), where these rules hold by construction.
     explicit = isinstance(opt.gpu_update_fraction, float) and isinstance(opt.gpu_stream_fraction, float)
     if explicit and opt.gpu_update_fraction + opt.gpu_stream_fraction > 1.0:

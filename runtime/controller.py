@@ -147,6 +147,9 @@ class Controller:
         # every such moment can cost 5 ms. Restored at close().
         self._switch_interval = sys.getswitchinterval()
         self.closed = False  # close() ran: the tiers are freed, the model is a plain module again
+        # The model's parameters offload() left out (frozen then), by name: one unfrozen since is refused
+        # (refuse_unfrozen) rather than silently never updated.
+        self.frozen: list[tuple[str, torch.nn.Parameter]] = []
         sys.setswitchinterval(min(self._switch_interval, 0.0005))
         self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals)
         self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
@@ -334,6 +337,8 @@ class Controller:
     def on_step_begin(self) -> None:
         """The model's forward starts: close the previous trace and open one for this signature."""
         self.check_not_interrupted()
+        if torch.is_grad_enabled():
+            refuse_unfrozen(self.frozen, lambda p: p.requires_grad, "requires a gradient")
         if self._phase is StepPhase.BACKWARD:  # the last backward raised and the user carried on: drop its step
             log.warning("the previous backward did not finish (an exception?); its step is dropped")
             self.discard_pending()
@@ -993,6 +998,7 @@ class Controller:
         """End the step as its last micro-batch's backward would (``_end_accumulation_early``,
         ``_step_from_assigned_grads``): every block's gradient so far is taken off now, in backward order."""
         self.micro = self.options.accumulation_steps - 1  # the micro-batch that ends the step, for what follows
+        self._in_backward_use = [False] * len(self.blocks)  # step() runs outside any backward
         self._begin_last_backward()
         for index in range(len(self.blocks) - 1, -1, -1):
             if self.gpu_streamed:
@@ -1200,6 +1206,21 @@ class _LossScaler:
 def is_unit(factor: torch.Tensor | None) -> bool:
     """A clip factor that changes no bit: none, or exactly 1 (a CPU tensor)."""
     return factor is None or float(factor) == 1.0
+
+
+def refuse_unfrozen(frozen: list[tuple[str, torch.nn.Parameter]], unfrozen: Callable[[torch.nn.Parameter], bool],
+                    what: str) -> None:
+    """Progressive unfreezing: a parameter frozen when offload() ran has no block and no Adam state, so a gradient
+    on it would never be applied (plain AdamW over all the parameters trains it from then on). Raise, naming the
+    parameters for which ``unfrozen`` holds, before anything of the step ran."""
+    names = [name for name, p in frozen if unfrozen(p)]
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(
+            f"{shown} {what} but {'was' if len(names) == 1 else 'were'} frozen (requires_grad=False) when offload() "
+            "ran, so tierstore has no optimizer state for it and would never update it. Unfreeze every parameter "
+            "that will train before offload() (freeze it again with requires_grad_(False) until its turn: an "
+            "offloaded parameter without a gradient is not updated), or keep it frozen")
 
 
 def speculation_holds(speculative: UpdateJob, final: UpdateJob) -> bool:

@@ -118,8 +118,15 @@ class HookSet:
 
     def _make_pre_forward(self, indices: list[int], hooked: nn.Module):  # type: ignore[no-untyped-def]
         def pre_forward(module: nn.Module, args: Any) -> None:
-            if module is hooked:
-                self.controller.acquire(indices, "recompute" if in_backward() else "fwd")
+            if module is not hooked:
+                return
+            if in_backward() and not self._accumulates():
+                # A recomputation (activation checkpointing) inside a backward that is no micro-batch: its blocks
+                # are held like that backward's, until it ends, not as a training backward's would be.
+                self._queue_end_of_grad_only_backward()
+                self.controller.on_grad_only_backward(indices)
+                return
+            self.controller.acquire(indices, "recompute" if in_backward() else "fwd")
 
         return pre_forward
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from runtime.adam import AdamWHyper
-from runtime.controller import Controller
+from runtime.controller import Controller, refuse_unfrozen
 
 if TYPE_CHECKING:
     from runtime.state_access import StateAccess
@@ -44,7 +44,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.controller = controller
         self.access = access
-        self._frozen = list(frozen)
+        controller.frozen = list(frozen)
         self._bind_groups()
         controller.hyper_source = self._hypers
 
@@ -88,16 +88,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def _refuse_unfrozen(self) -> None:
-        """Progressive unfreezing: a parameter frozen when offload() ran has no block and no Adam state, so a
-        gradient on it would never be applied (plain AdamW over all the parameters trains it from then on)."""
-        unfrozen = [name for name, p in self._frozen if p.grad is not None]
-        if unfrozen:
-            names = ", ".join(unfrozen[:3]) + (f" and {len(unfrozen) - 3} more" if len(unfrozen) > 3 else "")
-            raise ValueError(
-                f"{names} got a gradient but {'was' if len(unfrozen) == 1 else 'were'} frozen (requires_grad=False) "
-                "when offload() ran, so tierstore has no optimizer state for it and would never update it. Unfreeze "
-                "every parameter that will train before offload() (freeze it again with requires_grad_(False) until "
-                "its turn: an offloaded parameter without a gradient is not updated), or keep it frozen")
+        """A gradient assigned to a parameter frozen at offload() (the forward refuses one unfrozen before it runs:
+        ``Controller.on_step_begin``)."""
+        refuse_unfrozen(self.controller.frozen, lambda p: p.grad is not None, "got a gradient")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients. Called before ``step()`` after a backward, it drops that step's pending update (as

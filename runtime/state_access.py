@@ -180,7 +180,10 @@ class StateAccess:
         index = block.index
         if self.weights.source is not WeightSource.MASTER or index in self.controller.gpu_updated:
             step = self.store.record(block.key("master")).step
-            self.read_state(block, "master", lambda master: refresh_compute_weights(self.controller, block, master, step))
+            # Not read_state: this follows a write (also one made while an abandoned step left blocks at two
+            # steps, which reads refuse), and the compute copy must follow the master whatever the phase.
+            self._with_state(block, "master", lambda master: refresh_compute_weights(self.controller, block, master, step),
+                             write=False)
         # A fetched copy holds the old values: drop it (views of it fetch again when read).
         if self.weights.states[index].users == 0:
             self.controller.release_block(index)

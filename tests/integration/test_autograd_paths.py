@@ -92,6 +92,38 @@ def test_gradients_assigned_to_grad_are_what_step_applies(tmp_path, optimizer, c
             assert_same(model.state_dict(), plain.state_dict())
 
 
+@pytest.mark.parametrize("checkpointing", ["tierstore-recompute", "model-checkpoint"])
+def test_assigned_gradients_and_saliency_through_recomputed_layers(tmp_path, checkpointing):
+    """The layers' forward recomputed inside a backward that is no micro-batch (activation checkpointing under
+    torch.autograd.grad): its blocks are held as that backward's and let go at its end. They were held as a training
+    backward's and never let go, and a parameter read after the step read freed memory (a segfault; found by a
+    review). Steps from assigned gradients, a train-mode saliency pass and reads after each: bit for bit."""
+    plain, plain_opt = plain_model()
+    cfg = config(tmp_path)
+    if checkpointing == "tierstore-recompute":
+        cfg["placement"]["activations"] = "recompute"
+    model = fresh_model()
+    if checkpointing == "model-checkpoint":
+        model.activation_checkpointing = plain.activation_checkpointing = True
+    model, opt = offload(model, cfg)
+    kept, plain_kept = embeddings_kept(model), embeddings_kept(plain)
+    with opt.session:
+        for step, batch in enumerate(make_batches(3)):
+            for m, o in ((plain, plain_opt), (model, opt)):
+                grads = torch.autograd.grad(m(*batch), list(m.parameters()))
+                for p, g in zip(m.parameters(), grads):
+                    p.grad = g
+                o.step()
+                o.zero_grad()
+            assert torch.equal(model.layers[1].qkv.weight.detach().clone(), plain.layers[1].qkv.weight.detach())
+            logits, plain_logits = model(batch[0]), plain(batch[0])  # train mode: the layers recompute
+            ours = torch.autograd.grad(logits.max(-1).values.sum(), kept[-1])[0]
+            assert torch.equal(ours, torch.autograd.grad(plain_logits.max(-1).values.sum(), plain_kept[-1])[0])
+            assert torch.equal(model.layers[2].down.weight.sum(), plain.layers[2].down.weight.sum())
+        assert not any(opt.session.controller.in_backward_use(i) for i in range(len(opt.session.controller.blocks)))
+        assert_same(model.state_dict(), plain.state_dict())
+
+
 def test_a_gradient_assigned_after_the_last_backward_is_refused_not_ignored(tmp_path):
     """The backward reached only the last layer's parameters; a gradient assigned to the embedding before step() would
     never be applied (its block's update was decided without one), so it is refused; the step commits exactly."""

@@ -8,6 +8,7 @@ load_state_dict, torch.save, clip_grad_norm_, param groups, optimizer state_dict
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 from typing import Callable
 
@@ -145,7 +146,7 @@ def test_user_clipping_is_exact_and_returns_the_true_norm(tmp_path, how):
 @pytest.mark.parametrize("loop_clip", [None, 5.0], ids=["no-clip", "clip-5"])
 def test_user_grad_clip_leaves_tierstore_s_own_clip_off_by_default(tmp_path, loop_clip):
     """With ``user_grad_clip: true`` and ``grad_clip`` left out, the loop's clip is the only one, as in plain
-    PyTorch: at 5.0 (never binding here) and with none at all (the HF Trainer's max_grad_norm=0), under
+    PyTorch: at 5.0 (binding in the last window only) and with none at all (the HF Trainer's max_grad_norm=0), under
     accumulation, bit for bit. tierstore's default 1.0 used to clip these steps on top (found by an audit)."""
     plain, plain_opt = plain_model()
     cfg = config(tmp_path, user_grad_clip=True, accumulation_steps=2)
@@ -179,6 +180,10 @@ def test_a_loop_clip_beside_tierstore_s_clip_is_refused_not_stacked(tmp_path):
         optimizer.zero_grad()
     with pytest.raises(ConfigError, match="would clip every step twice"):
         load_config({"optimizer": {"grad_clip": 1.0, "user_grad_clip": True}})
+    both = load_config({"device": "cpu", "dtype": "fp32", "optimizer": {"user_grad_clip": True}})
+    both = dataclasses.replace(both, optimizer=dataclasses.replace(both.optimizer, grad_clip=1.0))
+    with pytest.raises(ConfigError, match="would clip every step twice"):  # a config built in code
+        offload(fresh_model(), both)
 
 
 def test_gradient_calls_tierstore_cannot_serve_say_what_to_use(tmp_path):
@@ -460,10 +465,16 @@ def test_a_parameter_unfrozen_after_offload_is_refused_not_left_untrained(tmp_pa
     with optimizer.session:
         offloaded_step(model, optimizer, batches[0])  # frozen: fine
         model.layers[1].requires_grad_(True)
-        model(*batches[1]).backward()
+        # Refused at the forward, before anything of the step ran (a streaming update would already have started
+        # by step(), leaving the blocks at two steps).
         with pytest.raises(ValueError, match=r"layers\.1\.\S+ .*frozen \(requires_grad=False\) when offload\(\) ran"):
+            model(*batches[1])
+        model.layers[1].requires_grad_(False)
+        model.layers[1].down.weight.grad = torch.ones(model.layers[1].down.weight.shape)  # assigned by hand
+        with pytest.raises(ValueError, match=r"layers\.1\.down\.weight got a gradient but was frozen"):
             optimizer.step()
-        optimizer.zero_grad()
+        model.layers[1].down.weight.grad = None
+        offloaded_step(model, optimizer, batches[1])  # the session goes on
 
 
 def test_offload_twice_says_the_model_is_offloaded_and_the_first_session_trains_on(tmp_path):

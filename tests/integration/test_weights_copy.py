@@ -266,3 +266,30 @@ def test_a_placement_change_with_the_copy_and_accumulation(force_copy):
                   for loss in reference.train_step(batches[start : start + ACC])]
         assert ours == theirs
         assert_identical(session.master_state_dict(), reference)
+
+
+def test_a_write_after_an_abandoned_streaming_step_refreshes_the_copy(force_copy):
+    """An abandoned streaming step (a backward that raised part-way) refuses reads, but a write is still a write:
+    it reached the master and then failed refreshing the copy with the reads' refusal, leaving the copy stale
+    (found by a review). Now the write and a load_state_dict go through; reads stay refused."""
+    model, optimizer, session = _session()
+    assert session.controller.options.weight_source is WeightSource.WEIGHTS
+    batches = make_batches(3)
+    with session:
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        model(*batches[0]).backward()
+
+        def fail(*_: object) -> None:
+            raise ValueError("planted")
+
+        handle = model.layers[1].register_full_backward_hook(fail)
+        with pytest.raises(ValueError, match="planted"):
+            model(*batches[1]).backward()
+        handle.remove()
+        optimizer.zero_grad()
+        assert session.controller.interrupted is not None
+        with torch.no_grad():
+            model.layers[0].qkv.weight.mul_(0.5)  # a write: allowed
+        model.load_state_dict(saved)  # writes every block's master and copy
+        with pytest.raises(RuntimeError, match="would mix two steps"):
+            model.state_dict()
