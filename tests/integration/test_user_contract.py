@@ -329,6 +329,19 @@ def test_a_failed_last_micro_batch_whose_first_hook_was_a_parameters_is_an_aband
     assert torch.equal(model.layers[0].qkv.weight, before["layers.0.qkv.weight"])
 
 
+def abandon_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> None:
+    """A micro-batch whose backward raises after layer 2's blocks (a planted hook on layer 1), caught, and the
+    step dropped with zero_grad(): under streaming updates the later blocks' updates had started."""
+    def fail(*_: object) -> None:
+        raise ValueError("planted")
+
+    handle = model.layers[1].register_full_backward_hook(fail)
+    with pytest.raises(ValueError, match="planted"):
+        model(*batch).backward()
+    handle.remove()
+    optimizer.zero_grad()
+
+
 def test_reads_after_an_abandoned_streaming_step_come_back_with_a_checkpoint_load(tmp_path, caplog):
     """A backward that raises after some blocks' streaming updates started, then zero_grad(): reads refuse (they
     would mix steps) until load_checkpoint puts every block at the saved step; then they equal the plain loop's
@@ -342,14 +355,7 @@ def test_reads_after_an_abandoned_streaming_step_come_back_with_a_checkpoint_loa
         plain_step(plain, plain_opt, batches[0])
         offloaded_step(model, optimizer, batches[0])
         save_checkpoint(optimizer.session, tmp_path / "ckpt")
-        def fail(*_: object) -> None:
-            raise ValueError("planted")
-
-        handle = model.layers[1].register_full_backward_hook(fail)
-        with pytest.raises(ValueError, match="planted"):
-            model(*batches[1]).backward()
-        handle.remove()
-        optimizer.zero_grad()
+        abandon_in_backward(model, optimizer, batches[1])
         with pytest.raises(RuntimeError, match="would mix two steps"):
             model.state_dict()
         load_checkpoint(optimizer.session, tmp_path / "ckpt")

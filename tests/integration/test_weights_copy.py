@@ -12,7 +12,7 @@ from runtime import offload
 from runtime.example_model import ExampleLM
 from runtime.weights import WeightSource
 from tests.integration.test_parity import SHAPE, assert_identical, force_weights_copy, make_batches, run_both
-from tests.integration.test_user_contract import assert_same
+from tests.integration.test_user_contract import abandon_in_backward, assert_same
 
 ACC = 2
 
@@ -278,15 +278,7 @@ def test_a_write_after_an_abandoned_streaming_step_refreshes_the_copy(force_copy
     with session:
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         model(*batches[0]).backward()
-
-        def fail(*_: object) -> None:
-            raise ValueError("planted")
-
-        handle = model.layers[1].register_full_backward_hook(fail)
-        with pytest.raises(ValueError, match="planted"):
-            model(*batches[1]).backward()
-        handle.remove()
-        optimizer.zero_grad()
+        abandon_in_backward(model, optimizer, batches[1])
         assert session.controller.interrupted is not None
         with torch.no_grad():
             model.layers[0].qkv.weight.mul_(0.5)  # a write: allowed
