@@ -33,7 +33,7 @@ from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
 from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
                           spill_order)
-from runtime.signals import stop_on_sigterm
+from runtime.signals import defers_interrupts, handle_signals
 from runtime.units import approx_size
 from runtime.weights import WeightSource
 from tierstore import StoreConfig, TierName, TierStore
@@ -77,10 +77,12 @@ class OffloadSession:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @defers_interrupts
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (CPU tensors), after every committed update."""
         return self.access.slot_values("master")
 
+    @defers_interrupts
     def weights_of(self, block: Block, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Block's current weights by parameter name: CPU tensors cast from the fp32 master to ``dtype`` (default:
         the parameters' compute dtype)."""
@@ -95,6 +97,7 @@ class OffloadSession:
 
         save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
 
+    @defers_interrupts
     def close(self) -> None:
         """Finish updates, free every tier and delete swap files. The model becomes a plain module again: its
         parameters hold the trained weights on the CPU in their original dtype (from the fp32 masters). Where
@@ -337,7 +340,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
     # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
     # every weight back into the model first.
-    session.on_close.append(stop_on_sigterm())
+    session.on_close.append(handle_signals())
     return model, optimizer
 
 

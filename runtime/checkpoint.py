@@ -32,9 +32,9 @@ import torch
 import yaml
 
 from runtime.checkpoint_io import (
-    META_NAME,
     CheckpointError,
     FileEntry,
+    META_NAME,
     PendingCheckpoint,
     check_listing,
     copy_range,

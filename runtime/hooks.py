@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from runtime.blocks import Block
 from runtime.controller import Controller
+from runtime.signals import defers_interrupts
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +77,18 @@ class HookSet:
         self._module_blocks = self._needed_blocks(model, blocks)
         # Module hooks are closures that act only for the module they were registered on: a copy.deepcopy of
         # the model shares them (functions are copied by reference) and must not drive this session.
-        self._handles.append(model.register_forward_pre_hook(self._make_root_pre_forward(model)))
+        # Every hook runs with Ctrl-C and SIGTERM held back until it returns ([Note: deferred interrupts]).
+        self._handles.append(model.register_forward_pre_hook(defers_interrupts(self._make_root_pre_forward(model))))
         # always_call: it runs when the forward raises too, so the controller knows no forward is running then.
-        self._handles.append(model.register_forward_hook(self._make_root_post_forward(model), always_call=True))
+        self._handles.append(model.register_forward_hook(defers_interrupts(self._make_root_post_forward(model)),
+                                                         always_call=True))
         for module, indices in self._module_blocks.items():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(indices, module)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(indices, module)))
+            self._handles.append(module.register_forward_pre_hook(defers_interrupts(self._make_pre_forward(indices, module))))
+            self._handles.append(module.register_forward_hook(defers_interrupts(self._make_post_forward(indices, module))))
+        param_grad = defers_interrupts(self._param_grad)
         for block in blocks:
             for slot in block.slots:
-                self._handles.append(slot.param.register_post_accumulate_grad_hook(self._param_grad))
+                self._handles.append(slot.param.register_post_accumulate_grad_hook(param_grad))
 
     @staticmethod
     def _needed_blocks(model: nn.Module, blocks: list[Block]) -> dict[nn.Module, list[int]]:
@@ -139,7 +143,8 @@ class HookSet:
             if torch.is_grad_enabled() and not recompute:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(indices), mode="any")
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, defers_interrupts(lambda grads: self._pre_backward(indices)), mode="any")
 
         return post_forward
 
@@ -173,6 +178,7 @@ class HookSet:
             return
         self._end_queued = True
 
+        @defers_interrupts
         def end() -> None:
             self._end_queued = False
             self.controller.on_backward_end()
@@ -184,6 +190,7 @@ class HookSet:
             return
         self._grad_only_end_queued = True
 
+        @defers_interrupts
         def end() -> None:
             self._grad_only_end_queued = False
             self.controller.on_grad_only_backward_end()
@@ -242,8 +249,8 @@ class StateDictHooks:
             if id(module) in self._modules:
                 self._finish_load()
 
-        self._handles.append(model.register_forward_pre_hook(before_forward))
-
+        self._handles.append(model.register_forward_pre_hook(defers_interrupts(before_forward)))
+        pre, post, pre_load, post_load = map(defers_interrupts, (pre, post, pre_load, post_load))
         for module in model.modules():  # every module: the outermost state_dict() call opens the cache
             self._handles.append(module.register_state_dict_pre_hook(pre))
             self._handles.append(module.register_state_dict_post_hook(post))

@@ -18,6 +18,7 @@ from torch import nn
 
 from runtime.adam import AdamWHyper
 from runtime.controller import Controller, refuse_unfrozen
+from runtime.signals import defers_interrupts
 
 if TYPE_CHECKING:
     from runtime.state_access import StateAccess
@@ -83,15 +84,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._commit()
+        return loss
+
+    @defers_interrupts  # a Ctrl-C between queueing the step's updates and recording the step half-recorded it
+    def _commit(self) -> None:
         self._refuse_unfrozen()
         self.controller.step()
-        return loss
 
     def _refuse_unfrozen(self) -> None:
         """A gradient assigned to a parameter frozen at offload() (the forward refuses one unfrozen before it runs:
         ``Controller.on_step_begin``)."""
         refuse_unfrozen(self.controller.frozen, lambda p: p.grad is not None, "got a gradient")
 
+    @defers_interrupts
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients. Called before ``step()`` after a backward, it drops that step's pending update (as
         plain PyTorch does: a step with no gradients changes nothing)."""
@@ -115,6 +121,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.controller.synchronize()
 
     # ---- clipping -----------------------------------------------------------------------------------
+    @defers_interrupts
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the pending step's gradients to a global 2-norm of ``max_norm``, exactly as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` would; returns the total norm.
@@ -141,6 +148,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         steps = self.controller.gpu_param_steps.get(block_index)
         return steps[position] if steps is not None else self.controller.worker.param_steps[block_index][position]
 
+    @defers_interrupts
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's layout: ``state`` (per parameter index: ``step``, ``exp_avg``, ``exp_avg_sq``, CPU
         tensors read from the tiers) and ``param_groups``. A parameter that was never updated has no state,
@@ -164,6 +172,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             groups.append(saved)
         return {"state": state, "param_groups": groups}
 
+    @defers_interrupts
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of this optimizer (or of torch.optim.AdamW over the same parameters): the groups'
         hyper-parameters, and each parameter's moments and step counter, written into the tiers."""

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 from runtime.blocks import Block
+from runtime.signals import defers_interrupts
 
 if TYPE_CHECKING:
     from runtime.clipping import GradClipper
@@ -137,11 +138,12 @@ class ParamGuard:
 
         # One subclass per session and per parameter class, so the routing reaches this session's state
         # without a global registry.
-        self._routed = classmethod(lambda cls, func, types, args=(), kwargs=None: guard.dispatch(func, args, kwargs or {}))
+        dispatch = defers_interrupts(guard.dispatch)  # [Note: deferred interrupts]
+        self._routed = classmethod(lambda cls, func, types, args=(), kwargs=None: dispatch(func, args, kwargs or {}))
         self.view_class: type = type("OffloadedView", (torch.Tensor,), {"__torch_function__": self._routed,
                                                                         "__module__": __name__})
         self._param_classes: dict[type, type] = {}
-        self._deepcopy = lambda param, memo: guard.dispatch(DEEPCOPY, (param, memo), {})
+        self._deepcopy = lambda param, memo: dispatch(DEEPCOPY, (param, memo), {})
         self._closed = False  # the session closed: views still held refer to freed blocks
 
     # ---- install / remove ------------------------------------------------------------------------------

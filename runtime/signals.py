@@ -1,4 +1,5 @@
-"""SIGTERM ends a training run the way Ctrl-C does: an exception in the main thread, so cleanup runs.
+"""SIGTERM ends a training run the way Ctrl-C does: an exception in the main thread, so cleanup runs; both
+are held back while tierstore's own code runs (see [Note: deferred interrupts]).
 
 Schedulers and ``docker stop`` send SIGTERM, whose default action kills the process at once: swap files
 stay behind (for the ``tmp`` swap path, in the RAM-backed /dev/shm until reboot) and nothing is said.
@@ -9,18 +10,34 @@ short is never published (``checkpoint_io`` writes a new directory and then swap
 
 The handler is installed only where SIGTERM still has its default action and only from the main thread: a
 program with its own handler keeps it. The first SIGTERM restores the default, so a second one kills a
-process whose cleanup hangs. What it leaves out: SIGINT (Python's KeyboardInterrupt already does this) and
-SIGKILL (nothing can run; the next start reclaims the swap directory).
+process whose cleanup hangs.
+
+[Note: deferred interrupts]
+Ctrl-C (SIGINT, Python's KeyboardInterrupt) and SIGTERM raise in the main thread at whatever instruction it is
+running. Inside tierstore's own code that may be between a copy and the event that says it ended, between
+queueing a step's updates and recording that step, or while a condition's lock is re-taken: a fuzz of such
+interrupts (2026-11-28) found the interrupt swallowed into a copy's handle and the optimizer worker dead with
+it, a handle never completed (a hang), a close() that never returned, and a step half recorded. So while a
+session is open the same handler object serves both signals (where each still has its default handler) and
+holds them back while the main thread runs tierstore code: the entry points the user's code reaches (hooks,
+the parameter guard, the optimizer's and the session's methods, checkpoints) run under ``defers_interrupts``,
+and a signal that arrives there is raised when the outermost of them returns, as if it had arrived just after
+it. A second signal while one is held raises at once: a wait that never ends stays interruptible (the state
+may then be what the first interrupt found). What it leaves out: SIGKILL (nothing can run; the next start
+reclaims the swap directory), and signals handled by the program's own handlers, which it keeps.
 """
 
 from __future__ import annotations
 
 import logging
+import functools
 import os
 import signal
 import threading
 from types import FrameType
-from typing import Callable
+from typing import Any, Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger(__name__)
 
@@ -37,37 +54,88 @@ class Terminated(SystemExit):
         return f"terminated by {signal.Signals(self.signum).name}"
 
 
-class _TerminateHandler:
-    """The installed handler; counts the sessions relying on it so the last one out restores the default."""
+class _SignalHandler:
+    """The installed handler of SIGINT and SIGTERM (where each had its default); counts the sessions relying on
+    it so the last one out restores the defaults, and holds a signal back while the main thread runs tierstore
+    code (``depth`` > 0: [Note: deferred interrupts])."""
 
     def __init__(self) -> None:
         self.users = 0
         self.pid = os.getpid()
+        self.main_ident = threading.main_thread().ident
+        self.depth = 0  # nesting of defers_interrupts calls running in the main thread
+        self.held: int | None = None  # a signal that arrived at depth > 0, raised when depth returns to 0
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills even if the cleanup below hangs
-        if os.getpid() != self.pid:  # a forked child (a DataLoader worker) has no session: die as by default
+        if os.getpid() != self.pid:  # a forked child (a DataLoader worker) has no session: act as by default
+            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
             os.kill(os.getpid(), signum)
             return
+        if self.depth > 0 and self.held is None:
+            self.held = signum  # no logging here: the main thread may hold the logging lock
+            return
+        self.held = None
+        self.raise_for(signum)
+
+    def raise_for(self, signum: int) -> None:
+        """What the signal does by default: KeyboardInterrupt for SIGINT, :class:`Terminated` for SIGTERM."""
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills even if the cleanup below hangs
         log.warning("%s received: abandoning the step, closing the session and removing its swap files",
                     signal.Signals(signum).name)
         raise Terminated(signum)
 
+    def leave_deferred(self) -> None:
+        """The outermost tierstore call returned: a signal held meanwhile is raised now."""
+        self.depth -= 1
+        if self.depth == 0 and self.held is not None:
+            signum, self.held = self.held, None
+            self.raise_for(signum)
 
-def stop_on_sigterm() -> Callable[[], None]:
-    """Make SIGTERM raise :class:`Terminated` in the main thread while the caller needs it; returns the
-    function to call when it no longer does (idempotent). Does nothing outside the main thread or where the
-    program installed its own SIGTERM handler."""
+
+_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+
+def _installed() -> _SignalHandler | None:
+    for signum in _DEFAULTS:
+        handler = signal.getsignal(signum)
+        if isinstance(handler, _SignalHandler):
+            return handler
+    return None
+
+
+def defers_interrupts(fn: F) -> F:
+    """Run ``fn`` with SIGINT and SIGTERM held back while it runs in the main thread (see [Note: deferred
+    interrupts]); a signal held meanwhile is raised when the outermost such call returns."""
+
+    @functools.wraps(fn)
+    def deferring(*args: Any, **kwargs: Any) -> Any:
+        handler = _installed()
+        if handler is None or threading.get_ident() != handler.main_ident:
+            return fn(*args, **kwargs)
+        handler.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            handler.leave_deferred()
+
+    return deferring  # type: ignore[return-value]
+
+
+def handle_signals() -> Callable[[], None]:
+    """Make SIGTERM raise :class:`Terminated` in the main thread, and hold SIGINT and SIGTERM back inside
+    tierstore's code, while the caller needs it; returns the function to call when it no longer does
+    (idempotent). Does nothing outside the main thread, and leaves a signal whose handler the program set."""
     if threading.current_thread() is not threading.main_thread():
         return _nothing
-    current = signal.getsignal(signal.SIGTERM)
-    if isinstance(current, _TerminateHandler):
-        handler = current
-    elif current == signal.SIG_DFL:
-        handler = _TerminateHandler()
-        signal.signal(signal.SIGTERM, handler)
-    else:
+    handler = _installed() or _SignalHandler()
+    taken = [signum for signum, default in _DEFAULTS.items()
+             if signal.getsignal(signum) is handler or signal.getsignal(signum) == default]
+    if not taken:
         return _nothing
+    for signum in taken:
+        signal.signal(signum, handler)
     handler.users += 1
     left = False
 
@@ -78,10 +146,11 @@ def stop_on_sigterm() -> Callable[[], None]:
         left = True
         handler.users -= 1
         # signal.signal works only in the main thread; a close() from another thread leaves the handler,
-        # which then raises Terminated with nothing left to clean up: the exit status is the same.
-        if (handler.users == 0 and signal.getsignal(signal.SIGTERM) is handler
-                and threading.current_thread() is threading.main_thread()):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # which then raises as by default with nothing left to clean up: the exit status is the same.
+        if handler.users == 0 and threading.current_thread() is threading.main_thread():
+            for signum, default in _DEFAULTS.items():
+                if signal.getsignal(signum) is handler:
+                    signal.signal(signum, default)
 
     return leave
 

@@ -11,21 +11,59 @@ from pathlib import Path
 
 import pytest
 
-from runtime.signals import Terminated, stop_on_sigterm
+from runtime.signals import Terminated, defers_interrupts, handle_signals
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)
 def default_sigterm():
-    """Each test starts and ends with SIGTERM at its default (pytest's own process must stay killable)."""
+    """Each test starts and ends with SIGTERM and SIGINT at their defaults (pytest's own process must stay
+    killable and interruptible)."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGTERM, previous)
+    signal.signal(signal.SIGINT, previous_int)
+
+
+def test_ctrl_c_inside_tierstore_code_is_raised_when_its_outermost_call_returns():
+    """[Note: deferred interrupts]: a SIGINT that arrives inside a defers_interrupts call (nested here) lets the
+    call finish and is raised as it returns; a second one while the first is held raises at once."""
+    leave = handle_signals()
+    done: list[str] = []
+
+    @defers_interrupts
+    def inner() -> None:
+        signal.raise_signal(signal.SIGINT)  # the handler runs at the next bytecode, in this thread
+        done.append("inner")
+
+    @defers_interrupts
+    def outer() -> str:
+        inner()
+        done.append("outer")
+        return "result"
+
+    with pytest.raises(KeyboardInterrupt):
+        outer()
+    assert done == ["inner", "outer"]
+
+    @defers_interrupts
+    def stuck() -> None:
+        signal.raise_signal(signal.SIGINT)  # held
+        signal.raise_signal(signal.SIGINT)  # a second Ctrl-C: at once
+        done.append("never")
+
+    with pytest.raises(KeyboardInterrupt):
+        stuck()
+    assert "never" not in done
+    assert defers_interrupts(lambda: "clean")() == "clean"  # nothing held is left over
+    leave()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigterm_raises_terminated_and_a_second_one_would_kill():
-    leave = stop_on_sigterm()
+    leave = handle_signals()
     assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # else the kill below ends pytest
     with pytest.raises(Terminated) as info:
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode, in this thread
@@ -36,7 +74,7 @@ def test_sigterm_raises_terminated_and_a_second_one_would_kill():
 
 
 def test_the_last_session_out_restores_the_default():
-    first, second = stop_on_sigterm(), stop_on_sigterm()
+    first, second = handle_signals(), handle_signals()
     handler = signal.getsignal(signal.SIGTERM)
     first()
     first()  # idempotent: does not count twice
@@ -50,7 +88,7 @@ def test_a_programs_own_handler_is_left_alone():
         pass
 
     signal.signal(signal.SIGTERM, mine)
-    leave = stop_on_sigterm()
+    leave = handle_signals()
     assert signal.getsignal(signal.SIGTERM) is mine
     leave()
     assert signal.getsignal(signal.SIGTERM) is mine
@@ -59,8 +97,8 @@ def test_a_programs_own_handler_is_left_alone():
 def test_a_forked_child_dies_of_sigterm_as_by_default():
     script = textwrap.dedent("""
         import os, signal, sys, time
-        from runtime.signals import stop_on_sigterm
-        stop_on_sigterm()
+        from runtime.signals import handle_signals
+        handle_signals()
         pid = os.fork()
         if pid == 0:  # a DataLoader worker, say: it has no session to close
             os.kill(os.getpid(), signal.SIGTERM)
