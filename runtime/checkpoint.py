@@ -51,6 +51,7 @@ from runtime.checkpoint_root import CheckpointRoot
 from runtime.config import dump_config
 from runtime.plan import STATE_KINDS
 from runtime.state_access import refresh_compute_weights
+from runtime.step_phase import StepPhase
 from runtime.weights import WeightSource
 from tierstore import CorruptFileError, TierName, TierStore
 from tierstore.nvme import HEADER_NBYTES, payload_hasher
@@ -156,6 +157,9 @@ def _save(session: "OffloadSession", root: CheckpointRoot, data: ResumableData |
 
 
 def _require_between_steps(controller: "Controller", what: str) -> None:
+    if controller.phase is StepPhase.BACKWARD:
+        raise RuntimeError(f"{what} a checkpoint between steps: a backward did not finish (it raised); call "
+                           "optimizer.zero_grad() to drop its step first")
     if controller.step_pending:
         raise RuntimeError(f"{what} a checkpoint between steps: call optimizer.step() after the last micro-batch's "
                            f"backward first ({controller.micro} backward pass(es) since the last step)")

@@ -147,6 +147,7 @@ class Controller:
         # every such moment can cost 5 ms. Restored at close().
         self._switch_interval = sys.getswitchinterval()
         self.closed = False  # close() ran: the tiers are freed, the model is a plain module again
+        self._commit_hypers: list[AdamWHyper] | None = None  # the groups as a commit read them (block_hypers)
         # The model's parameters offload() left out (frozen then), by name: one unfrozen since is refused
         # (refuse_unfrozen) rather than silently never updated.
         self.frozen: list[tuple[str, torch.nn.Parameter]] = []
@@ -801,7 +802,7 @@ class Controller:
 
     def block_hypers(self, block: Block) -> list[AdamWHyper]:
         """Each of block's parameters' AdamW hyper-parameters, as its parameter group holds them now."""
-        groups = self.hyper_source()
+        groups = self._commit_hypers if self._commit_hypers is not None else self.hyper_source()
         return [groups[g] for g in self.slot_groups[block.index]]
 
     def _copies_in_flight_nbytes(self) -> int:
@@ -837,8 +838,12 @@ class Controller:
             self.stats.grad_norms.append(float(total))
         multiplier = None if coef is None else coef.to("cpu")
         try:
+            # The groups are read once, before anything is queued: one that can't be read (a scheduler's bad
+            # value) fails the commit with nothing changed, not after some blocks' updates (found by a fuzz).
+            self._commit_hypers = self.hyper_source()
             scaled = self._send_held_grads(coef, skip)
         except BaseException:
+            self._commit_hypers = None
             self.discard_pending()  # nothing was queued: the step is dropped, as after zero_grad()
             raise
         # The CPU's updates are the step's longest tail: its jobs go first, the device's updates after them.
@@ -850,6 +855,8 @@ class Controller:
                 f"the commit of step {self.optimizer_step + 1} failed after some of its updates were queued, so the "
                 "blocks are at different steps. Restore the last checkpoint (runtime.checkpoint.load_checkpoint)"))
             raise
+        finally:
+            self._commit_hypers = None
         if not skip:  # hold the next step's host gradients where that saves a multiply: this step's is the guess
             self._hold_grads = scales_host
         else:
@@ -930,6 +937,10 @@ class Controller:
             self._step_from_assigned_grads()
         if self._phase is StepPhase.ACCUMULATING:
             self._end_accumulation_early()
+        if self._phase is StepPhase.BACKWARD:  # a backward started and did not end: it raised, and the loop went on
+            raise RuntimeError(
+                "optimizer.step() after a backward that did not finish (it raised): its gradients are partial. Call "
+                "optimizer.zero_grad() to drop the step, as after any exception in forward or backward")
         if self._phase is not StepPhase.READY:
             raise RuntimeError(
                 f"optimizer.step() called after {self.micro} backward pass(es); the config's "

@@ -15,7 +15,7 @@ from runtime import offload
 from runtime.checkpoint import save_checkpoint
 from tierstore import CopyState, TierName
 from tests.integration.test_parity import make_batches
-from tests.integration.test_user_contract import assert_same, config, fresh_model, plain_model
+from tests.integration.test_user_contract import assert_same, config, fresh_model, plain_model, plain_step
 
 
 class Planted(Exception):
@@ -159,3 +159,55 @@ def test_a_dropped_step_gives_back_streamed_state(tmp_path):
         assert streamed
         assert all(session.store.state(session.blocks[i].key(kind), TierName.GPU) is CopyState.ABSENT
                    for i in streamed for kind in ("master", "exp_avg", "exp_avg_sq"))
+
+
+def test_a_param_group_that_cannot_be_read_fails_step_before_anything_changes(tmp_path):
+    """An lr whose float() raises (a scheduler's bad value) inside optimizer.step() with updates waiting for it:
+    the groups are read once before anything is queued, so the step fails with nothing changed and the session
+    goes on (it was marked broken, 'failed after some of its updates were queued', though none had been; found
+    by a fuzz). The loop that catches it, fixes the lr and goes on equals the plain loop that skipped the batch."""
+    class BadLR(float):
+        def __float__(self) -> float:
+            raise ValueError("bad lr")
+
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    batches = make_batches(3)
+    with optimizer.session:
+        for step, batch in enumerate(batches):
+            before = optimizer.session.master_state_dict()
+            model(*batch).backward()
+            if step == 1:
+                good = optimizer.param_groups[0]["lr"]
+                optimizer.param_groups[0]["lr"] = BadLR(good)
+                with pytest.raises(ValueError, match="bad lr"):
+                    optimizer.step()
+                optimizer.param_groups[0]["lr"] = good
+                assert optimizer.session.controller.interrupted is None
+                assert_same(optimizer.session.master_state_dict(), before)
+                optimizer.zero_grad()
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+            plain_step(plain, plain_opt, batch)
+        assert_same(model.state_dict(), plain.state_dict())
+
+
+def test_step_or_a_save_after_a_backward_that_raised_say_to_drop_the_step(tmp_path):
+    """After a caught exception in backward, step() and save_checkpoint said '0 backward pass(es)' and blamed the
+    accumulation setting; they now say the backward did not finish and to call zero_grad() (found by a fuzz)."""
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    batch = make_batches(1)[0]
+    with optimizer.session:
+        handle = model.layers[1].register_full_backward_hook(lambda *_: (_ for _ in ()).throw(ValueError("planted")))
+        with pytest.raises(ValueError, match="planted"):
+            model(*batch).backward()
+        handle.remove()
+        with pytest.raises(RuntimeError, match=r"did not finish \(it raised\).*zero_grad"):
+            optimizer.step()
+        with pytest.raises(RuntimeError, match=r"did not finish \(it raised\); call optimizer.zero_grad"):
+            save_checkpoint(optimizer.session, tmp_path / "ckpt")
+        optimizer.zero_grad()
+        offloaded = model(*batch)
+        offloaded.backward()
+        optimizer.step()
