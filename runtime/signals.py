@@ -22,8 +22,8 @@ session is open the same handler object serves both signals (where each still ha
 holds them back while the main thread runs tierstore code: the entry points the user's code reaches (hooks,
 the parameter guard, the optimizer's and the session's methods, checkpoints) run under ``defers_interrupts``,
 and a signal that arrives there is raised when the outermost of them returns, as if it had arrived just after
-it. A second signal while one is held raises at once: a wait that never ends stays interruptible (the state
-may then be what the first interrupt found). What it leaves out: SIGKILL (nothing can run; the next start
+it. A second Ctrl-C while one is held raises at once, and a second SIGTERM kills as before: a wait that never
+ends stays interruptible (the state may then be what the first interrupt found). What it leaves out: SIGKILL (nothing can run; the next start
 reclaims the swap directory), and signals handled by the program's own handlers, which it keeps.
 """
 
@@ -73,6 +73,8 @@ class _SignalHandler:
             return
         if self.depth > 0 and self.held is None:
             self.held = signum  # no logging here: the main thread may hold the logging lock
+            if signum == signal.SIGTERM:  # as when raised at once: a second SIGTERM kills
+                signal.signal(signum, signal.SIG_DFL)
             return
         self.held = None
         self.raise_for(signum)

@@ -127,3 +127,18 @@ def test_a_sessions_close_gives_sigterm_back():
     assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
     optimizer.session.close()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_sigterm_inside_tierstore_code_is_raised_on_return_and_a_second_would_kill():
+    leave = handle_signals()
+    seen: list[object] = []
+
+    @defers_interrupts
+    def work() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # held: the call goes on
+        seen.append(signal.getsignal(signal.SIGTERM))
+
+    with pytest.raises(Terminated):
+        work()
+    assert seen == [signal.SIG_DFL]  # while held, a second SIGTERM would have killed, as before
+    leave()
