@@ -142,3 +142,37 @@ def test_a_sigterm_inside_tierstore_code_is_raised_on_return_and_a_second_would_
         work()
     assert seen == [signal.SIG_DFL]  # while held, a second SIGTERM would have killed, as before
     leave()
+
+
+def test_a_ctrl_c_after_a_held_sigterm_raises_terminated_not_keyboard_interrupt():
+    """A second signal while one is held raises the stronger: a held SIGTERM is not lost to a Ctrl-C (found by a
+    review)."""
+    leave = handle_signals()
+
+    @defers_interrupts
+    def work() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # held
+        signal.raise_signal(signal.SIGINT)  # second: raised at once, as the SIGTERM
+
+    with pytest.raises(Terminated):
+        work()
+    leave()
+
+
+def test_sigint_reset_to_the_default_by_someone_else_is_taken_back():
+    """ipykernel sets SIGINT to Python's default before each cell: the next tierstore call takes it back, so a
+    Ctrl-C inside tierstore code is still held (found by a review)."""
+    leave = handle_signals()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    done: list[str] = []
+
+    @defers_interrupts
+    def work() -> None:
+        signal.raise_signal(signal.SIGINT)
+        done.append("finished")
+
+    with pytest.raises(KeyboardInterrupt):
+        work()
+    assert done == ["finished"]
+    leave()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
