@@ -302,8 +302,8 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                                           access.begin_batch, access.end_batch)
         session = OffloadSession(cfg, blocks, store, controller, hooks, plan, model, access, guard, state_dict_hooks)
         offloaded_ids = {id(p) for p in offloaded}
-        optimizer = OffloadAdamW(groups, controller, access,
-                                 frozen=[(n, p) for n, p in model.named_parameters() if id(p) not in offloaded_ids])
+        controller.frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in offloaded_ids]
+        optimizer = OffloadAdamW(groups, controller, access)
     except BaseException:
         for undo in (guard, hooks, state_dict_hooks):
             if undo is not None:

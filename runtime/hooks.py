@@ -18,7 +18,7 @@ sees, after the block was released.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -69,8 +69,7 @@ class HookSet:
     def __init__(self, model: nn.Module, blocks: list[Block], controller: Controller):
         self.controller = controller
         self._handles: list[Any] = []
-        self._end_queued = False
-        self._grad_only_end_queued = False
+        self._ends_queued: set[Callable[[], None]] = set()  # end-of-backward calls queued on the autograd engine
         # The offloaded parameters, and whether the graph task seen last (its id) accumulates into any of them.
         self._params = [slot.param for block in blocks for slot in block.slots]
         self._task: tuple[int, bool] = (-1, False)
@@ -108,7 +107,7 @@ class HookSet:
             if module is root and not in_backward():
                 # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
                 # that raised (the engine drops its callbacks then).
-                self._end_queued = self._grad_only_end_queued = False
+                self._ends_queued.clear()
                 self.controller.on_step_begin()
 
         return root_pre_forward
@@ -174,26 +173,21 @@ class HookSet:
         return self._task[1]
 
     def _queue_end_of_backward(self) -> None:
-        if self._end_queued:
-            return
-        self._end_queued = True
-
-        @defers_interrupts
-        def end() -> None:
-            self._end_queued = False
-            self.controller.on_backward_end()
-
-        torch.autograd.Variable._execution_engine.queue_callback(end)
+        self._queue_end(self.controller.on_backward_end)
 
     def _queue_end_of_grad_only_backward(self) -> None:
-        if self._grad_only_end_queued:
+        self._queue_end(self.controller.on_grad_only_backward_end)
+
+    def _queue_end(self, on_end: Callable[[], None]) -> None:
+        """Have the autograd engine call ``on_end`` when the running backward ends, once per backward."""
+        if on_end in self._ends_queued:
             return
-        self._grad_only_end_queued = True
+        self._ends_queued.add(on_end)
 
         @defers_interrupts
         def end() -> None:
-            self._grad_only_end_queued = False
-            self.controller.on_grad_only_backward_end()
+            self._ends_queued.discard(on_end)
+            on_end()
 
         torch.autograd.Variable._execution_engine.queue_callback(end)
 

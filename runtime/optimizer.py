@@ -11,7 +11,7 @@ worker (or the GPU) as gradients arrive; ``step()`` commits it and returns at on
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -36,16 +36,12 @@ TORCH_ADAMW_FLAGS = {**UNSUPPORTED, "foreach": None, "capturable": False, "diffe
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW whose state lives in tierstore. Use like torch.optim.AdamW; see ``scale_loss`` for fp16."""
 
-    def __init__(self, params: Iterable[Any], controller: Controller, access: "StateAccess",
-                 frozen: Sequence[tuple[str, torch.nn.Parameter]] = ()):
-        """``frozen``: the model's parameters offload() left out (requires_grad False then), by name: a gradient on
-        one at ``step()`` means it was unfrozen since, and is refused rather than silently never updated."""
+    def __init__(self, params: Iterable[Any], controller: Controller, access: "StateAccess"):
         hyper = controller.options.hyper
         defaults = dict(lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps, weight_decay=hyper.weight_decay)
         super().__init__(params, defaults)
         self.controller = controller
         self.access = access
-        controller.frozen = list(frozen)
         self._bind_groups()
         controller.hyper_source = self._hypers
 
