@@ -191,10 +191,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_scenario_args(parser)
     parser.add_argument("--activation-reserve", default="auto",
-                        help="GPU memory left for activations (tiers.gpu.activation_reserve; default auto: three quarters "
-                             "of what the plan leaves free). Lower, the plan updates the first blocks on the GPU: their "
-                             "state leaves host memory and fewer moments spill to disk. The profile's advice at the "
-                             "end of a run names the reserve its measured peak supports")
+                        help="GPU memory left for activations (tiers.gpu.activation_reserve; default auto: measured "
+                             "from the first step, whose updates all run on the CPU; the first blocks then move to the "
+                             "GPU, their state leaves host memory and fewer moments spill to disk). Set, the plan is "
+                             "made with it from the start")
     parser.add_argument("--host-budget", default="100GiB", help="tierstore's pinned memory at most (default 100GiB)")
     parser.add_argument("--nvme-dir", default="tmp", help="directory for swap files ('tmp': a temporary one)")
     parser.add_argument("--nvme-budget", default="56GiB")

@@ -169,6 +169,17 @@ class HostGradSums:
         self.stats.staging_wait_s += waited
         return slot, waited
 
+    def release(self, index: int) -> None:
+        """Block index's gradients are summed here no more (its update moved to the GPU between steps:
+        ``Controller.adopt_placement``); nothing of it may be in flight. Its host gradient buffer is the caller's."""
+        with self._cond:
+            if self._sent.get(index, 0) or self._landed.get(index, 0):
+                raise RuntimeError(f"block {index}'s gradient is being summed on the host; release it between steps")
+            self.blocks.pop(index, None)
+            self._sent.pop(index, None)
+            self._landed.pop(index, None)
+        self._had_grad.pop(index, None)
+
     def has_grad(self, index: int, position: int) -> bool:
         """Whether parameter ``position`` of block index got a gradient in a micro-batch sent this step."""
         had_grad = self._had_grad.get(index)

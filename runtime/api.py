@@ -364,12 +364,27 @@ def _adopt_placement(session_ref: Callable[[], OffloadSession | None], placement
     if session is None or session.closed:
         return
     session.controller.adopt_placement(placement.gpu_update_fraction, placement.gpu_stream_fraction,
-                                       placement.keep_for_backward_nbytes)
+                                       placement.keep_for_backward_nbytes, _spilled_after(session, placement))
     cfg, controller = session.config, session.controller
     plan = plan_for(session.blocks, cfg, controller.options.homes, controller.options.weight_source,
-                    DTYPES[cfg.dtype], spares=session.plan.pre_commit_buffers, placement=placement)
+                    DTYPES[cfg.dtype], len(controller.options.spilled_blocks), spares=session.plan.pre_commit_buffers,
+                    placement=placement)
     plan.notes = (FIRST_STEP_NOTE, *placement.notes)
     session.plan, session.placement = plan, placement
+
+
+def _spilled_after(session: OffloadSession, placement: Placement) -> frozenset[int]:
+    """The blocks whose moments stay on NVMe once ``placement`` is adopted: of those spilled now, the fewest (in
+    ``spill_order``) for its plan to fit the pinned arena the session has; the host room of the blocks it moves to
+    the GPU brings the others back. A session whose master lives on NVMe keeps its spill (the masters' staging
+    room is taken from the same arena)."""
+    options = session.controller.options
+    if not options.spilled_blocks or options.homes["master"] is not TierName.HOST:
+        return options.spilled_blocks
+    cfg = session.config
+    limit = session.store.tiers[TierName.HOST].capacity_nbytes
+    target, _, _ = _spill(session.blocks, cfg, options.homes, options.weight_source, DTYPES[cfg.dtype], placement, limit)
+    return options.spilled_blocks & target
 
 
 def _recompute_trial(cfg: TierstoreConfig, blocks: list[Block], recompute: Recompute, controller: Controller,
@@ -518,9 +533,12 @@ def placement_at_reserve(session: OffloadSession, reserve_nbytes: int, *, may_st
     cfg = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, gpu=gpu))
     homes, _ = resolve_homes(cfg, device)
     source = session.controller.options.weight_source  # a copy the plan chose stays chosen
-    no_stream = None if session.controller.gpu_streamed or may_stream else (
-        "the plan keeps a compute-dtype copy of the weights, which a streamed update would not refresh"
-        if source is WeightSource.WEIGHTS else "this session streams nothing")
+    no_stream = None
+    if session.controller.options.spilled_blocks:  # a streamed block's update copies its moments from pinned memory
+        no_stream = "moments spill to NVMe: the host room freed by blocks moved to the GPU brings them back first"
+    elif not (session.controller.gpu_streamed or may_stream):
+        no_stream = ("the plan keeps a compute-dtype copy of the weights, which a streamed update would not refresh"
+                     if source is WeightSource.WEIGHTS else "this session streams nothing")
     rates = session.placement.rates if session.placement else None  # never timed again mid-training
     return resolve_placement(session.blocks, cfg, device, homes, source, rates=rates, no_stream_reason=no_stream)
 
@@ -551,15 +569,20 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     dtype = DTYPES[cfg.dtype]
     if cfg.optimizer.overlap != "exact":
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
-    # Not where a compute-dtype copy of the weights may pay: chosen for the first step, it would rule out streaming.
-    # (Adopting a placement with the copy works, tests/integration/test_weights_copy.py; not measured on a GPU yet.)
+    # Not where a compute-dtype copy of the weights may pay (unless the first step's plan spills moments): chosen for
+    # the first step, it would rule out streaming. (Adopting a placement with the copy works,
+    # tests/integration/test_weights_copy.py; not measured on a GPU yet.)
     limit = host_limit_nbytes(cfg)
-    if measures_first_step(cfg, device) and not copy_fetch_may_pay(cfg, device, source):
+    if measures_first_step(cfg, device):
         rates = rates or measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False)
         first_cfg = first_step_config(cfg)
         first = resolve_plan(blocks, first_cfg, device, rates=rates)
-        if not first.spilled_blocks and not first.placement.host_sums and _plan_fits(
-                blocks, first_cfg, homes, first.source, dtype, first.placement, limit, spares=first.plan.pre_commit_buffers):
+        # A plan that spills moments never takes the copy (_weights_copy); the host room of the blocks the measured
+        # placement moves to the GPU brings spilled moments back (_spilled_after, Controller.adopt_placement).
+        if (first.spilled_blocks and first.source is WeightSource.MASTER) or (
+                not copy_fetch_may_pay(cfg, device, source) and _plan_fits(
+                    blocks, first_cfg, homes, first.source, dtype, first.placement, limit,
+                    spares=first.plan.pre_commit_buffers)):
             trial_note = (TRIAL_NOTE,) if may_try_recompute(cfg, blocks) else ()
             first.plan.notes = (FIRST_STEP_NOTE, *trial_note, *first.plan.notes)
             placement = dataclasses.replace(first.placement, rates=rates, notes=(FIRST_STEP_NOTE,))

@@ -79,9 +79,9 @@ class GpuTierConfig:
         "else the training step allocates. `auto`, on a GPU with `gpu_update_fraction: auto`: measured: the "
         "first training step updates on the CPU, and at its commit its peak (the allocator's reserved bytes) "
         "beyond the plan, plus 5% of the budget, is the reserve auto placement then uses; the chosen state "
-        "moves to the GPU before the second step (runtime.measured_placement). Where that is not done (moments "
-        "spilled to NVMe, gradients summed in host memory, an accumulated bf16 or fp16 run that may fetch a "
-        "weights copy): three quarters of what the plan with nothing updated on the GPU leaves free of the budget. Set "
+        "moves to the GPU before the second step (runtime.measured_placement), and moments spilled to NVMe come "
+        "back into the pinned memory it frees. Where that is not done (an accumulated bf16 or fp16 run whose "
+        "first step would fetch a weights copy, nothing spilled): three quarters of what the plan with nothing updated on the GPU leaves free of the budget. Set "
         "it when a run with `auto` placement runs out of GPU memory (the error says how much the step tried to "
         "use), or to hand the optimizer more of a card whose activations are small. Not used when none of the "
         "three is `auto`.", "24GiB")

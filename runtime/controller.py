@@ -30,7 +30,7 @@ from runtime.held_grads import HeldGrads
 from runtime.step_phase import StepPhase, check_phase_transition
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
-from runtime.plan import MOMENT_KINDS
+from runtime.plan import MOMENT_KINDS, STAGING_BLOCKS
 from runtime.schedule import PrefetchSchedule
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
@@ -245,20 +245,29 @@ class Controller:
                 weights = master.to(options.compute_dtype)
                 self.store.register(block.key("weights"), TensorMeta(options.compute_dtype, block.numel), homes["weights"], init=weights)
 
-    def adopt_placement(self, update_fraction: float, stream_fraction: float, keep_for_backward_nbytes: int) -> None:
+    def adopt_placement(self, update_fraction: float, stream_fraction: float, keep_for_backward_nbytes: int,
+                        spilled_blocks: frozenset[int] | None = None) -> None:
         """Between steps, give the device a larger share of the update (``runtime.measured_placement`` calls this
         after the first step): the first blocks ``update_fraction`` selects move their master and moments to the
-        device and update there, the next ones ``stream_fraction`` selects stream their state for the update, and
-        a forward keeps up to ``keep_for_backward_nbytes`` of weights for its backward. Waits for every committed
-        update first. The device's share only grows: a block updated on the device stays there."""
+        device and update there (their micro-batch gradients then sum on the device, not in host memory), the next
+        ones ``stream_fraction`` selects stream their state for the update, and a forward keeps up to
+        ``keep_for_backward_nbytes`` of weights for its backward. ``spilled_blocks``: the blocks whose moments are
+        to stay on NVMe (None: those spilled now, less the ones moved to the device); the other spilled blocks'
+        moments come back to pinned memory as far as its room allows (``_bring_moments_home``). Waits for every
+        committed update first. The device's share only grows (a block updated on the device stays there) and the
+        spill only shrinks."""
         updated = gpu_updated_blocks(self.blocks, update_fraction)
         streamed = gpu_streamed_blocks(self.blocks, update_fraction, stream_fraction)
+        spilled_now = self.options.spilled_blocks
+        staying = (spilled_now if spilled_blocks is None else spilled_blocks) - updated
         if self._phase is not StepPhase.IDLE:
             raise RuntimeError(f"a placement changes only between steps (the step is {self._phase.value})")
         if not self.gpu_updated <= updated or not self.gpu_streamed <= updated | streamed:
             raise RuntimeError("a placement change may only give the device more blocks to update")
-        if self.sums is not None or (updated | streamed) & self.options.spilled_blocks:
-            raise RuntimeError("a placement change cannot move blocks summed in host memory or spilled to NVMe")
+        if not staying <= spilled_now:
+            raise RuntimeError("a placement change may only bring spilled moments back to host memory")
+        if streamed & spilled_now:  # a streamed update copies its moments from pinned memory
+            raise RuntimeError("a placement change cannot stream blocks whose moments are spilled to NVMe")
         self.synchronize()
         self.wait_device_writebacks()
         for index, state in enumerate(self.weights.states):  # fetched weights: fetched again as the new placement says
@@ -282,17 +291,59 @@ class Controller:
             block = self.blocks[index]
             self.worker.spares.drop(index)  # no longer updated on the CPU
             self.gpu_param_steps[index] = steps[index]
+            if self.sums is not None:  # its micro-batches now sum on the device
+                self.sums.release(index)
             if self.store.has(block.key("grad")):  # its gradient no longer leaves the device
                 self.store.unregister(block.key("grad"))
+        if self.sums is not None and not self.sums.blocks:  # nothing left to sum on the host: its buffers go too
+            self.sums.close()
+            self.sums = None
         for index in arriving:
             if self.store.has(self.blocks[index].key("weights")):  # cast from the device master from now on
                 self.store.unregister(self.blocks[index].key("weights"))
         self.gpu_updated, self.gpu_streamed = updated, streamed
         self.weights.gpu_updated = updated
+        spilled = self._bring_moments_home(sorted(spilled_now - updated - staying), staying)
         self.options = dataclasses.replace(self.options, gpu_update_fraction=update_fraction,
                                            gpu_stream_fraction=stream_fraction,
-                                           keep_for_backward_nbytes=keep_for_backward_nbytes)
+                                           keep_for_backward_nbytes=keep_for_backward_nbytes, spilled_blocks=spilled)
+        if self._spilled_in_update_order:
+            self._spilled_in_update_order = sorted(spilled)
         self.device_updates.placement_changed()
+
+    def _bring_moments_home(self, indices: list[int], staying: frozenset[int]) -> frozenset[int]:
+        """Make pinned memory the home of these spilled blocks' moments again (read from NVMe), in order, while the
+        pinned arena can place them and still hold the staging room the blocks left on NVMe need (the plan's
+        ``STAGING_BLOCKS`` of them, each moment as large as the largest: ``runtime.plan``). Stops at the first block
+        that does not fit (its moments stay on NVMe, the log says so). Returns the blocks whose moments stay on
+        NVMe."""
+        arena = self.store.tiers[TierName.HOST].arena  # type: ignore[attr-defined]  # the host tier is a HostTier
+        still = set(staying) | set(indices)
+        brought: list[int] = []
+        for index in indices:
+            still.discard(index)
+            keys = [self.blocks[index].key(kind) for kind in MOMENT_KINDS]
+            largest = max((self.blocks[i].numel * 4 for i in still), default=0)
+            room = [largest] * (len(MOMENT_KINDS) * min(STAGING_BLOCKS, len(still)))
+            if not arena.could_place([self.store.record(key).meta.nbytes for key in keys] + room):
+                still.add(index)
+                break
+            moved: list[Any] = []
+            try:
+                for key in keys:
+                    self.store.move_home(key, TierName.HOST)
+                    moved.append(key)
+            except CapacityError as error:  # placed by the check above: not expected
+                log.warning("%s's moments stay on NVMe: %s", self.blocks[index].name, error)
+                for key in moved:  # both moments of a block live in one tier
+                    self.store.move_home(key, TierName.NVME)
+                still.add(index)
+                break
+            brought.append(index)
+        if indices:
+            log.info("%d of the %d spilled blocks asked back have their moments in pinned memory again (read from "
+                     "NVMe); %d blocks' moments stay on NVMe", len(brought), len(indices), len(still))
+        return frozenset(still)
 
     def _move_state_to_device(self, indices: list[int]) -> None:
         """Move these blocks' master and moments home to the device tier and make their compute weights resident,

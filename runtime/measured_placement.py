@@ -31,9 +31,16 @@ each layer's least over the two measured steps (the embedding, head and loss are
 the smaller CPU and copy terms, recomputation's, where those overlap the compute). A measured step that is dropped (``zero_grad()`` before
 ``step()``, a caught exception) is measured again from the next training forward.
 
-What it leaves out: sessions whose first-step plan spills moments to NVMe or sums micro-batch gradients in host
-memory, and accumulated steps that may fetch a compute-dtype copy of the weights (chosen for the first step, the
-copy would rule out streaming): they keep the placement chosen at offload, with the share-based reserve; giving memory back to the host (the pinned arena was sized for the first step's plan, where every
+A first-step plan that sums micro-batch gradients in host memory or spills moments to NVMe (the 8B scenario's) is
+measured too: the blocks moved to the GPU sum their gradients on the device from then on (``HostGradSums.release``),
+and the pinned memory their master, moments and host gradient leave brings spilled moments back from NVMe, as
+many as the plan for the adopted placement fits in the pinned arena (``runtime.api._spilled_after``), the staging
+room of the blocks left on NVMe kept free (``Controller._bring_moments_home``). Such a session streams nothing: a
+streamed block's moments must be in pinned memory.
+
+What it leaves out: accumulated steps that may fetch a compute-dtype copy of the weights where the first step's plan
+spills nothing (chosen for the first step, the copy would rule out streaming): they keep the placement chosen at
+offload, with the share-based reserve; giving memory back to the host (the pinned arena was sized for the first step's plan, where every
 update runs on the CPU); and a later step that needs more memory than the first one (longer sequences: the
 margin covers some, ``runtime.oom_hint`` names the setting when it does not). Steps before the first training
 step (an evaluation) are not measured: the allocator's cache is emptied and the process's peak statistics are

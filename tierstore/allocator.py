@@ -46,6 +46,19 @@ class RangeAllocator:
         """How many bytes an allocation of nbytes reserves."""
         return align_up(max(nbytes, 1), self.alignment)
 
+    def could_place(self, sizes: list[int]) -> bool:
+        """Whether allocations of these sizes, made now in this order, would all succeed (first fit, as
+        ``allocate`` places them; nothing is reserved)."""
+        with self._lock:
+            holes = [end - start for start, end in zip(self._free_starts, self._free_ends)]
+        for nbytes in sizes:
+            size = self.reserved_size(nbytes)
+            hole = next((i for i, free in enumerate(holes) if free >= size), None)
+            if hole is None:
+                return False
+            holes[hole] -= size
+        return True
+
     def allocate(self, nbytes: int) -> int | None:
         """Reserve nbytes (rounded up); returns the offset, or None when no free range is large enough."""
         size = self.reserved_size(nbytes)

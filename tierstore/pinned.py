@@ -83,6 +83,10 @@ class PinnedArena:
         """Bytes an allocation of nbytes would reserve."""
         return self._allocator.reserved_size(nbytes)
 
+    def could_place(self, sizes: list[int]) -> bool:
+        """Whether allocations of these sizes, made now in this order, would all fit (nothing is reserved)."""
+        return self._allocator.could_place(sizes)
+
     def allocate(self, nbytes: int, what: str = "buffer") -> int:
         """Reserve nbytes (4096-aligned); raises CapacityError when the budget or a contiguous range is short."""
         self._check_open()

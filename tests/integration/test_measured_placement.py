@@ -312,3 +312,115 @@ def test_the_model_reads_and_saves_as_usual_after_the_change():
         for name, value in expected.items():
             assert torch.equal(saved[name].float(), value), name
             assert torch.equal(dict(model.named_parameters())[name].detach().float(), value), name
+
+
+def _adopt_after_first_step(placement: Placement, seen: dict):
+    """A ``run_both`` prepare: the first step's commit adopts ``placement`` through the session's own path
+    (``_adopt_placement``: the spill the pinned arena allows is worked out there); ``seen`` gets the spilled blocks
+    before and the store's keys."""
+
+    def prepare(session) -> None:
+        seen["spilled_before"] = session.controller.options.spilled_blocks
+        seen["listener"] = _listener(session, _Asked(placement), peak_nbytes=2 * GiB, budget=20 * GiB, resets=[])
+
+    return prepare
+
+
+@pytest.mark.parametrize("update, stream", [(0.4, 0.3), (1.0, 0.0)], ids=["some-streamed", "every-block"])
+def test_a_placement_adopted_over_host_gradient_sums_trains_like_the_plain_loop(update, stream):
+    """Micro-batch gradients summed in host memory (accumulate_on: host), clipping on: after the first step the
+    moved blocks sum on the device (their host gradient buffers are gone) and the rest still sum on the host; with
+    every block moved, the host sums stop and give their buffers back. Every loss and weight is the plain loop's."""
+    from tests.integration.test_parity import run_both
+
+    config = {"dtype": "fp32", "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host",
+                                             "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
+    seen: dict = {}
+    after: dict = {}
+
+    def inspect(session) -> None:
+        controller = session.controller
+        after["sums"] = None if controller.sums is None else set(controller.sums.blocks)
+        after["moved"] = controller.gpu_updated | controller.gpu_streamed
+        after["host"] = {b.index for b in controller.host_updated_blocks}
+        after["grads"] = {i for i, b in enumerate(session.blocks) if session.store.has(b.key("grad"))}
+        after["staging"] = any(str(k).startswith("grad_sum_staging") for k in session.store.keys())
+
+    ours, theirs, weights, reference, _, _ = run_both(config, prepare=_adopt_after_first_step(
+        Placement(update, stream, 0, notes=("test",), host_sums=True), seen), inspect=inspect)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert seen["listener"].chosen is not None
+    assert after["moved"] and after["grads"] == after["host"]
+    if after["host"]:
+        assert after["sums"] == after["host"] and after["staging"]
+    else:  # nothing left to sum on the host
+        assert after["sums"] is None and not after["staging"]
+
+
+@pytest.mark.parametrize("update, ask_all", [(0.2, False), (0.5, False), (0.1, True)],
+                         ids=["some-stay", "all-back", "asked-beyond-the-room"])
+def test_a_placement_adopted_over_spilled_moments_brings_them_back_into_the_freed_room(tmpfs_dir, update, ask_all):
+    """The 8B scenario's kind of plan (clipping, host sums, moments spilled past the host budget): adopting a
+    placement that moves the first blocks to the device brings spilled moments back from NVMe into the pinned room
+    those blocks freed, as many as the arena holds beside the staging room of the ones left (through the session's
+    path, which works that out from the plan; or asked for every block, where the arena's own check stops it);
+    training stays exact."""
+    from runtime.api import resolve_device, resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.controller import StepEvent
+    from runtime.example_model import ModelShape
+    from runtime.plan import PRE_COMMIT_BUFFERS
+    from tests.integration.test_parity import nbytes_moved, run_both
+
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
+              "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host",
+                            "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
+    blocks = build_blocks(ExampleLM(shape), load_config(config).blocks.min_block_size)
+    plan = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).plan
+    spares = sum(nbytes for kind, _, nbytes in plan.rows if kind == PRE_COMMIT_BUFFERS)
+    layer_moments = 2 * 4 * sorted(b.numel for b in blocks)[len(blocks) // 2]
+    config["tiers"]["host"] = {"budget": plan.host_nbytes - spares - 4 * layer_moments}
+    spilled = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).spilled_blocks
+    assert len(spilled) >= 4
+    seen: dict = {}
+    after: dict = {}
+
+    def adopt_asking_for_all(session) -> None:
+        seen["spilled_before"] = session.controller.options.spilled_blocks
+
+        def on_commit(event: StepEvent) -> None:
+            if event.kind == "commit" and not seen.get("done"):
+                seen["done"] = True
+                session.controller.adopt_placement(update, 0.0, 0, frozenset())
+
+        session.controller.step_listeners.append(on_commit)
+
+    def inspect(session) -> None:
+        controller = session.controller
+        after["spilled"] = controller.options.spilled_blocks
+        after["updated"] = controller.gpu_updated
+        after["homes"] = {i: {session.store.record(b.key(kind)).home for kind in ("exp_avg", "exp_avg_sq")}
+                          for i, b in enumerate(session.blocks)}
+        after["early"] = controller._spilled_in_update_order
+
+    prepare = adopt_asking_for_all if ask_all else _adopt_after_first_step(
+        Placement(update, 0.0, 0, notes=("test",), host_sums=True), seen)
+    ours, theirs, weights, reference, events, (stats, _, _) = run_both(config, shape=shape, prepare=prepare,
+                                                                       inspect=inspect)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert seen["spilled_before"] == spilled and (ask_all or seen["listener"].chosen is not None)
+    back = spilled - after["spilled"] - after["updated"]
+    assert back and after["spilled"] < spilled  # some came back; the rest stay spilled, read early in update order
+    assert (len(after["spilled"]) > 0) == (update != 0.5)
+    assert after["early"] == sorted(after["spilled"])
+    for index in back:
+        assert after["homes"][index] == {TierName.HOST}, index
+    for index in after["spilled"]:
+        assert after["homes"][index] == {TierName.NVME}, index
+    for index in after["updated"]:
+        assert after["homes"][index] == {TierName.GPU}, index
+    assert nbytes_moved(events, "read") > 0 and stats.early_reads > 0

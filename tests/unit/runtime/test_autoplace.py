@@ -306,8 +306,8 @@ def test_on_a_gpu_the_plan_resolves_auto_with_given_rates():
 
 def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step():
     """Update fraction and activation reserve auto on a GPU: the plan is the first step's (every update on the CPU,
-    nothing streamed or kept), and says so; a plan that would sum gradients in host memory, or may fetch a bf16 copy
-    of the weights under accumulation, keeps choosing now."""
+    nothing streamed or kept), and says so, also where it sums gradients in host memory; a plan that may fetch a bf16
+    copy of the weights under accumulation keeps choosing now."""
     from runtime.api import resolve_plan
     from runtime.measured_placement import FIRST_STEP_NOTE, TRIAL_NOTE
 
@@ -324,11 +324,35 @@ def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step()
     kept = resolve_plan(blocks, load_config({"tiers": {"gpu": {"budget": 36 * total}}, "placement": {"activations": "keep"}}),
                         torch.device("cuda", 0), rates=rates)
     assert TRIAL_NOTE not in kept.plan.notes
-    for dtype in ("fp32", "bf16"):  # host sums; a bf16 copy of the weights that may pay under accumulation
-        summed = load_config({"dtype": dtype, "tiers": {"gpu": {"budget": 36 * total}},
-                              "optimizer": {"accumulation_steps": 4, "accumulate_on": "host" if dtype == "fp32" else "gpu"}})
-        chosen_now = resolve_plan(blocks, summed, torch.device("cuda", 0), rates=rates)
-        assert not chosen_now.measured_first_step and chosen_now.placement.gpu_update_fraction > 0, dtype
+    summed = load_config({"dtype": "fp32", "tiers": {"gpu": {"budget": 36 * total}},
+                          "optimizer": {"accumulation_steps": 4, "accumulate_on": "host"}})
+    measured = resolve_plan(blocks, summed, torch.device("cuda", 0), rates=rates)  # host sums: measured too
+    assert measured.measured_first_step and measured.placement.host_sums
+    assert measured.placement.gpu_update_fraction == 0
+    # A bf16 copy of the weights that may pay under accumulation, chosen for the first step, would rule out streaming.
+    copied = load_config({"dtype": "bf16", "tiers": {"gpu": {"budget": 36 * total}},
+                          "optimizer": {"accumulation_steps": 4, "accumulate_on": "gpu"}})
+    chosen_now = resolve_plan(blocks, copied, torch.device("cuda", 0), rates=rates)
+    assert not chosen_now.measured_first_step and chosen_now.placement.gpu_update_fraction > 0
+
+
+def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
+    """bf16 under accumulation with host sums and a host budget that spills moments (the 8B scenario's shape of
+    plan): the first step is measured (a spilling plan never takes the weights copy), its moments spilled."""
+    from runtime.api import resolve_plan
+    from runtime.weights import WeightSource
+
+    blocks = build_blocks(ExampleLM(SHAPE), 1)
+    total = sum(b.numel for b in blocks)
+    rates = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
+    config = {"dtype": "bf16", "placement": {"moments": "auto"},
+              "tiers": {"gpu": {"budget": 36 * total}, "nvme": {"path": str(tmp_path)}},
+              "optimizer": {"accumulation_steps": 4, "accumulate_on": "host"}}
+    roomy = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
+    config["tiers"]["host"] = {"budget": roomy.plan.host_nbytes // 2}
+    resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
+    assert resolved.spilled_blocks and resolved.source is WeightSource.MASTER
+    assert resolved.measured_first_step and resolved.placement.gpu_update_fraction == 0
 
 
 def test_tierstore_plan_prints_the_choice(tmp_path, capsys):

@@ -179,6 +179,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         units = self.live.pop(off)
         self.cells[off // UNIT : off // UNIT + units] = [False] * units
 
+    @rule(sizes=st.lists(st.integers(min_value=1, max_value=8 * UNIT), max_size=5))
+    def could_place_predicts_the_allocations(self, sizes: list[int]) -> None:
+        predicted = self.alloc.could_place(sizes)
+        made = [self.alloc.allocate(n) for n in sizes]
+        assert predicted == all(off is not None for off in made), (sizes, _free_ranges(self.alloc))
+        for off in made:  # nothing kept: the model's cells are unchanged
+            if off is not None:
+                self.alloc.free(off)
+
     @invariant()
     def consistent(self) -> None:
         _check_tiling(self.alloc)
