@@ -28,7 +28,7 @@ from runtime.param_guard import ParamGuard, is_offloaded
 from runtime.measured_placement import (FIRST_STEP_NOTE, TRIAL_NOTE, FirstStepPlacement, RecomputeTrial,
                                         first_step_listener)
 from runtime.recompute import BufferWatch, ForwardTimer, Recompute, already_checkpointed, recompute_refusal
-from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_by_stream, cuda_reserved_peak
+from runtime.peak_hint import PeakHint, cuda_peak, cuda_reserved_by_stream, cuda_step_peak
 from runtime.state_access import StateAccess
 from runtime.hostmem import host_memory
 from runtime.plan import (Budgets, MemoryPlan, check_fits, gpu_budget_nbytes, make_plan, planned_ram_nbytes, spill_moments,
@@ -323,10 +323,11 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if cfg.placement.activations == "recompute":
         recompute.turn_on()
     if resolved.measured_first_step:
+        peak, peak_what = cuda_step_peak(device)
         controller.step_listeners.append(FirstStepPlacement(
             plan_gpu_nbytes=plan.gpu_nbytes, budget_nbytes=store.tiers[TierName.GPU].capacity_nbytes,
             ask=placement_asker(session, may_stream=resolved.source is not WeightSource.WEIGHTS),
-            adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=cuda_reserved_peak(device),
+            adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=peak, peak_what=peak_what,
             reset_peak=functools.partial(_reset_peak, device),
             report=functools.partial(_note_in_plan, weakref.ref(session)), pools=cuda_reserved_by_stream(device),
             trial=_recompute_trial(cfg, blocks, recompute, controller, device)))

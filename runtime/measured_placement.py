@@ -12,7 +12,9 @@ the plan plus a margin), and the first blocks it chooses move their master and m
 (``Controller.adopt_placement``). The log (and the session's plan notes) say what was measured and chosen.
 
 The peak is the allocator's reserved bytes, not the allocated ones: a memory-fraction cap limits the former, and
-the difference is the fragmentation the step itself caused. Under an 8 GiB cap (H100, 2026-11-27) a reserve
+the difference is the fragmentation the step itself caused; but under expandable segments, whose cache the
+allocator unmaps and maps again wherever an allocation needs it, the allocated peak (``runtime.peak_hint.cuda_step_peak``:
+at 8B the held peak was 16.1 GiB against 9.8 allocated, and only the latter put anything on the GPU). Under an 8 GiB cap (H100, 2026-11-27) a reserve
 from the allocated peak left the second step 0.75 GiB short. With weights fetched from host the reserved peak
 was 2-3 GiB above the allocated one on the benchmark model under ZeRO-2's memory (calls Z2, Z3), enough that auto
 placement could not afford the hand-set row's keep_for_backward; the line also says what the allocator holds
@@ -114,14 +116,17 @@ class FirstStepPlacement:
     commit for the compute stream and for side streams, and how much of each is cached free
     (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetch or refresh staging and
     a cache only they can use, part of a peak beyond the plan that activations never took (None: not said);
+    ``peak_what``: what ``peak`` counts, said after its figure (``runtime.peak_hint.cuda_step_peak``);
     ``trial``: recomputation of the layers' activations to try when the first step's state does not all fit
     (``placement.activations: auto``; None: activations are kept)."""
 
     def __init__(self, *, plan_gpu_nbytes: int, budget_nbytes: int, ask: Callable[[int], Placement | None],
                  adopt: Callable[[Placement], None], peak: Callable[[], int], reset_peak: Callable[[], None],
                  report: Callable[[str], None] = lambda line: None,
-                 pools: Callable[[], StreamPools] | None = None, trial: RecomputeTrial | None = None):
+                 pools: Callable[[], StreamPools] | None = None, trial: RecomputeTrial | None = None,
+                 peak_what: str = ""):
         self.plan_gpu_nbytes, self.budget_nbytes = plan_gpu_nbytes, budget_nbytes
+        self.peak_what = peak_what
         self.ask, self.adopt, self.peak, self.reset_peak, self.report = ask, adopt, peak, reset_peak, report
         self.pools = pools
         self.trial = trial
@@ -181,7 +186,8 @@ class FirstStepPlacement:
         placement = self.ask(reserve)
         if placement is None:
             return None
-        return _Measured(placement, reserve, f"the {which} step peaked at {approx_size(peak)} of the "
+        what = f" {self.peak_what}" if self.peak_what else ""
+        return _Measured(placement, reserve, f"the {which} step peaked at {approx_size(peak)}{what} of the "
                                              f"{approx_size(self.budget_nbytes)} GPU budget ({approx_size(beyond)} "
                                              f"beyond its plan{self._pools_now()})")
 

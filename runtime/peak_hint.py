@@ -18,12 +18,15 @@ What it leaves out: changing anything in the running session (the sessions it li
 chosen at ``offload()``; the log names the setting for the next run), runs whose update fraction or reserve is
 hand-set, and fragmentation (the peak is allocated bytes; a memory-fraction cap applies to reserved ones: the
 margin may not cover it, see ``runtime.measured_placement``). ``supported_reserve`` is shared with
-``runtime.measured_placement``, which reads the reserved peak.
+``runtime.measured_placement``, which reads the reserved peak (the allocated one under expandable segments:
+``cuda_step_peak``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +158,36 @@ def cuda_reserved_by_stream(device: torch.device) -> Callable[[], StreamPools]:
         return StreamPools(held[True][0], held[True][1], held[False][0], held[False][1])
 
     return read
+
+
+def expandable_segments() -> bool:
+    """True when CUDA's caching allocator maps its memory in expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` /
+    ``PYTORCH_ALLOC_CONF`` ``expandable_segments:True``, as ``examples/finetune_8b.py`` sets): memory it holds
+    cached and free is unmapped and mapped again wherever an allocation needs it (the allocator retries after
+    freeing its cache), so what a step needs under a memory-fraction cap is its allocated peak, not the peak it held.
+    Read from the allocator's settings where torch has them (2.13), else from the environment."""
+    read = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    try:
+        settings = read() if read is not None else ""
+    except RuntimeError:  # no allocator to ask (a CPU build)
+        settings = ""
+    if not settings:
+        settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return re.search(r"expandable_segments\s*:\s*true", settings, re.IGNORECASE) is not None
+
+
+def cuda_step_peak(device: torch.device) -> tuple[Callable[[], int], str]:
+    """The peak a measured step is placed from (``runtime.measured_placement``), as a callable, and what it counts
+    (said after the figure): the bytes the allocator held (``cuda_reserved_peak``: a memory-fraction cap limits
+    those, and without expandable segments cached blocks split by other sizes may never serve an activation), or
+    under ``expandable_segments`` the allocated bytes (``cuda_peak``), since the cache goes back wherever needed. On
+    the 8B scenario's first step (H100, 24 GiB cap, expandable segments) the two were 9.8 and 16.1 GiB: from the
+    held peak nothing more fitted on the GPU; from the allocated one the embedding and a layer did, as a hand-set
+    6 GiB reserve had placed them (steps at 20.8 GiB allocated, 24.0 held, the allocator freeing its cache and
+    retrying a few times a step)."""
+    if expandable_segments():
+        return cuda_peak(device), "allocated (expandable segments: the allocator's cache goes back where needed)"
+    return cuda_reserved_peak(device), "held by the allocator"
 
 
 def cuda_reserved_peak(device: torch.device) -> Callable[[], int]:

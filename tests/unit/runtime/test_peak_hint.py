@@ -134,3 +134,23 @@ def test_reserved_bytes_are_split_by_the_stream_they_were_cached_for(monkeypatch
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7))
     assert cuda_reserved_by_stream(torch.device("cuda", 1))() == StreamPools(6 * gib, 3 * gib, gib, 3 * gib // 4)
+
+
+@pytest.mark.parametrize("settings, expected", [("expandable_segments:True", True), ("expandable_segments:False", False),
+                                                ("max_split_size_mb:128,expandable_segments: true", True), ("", False)])
+def test_a_measured_step_is_placed_from_its_allocated_peak_only_under_expandable_segments(monkeypatch, settings,
+                                                                                         expected):
+    """The allocator's settings decide which peak places a measured first step: under expandable segments its cache
+    goes back wherever needed (the allocated peak), else the held one. Read from torch where it has them, else from
+    the environment."""
+    from runtime import peak_hint
+
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert peak_hint.expandable_segments() is expected
+    _, what = peak_hint.cuda_step_peak(torch.device("cuda", 0))
+    assert what.startswith("allocated") is expected
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", settings)  # an older torch: the environment says
+    assert peak_hint.expandable_segments() is expected
