@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cuda = torch.cuda.is_available()
     logging.basicConfig(level=logging.WARNING)
-    for name in ("runtime.api", "runtime.controller", "runtime.peak_hint"):  # setup's progress, the spill, the reserve hint
+    # setup's progress, the spill, the placement measured from the first step, the reserve hint
+    for name in ("runtime.api", "runtime.controller", "runtime.measured_placement", "runtime.peak_hint"):
         logging.getLogger(name).setLevel(logging.INFO)
     if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
