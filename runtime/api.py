@@ -580,7 +580,7 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
         first = resolve_plan(blocks, first_cfg, device, rates=rates)
         # A plan that spills moments never takes the copy (_weights_copy); the host room of the blocks the measured
         # placement moves to the GPU brings spilled moments back (_spilled_after, Controller.adopt_placement).
-        if (first.spilled_blocks and first.source is WeightSource.MASTER) or (
+        if (first.spilled_blocks and first.source is WeightSource.MASTER and _within_limit(first.plan, cfg, limit)) or (
                 not copy_fetch_may_pay(cfg, device, source) and _plan_fits(
                     blocks, first_cfg, homes, first.source, dtype, first.placement, limit,
                     spares=first.plan.pre_commit_buffers)):
@@ -683,7 +683,12 @@ def _plan_fits(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierN
     """True when the plan with nothing spilled (and ``spares``: with pre-commit buffers) stays within ``limit``:
     its pinned bytes under an explicit ``tiers.host.budget`` (the pool's size, what ``spill_moments`` fills), its
     RAM (pinned bytes and swap files on tmpfs) under ``auto`` (the RAM available)."""
-    plan = plan_for(blocks, cfg, homes, source, dtype, spares=spares, placement=placement)
+    return _within_limit(plan_for(blocks, cfg, homes, source, dtype, spares=spares, placement=placement), cfg, limit)
+
+
+def _within_limit(plan: MemoryPlan, cfg: TierstoreConfig, limit: int) -> bool:
+    """True when the plan stays within ``limit``: its pinned bytes under an explicit ``tiers.host.budget``, its RAM
+    (pinned bytes and swap files on tmpfs) under ``auto``."""
     used = planned_ram_nbytes(plan, cfg.tiers.nvme.path) if cfg.tiers.host.budget == "auto" else plan.host_nbytes
     return used <= limit
 

@@ -349,10 +349,22 @@ def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
               "tiers": {"gpu": {"budget": 36 * total}, "nvme": {"path": str(tmp_path)}},
               "optimizer": {"accumulation_steps": 4, "accumulate_on": "host"}}
     roomy = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
-    config["tiers"]["host"] = {"budget": roomy.plan.host_nbytes // 2}
+    # The first step updates every block on the CPU: its pinned memory, the most any placement needs, with the last
+    # block's moments on disk.
+    first_cfg = {**config, "optimizer": {**config["optimizer"], "gpu_update_fraction": 0.0}}
+    config["tiers"]["host"] = first_cfg["tiers"]["host"] = {"budget": 1 << 40}
+    unspilled = resolve_plan(blocks, load_config(first_cfg), torch.device("cuda", 0), rates=rates).plan.host_nbytes
+    last_moments = 2 * 4 * blocks[-1].numel
+    config["tiers"]["host"] = {"budget": unspilled - last_moments // 2}
     resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
     assert resolved.spilled_blocks and resolved.source is WeightSource.MASTER
     assert resolved.measured_first_step and resolved.placement.gpu_update_fraction == 0
+    assert resolved.plan.host_nbytes <= unspilled - last_moments // 2  # it fits, spilled
+    # Where even the first step's plan, spilled, does not fit the budget, placing some blocks on the GPU now may:
+    # that plan is chosen at offload, as before.
+    config["tiers"]["host"] = {"budget": roomy.plan.host_nbytes // 4}
+    tight = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
+    assert not tight.measured_first_step
 
 
 def test_tierstore_plan_prints_the_choice(tmp_path, capsys):
