@@ -287,22 +287,30 @@ class Controller:
         # Device step counters first: after the move nothing may fail for want of device memory.
         steps = {i: [count.to(self.device, copy=True) for count in self.worker.param_steps[i]] for i in leaving_cpu}
         self._move_state_to_device(arriving)
-        for index in leaving_cpu:
-            block = self.blocks[index]
-            self.worker.spares.drop(index)  # no longer updated on the CPU
-            self.gpu_param_steps[index] = steps[index]
-            if self.sums is not None:  # its micro-batches now sum on the device
-                self.sums.release(index)
-            if self.store.has(block.key("grad")):  # its gradient no longer leaves the device
-                self.store.unregister(block.key("grad"))
-        if self.sums is not None and not self.sums.blocks:  # nothing left to sum on the host: its buffers go too
-            self.sums.close()
-            self.sums = None
-        for index in arriving:
-            if self.store.has(self.blocks[index].key("weights")):  # cast from the device master from now on
-                self.store.unregister(self.blocks[index].key("weights"))
+        try:  # past the move nothing is expected to fail; should it, the blocks are neither here nor there
+            for index in leaving_cpu:
+                block = self.blocks[index]
+                self.worker.spares.drop(index)  # no longer updated on the CPU
+                self.gpu_param_steps[index] = steps[index]
+                if self.sums is not None:  # its micro-batches now sum on the device
+                    self.sums.release(index)
+                if self.store.has(block.key("grad")):  # its gradient no longer leaves the device
+                    self.store.unregister(block.key("grad"))
+            if self.sums is not None and not self.sums.blocks:  # nothing left to sum on the host: its buffers go too
+                self.sums.close()
+                self.sums = None
+            for index in arriving:
+                if self.store.has(self.blocks[index].key("weights")):  # cast from the device master from now on
+                    self.store.unregister(self.blocks[index].key("weights"))
+        except BaseException as error:
+            self._interrupted = (f"a placement change failed after moving blocks to the device ({error!r}); start a "
+                                 "new process from the last checkpoint")
+            self._placement_broken = True
+            self._set_phase(StepPhase.INTERRUPTED)
+            raise
         self.gpu_updated, self.gpu_streamed = updated, streamed
         self.weights.gpu_updated = updated
+        # Spilled blocks stay where they are unless they fit (it never raises): the placement is adopted either way.
         spilled = self._bring_moments_home(sorted(spilled_now - updated - staying), staying)
         self.options = dataclasses.replace(self.options, gpu_update_fraction=update_fraction,
                                            gpu_stream_fraction=stream_fraction,
@@ -312,15 +320,17 @@ class Controller:
         self.device_updates.placement_changed()
 
     def _bring_moments_home(self, indices: list[int], staying: frozenset[int]) -> frozenset[int]:
-        """Make pinned memory the home of these spilled blocks' moments again (read from NVMe), in order, while the
-        pinned arena can place them and still hold the staging room the blocks left on NVMe need (the plan's
-        ``STAGING_BLOCKS`` of them, each moment as large as the largest: ``runtime.plan``). Stops at the first block
-        that does not fit (its moments stay on NVMe, the log says so). Returns the blocks whose moments stay on
-        NVMe."""
+        """Make pinned memory the home of these spilled blocks' moments again (read from NVMe), the largest blocks
+        first, while the pinned arena can place them and still hold the staging room that the blocks left on NVMe
+        need (the plan's ``STAGING_BLOCKS`` of them, each moment as large as the largest: ``runtime.plan``; counted
+        for every block not yet brought back, which stays on NVMe should a later one not fit). Stops at the first
+        block that does not fit or cannot be read (its moments stay on NVMe; the log says so): it never raises.
+        Returns the blocks whose moments stay on NVMe."""
         arena = self.store.tiers[TierName.HOST].arena  # type: ignore[attr-defined]  # the host tier is a HostTier
         still = set(staying) | set(indices)
         brought: list[int] = []
-        for index in indices:
+        # Largest first: while a large block waits its turn, every check counts staging room of its size.
+        for index in sorted(indices, key=lambda i: (-self.blocks[i].numel, i)):
             still.discard(index)
             keys = [self.blocks[index].key(kind) for kind in MOMENT_KINDS]
             largest = max((self.blocks[i].numel * 4 for i in still), default=0)
@@ -328,15 +338,7 @@ class Controller:
             if not arena.could_place([self.store.record(key).meta.nbytes for key in keys] + room):
                 still.add(index)
                 break
-            moved: list[Any] = []
-            try:
-                for key in keys:
-                    self.store.move_home(key, TierName.HOST)
-                    moved.append(key)
-            except CapacityError as error:  # placed by the check above: not expected
-                log.warning("%s's moments stay on NVMe: %s", self.blocks[index].name, error)
-                for key in moved:  # both moments of a block live in one tier
-                    self.store.move_home(key, TierName.NVME)
+            if not self._move_moments(index, keys, TierName.HOST):
                 still.add(index)
                 break
             brought.append(index)
@@ -344,6 +346,28 @@ class Controller:
             log.info("%d of the %d spilled blocks asked back have their moments in pinned memory again (read from "
                      "NVMe); %d blocks' moments stay on NVMe", len(brought), len(indices), len(still))
         return frozenset(still)
+
+    def _move_moments(self, index: int, keys: list[Any], to: TierName) -> bool:
+        """Move one block's moments home to tier ``to``, both or neither: True when both moved. A failure (no room,
+        a read error) moves back the one that had; should that fail too, the block's moments live in two tiers, which
+        the updates allow (each key is read from its own home), and the log says so."""
+        moved: list[Any] = []
+        try:
+            for key in keys:
+                home = self.store.record(key).home
+                self.store.move_home(key, to)
+                moved.append((key, home))
+        except Exception as error:
+            log.warning("%s's moments stay where they were: moving them to %s failed (%r)", self.blocks[index].name,
+                        to.value, error)
+            for key, home in moved:
+                try:
+                    self.store.move_home(key, home)
+                except Exception as undo_error:
+                    log.warning("%s stays in %s: moving it back to %s failed too (%r)", key, to.value, home.value,
+                                undo_error)
+            return False
+        return True
 
     def _move_state_to_device(self, indices: list[int]) -> None:
         """Move these blocks' master and moments home to the device tier and make their compute weights resident,

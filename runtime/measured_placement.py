@@ -116,7 +116,7 @@ class FirstStepPlacement:
     commit for the compute stream and for side streams, and how much of each is cached free
     (``runtime.peak_hint.cuda_reserved_by_stream``), said in the line: side streams hold the fetch or refresh staging and
     a cache only they can use, part of a peak beyond the plan that activations never took (None: not said);
-    ``peak_what``: what ``peak`` counts, said after its figure (``runtime.peak_hint.cuda_step_peak``);
+    ``peak_what``: what ``peak`` counts, said after its figure (``runtime.peak_hint.cuda_step_peak``; None: not said);
     ``trial``: recomputation of the layers' activations to try when the first step's state does not all fit
     (``placement.activations: auto``; None: activations are kept)."""
 
@@ -124,7 +124,7 @@ class FirstStepPlacement:
                  adopt: Callable[[Placement], None], peak: Callable[[], int], reset_peak: Callable[[], None],
                  report: Callable[[str], None] = lambda line: None,
                  pools: Callable[[], StreamPools] | None = None, trial: RecomputeTrial | None = None,
-                 peak_what: str = ""):
+                 peak_what: Callable[[], str] | None = None):
         self.plan_gpu_nbytes, self.budget_nbytes = plan_gpu_nbytes, budget_nbytes
         self.peak_what = peak_what
         self.ask, self.adopt, self.peak, self.reset_peak, self.report = ask, adopt, peak, reset_peak, report
@@ -186,7 +186,7 @@ class FirstStepPlacement:
         placement = self.ask(reserve)
         if placement is None:
             return None
-        what = f" {self.peak_what}" if self.peak_what else ""
+        what = f" {self.peak_what()}" if self.peak_what is not None else ""
         return _Measured(placement, reserve, f"the {which} step peaked at {approx_size(peak)}{what} of the "
                                              f"{approx_size(self.budget_nbytes)} GPU budget ({approx_size(beyond)} "
                                              f"beyond its plan{self._pools_now()})")

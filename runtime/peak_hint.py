@@ -160,34 +160,44 @@ def cuda_reserved_by_stream(device: torch.device) -> Callable[[], StreamPools]:
     return read
 
 
-def expandable_segments() -> bool:
-    """True when CUDA's caching allocator maps its memory in expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` /
-    ``PYTORCH_ALLOC_CONF`` ``expandable_segments:True``, as ``examples/finetune_8b.py`` sets): memory it holds
-    cached and free is unmapped and mapped again wherever an allocation needs it (the allocator retries after
-    freeing its cache), so what a step needs under a memory-fraction cap is its allocated peak, not the peak it held.
-    Read from the allocator's settings where torch has them (2.13), else from the environment."""
-    read = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    try:
-        settings = read() if read is not None else ""
-    except RuntimeError:  # no allocator to ask (a CPU build)
-        settings = ""
-    if not settings:
-        settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+def expandable_segments(device: torch.device) -> bool:
+    """True when CUDA's caching allocator maps its memory on ``device`` in expandable segments
+    (``expandable_segments:True`` in ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``, as ``examples/finetune_8b.py``
+    sets): memory it holds cached and free is unmapped and mapped again wherever an allocation needs it (the
+    allocator retries after freeing its cache), so what a step needs under a memory-fraction cap is its allocated
+    peak, not the peak it held. Read from the allocator's segments (``torch.cuda.memory_snapshot``: what is in
+    effect); before it holds any, from the settings."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    flags = [segment["is_expandable"] for segment in torch.cuda.memory_snapshot()
+             if segment.get("device") == index and "is_expandable" in segment]
+    if flags:
+        return any(flags)
+    settings = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    read = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # the last settings parsed (torch 2.13)
+    if not settings and read is not None:
+        settings = read()
     return re.search(r"expandable_segments\s*:\s*true", settings, re.IGNORECASE) is not None
 
 
-def cuda_step_peak(device: torch.device) -> tuple[Callable[[], int], str]:
-    """The peak a measured step is placed from (``runtime.measured_placement``), as a callable, and what it counts
-    (said after the figure): the bytes the allocator held (``cuda_reserved_peak``: a memory-fraction cap limits
-    those, and without expandable segments cached blocks split by other sizes may never serve an activation), or
-    under ``expandable_segments`` the allocated bytes (``cuda_peak``), since the cache goes back wherever needed. On
-    the 8B scenario's first step (H100, 24 GiB cap, expandable segments) the two were 9.8 and 16.1 GiB: from the
-    held peak nothing more fitted on the GPU; from the allocated one the embedding and a layer did, as a hand-set
-    6 GiB reserve had placed them (steps at 20.8 GiB allocated, 24.0 held, the allocator freeing its cache and
-    retrying a few times a step)."""
-    if expandable_segments():
-        return cuda_peak(device), "allocated (expandable segments: the allocator's cache goes back where needed)"
-    return cuda_reserved_peak(device), "held by the allocator"
+def cuda_step_peak(device: torch.device) -> tuple[Callable[[], int], Callable[[], str]]:
+    """The peak a measured step is placed from (``runtime.measured_placement``) and what it counts (said after the
+    figure), as callables, which decide when the step is measured: the bytes the allocator held
+    (``cuda_reserved_peak``: a memory-fraction cap limits those, and without expandable segments cached blocks split by
+    other sizes may never serve an activation), or under expandable segments the allocated bytes (``cuda_peak``),
+    since the cache goes back wherever needed. On the 8B scenario's first step (H100, 24 GiB cap, expandable
+    segments) the two were 9.8 and 16.1 GiB: from the held peak nothing more fitted on the GPU; from the allocated
+    one the embedding and a layer did, as a hand-set 6 GiB reserve had placed them (steps at 20.8 GiB allocated,
+    24.0 held, the allocator freeing its cache and retrying a few times a step)."""
+    allocated, held = cuda_peak(device), cuda_reserved_peak(device)
+
+    def peak() -> int:
+        return allocated() if expandable_segments(device) else held()
+
+    def what() -> str:
+        return ("allocated (expandable segments: the allocator's cache goes back where needed)"
+                if expandable_segments(device) else "held by the allocator")
+
+    return peak, what
 
 
 def cuda_reserved_peak(device: torch.device) -> Callable[[], int]:

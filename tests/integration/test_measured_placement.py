@@ -424,3 +424,59 @@ def test_a_placement_adopted_over_spilled_moments_brings_them_back_into_the_free
     for index in after["updated"]:
         assert after["homes"][index] == {TierName.GPU}, index
     assert nbytes_moved(events, "read") > 0 and stats.early_reads > 0
+
+
+def test_a_spilled_block_whose_moments_cannot_be_read_back_stays_spilled_and_the_placement_stands(tmpfs_dir, caplog):
+    """A read error while a spilled block's moments come back (the second moment of the first block asked back):
+    the first goes back to NVMe, the block stays spilled, the rest of the placement is adopted (the controller's
+    options say what runs), and training stays exact."""
+    from runtime.api import resolve_device, resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.example_model import ModelShape
+    from runtime.plan import PRE_COMMIT_BUFFERS
+    from tests.integration.test_parity import run_both
+
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
+              "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host",
+                            "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
+    blocks = build_blocks(ExampleLM(shape), load_config(config).blocks.min_block_size)
+    plan = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).plan
+    spares = sum(nbytes for kind, _, nbytes in plan.rows if kind == PRE_COMMIT_BUFFERS)
+    config["tiers"]["host"] = {"budget": plan.host_nbytes - spares - 8 * 4 * sorted(b.numel for b in blocks)[5]}
+    seen: dict = {}
+    after: dict = {}
+    failed: list[str] = []
+
+    def prepare(session) -> None:
+        _adopt_after_first_step(Placement(0.5, 0.0, 0, notes=("test",), host_sums=True), seen)(session)
+        store, real = session.store, session.store.move_home
+        moved_home: list[str] = []
+
+        def failing(key, to):
+            if TierName(to) is TierName.HOST and session.controller.gpu_updated:  # bringing moments back
+                moved_home.append(str(key))
+                if len(moved_home) == 2:
+                    failed.append(str(key))
+                    raise OSError(5, "Input/output error (test)")
+            return real(key, to)
+
+        store.move_home = failing
+
+    def inspect(session) -> None:
+        controller = session.controller
+        after["spilled"], after["fraction"] = controller.options.spilled_blocks, controller.options.gpu_update_fraction
+        after["homes"] = {i: {session.store.record(b.key(kind)).home for kind in ("exp_avg", "exp_avg_sq")}
+                          for i, b in enumerate(session.blocks)}
+        after["placement"] = session.placement
+
+    caplog.set_level(logging.WARNING, logger="runtime.controller")
+    ours, theirs, weights, reference, _, _ = run_both(config, shape=shape, prepare=prepare, inspect=inspect)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert failed and "moments stay where they were" in caplog.text
+    assert after["fraction"] == 0.5 and after["placement"] is seen["listener"].chosen
+    assert after["spilled"] and after["spilled"] < seen["spilled_before"]
+    for index in after["spilled"]:  # the block whose read failed is among them, both moments on NVMe
+        assert after["homes"][index] == {TierName.NVME}, index

@@ -140,17 +140,26 @@ def test_reserved_bytes_are_split_by_the_stream_they_were_cached_for(monkeypatch
                                                 ("max_split_size_mb:128,expandable_segments: true", True), ("", False)])
 def test_a_measured_step_is_placed_from_its_allocated_peak_only_under_expandable_segments(monkeypatch, settings,
                                                                                          expected):
-    """The allocator's settings decide which peak places a measured first step: under expandable segments its cache
-    goes back wherever needed (the allocated peak), else the held one. Read from torch where it has them, else from
-    the environment."""
+    """Which peak places a measured first step: under expandable segments the allocator's cache goes back wherever
+    needed (the allocated peak), else the held one. The allocator's segments say which is in effect; before it holds
+    any, the settings (the environment first, then what torch parsed last)."""
     from runtime import peak_hint
 
-    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings, raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert peak_hint.expandable_segments() is expected
-    _, what = peak_hint.cuda_step_peak(torch.device("cuda", 0))
-    assert what.startswith("allocated") is expected
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(peak_hint, "cuda_peak", lambda device: lambda: 1 << 30)
+    monkeypatch.setattr(peak_hint, "cuda_reserved_peak", lambda device: lambda: 3 << 30)
+    segments = [{"device": 0, "is_expandable": expected}, {"device": 1, "is_expandable": not expected}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", settings)  # an older torch: the environment says
-    assert peak_hint.expandable_segments() is expected
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:" + ("False" if expected else "True"))  # not asked
+    assert peak_hint.expandable_segments(device) is expected
+    peak, what = peak_hint.cuda_step_peak(device)
+    assert peak() == (1 << 30 if expected else 3 << 30) and what().startswith("allocated") is expected
+    segments.clear()  # nothing allocated yet: the settings say
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", settings)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the older name: PYTORCH_ALLOC_CONF wins
+    assert peak_hint.expandable_segments(device) is (expected if settings else False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings, raising=False)
+    assert peak_hint.expandable_segments(device) is expected
