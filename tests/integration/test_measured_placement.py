@@ -326,6 +326,29 @@ def _adopt_after_first_step(placement: Placement, seen: dict):
     return prepare
 
 
+def _spilling_session_config(nvme_dir, short_by_layers: int):
+    """The 8B scenario's kind of config on a 10-layer model (clipping, host sums, every update on the CPU, moments
+    auto) with a host budget ``short_by_layers`` layers' moments short of holding them all: (config, shape, blocks
+    spilled at offload)."""
+    from runtime.api import resolve_device, resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.example_model import ModelShape
+    from runtime.plan import PRE_COMMIT_BUFFERS
+
+    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(nvme_dir)}}, "placement": {"moments": "auto"},
+              "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host",
+                            "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
+    blocks = build_blocks(ExampleLM(shape), load_config(config).blocks.min_block_size)
+    plan = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).plan
+    spares = sum(nbytes for kind, _, nbytes in plan.rows if kind == PRE_COMMIT_BUFFERS)
+    layer_moments = 2 * 4 * sorted(b.numel for b in blocks)[len(blocks) // 2]
+    config["tiers"]["host"] = {"budget": plan.host_nbytes - spares - short_by_layers * layer_moments}
+    spilled = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).spilled_blocks
+    return config, shape, spilled
+
+
 @pytest.mark.parametrize("update, stream", [(0.4, 0.3), (1.0, 0.0)], ids=["some-streamed", "every-block"])
 def test_a_placement_adopted_over_host_gradient_sums_trains_like_the_plain_loop(update, stream):
     """Micro-batch gradients summed in host memory (accumulate_on: host), clipping on: after the first step the
@@ -366,24 +389,10 @@ def test_a_placement_adopted_over_spilled_moments_brings_them_back_into_the_free
     those blocks freed, as many as the arena holds beside the staging room of the ones left (through the session's
     path, which works that out from the plan; or asked for every block, where the arena's own check stops it);
     training stays exact."""
-    from runtime.api import resolve_device, resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
     from runtime.controller import StepEvent
-    from runtime.example_model import ModelShape
-    from runtime.plan import PRE_COMMIT_BUFFERS
     from tests.integration.test_parity import nbytes_moved, run_both
 
-    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
-    config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
-              "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host",
-                            "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
-    blocks = build_blocks(ExampleLM(shape), load_config(config).blocks.min_block_size)
-    plan = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).plan
-    spares = sum(nbytes for kind, _, nbytes in plan.rows if kind == PRE_COMMIT_BUFFERS)
-    layer_moments = 2 * 4 * sorted(b.numel for b in blocks)[len(blocks) // 2]
-    config["tiers"]["host"] = {"budget": plan.host_nbytes - spares - 4 * layer_moments}
-    spilled = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).spilled_blocks
+    config, shape, spilled = _spilling_session_config(tmpfs_dir, short_by_layers=4)
     assert len(spilled) >= 4
     seen: dict = {}
     after: dict = {}
@@ -430,21 +439,9 @@ def test_a_spilled_block_whose_moments_cannot_be_read_back_stays_spilled_and_the
     """A read error while a spilled block's moments come back (the second moment of the first block asked back):
     the first goes back to NVMe, the block stays spilled, the rest of the placement is adopted (the controller's
     options say what runs), and training stays exact."""
-    from runtime.api import resolve_device, resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.example_model import ModelShape
-    from runtime.plan import PRE_COMMIT_BUFFERS
     from tests.integration.test_parity import run_both
 
-    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
-    config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
-              "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host",
-                            "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
-    blocks = build_blocks(ExampleLM(shape), load_config(config).blocks.min_block_size)
-    plan = resolve_plan(blocks, load_config(config), resolve_device(load_config(config))).plan
-    spares = sum(nbytes for kind, _, nbytes in plan.rows if kind == PRE_COMMIT_BUFFERS)
-    config["tiers"]["host"] = {"budget": plan.host_nbytes - spares - 8 * 4 * sorted(b.numel for b in blocks)[5]}
+    config, shape, _ = _spilling_session_config(tmpfs_dir, short_by_layers=4)
     seen: dict = {}
     after: dict = {}
     failed: list[str] = []
