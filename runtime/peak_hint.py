@@ -3,8 +3,8 @@
 ``auto`` placement (``runtime.autoplace``) keeps a reserve for activations it cannot know before the first
 forward; in sessions placed at ``offload()`` (those ``runtime.measured_placement`` does not re-place after their
 first step) it is three quarters of what the plan leaves free. On a card with room to spare that is often far more
-than the step uses (the 8B scenario under a 24 GiB cap: 10.1 GiB reserved, its first step peaked with about
-5 GiB of activations), and the state that could have been updated on the GPU stays in host memory, where it
+than the step uses (the 8B scenario under a 24 GiB cap, before measured placement covered it: 10.1 GiB reserved,
+its first step peaked with about 5 GiB of activations), and the state that could have been updated on the GPU stays in host memory, where it
 pushes moments out to NVMe. After the first steps this module compares their peak with the plan and, when
 a lower reserve would put more blocks on the GPU, logs the setting and what auto placement chooses with it
 (asked, with the rates it was chosen with, not re-derived). The profiler's advice uses the same figures.
