@@ -54,6 +54,7 @@ counts them not).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -136,6 +137,8 @@ class FirstStepPlacement:
         self._kept: _Measured | None = None  # the first step's outcome, while the second tries recomputation
         self._signature = ""  # the measured step's: "train", or "grad-eval" (trained in eval mode)
         self.measured_steps = 0  # steps run as measured (1, or 2 with a recompute trial): not yet placed
+        # optimizer step -> seconds its commit spent placing (the profiler leaves them out of every step's time)
+        self.placing_s: dict[int, float] = {}
 
     def __call__(self, event: StepEvent) -> None:
         if self.done:
@@ -165,6 +168,7 @@ class FirstStepPlacement:
             return
         self.measured_steps += 1
         self.done = True
+        start = time.perf_counter()
         try:
             self._place()
         except Exception as error:  # the step stands; a change adopt_placement could not undo stops the next step
@@ -172,6 +176,8 @@ class FirstStepPlacement:
             self._end_trial(keep_on=False)
             self._say(logging.WARNING, f"auto placement after the first step failed ({error!r}); every update stays "
                                        "on the CPU")
+        finally:
+            self.placing_s[event.step] = time.perf_counter() - start
 
     def close(self) -> None:
         """The session closes: a trial under way ends (its timer's hooks come off, recomputation is undone)."""

@@ -16,6 +16,7 @@ CAUSE_NAMES = {STALL_FETCH_HOST: "fetch host", STALL_FETCH_NVME: "fetch NVMe", S
                STALL_CAPACITY: "GPU full", STALL_GRAD_SUM: "sum buffer"}
 MAX_STEP_ROWS = 40  # longer runs show the first and last steps
 MIB = 2**20
+PLACING_SHOWN_S = 0.05  # a placement adopted at a commit that took longer is said in the header
 
 
 def _num(value: float | None, fmt: str = ".2f", none: str = "-") -> str:
@@ -51,6 +52,11 @@ def _header(summary: dict[str, Any]) -> str:
                      f"{split.get('scale_s', 0.0):.3f} s, weight refreshes {split.get('refresh_s', 0.0):.3f} s "
                      "(the kernel counts updates run before their commit too; the rest: copying parameters without a "
                      "gradient into early results, write-backs, bookkeeping)")
+    for step in summary.get("steps") or []:
+        if step.get("placing_s", 0.0) >= PLACING_SHOWN_S:  # absent from summaries saved before it was recorded
+            lines.append(f"placement: {step['placing_s']:.1f} s after step {step['step']}'s commit adopting the placement "
+                         "measured from it (state moved to the GPU, spilled moments read back): in no step's time; "
+                         "its transfers count in that step's")
     for role, why in (summary.get("skipped") or {}).items():
         lines.append(f"not written: {role}: {why}")
     if summary.get("dropped_events"):

@@ -477,3 +477,33 @@ def test_a_spilled_block_whose_moments_cannot_be_read_back_stays_spilled_and_the
     assert after["spilled"] and after["spilled"] < seen["spilled_before"]
     for index in after["spilled"]:  # the block whose read failed is among them, both moments on NVMe
         assert after["homes"][index] == {TierName.NVME}, index
+
+
+def test_the_time_a_placement_takes_at_a_commit_is_in_no_steps_time():
+    """Adopting the measured placement runs at the first step's commit (state moved, spilled moments read back; half
+    a minute at 8B): the profile leaves it out of both steps' times and says it in its header, so the steady steps
+    are not charged with it."""
+    import time
+
+    from runtime.profiler import Profiler
+    from runtime.profiler.analysis import summarize
+    from runtime.profiler.report import format_report
+
+    model, optimizer, reference = _session(0.05)
+    session = optimizer.session
+    ask, ref = _Asked(Placement(0.4, 0.0, 0, notes=("slow",))), weakref.ref(session)
+
+    def slow_adopt(placement: Placement) -> None:
+        time.sleep(0.4)
+        _adopt_placement(ref, placement)
+
+    session.controller.step_listeners.append(FirstStepPlacement(
+        plan_gpu_nbytes=GiB, budget_nbytes=20 * GiB, ask=ask, adopt=slow_adopt, peak=lambda: 2 * GiB,
+        reset_peak=lambda: None))
+    with session, Profiler(session) as profiler:
+        _train(model, optimizer, reference, make_batches(3))
+        summary = summarize(profiler.raw())
+    steps = summary["steps"]
+    assert steps[0]["placing_s"] >= 0.4 and all(step["placing_s"] < 0.4 for step in steps[1:])
+    assert all(step["step_s"] < 0.4 for step in steps), [step["step_s"] for step in steps]
+    assert "s after step 1's commit adopting the placement measured from it" in format_report(summary)
