@@ -28,6 +28,7 @@ from runtime.clipping import GradClipper, scale_slots
 from runtime.device_updates import DeviceUpdates
 from runtime.held_grads import HeldGrads
 from runtime.step_phase import StepPhase, check_phase_transition
+from runtime.units import approx_size
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
 from runtime.plan import MOMENT_KINDS, STAGING_BLOCKS
@@ -284,6 +285,10 @@ class Controller:
             raise CapacityError("gpu", need, gpu.used_nbytes, gpu.capacity_nbytes,
                                 f"the master and moments of {len(arriving)} more device-updated blocks")
         leaving_cpu = sorted((updated | streamed) - self.gpu_updated - self.gpu_streamed)
+        asked_back = spilled_now - updated - staying
+        log.info("placement change: %d blocks' master and moments move to the GPU (%s), %d more stream their update%s",
+                 len(arriving), approx_size(need), len(streamed - self.gpu_streamed),
+                 f"; the moments of {len(asked_back)} spilled blocks come back from NVMe" if asked_back else "")
         # Device step counters first: after the move nothing may fail for want of device memory.
         steps = {i: [count.to(self.device, copy=True) for count in self.worker.param_steps[i]] for i in leaving_cpu}
         self._move_state_to_device(arriving)
@@ -311,7 +316,7 @@ class Controller:
         self.gpu_updated, self.gpu_streamed = updated, streamed
         self.weights.gpu_updated = updated
         # Spilled blocks stay where they are unless they fit (it never raises): the placement is adopted either way.
-        spilled = self._bring_moments_home(sorted(spilled_now - updated - staying), staying)
+        spilled = self._bring_moments_home(sorted(asked_back), staying)
         self.options = dataclasses.replace(self.options, gpu_update_fraction=update_fraction,
                                            gpu_stream_fraction=stream_fraction,
                                            keep_for_backward_nbytes=keep_for_backward_nbytes, spilled_blocks=spilled)
