@@ -28,11 +28,12 @@ from runtime.clipping import GradClipper, scale_slots
 from runtime.device_updates import DeviceUpdates
 from runtime.held_grads import HeldGrads
 from runtime.step_phase import StepPhase, check_phase_transition
-from runtime.units import approx_size
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
-from runtime.plan import MOMENT_KINDS, STAGING_BLOCKS
+from runtime.plan import MOMENT_KINDS
 from runtime.schedule import PrefetchSchedule
+from runtime.spill_return import bring_moments_home
+from runtime.units import approx_size
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
 from tierstore import CapacityError, Handle, TensorMeta, TierName, TierStore, close_at_exit
@@ -254,7 +255,7 @@ class Controller:
         ones ``stream_fraction`` selects stream their state for the update, and a forward keeps up to
         ``keep_for_backward_nbytes`` of weights for its backward. ``spilled_blocks``: the blocks whose moments are
         to stay on NVMe (None: those spilled now, less the ones moved to the device); the other spilled blocks'
-        moments come back to pinned memory as far as its room allows (``_bring_moments_home``). Waits for every
+        moments come back to pinned memory as far as its room allows (``runtime.spill_return``). Waits for every
         committed update first. The device's share only grows (a block updated on the device stays there) and the
         spill only shrinks."""
         updated = gpu_updated_blocks(self.blocks, update_fraction)
@@ -316,63 +317,13 @@ class Controller:
         self.gpu_updated, self.gpu_streamed = updated, streamed
         self.weights.gpu_updated = updated
         # Spilled blocks stay where they are unless they fit (it never raises): the placement is adopted either way.
-        spilled = self._bring_moments_home(sorted(asked_back), staying)
+        spilled = bring_moments_home(self.store, self.blocks, sorted(asked_back), staying)
         self.options = dataclasses.replace(self.options, gpu_update_fraction=update_fraction,
                                            gpu_stream_fraction=stream_fraction,
                                            keep_for_backward_nbytes=keep_for_backward_nbytes, spilled_blocks=spilled)
         if self._spilled_in_update_order:
             self._spilled_in_update_order = sorted(spilled)
         self.device_updates.placement_changed()
-
-    def _bring_moments_home(self, indices: list[int], staying: frozenset[int]) -> frozenset[int]:
-        """Make pinned memory the home of these spilled blocks' moments again (read from NVMe), the largest blocks
-        first, while the pinned arena can place them and still hold the staging room that the blocks left on NVMe
-        need (the plan's ``STAGING_BLOCKS`` of them, each moment as large as the largest: ``runtime.plan``; counted
-        for every block not yet brought back, which stays on NVMe should a later one not fit). Stops at the first
-        block that does not fit or cannot be read (its moments stay on NVMe; the log says so): it never raises.
-        Returns the blocks whose moments stay on NVMe."""
-        arena = self.store.tiers[TierName.HOST].arena  # type: ignore[attr-defined]  # the host tier is a HostTier
-        still = set(staying) | set(indices)
-        brought: list[int] = []
-        # Largest first: while a large block waits its turn, every check counts staging room of its size.
-        for index in sorted(indices, key=lambda i: (-self.blocks[i].numel, i)):
-            still.discard(index)
-            keys = [self.blocks[index].key(kind) for kind in MOMENT_KINDS]
-            largest = max((self.blocks[i].numel * 4 for i in still), default=0)
-            room = [largest] * (len(MOMENT_KINDS) * min(STAGING_BLOCKS, len(still)))
-            if not arena.could_place([self.store.record(key).meta.nbytes for key in keys] + room):
-                still.add(index)
-                break
-            if not self._move_moments(index, keys, TierName.HOST):
-                still.add(index)
-                break
-            brought.append(index)
-        if indices:
-            log.info("%d of the %d spilled blocks asked back have their moments in pinned memory again (read from "
-                     "NVMe); %d blocks' moments stay on NVMe", len(brought), len(indices), len(still))
-        return frozenset(still)
-
-    def _move_moments(self, index: int, keys: list[Any], to: TierName) -> bool:
-        """Move one block's moments home to tier ``to``, both or neither: True when both moved. A failure (no room,
-        a read error) moves back the one that had; should that fail too, the block's moments live in two tiers, which
-        the updates allow (each key is read from its own home), and the log says so."""
-        moved: list[Any] = []
-        try:
-            for key in keys:
-                home = self.store.record(key).home
-                self.store.move_home(key, to)
-                moved.append((key, home))
-        except Exception as error:
-            log.warning("%s's moments stay where they were: moving them to %s failed (%r)", self.blocks[index].name,
-                        to.value, error)
-            for key, home in moved:
-                try:
-                    self.store.move_home(key, home)
-                except Exception as undo_error:
-                    log.warning("%s stays in %s: moving it back to %s failed too (%r)", key, to.value, home.value,
-                                undo_error)
-            return False
-        return True
 
     def _move_state_to_device(self, indices: list[int]) -> None:
         """Move these blocks' master and moments home to the device tier and make their compute weights resident,

@@ -37,7 +37,7 @@ A first-step plan that sums micro-batch gradients in host memory or spills momen
 measured too: the blocks moved to the GPU sum their gradients on the device from then on (``HostGradSums.release``),
 and the pinned memory their master, moments and host gradient leave brings spilled moments back from NVMe, as
 many as the plan for the adopted placement fits in the pinned arena (``runtime.api._spilled_after``), the staging
-room of the blocks left on NVMe kept free (``Controller._bring_moments_home``). Such a session streams nothing: a
+room of the blocks left on NVMe kept free (``runtime.spill_return``). Such a session streams nothing: a
 streamed block's moments must be in pinned memory.
 
 What it leaves out: accumulated steps that may fetch a compute-dtype copy of the weights where the first step's plan

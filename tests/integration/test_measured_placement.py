@@ -468,7 +468,7 @@ def test_a_spilled_block_whose_moments_cannot_be_read_back_stays_spilled_and_the
                           for i, b in enumerate(session.blocks)}
         after["placement"] = session.placement
 
-    caplog.set_level(logging.WARNING, logger="runtime.controller")
+    caplog.set_level(logging.WARNING, logger="runtime.spill_return")
     ours, theirs, weights, reference, _, _ = run_both(config, shape=shape, prepare=prepare, inspect=inspect)
     assert ours == theirs
     assert_identical(weights, reference)
