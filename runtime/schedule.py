@@ -16,6 +16,12 @@ from typing import Callable
 Use = tuple[int, str]
 
 
+def joins_window(count: int, total_nbytes: int, nbytes: int, limit: int, budget_nbytes: int) -> bool:
+    """Whether a block of ``nbytes`` joins a prefetch window that holds ``count`` blocks of ``total_nbytes``: the
+    window takes at most ``limit`` blocks within the byte budget, the first block whatever its size."""
+    return count < limit and (count == 0 or total_nbytes + nbytes <= budget_nbytes)
+
+
 def window_bound(sizes: list[int], count: int) -> int:
     """The most that ``count`` distinct blocks of these sizes can hold together: the sum of the ``count`` largest.
     The weights on the GPU are the block in use, those fetched ahead and the one being released; in the
@@ -121,15 +127,13 @@ class PrefetchSchedule:
         return picked
 
     def _pick(self, uses: list[Use], limit: int, picked: list[int], total: int) -> tuple[list[int], int, bool]:
-        """``picked`` extended by the distinct fetched blocks of ``uses`` until ``limit`` blocks or the byte budget,
-        with the bytes picked in all, and whether ``uses`` ran out first."""
+        """``picked`` extended by the distinct fetched blocks of ``uses`` until ``limit`` blocks or the byte budget
+        (``joins_window``), with the bytes picked in all, and whether ``uses`` ran out first."""
         for block, _phase in uses:
-            if len(picked) >= limit:
-                return picked, total, False
             if block in picked or not self._fetched(block):
                 continue
             nbytes = self._block_nbytes(block)
-            if picked and total + nbytes > self.budget_nbytes:
+            if not joins_window(len(picked), total, nbytes, limit, self.budget_nbytes):
                 return picked, total, False
             picked.append(block)
             total += nbytes

@@ -44,6 +44,7 @@ from typing import Iterable
 import torch
 
 from runtime.rates import cpu_adam_seconds, pinned_copy_gbps
+from runtime.schedule import joins_window
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +160,11 @@ def _carried_numel(fetched_numels: list[int], depth: int, budget_nbytes: int, el
     prefetch byte budget (the first block always). It assumes the usual hook order, each block's gradients done
     before the next block's backward begins; a block whose gradients finish only at the backward's end (a
     parameter without one in that micro-batch) is kept too, one block more than counted here."""
-    carried = total = 0
-    for numel in fetched_numels[:depth]:
-        if carried and total + numel * elem_nbytes > budget_nbytes:
+    carried = total = count = 0
+    for numel in fetched_numels:  # the window the schedule picks (PrefetchSchedule._pick)
+        if not joins_window(count, total, numel * elem_nbytes, depth, budget_nbytes):
             break
-        carried += numel
-        total += numel * elem_nbytes
+        carried, total, count = carried + numel, total + numel * elem_nbytes, count + 1
     return carried
 
 
