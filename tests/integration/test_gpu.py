@@ -547,6 +547,64 @@ def test_auto_placement_measured_from_the_first_step_trains_like_the_plain_loop(
     _assert_close(ours, reference)
 
 
+def test_auto_placement_measured_over_host_sums_and_spilled_moments_trains_like_the_plain_loop(tmp_path, caplog):
+    """The 8B scenario's kind of session at a small size (bf16, clipping, two micro-batches summed in host memory,
+    moments spilled to NVMe past a tight host budget), update fraction and reserve auto: the first step updates on
+    the CPU; at its commit the placement measured from its peak moves the first blocks to the GPU (spilled or not),
+    out of the host sums, and spilled blocks left on the CPU get their moments back in pinned memory as far as it
+    holds them. Training stays within bf16 rounding of the plain loop across the change. (Written after the
+    session's last GPU call: first run in the next one.)"""
+    import logging
+
+    from runtime.api import resolve_plan
+    from runtime.blocks import build_blocks
+    from runtime.config import load_config
+    from runtime.plan import PRE_COMMIT_BUFFERS
+    from tierstore import TierName
+
+    shape = ModelShape(vocab_size=256, hidden_size=256, num_layers=8, num_heads=4, ffn_size=512)
+    config = {"dtype": "bf16", "placement": {"moments": "auto"},
+              "tiers": {"gpu": {"budget": "2GiB"}, "nvme": {"path": str(tmp_path)}},
+              "optimizer": {"grad_clip": 1.0, "accumulation_steps": 2, "accumulate_on": "host"}}
+    blocks = build_blocks(ExampleLM(shape), load_config(config).blocks.min_block_size)
+    # The first step's plan (every update on the CPU) with room to spare, less its pre-commit buffers and weights copy
+    # (given up before any moment spills) and three layers' moments: the measured first step spills.
+    roomy = {**config, "optimizer": {**config["optimizer"], "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
+    plan = resolve_plan(blocks, load_config(roomy), torch.device("cuda", 0)).plan
+    extra = sum(n for kind, _, n in plan.rows if kind == PRE_COMMIT_BUFFERS or kind.startswith("weights (compute dtype)"))
+    layer_moments = 2 * 4 * sorted(b.numel for b in blocks)[len(blocks) // 2]
+    config["tiers"]["host"] = {"budget": plan.host_nbytes - extra - 3 * layer_moments}
+
+    torch.manual_seed(0)
+    model = ExampleLM(shape)
+    reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=1.0, accumulation_steps=2)
+    model, optimizer = offload(model, config)
+    session = optimizer.session
+    controller = session.controller
+    spilled_before = controller.options.spilled_blocks
+    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    try:
+        assert session.plan.notes[0].startswith("auto placement: chosen from") and spilled_before
+        assert controller.sums is not None and not controller.gpu_updated
+        _train_with_reference(model, optimizer, reference, make_batches(8), accumulation=2)
+        updated, spilled_after, sums = controller.gpu_updated, controller.options.spilled_blocks, controller.sums
+        homes = {i: {session.store.record(b.key(kind)).home for kind in ("exp_avg", "exp_avg_sq")}
+                 for i, b in enumerate(session.blocks)}
+        ours = session.master_state_dict()
+    finally:
+        session.close()
+    _assert_close(ours, reference)
+    assert "placement adopted" in caplog.text and updated
+    assert sums is None or not set(sums.blocks) & updated  # the moved blocks sum on the device
+    assert spilled_after <= spilled_before - updated
+    for index in updated:
+        assert homes[index] == {TierName.GPU}, index
+    for index in spilled_before - updated - spilled_after:  # brought back
+        assert homes[index] == {TierName.HOST}, index
+    for index in spilled_after:
+        assert homes[index] == {TierName.NVME}, index
+
+
 def test_auto_placement_under_a_cap_fits_the_measured_activations():
     """Under a memory-fraction cap whose activations take most of the card, the default config trains: the first
     step measures them, the placement chosen after it leaves them room (no out-of-memory error), and the peak stays
