@@ -287,9 +287,9 @@ class Controller:
                                 f"the master and moments of {len(arriving)} more device-updated blocks")
         leaving_cpu = sorted((updated | streamed) - self.gpu_updated - self.gpu_streamed)
         asked_back = spilled_now - updated - staying
-        log.info("placement change: %d blocks' master and moments move to the GPU (%s), %d more stream their update%s",
-                 len(arriving), approx_size(need), len(streamed - self.gpu_streamed),
-                 f"; the moments of {len(asked_back)} spilled blocks come back from NVMe" if asked_back else "")
+        log.info("placement change: %d blocks' master and moments move to the GPU (%s with their compute weights), %d "
+                 "more stream their update%s", len(arriving), approx_size(need), len(streamed - self.gpu_streamed),
+                 f"; the moments of {len(asked_back)} spilled blocks are asked back from NVMe" if asked_back else "")
         # Device step counters first: after the move nothing may fail for want of device memory.
         steps = {i: [count.to(self.device, copy=True) for count in self.worker.param_steps[i]] for i in leaving_cpu}
         self._move_state_to_device(arriving)

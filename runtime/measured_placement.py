@@ -174,8 +174,9 @@ class FirstStepPlacement:
         except Exception as error:  # the step stands; a change adopt_placement could not undo stops the next step
             self.done, self._kept = True, None
             self._end_trial(keep_on=False)
-            self._say(logging.WARNING, f"auto placement after the first step failed ({error!r}); every update stays "
-                                       "on the CPU")
+            self._say(logging.WARNING, f"auto placement after the first step failed ({error!r}); the updates stay "
+                                       "where they ran, unless the failure stopped the session (the next step then "
+                                       "says so)")
         finally:
             self.placing_s[event.step] = time.perf_counter() - start
 

@@ -54,9 +54,9 @@ def _header(summary: dict[str, Any]) -> str:
                      "gradient into early results, write-backs, bookkeeping)")
     for step in summary.get("steps") or []:
         if step.get("placing_s", 0.0) >= PLACING_SHOWN_S:  # absent from summaries saved before it was recorded
-            lines.append(f"placement: {step['placing_s']:.1f} s after step {step['step']}'s commit adopting the placement "
-                         "measured from it (state moved to the GPU, spilled moments read back): in no step's time; "
-                         "its transfers count in that step's")
+            lines.append(f"placement: {step['placing_s']:.1f} s after step {step['step']}'s commit placing the run from "
+                         "its measured peak (state moved to the GPU and spilled moments read back, where adopted): in "
+                         "no step's time; its transfers count in that step's")
     for role, why in (summary.get("skipped") or {}).items():
         lines.append(f"not written: {role}: {why}")
     if summary.get("dropped_events"):
