@@ -180,24 +180,25 @@ def expandable_segments(device: torch.device) -> bool:
 
 
 def cuda_step_peak(device: torch.device) -> tuple[Callable[[], int], Callable[[], str]]:
-    """The peak a measured step is placed from (``runtime.measured_placement``) and what it counts (said after the
-    figure), as callables, which decide when the step is measured: the bytes the allocator held
-    (``cuda_reserved_peak``: a memory-fraction cap limits those, and without expandable segments cached blocks split by
-    other sizes may never serve an activation), or under expandable segments the allocated bytes (``cuda_peak``),
+    """The peak a measured step is placed from (``runtime.measured_placement``) and what its last reading counted
+    (said after the figure), as callables; the peak decides when the step is measured: the bytes the allocator held
+    (``cuda_reserved_peak``: a memory-fraction cap limits those, and without expandable segments cached blocks split
+    by other sizes may never serve an activation) or, under expandable segments, the allocated bytes (``cuda_peak``),
     since the cache goes back wherever needed. On the 8B scenario's first step (H100, 24 GiB cap, expandable
     segments) the two were 9.8 and 16.1 GiB: from the held peak nothing more fitted on the GPU; from the allocated
     one the embedding and a layer did, as a hand-set 6 GiB reserve had placed them (steps at 20.8 GiB allocated,
     24.0 held, the allocator freeing its cache and retrying a few times a step)."""
     allocated, held = cuda_peak(device), cuda_reserved_peak(device)
+    read = ["held by the allocator"]  # what the last peak() counted (one pass over the segments decides both)
 
     def peak() -> int:
-        return allocated() if expandable_segments(device) else held()
+        if expandable_segments(device):
+            read[0] = "allocated (expandable segments: the allocator's cache goes back where needed)"
+            return allocated()
+        read[0] = "held by the allocator"
+        return held()
 
-    def what() -> str:
-        return ("allocated (expandable segments: the allocator's cache goes back where needed)"
-                if expandable_segments(device) else "held by the allocator")
-
-    return peak, what
+    return peak, lambda: read[0]
 
 
 def cuda_reserved_peak(device: torch.device) -> Callable[[], int]:

@@ -177,11 +177,6 @@ def _adam_figures(adam: list[tuple[int, int, float, float]], gpu_work: list[Inte
     return out
 
 
-def _settled(mark: StepMark) -> float:
-    """When the step's commit was done with: its time, or later where measured placement adopted a placement there."""
-    return mark.commit_s if mark.settled_s is None else mark.settled_s
-
-
 def summarize(raw: RawProfile) -> dict[str, Any]:
     """The machine-readable summary of a raw profile: what summary.json holds."""
     t0 = raw.t0_s
@@ -199,12 +194,13 @@ def summarize(raw: RawProfile) -> dict[str, Any]:
         stalls = raw.stalls[s_lo : mark.num_stalls]
         step_waits = {i - s_lo: w for i, w in waits.items() if s_lo <= i < mark.num_stalls}
         adam_s, hidden_s = adam.get(mark.step, (0.0, 0.0))
-        start = _settled(prev) if prev else t0  # time a placement took after the last commit is no step's
+        # the time a placement took after the last commit is no step's
+        start = prev.commit_s + prev.placing_s if prev else t0
         steps.append({
             "step": mark.step,
             "start_s": start - t0,
             "step_s": mark.commit_s - start,
-            "placing_s": _settled(mark) - mark.commit_s,
+            "placing_s": mark.placing_s,
             "compute_s": mark.backward_end_s - mark.begin_s,
             "paths": _path_figures(mark.counters, prev.counters if prev else None, raw.transfers[t_lo : mark.num_transfers],
                                    placed[t_lo : mark.num_transfers], raw.ceilings_gbps),

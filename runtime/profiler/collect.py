@@ -161,7 +161,7 @@ class Profiler:
         first_step = first_step_listener(controller.step_listeners)
         measured = first_step.measured_steps if first_step is not None else 0
         # A placement adopted at this commit took this long after it: the next step starts after it.
-        settled = event.time_s + (first_step.placing_s.get(event.step, 0.0) if first_step is not None else 0.0)
+        placing = first_step.placing_s.get(event.step, 0.0) if first_step is not None else 0.0
         # placed after measured steps, or one more measured (a recompute trial, or none adopted): the meta says so
         if self.session.placement is not self._meta_placement or self._meta.get("placement_steps", 0) != measured:
             self._meta, self._meta_placement = session_meta(self.session), self.session.placement
@@ -172,10 +172,10 @@ class Profiler:
         with self._lock:
             mark = StepMark(event.step, begin, backward_end, event.time_s, len(self._transfers), len(self._stalls),
                             self._counters.copy(), stats.hits - self._hits0, stats.misses - self._misses0,
-                            controller.worker.stats.wait_inputs_s - self._wait_inputs0, usage, settled)
+                            controller.worker.stats.wait_inputs_s - self._wait_inputs0, usage, placing)
             self._marks.append(mark)
         self._window_begin_s = None
-        self._last_commit_s = settled
+        self._last_commit_s = event.time_s + placing
 
     # ---- results -------------------------------------------------------------------------------------
     def raw(self) -> RawProfile:

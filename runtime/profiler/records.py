@@ -45,10 +45,9 @@ class StepMark:
     misses: int
     wait_inputs_s: float  # the worker's cumulative wait for its inputs (gradient copies, NVMe reads)
     usage: dict[str, int]  # bytes in use per tier ("gpu", "host", "nvme")
-    # When measured placement was done with this commit (FirstStepPlacement.placing_s after it): it places the run
-    # there (moving state, reading spilled moments back), which is neither this step's time nor the next one's.
-    # None: at commit_s.
-    settled_s: float | None = None
+    # Seconds measured placement spent after this commit (FirstStepPlacement.placing_s): it places the run there
+    # (moving state, reading spilled moments back), which is neither this step's time nor the next one's.
+    placing_s: float = 0.0
 
 
 @dataclass
