@@ -220,32 +220,47 @@ class Controller:
         """Register every block's master (from the model's current values, or filled by ``init`` for
         parameters materialised from the meta device), moments, host gradient and compute-dtype weights
         copy (when that is the weight source) in the store. Each block's host parameters are freed as soon
-        as the block is in the store, so the model never exists twice on the host."""
-        homes = options.homes
+        as the block is in the store, so the model never exists twice on the host.
+
+        The pinned state is packed at the arena's end in forward order (``PinnedArena.packed_at_end``): the first
+        blocks, the ones a placement adopted after the first step moves to the GPU, then free room next to the
+        arena's free room, where spilled moments come back (``runtime.spill_return``)."""
+        homes = {block.index: self._state_homes(block, options) for block in self.blocks}
+        host = self.store.tiers[TierName.HOST]
+        pinned = sum(host.arena.reserved_size(meta.nbytes) for block_homes in homes.values()  # type: ignore[attr-defined]
+                     for meta, home in block_homes.values() if home is TierName.HOST)
         start = reported = time.perf_counter()
-        for position, block in enumerate(self.blocks):
-            if time.perf_counter() - reported >= SETUP_PROGRESS_S:  # a large model takes minutes: show progress
-                reported = time.perf_counter()
-                log.info("setting up block %d of %d (%.0f s so far)", position + 1, len(self.blocks), reported - start)
-            fresh = [(slot.name, slot.param) for slot in block.slots if id(slot.param) in uninitialized]
-            if fresh and init is not None:
-                initialize(fresh, init)
-            master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
-            for slot in block.slots:
-                slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
-            f32 = TensorMeta(torch.float32, block.numel)
-            on_device = block.index in self.gpu_updated
-            self.store.register(block.key("master"), f32, TierName.GPU if on_device else homes["master"], init=master)
-            for kind in ("exp_avg", "exp_avg_sq"):  # zero-filled by the store
-                home = TierName.NVME if block.index in options.spilled_blocks else homes[kind]
-                self.store.register(block.key(kind), f32, TierName.GPU if on_device else home)
-            if on_device:
-                continue  # updated on the device: no host gradient, no host weights copy
-            if block.index not in self.gpu_streamed:  # a streamed block's gradient never leaves the device
-                self.store.register(block.key("grad"), f32, TierName.HOST)
-            if options.weight_source is WeightSource.WEIGHTS:
-                weights = master.to(options.compute_dtype)
-                self.store.register(block.key("weights"), TensorMeta(options.compute_dtype, block.numel), homes["weights"], init=weights)
+        with host.arena.packed_at_end(pinned):  # type: ignore[attr-defined]  # the host tier is a HostTier
+            for position, block in enumerate(self.blocks):
+                if time.perf_counter() - reported >= SETUP_PROGRESS_S:  # a large model takes minutes: show progress
+                    reported = time.perf_counter()
+                    log.info("setting up block %d of %d (%.0f s so far)", position + 1, len(self.blocks), reported - start)
+                fresh = [(slot.name, slot.param) for slot in block.slots if id(slot.param) in uninitialized]
+                if fresh and init is not None:
+                    initialize(fresh, init)
+                master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
+                for slot in block.slots:
+                    slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
+                for kind, (meta, home) in homes[block.index].items():  # keys without a value: zero-filled by the store
+                    value = master if kind == "master" else master.to(meta.dtype) if kind == "weights" else None
+                    self.store.register(block.key(kind), meta, home, init=value)
+
+    def _state_homes(self, block: Block, options: RuntimeOptions) -> dict[str, tuple[TensorMeta, TierName]]:
+        """The state a block keeps from setup, in registration order, with each key's size and home tier: master and
+        moments (on the device for a device-updated block, the moments on NVMe for a spilled one), the host gradient
+        (not for a device-updated or streamed block: its gradient never leaves the device) and the compute-dtype
+        weights copy (when that is the weight source, not for a device-updated block: it casts from its master)."""
+        f32 = TensorMeta(torch.float32, block.numel)
+        if block.index in self.gpu_updated:
+            return {kind: (f32, TierName.GPU) for kind in STATE_KINDS}
+        state = {"master": (f32, options.homes["master"])}
+        for kind in MOMENT_KINDS:
+            state[kind] = (f32, TierName.NVME if block.index in options.spilled_blocks else options.homes[kind])
+        if block.index not in self.gpu_streamed:
+            state["grad"] = (f32, TierName.HOST)
+        if options.weight_source is WeightSource.WEIGHTS:
+            state["weights"] = (TensorMeta(options.compute_dtype, block.numel), options.homes["weights"])
+        return state
 
     def adopt_placement(self, update_fraction: float, stream_fraction: float, keep_for_backward_nbytes: int,
                         spilled_blocks: frozenset[int] | None = None) -> None:
@@ -346,7 +361,8 @@ class Controller:
                 self.weights.release(index)
             stuck = []
             # Every key goes back, even past one that cannot, in the order it left: the host arena places first fit,
-            # so the same order and sizes find the same ranges (in reverse, a small key can split a large one's).
+            # so the same order and sizes fill the ranges they left or lower ones (in reverse, a small key can split
+            # a large one's).
             for key, home in moved:
                 try:
                     self.store.move_home(key, home)

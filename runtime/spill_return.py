@@ -9,8 +9,10 @@ memory their home (``TierStore.move_home``: read from NVMe, the swap file droppe
 The arena places first fit, so room by bytes is not room by ranges: a block comes back only where both its moments
 and the staging room of the blocks left on NVMe (``STAGING_BLOCKS`` of them, each moment as large as the largest
 left: what their reads during the step allocate, ``runtime.overlap``) can still be placed
-(``RangeAllocator.could_place``). At 8B the ranges the embedding's state leaves (2.1 GB each) hold two 0.87 GB
-moments and 0.36 GB that nothing of that size uses: 6 of the 7 blocks the plan asked back came (call S3).
+(``RangeAllocator.could_place``). The controller packs the blocks' pinned state at the arena's end in forward order
+(``PinnedArena.packed_at_end``), so the room the first blocks leave is one range with the arena's free room: laid out
+from the arena's start, at 8B the embedding's state left 2.1 GB holes that hold two 0.87 GB moments and 0.36 GB that
+nothing of that size used, and 6 of the 7 blocks the plan asked back came.
 
 What it leaves out: deciding which blocks may come back (the adopted placement's plan: ``runtime.api``), moving
 other state to pack the arena, and spilling more (the spill only shrinks between steps).

@@ -1,4 +1,5 @@
-"""A first-fit range allocator over [0, capacity): the bookkeeping behind the pinned arena.
+"""A first-fit range allocator over [0, capacity): the bookkeeping behind the pinned arena. A floor, while set,
+makes first fit look at or above it first (how the arena packs state at its end: ``PinnedArena.packed_at_end``).
 
 Pure logic (no memory is touched), so it is tested exhaustively on its own. Offsets and sizes are rounded
 up to ``alignment`` so that every sub-buffer can be used for O_DIRECT IO.
@@ -28,6 +29,8 @@ class RangeAllocator:
         self._free_starts: list[int] = [0] if usable > 0 else []
         self._free_ends: list[int] = [usable] if usable > 0 else []
         self._allocated: dict[int, int] = {}  # offset -> reserved size
+        # Allocations try the free room at or above this offset first (0: plain first fit): ``PinnedArena.packed_at_end``.
+        self._floor = 0
         self._lock = threading.Lock()
 
     @property
@@ -46,32 +49,44 @@ class RangeAllocator:
         """How many bytes an allocation of nbytes reserves."""
         return align_up(max(nbytes, 1), self.alignment)
 
-    def could_place(self, sizes: list[int]) -> bool:
-        """Whether allocations of these sizes, made now in this order, would all succeed (first fit, as
-        ``allocate`` places them; nothing is reserved)."""
+    def set_floor(self, offset: int) -> None:
+        """Place later allocations first fit among the free room at or above ``offset`` (rounded up to the alignment),
+        and first fit below it only where that room has no range large enough; 0 restores plain first fit."""
         with self._lock:
-            holes = [end - start for start, end in zip(self._free_starts, self._free_ends)]
-        for nbytes in sizes:
-            size = self.reserved_size(nbytes)
-            hole = next((i for i, free in enumerate(holes) if free >= size), None)
-            if hole is None:
-                return False
-            holes[hole] -= size
+            self._floor = align_up(max(offset, 0), self.alignment)
+
+    def could_place(self, sizes: list[int]) -> bool:
+        """Whether allocations of these sizes, made now in this order, would all succeed (placed as ``allocate``
+        places them; nothing is reserved)."""
+        with self._lock:
+            starts, ends = list(self._free_starts), list(self._free_ends)
+            for nbytes in sizes:
+                size = self.reserved_size(nbytes)
+                found = self._find(starts, ends, size)
+                if found is None:
+                    return False
+                _cut(starts, ends, *found, size)
         return True
 
     def allocate(self, nbytes: int) -> int | None:
         """Reserve nbytes (rounded up); returns the offset, or None when no free range is large enough."""
         size = self.reserved_size(nbytes)
         with self._lock:
-            for i, (start, end) in enumerate(zip(self._free_starts, self._free_ends)):
-                if end - start >= size:
-                    if end - start == size:
-                        del self._free_starts[i]
-                        del self._free_ends[i]
-                    else:
-                        self._free_starts[i] = start + size
-                    self._allocated[start] = size
-                    return start
+            found = self._find(self._free_starts, self._free_ends, size)
+            if found is None:
+                return None
+            _cut(self._free_starts, self._free_ends, *found, size)
+            self._allocated[found[1]] = size
+            return found[1]
+
+    def _find(self, starts: list[int], ends: list[int], size: int) -> tuple[int, int] | None:
+        """Where first fit puts size bytes among these free ranges: (the range's position, the offset); at or above
+        the floor when it has room there, else anywhere."""
+        for floor in (self._floor, 0) if self._floor else (0,):
+            for i, (start, end) in enumerate(zip(starts, ends)):
+                begin = max(start, floor)
+                if end - begin >= size:
+                    return i, begin
         return None
 
     def free(self, offset: int) -> None:
@@ -94,3 +109,11 @@ class RangeAllocator:
                 del self._free_ends[i]
             self._free_starts.insert(i, start)
             self._free_ends.insert(i, end)
+
+
+def _cut(starts: list[int], ends: list[int], i: int, begin: int, size: int) -> None:
+    """Take [begin, begin + size) out of free range i of these parallel lists: what is left of it on either side
+    stays free."""
+    left = [(a, b) for a, b in ((starts[i], begin), (begin + size, ends[i])) if b > a]
+    starts[i : i + 1] = [a for a, _ in left]
+    ends[i : i + 1] = [b for _, b in left]

@@ -13,6 +13,8 @@ import logging
 import mmap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -98,6 +100,20 @@ class PinnedArena:
     def free(self, offset: int) -> None:
         """Return an allocation to the arena."""
         self._allocator.free(offset)
+
+    @contextmanager
+    def packed_at_end(self, nbytes: int) -> Iterator[None]:
+        """Allocations made inside (``nbytes`` reserved in all, alignment included) fill the arena's last ``nbytes``
+        in the order they are made, so the arena's free room lies below the first of them: when the first ones are
+        freed, their room and the free room are one range. Why: a placement that moves the first blocks' state to
+        the GPU between steps frees it, and what comes back in its place (spilled moments, ``runtime.spill_return``)
+        needs ranges, not bytes. An allocation that finds no room up there is placed first fit below. The floor is
+        the arena's, not the caller's: any thread's allocation inside is packed too, and it does not nest."""
+        self._allocator.set_floor(self.capacity_nbytes - nbytes - self.capacity_nbytes % IO_ALIGNMENT)
+        try:
+            yield
+        finally:
+            self._allocator.set_floor(0)
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat tensor of dtype over [offset, offset + nbytes) of the arena (shares memory)."""

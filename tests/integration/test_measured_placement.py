@@ -18,6 +18,7 @@ from runtime.controller import gpu_streamed_blocks, gpu_updated_blocks
 from runtime.example_model import ExampleLM
 from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement
 from runtime.peak_hint import StreamPools, supported_reserve
+from runtime.spill_return import bring_moments_home
 from runtime.step_phase import StepPhase
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, step_and_check
@@ -326,7 +327,7 @@ def _adopt_after_first_step(placement: Placement, seen: dict):
     return prepare
 
 
-def _spilling_session_config(nvme_dir, short_by_layers: int):
+def _spilling_session_config(nvme_dir, short_by_layers: int, vocab_size: int = 256):
     """The 8B scenario's kind of config on a 10-layer model (clipping, host sums, every update on the CPU, moments
     auto) with a host budget ``short_by_layers`` layers' moments short of holding them all: (config, shape, blocks
     spilled at offload)."""
@@ -336,7 +337,7 @@ def _spilling_session_config(nvme_dir, short_by_layers: int):
     from runtime.example_model import ModelShape
     from runtime.plan import PRE_COMMIT_BUFFERS
 
-    shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
+    shape = ModelShape(vocab_size=vocab_size, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
     config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(nvme_dir)}}, "placement": {"moments": "auto"},
               "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host",
                             "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
@@ -433,6 +434,44 @@ def test_a_placement_adopted_over_spilled_moments_brings_them_back_into_the_free
     for index in after["updated"]:
         assert after["homes"][index] == {TierName.GPU}, index
     assert nbytes_moved(events, "read") > 0 and stats.early_reads > 0
+
+
+def test_every_spilled_block_the_plan_asks_back_finds_ranges_in_the_room_the_first_blocks_leave(tmpfs_dir, monkeypatch):
+    """The 8B scenario's arena at small scale: an embedding larger than a layer, a host budget five layers' moments
+    short, a placement moving the embedding and the first layer to the device. The plan asks ten spilled blocks back;
+    the room is there by bytes, and by ranges too because the blocks' pinned state is packed at the arena's end
+    (``PinnedArena.packed_at_end``): the embedding's ranges join the arena's free room when it leaves (laid out from
+    the arena's start, they were holes apart from it and only four of the ten came back). Training stays exact."""
+    import runtime.controller as controller_module
+    from tests.integration.test_parity import run_both
+
+    config, shape, spilled = _spilling_session_config(tmpfs_dir, short_by_layers=5, vocab_size=512)
+    returns: list = []
+
+    def recording(store, blocks, indices, staying):
+        still = bring_moments_home(store, blocks, indices, staying)
+        returns.append((list(indices), staying, still))
+        return still
+
+    monkeypatch.setattr(controller_module, "bring_moments_home", recording)
+    seen: dict = {}
+    after: dict = {}
+
+    def inspect(session) -> None:
+        after["updated"] = session.controller.gpu_updated
+        after["homes"] = {i: {session.store.record(b.key(kind)).home for kind in ("exp_avg", "exp_avg_sq")}
+                          for i, b in enumerate(session.blocks)}
+
+    prepare = _adopt_after_first_step(Placement(0.2, 0.0, 0, notes=("test",), host_sums=True), seen)
+    ours, theirs, weights, reference, _, _ = run_both(config, shape=shape, prepare=prepare, inspect=inspect)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    assert after["updated"] == {0, 1}
+    [(asked, staying, still)] = returns
+    assert len(asked) == 10 and set(asked) <= spilled
+    assert still == staying  # every block asked back came
+    for index in asked:
+        assert after["homes"][index] == {TierName.HOST}, index
 
 
 def test_a_spilled_block_whose_moments_cannot_be_read_back_stays_spilled_and_the_placement_stands(tmpfs_dir, caplog):

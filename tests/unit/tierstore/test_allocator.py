@@ -92,6 +92,22 @@ def test_first_fit_reuses_the_lowest_hole() -> None:
     assert alloc.allocate(2 * UNIT) == offsets[1]  # the coalesced hole, not the tail
 
 
+def test_a_floor_packs_allocations_above_it_and_falls_back_below() -> None:
+    """With a floor, allocations fill from it upwards in order; one that finds no room above goes first fit below;
+    without the floor, plain first fit again. Freeing the first allocation above the floor joins the room below."""
+    alloc = RangeAllocator(10 * UNIT, UNIT)
+    alloc.set_floor(6 * UNIT)
+    assert [alloc.allocate(UNIT), alloc.allocate(2 * UNIT)] == [6 * UNIT, 7 * UNIT]
+    assert alloc.could_place([UNIT, 2 * UNIT]) and not alloc.could_place([UNIT, 2 * UNIT, 5 * UNIT])
+    assert alloc.allocate(2 * UNIT) == 0  # one unit left above: below
+    assert _free_ranges(alloc) == [(2 * UNIT, 6 * UNIT), (9 * UNIT, 10 * UNIT)]
+    alloc.set_floor(0)
+    assert alloc.allocate(UNIT) == 2 * UNIT
+    alloc.free(6 * UNIT)
+    assert _free_ranges(alloc) == [(3 * UNIT, 7 * UNIT), (9 * UNIT, 10 * UNIT)]
+    _check_tiling(alloc)
+
+
 def test_every_free_order_coalesces_to_one_range() -> None:
     """Exhaustive over the 5! orders of freeing five ranges of different sizes (holes in every position)."""
     sizes = [1, 3, 2, 1, 2]
@@ -139,14 +155,21 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc = RangeAllocator(self.NUM_UNITS * UNIT + 7, UNIT)
         self.cells = [False] * self.NUM_UNITS
         self.live: dict[int, int] = {}  # offset -> units
+        self.floor = 0  # in units
 
     def _model_first_fit(self, units: int) -> int | None:
-        run = 0
-        for i, used in enumerate(self.cells):
-            run = 0 if used else run + 1
-            if run == units:
-                return (i - units + 1) * UNIT
+        for floor in (self.floor, 0):
+            run = 0
+            for i, used in enumerate(self.cells[floor:], start=floor):
+                run = 0 if used else run + 1
+                if run == units:
+                    return (i - units + 1) * UNIT
         return None
+
+    @rule(units=st.integers(min_value=0, max_value=NUM_UNITS + 2))
+    def set_floor(self, units: int) -> None:
+        self.alloc.set_floor(units * UNIT - (UNIT // 2 if units else 0))  # rounded up to the unit
+        self.floor = min(units, self.NUM_UNITS)
 
     @rule(nbytes=st.integers(min_value=0, max_value=8 * UNIT))
     def allocate(self, nbytes: int) -> None:

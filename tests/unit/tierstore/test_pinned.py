@@ -132,3 +132,18 @@ def test_memory_the_machine_refuses_names_the_budget(monkeypatch) -> None:
         PinnedArena(64 << 40, pin=False)
     message = str(info.value)
     assert "could not map the host arena of 70,368,744,177,664 bytes" in message and "tiers.host.budget" in message
+
+
+def test_state_packed_at_the_end_leaves_its_first_range_next_to_the_free_room() -> None:
+    """Allocations made inside ``packed_at_end`` fill the arena's last bytes in order; afterwards first fit is plain
+    again, and freeing the first packed allocation makes one range with the free room below it."""
+    unit = IO_ALIGNMENT
+    with PinnedArena(16 * unit + 100, pin=False) as arena:  # the odd tail is not usable
+        with arena.packed_at_end(3 * unit):
+            first, second = arena.allocate(unit), arena.allocate(2 * unit - 1)
+        assert (first, second) == (13 * unit, 14 * unit)
+        assert arena.allocate(unit) == 0
+        arena.free(first)
+        assert arena._allocator.largest_free_nbytes == 13 * unit  # [unit, 14 * unit)
+        with arena.packed_at_end(64 * unit):  # more than the arena: plain first fit
+            assert arena.allocate(unit) == unit
