@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     logging.basicConfig(level=logging.WARNING)
     # setup's progress, the spill, the placement measured from the first step, the reserve hint
-    for name in ("runtime.api", "runtime.controller", "runtime.measured_placement", "runtime.peak_hint"):
+    for name in ("runtime.api", "runtime.controller", "runtime.measured_placement", "runtime.peak_hint", "runtime.spill_return"):
         logging.getLogger(name).setLevel(logging.INFO)
     if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
