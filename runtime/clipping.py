@@ -128,6 +128,8 @@ class GradClipper:
         parameter that backward gave none (it would never be applied). Between steps an assigned gradient is what
         the next ``step()`` applies (``Controller._step_from_assigned_grads``)."""
         slot = self.controller.param_slot.get(id(param))
+        if slot is not None and value is None:  # plain PyTorch holds no .grad tensor for it now (runtime.kept_grads)
+            self.controller.kept_grads.drop(*slot)
         if slot is not None and slot not in self._proxies:
             # Between micro-batches: what the step summed on the host so far goes, as the plain .grad would.
             self.controller.drop_host_sum(slot)

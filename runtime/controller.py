@@ -27,6 +27,7 @@ from runtime.blocks import Block
 from runtime.clipping import GradClipper, scale_slots
 from runtime.device_updates import DeviceUpdates
 from runtime.held_grads import HeldGrads
+from runtime.kept_grads import KeptGrads
 from runtime.step_phase import StepPhase, check_phase_transition
 from runtime.materialize import ParamInit, initialize
 from runtime.overlap import STATE_KINDS, JobPhase, UpdateJob, UpdateWorker
@@ -162,6 +163,7 @@ class Controller:
         self.hyper_source: Callable[[], list[AdamWHyper]] = lambda: [options.hyper]
         self.slot_groups: list[list[int]] = [[0] * len(block.slots) for block in blocks]
         self.clipper = GradClipper(self)
+        self.kept_grads = KeptGrads([len(block.slots) for block in blocks])  # zero_grad(set_to_none=False)
         self.optimizer_step = 0  # committed optimizer steps
         self.micro = 0  # backward passes since the last committed step
         self.forward_running = False  # between the model's forward pre-hook and its post-hook (runtime.hooks)
@@ -736,7 +738,7 @@ class Controller:
                     else:
                         view.zero_()
                 if slot.offset + slot.numel <= end:  # all of it is in (or was, in an earlier piece)
-                    slot.param.grad = None
+                    _take_grad(slot.param)
         return flat
 
     def host_sum_holds(self, slot: tuple[int, int]) -> bool:
@@ -772,7 +774,7 @@ class Controller:
                 block, lambda begin, end: self._assemble(block, present, begin, end), present)
         finally:  # a piece that failed: the gradients go all the same, as after a whole one
             for slot in block.slots:
-                slot.param.grad = None
+                _take_grad(slot.param)
         if waited > 0.0 and self.stall_listeners:
             self._emit_stall(block.index, STALL_GRAD_SUM, waited, start)
 
@@ -786,6 +788,7 @@ class Controller:
         earlier = self.sums.finish(block.index) if self.sums is not None and self.sums.holds(block.index) else None
         self._updating.add(block.index)  # its master is about to change: no prefetch until the step commits
         has_grad = present if earlier is None else [a or b for a, b in zip(present, earlier)]
+        has_grad = self.kept_grads.merge(block.index, has_grad)  # zeros where zero_grad(set_to_none=False) kept them
         step = self.optimizer_step + 1
         on_device = block.index in self.gpu_updated or block.index in self.gpu_streamed
         if not any(has_grad) and on_device:
@@ -978,8 +981,9 @@ class Controller:
     def step(self) -> None:
         """Commit the optimizer step whose updates the last backward started."""
         self.check_not_interrupted()
+        had_backward = self._phase is not StepPhase.IDLE
         if self._phase is StepPhase.IDLE:
-            if not self._has_assigned_grads():
+            if not self._has_assigned_grads() and not self.kept_grads.zero_step_pending:
                 return  # no backward and no gradient since the last step (or its step was dropped): like torch, nothing to do
             self._step_from_assigned_grads()
         if self._phase is StepPhase.ACCUMULATING:
@@ -1004,6 +1008,7 @@ class Controller:
         self._carried.clear()
         self.optimizer_step += 1
         self.micro = 0
+        self.kept_grads.step_committed(had_backward)
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("commit", self.optimizer_step, time.perf_counter()))
 
@@ -1033,6 +1038,16 @@ class Controller:
         self._set_phase(StepPhase.BACKWARD)  # a backward's phase: p.grad reads the real gradient, not a host sum's
         self._take_grads_now()
 
+    def note_zero_grad(self, set_to_none: bool) -> None:
+        """``optimizer.zero_grad(set_to_none)`` is about to drop the gradients (before the pending step is discarded):
+        with zeros kept, the parameters holding a gradient of the step in progress (on the device, or summed in host
+        memory) keep a zeroed ``.grad`` in plain PyTorch, which the next step updates (``runtime.kept_grads``)."""
+        present = [] if set_to_none else [
+            (index, position) for index, block in enumerate(self.blocks) for position, slot in enumerate(block.slots)
+            if torch.Tensor.grad.__get__(slot.param) is not None
+            or (self.sums is not None and self._phase.pending and self.sums.has_grad(index, position))]
+        self.kept_grads.zero_grad(set_to_none, present)
+
     def _has_assigned_grads(self) -> bool:
         """Between steps, whether some offloaded parameter holds a real ``.grad``: one assigned by hand, since a
         backward's gradients leave the parameters for their update and a dropped step clears them."""
@@ -1040,15 +1055,19 @@ class Controller:
 
     def _step_from_assigned_grads(self) -> None:
         """``optimizer.step()`` with no backward since the last step, but gradients in ``.grad`` that the user assigned
-        (``p.grad = g`` after ``torch.autograd.grad(loss, params)``, or gradients made elsewhere). Plain PyTorch steps
-        with them; so does this, taking them off the parameters as a step's last backward would."""
-        if self.scaler is not None:
+        (``p.grad = g`` after ``torch.autograd.grad(loss, params)``, or gradients made elsewhere), or zeros that
+        ``zero_grad(set_to_none=False)`` kept (``runtime.kept_grads``). Plain PyTorch steps with them; so does this,
+        taking them off the parameters as a step's last backward would."""
+        if self.scaler is not None and self._has_assigned_grads():
             raise RuntimeError(
                 "optimizer.step() found gradients assigned to .grad by hand under fp16 loss scaling (dtype: fp16): "
                 "tierstore divides a step's gradients by its loss scale, and these never carried it. Compute them "
                 "with optimizer.scale_loss(loss).backward()")
         log.info("optimizer.step() with no backward since the last step: the step updates with the gradients "
-                 "assigned to the parameters' .grad")
+                 "assigned to the parameters' .grad, and zero gradients where zero_grad(set_to_none=False) kept them")
+        # The last step's updates finish first: a step's updates read each block's state as the last left it, and
+        # with no forward in between nothing waited for them (a forward's fetch waits for its block's).
+        self.synchronize()
         self._enter_backward()
         self._take_grads_now()
 
@@ -1304,3 +1323,10 @@ def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:
     updates a CPU optimizer cannot hide."""
     ordered = sorted(blocks, key=lambda b: b.index)
     return frozenset(b.index for b in ordered[: blocks_within([b.numel for b in ordered], fraction)])
+
+
+def _take_grad(param: nn.Parameter) -> None:
+    """Take a gradient off its parameter for the step: not through the parameter guard, which would take it for the
+    user dropping it (``GradClipper.on_grad_set``: plain PyTorch would then hold no ``.grad`` tensor for it)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.grad.__set__(param, None)

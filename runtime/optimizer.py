@@ -96,7 +96,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     @defers_interrupts
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients. Called before ``step()`` after a backward, it drops that step's pending update (as
-        plain PyTorch does: a step with no gradients changes nothing)."""
+        plain PyTorch does: a step with no gradients changes nothing). ``set_to_none=False`` keeps zero gradients as
+        plain PyTorch keeps zeroed ``.grad`` tensors: the next step updates every parameter that had a gradient with
+        a zero one where its backwards give it none (``runtime.kept_grads``)."""
+        self.controller.note_zero_grad(set_to_none)
         if self.controller.step_pending:
             self.controller.discard_pending()
         for group in self.param_groups:

@@ -189,28 +189,13 @@ def test_abandoned_step_leaves_the_state_of_the_last_commit():
         session.close()
 
 
-class _PartlyUsedNet(torch.nn.Module):
-    """Two blocks whose second linear layer is skipped on odd steps: a block where only some parameters get a
-    gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "b": torch.nn.Linear(16, 16)})
-                                          for _ in range(2))
-
-    def forward(self, x: torch.Tensor, skip_b: bool) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer["a"](x))
-            if not skip_b:
-                x = torch.tanh(layer["b"](x))
-        return x.pow(2).mean()
-
-
 def test_parameters_without_a_gradient_keep_their_state_when_early_updates_are_published():
     import copy
 
+    from tests.integration.test_kept_grads import PartlyUsedNet
+
     torch.manual_seed(0)
-    model = _PartlyUsedNet()
+    model = PartlyUsedNet()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     config = {"dtype": "fp32", "blocks": {"modules": ["layers.*"]},

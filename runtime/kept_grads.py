@@ -1,0 +1,70 @@
+"""Which offloaded parameters plain PyTorch would hold a ``.grad`` tensor for, so that ``zero_grad(set_to_none=False)``
+updates as it does there.
+
+In plain PyTorch a parameter keeps its ``.grad`` tensor after ``optimizer.step()``; ``zero_grad(set_to_none=False)``
+fills it with zeros, and the next ``step()`` updates every parameter whose ``.grad`` is a tensor: one the step's
+backwards did not reach is updated with a zero gradient (its momentum decays, weight decay acts, its step count
+moves), and a ``step()`` with no backward at all updates each of them so. tierstore takes a block's gradient off the
+parameters for its update, so it keeps, per block and parameter, whether plain PyTorch would hold a tensor there
+(one gradient in any step since the last ``zero_grad(set_to_none=True)``), and while the last ``zero_grad`` kept
+zeros, a step counts those parameters as having a zero gradient (``Controller._offload_grads``).
+
+``p.grad = None`` drops the parameter's tensor (``GradClipper.on_grad_set`` says so), as in plain PyTorch.
+
+What it leaves out: ``model.zero_grad()`` (the module's, not the optimizer's) never reaches it: after a step an
+offloaded parameter's ``.grad`` reads ``None``, so the module's call has nothing to clear or fill. So that a loop
+which clears with the module's call after one ``optimizer.zero_grad(set_to_none=False)`` is not updated with zeros
+for good, zeros are kept only until a step with a backward commits: plain PyTorch's ``.grad`` tensors then hold
+that step's gradients, not zeros (a later step with no ``zero_grad`` at all adds to them, or applies them again,
+which is not emulated). A module's ``zero_grad()`` between the optimizer's ``zero_grad(set_to_none=False)`` and
+the step is not seen. Pure bookkeeping: no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class KeptGrads:
+    """Per block, per parameter: whether plain PyTorch would hold a ``.grad`` tensor now; and whether the last
+    ``optimizer.zero_grad`` kept those tensors as zeros."""
+
+    def __init__(self, slots_per_block: Sequence[int]):
+        self._held = [[False] * count for count in slots_per_block]
+        self.zeros_kept = False
+
+    def merge(self, index: int, has_grad: list[bool]) -> list[bool]:
+        """Block ``index``'s step takes gradients for the parameters ``has_grad`` marks: returns the parameters it
+        updates (those, and while zeros are kept, every one plain PyTorch holds a zeroed ``.grad`` for), and records
+        them as holding a ``.grad`` from now on."""
+        held = self._held[index]
+        if self.zeros_kept:
+            has_grad = [a or b for a, b in zip(has_grad, held)]
+        self._held[index] = [a or b for a, b in zip(has_grad, held)]
+        return has_grad
+
+    def zero_grad(self, set_to_none: bool, present: Iterable[tuple[int, int]] = ()) -> None:
+        """``optimizer.zero_grad(set_to_none)``: None drops every held ``.grad``; zeros keep them, with the
+        parameters ``present`` lists ((block, position): gradients of a step in progress) held too."""
+        self.zeros_kept = not set_to_none
+        if set_to_none:
+            self._held = [[False] * len(held) for held in self._held]
+            return
+        for index, position in present:
+            self._held[index][position] = True
+
+    @property
+    def zero_step_pending(self) -> bool:
+        """A ``step()`` with no backward would update some parameter with a zero gradient (zeros kept)."""
+        return self.zeros_kept and any(any(held) for held in self._held)
+
+    def drop(self, index: int, position: int) -> None:
+        """``p.grad = None`` for parameter ``position`` of block ``index``: plain PyTorch holds no tensor for it."""
+        self._held[index][position] = False
+
+    def step_committed(self, had_backward: bool) -> None:
+        """``optimizer.step()`` committed a step. One with a backward leaves plain PyTorch's ``.grad`` tensors
+        holding its gradients, not zeros: zeros are no longer kept. One without (assigned gradients, kept zeros)
+        leaves them as they were."""
+        if had_backward:
+            self.zeros_kept = False
