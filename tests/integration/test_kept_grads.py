@@ -8,6 +8,7 @@ block with none."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -193,3 +194,33 @@ def test_a_step_of_assigned_gradients_right_after_a_step_reads_its_updates(rep):
                 p.grad = torch.full(p.shape, 0.01 * (rep + 1))
         both.step()
         both.assert_equal("after the step of assigned gradients")
+
+
+@pytest.mark.parametrize("placement", ["cpu-streaming", "cpu-clipped", "device-sums"])
+def test_a_block_no_forward_used_waits_for_its_last_update_before_its_gradient_lands(placement, monkeypatch):
+    """A block the step's forward skips gets its kept zero gradient (or, with device sums, a step ended after one
+    of two micro-batches) while the last step's update of it may still be queued: nothing fetched its weights, which
+    waits for that update. Its gradient waits for it before filling the host gradient buffer that update reads (a
+    slow CPU update of the last block stands in for a busy host: without the wait that update read zeros)."""
+    from runtime import overlap
+
+    run_job = overlap.UpdateWorker._run_job
+
+    def slow_last_block(worker, job):
+        if job.block.index == 3 and job.step == 1 and not job.skip:
+            time.sleep(0.3)
+        run_job(worker, job)
+
+    monkeypatch.setattr(overlap.UpdateWorker, "_run_job", slow_last_block)
+    both = _Both(PLACEMENTS[placement], "layers.*.*")
+    with both.session:
+        both.train_step(0, skip_b=False)
+        both.zero_grad(set_to_none=False)
+        if placement == "device-sums":  # one micro-batch of two, then step(): the step ends early
+            x = _batch(1, 0)
+            both.model(x, True).backward()
+            both.reference(x, True).backward()
+            both.step()
+        else:
+            both.train_step(1, skip_b=True)
+        both.assert_equal("after the step that skipped the block")

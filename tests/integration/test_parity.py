@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import pytest
 
@@ -31,7 +33,8 @@ def force_weights_copy(monkeypatch) -> None:
 
 
 def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkpointing: bool = False,
-             dtype: torch.dtype = torch.float32, loss_scale: float | None = None, inspect=None, prepare=None):
+             dtype: torch.dtype = torch.float32, loss_scale: float | None = None, inspect=None, prepare=None,
+             loss_scale_growth_interval: int = 2000):
     """Train the same model with offload and with the reference; return both loss lists, both weights,
     the transfer events and the session's stats. ``prepare(session)`` runs before training, ``inspect(session)``
     after it, before close."""
@@ -41,7 +44,7 @@ def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkp
     opt_cfg.setdefault("grad_clip", None)
     accumulation = opt_cfg.get("accumulation_steps", 1)
     reference = ReferenceTrainer(model, dtype=dtype, grad_clip=opt_cfg["grad_clip"], accumulation_steps=accumulation,
-                                 loss_scale=loss_scale)
+                                 loss_scale=loss_scale, growth_interval=loss_scale_growth_interval)
     model, optimizer = offload(model, config)
     session = optimizer.session
     events = []
@@ -525,3 +528,26 @@ def test_master_on_nvme_with_spilled_moments_and_clipping_bit_identical(tmpfs_di
     assert ours == theirs
     assert_identical(weights, reference)
     assert stats.early_reads == 0
+
+
+def test_an_fp16_overflow_right_after_an_update_waits_for_its_write_back(tmpfs_dir, monkeypatch):
+    """Moments on NVMe, the loss scale doubled every step until the gradients overflow: the overflow's skipped
+    update gives back what was read ahead for it only after the block's last write-back has released the host copy
+    it wrote from (writes slowed here: before, the skip could find that copy still the only current one and the
+    optimizer worker failed). Training goes on exactly as the reference, which skips the same steps."""
+    from tierstore.nvme import NVMeDirectory
+
+    write = NVMeDirectory.write
+
+    def slow_write(directory, swap, src, step=0, fsync=False):
+        time.sleep(0.02)
+        return write(directory, swap, src, step, fsync)
+
+    monkeypatch.setattr(NVMeDirectory, "write", slow_write)
+    config = {"dtype": "fp16", "placement": {"moments": "nvme"}, "tiers": {"nvme": {"path": str(tmpfs_dir)}},
+              "optimizer": {"grad_clip": None, "loss_scale": {"initial": 2.0**14, "growth_interval": 1}}}
+    ours, theirs, weights, reference, _, (stats, _, _) = run_both(config, steps=8, dtype=torch.float16,
+                                                                  loss_scale=2.0**14, loss_scale_growth_interval=1)
+    assert 1 <= reference.skipped < 8 and stats.skipped_steps == reference.skipped
+    assert ours == theirs
+    assert_identical(weights, reference)
