@@ -768,7 +768,7 @@ class Controller:
         present = [slot.param.grad is not None for slot in block.slots]
         if not any(present):
             return
-        self._wait_gradient_buffer(block)
+        self.wait_block_current(block.index)  # [Note: the gradient buffer waits]
         start = time.perf_counter()
         try:
             waited = self.sums.add_pieces(  # type: ignore[union-attr]
@@ -793,7 +793,11 @@ class Controller:
         step = self.optimizer_step + 1
         on_device = block.index in self.gpu_updated or block.index in self.gpu_streamed
         if not on_device:
-            self._wait_gradient_buffer(block)
+            # [Note: the gradient buffer waits] The last committed update of the block reads its host gradient
+            # buffer, which this step's gradient (or host sum) is about to fill. A forward's fetch of the block
+            # waited for that update already; a block no forward used did not (a zero gradient kept by
+            # zero_grad(set_to_none=False), a gradient assigned by hand, a step() with no backward).
+            self.wait_block_current(block.index)
         if not any(has_grad) and on_device:
             self.device_updates.submit(block, None, has_grad, step)
             return
@@ -825,13 +829,6 @@ class Controller:
         if job.speculative:  # runs now, out of place; the commit publishes or redoes it
             self.stats.early_updates += 1
             self.worker.submit(job)
-
-    def _wait_gradient_buffer(self, block: Block) -> None:
-        """Wait until the last committed step's update of host-updated ``block`` has run: it reads the block's host
-        gradient buffer, which this step's gradient (or host sum) is about to fill. A forward's fetch of the block
-        waited for that update already; a block no forward used this step did not (a zero gradient kept by
-        ``zero_grad(set_to_none=False)``, a gradient assigned by hand, a ``step()`` with no backward)."""
-        self.worker.wait_updated(block.index, self.optimizer_step)
 
     def _add_host_sum(self, block: Block, flat: torch.Tensor) -> None:
         """Add the block's host gradient sum into its flat fp32 gradient on the device, brought in a piece at a

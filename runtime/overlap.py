@@ -389,9 +389,6 @@ class UpdateWorker:
     def _release_read_ahead(self, block: Block) -> None:
         for kind in STATE_KINDS:
             if self.store.record(block.key(kind)).home is TierName.NVME:
-                # The block's last write-back first: until it has released the host copy it wrote from, that copy
-                # is the only current one, which release refuses (an fp16 overflow's skip right after an update).
-                self.store.wait_written(block.key(kind))
                 self.store.release_read_ahead(block.key(kind), TierName.HOST)
 
     def _speculate(self, job: UpdateJob, host: dict[str, torch.Tensor], grad: torch.Tensor) -> None:

@@ -277,7 +277,10 @@ class TierStore:
 
     def release_read_ahead(self, key: TensorKey | str, tier: TierName | str) -> None:
         """Release key's copy on tier if it has one, once a transfer still filling it has landed: a copy read ahead
-        for work that will not run (a dropped step, a skipped update). ``release``'s refusals apply."""
+        for work that will not run (a dropped step, a skipped update). Key's last write to its NVMe home goes first
+        (``wait_written``): until it has released the copy it wrote from, that copy is the only current one (an
+        fp16 overflow's skipped update right after an update). ``release``'s refusals apply."""
+        self.wait_written(key)
         handle = self.record(key).copies[TierName(tier)].handle
         if handle is not None:
             handle.wait()
