@@ -443,7 +443,7 @@ def test_every_spilled_block_the_plan_asks_back_finds_ranges_in_the_room_the_fir
     (``PinnedArena.packed_at_end``): the embedding's ranges join the arena's free room when it leaves (laid out from
     the arena's start, they were holes apart from it and only four of the ten came back). Training stays exact."""
     import runtime.controller as controller_module
-    from tests.integration.test_parity import run_both
+    from tests.integration.test_parity import nbytes_moved, run_both
 
     config, shape, spilled = _spilling_session_config(tmpfs_dir, short_by_layers=5, vocab_size=512)
     returns: list = []
@@ -463,10 +463,11 @@ def test_every_spilled_block_the_plan_asks_back_finds_ranges_in_the_room_the_fir
                           for i, b in enumerate(session.blocks)}
 
     prepare = _adopt_after_first_step(Placement(0.2, 0.0, 0, notes=("test",), host_sums=True), seen)
-    ours, theirs, weights, reference, _, _ = run_both(config, shape=shape, prepare=prepare, inspect=inspect)
+    ours, theirs, weights, reference, events, _ = run_both(config, shape=shape, prepare=prepare, inspect=inspect)
     assert ours == theirs
     assert_identical(weights, reference)
     assert after["updated"] == {0, 1}
+    assert nbytes_moved(events, "read") > 0  # the moments came back through the NVMe tier
     [(asked, staying, still)] = returns
     assert len(asked) == 10 and set(asked) <= spilled
     assert still == staying  # every block asked back came
