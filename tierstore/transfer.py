@@ -46,6 +46,10 @@ class Handle:
         self._error: BaseException | None = None
         self._finished = False
         self._callbacks: list[Callable[["Handle"], None]] = []
+        # File IO completes on another thread than the one that moved the bytes (TransferEngine._complete_io):
+        # its event reports when and where the move ended, not when the callbacks got a thread.
+        self._moved_end_s: float | None = None
+        self._moved_by: str | None = None
 
     # ---- completion --------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -109,23 +113,27 @@ class Handle:
         self._issued.set()
 
     def _fail(self, error: BaseException) -> None:
+        self._set_failed(error)
+        self._finish()
+
+    def _set_failed(self, error: BaseException) -> None:
         self._error = error
         self._issued.set()
-        self._finish()
 
     def _finish(self) -> None:
         with self._lock:
             if self._finished:
                 return
             self._finished = True
-        end_s = time.perf_counter()
+        end_s = self._moved_end_s or time.perf_counter()
         try:
             if self._error is None and self._bus is not None:
                 device_s = None
                 if self._start_event is not None and self._end_event is not None:
                     device_s = self._start_event.elapsed_time(self._end_event) / 1000.0
                 self._bus.publish(
-                    TransferEvent(self.kind, self.key, self.src_tier, self.dst_tier, self.nbytes, self.start_s, end_s, device_s, threading.current_thread().name)
+                    TransferEvent(self.kind, self.key, self.src_tier, self.dst_tier, self.nbytes, self.start_s, end_s, device_s,
+                                  self._moved_by or threading.current_thread().name)
                 )
         finally:
             while True:  # callbacks added while these run are run here too, so none is lost or reordered
@@ -165,6 +173,8 @@ class TransferEngine:
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self._io_pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierstore-io")
+        # Completion callbacks of file IO run on threads of their own (see _complete_io).
+        self._done_pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="tierstore-done")
         # Device copies whose completion nobody has observed yet: poll() publishes them, so copies that
         # are only ever waited for on a stream (wait_stream) still reach the event bus.
         self._unobserved: collections.deque[Handle] = collections.deque()
@@ -286,15 +296,29 @@ class TransferEngine:
                 if moved != handle.nbytes:
                     raise RuntimeError(f"{handle.kind} of {handle.key} moved {moved} bytes, expected {handle.nbytes}")
             except BaseException as exc:
-                handle._fail(exc)
-                return
-            handle._set_issued()
-            handle._finish()
+                handle._set_failed(exc)
+            else:
+                handle._moved_end_s, handle._moved_by = time.perf_counter(), threading.current_thread().name
+                handle._set_issued()
+            self._complete_io(handle)
 
         try:
             handle._future = self._io_pool.submit(run)
         except RuntimeError:  # close(), or the interpreter's exit, shut the pool after the check above
             handle._fail(_closed_error(handle))
+
+    def _complete_io(self, handle: Handle) -> None:
+        """Run a finished file transfer's completion callbacks off the IO thread that moved its bytes.
+
+        Why: the store's callbacks take its lock, and a fetch holding that lock may be waiting for a read still
+        queued on these threads. Callbacks run on the IO threads would wait for the lock while the lock's holder
+        waits for a free IO thread: a deadlock once every IO thread finishes a transfer in that window. Here the IO
+        threads only move bytes; a waiter holding the lock (``_wait_complete(callbacks=False)``) runs the callbacks
+        itself when it gets there first."""
+        try:
+            self._done_pool.submit(handle._finish)
+        except RuntimeError:  # the interpreter's exit shut the pool, or no thread could start: complete here
+            handle._finish()
 
     def poll(self) -> None:
         """Publish every device copy that has completed (non-blocking; copies complete in stream order)."""
@@ -327,6 +351,7 @@ class TransferEngine:
         self._closed = True
         self._pacer.close()  # every paced copy is issued before the streams are synchronized
         self._io_pool.shutdown(wait=True)
+        self._done_pool.shutdown(wait=True)  # after the IO: every finished transfer queued its callbacks here
         self.synchronize()
 
 

@@ -476,6 +476,42 @@ def test_slow_listener_does_not_race_the_state(make_store, nvme_dir: Path) -> No
     assert _usage(store) == {"gpu": 0, "host": 0, "nvme": 0}
 
 
+def test_a_fetch_waiting_under_the_lock_for_queued_io_is_not_held_up_by_completion_callbacks(
+        make_store, nvme_dir: Path, monkeypatch) -> None:
+    """A fetch holds the store's lock while it waits for a read still queued on the IO threads; the callbacks of
+    transfers those threads just finished need the same lock. They must not run on the IO threads, or the read
+    never starts and both sides wait for ever. One IO thread; the write's release-after-evict is slowed so that
+    the fetch takes the lock first."""
+    store = make_store(nvme_path=str(nvme_dir), io_threads=1)
+    value = {k: random_tensor(torch.float32, 50_000, i) for i, k in enumerate(("written", "read"))}
+    for key, tensor in value.items():
+        store.register(key, TensorMeta.of(tensor), "nvme", init=tensor)
+    store.fetch("written", "host").wait()
+    store.mark_dirty("written", "host")
+    release = TierStore._release_after_evict
+
+    def slow_release(self, record, tier):
+        time.sleep(0.3)  # the fetch below takes the lock meanwhile
+        release(self, record, tier)
+
+    monkeypatch.setattr(TierStore, "_release_after_evict", slow_release)
+    written = store.evict("written", "host")  # its callback will want the lock
+    queued = store.fetch("read", "host")  # queued behind the write on the one IO thread
+    time.sleep(0.05)  # the write has finished and its callback is sleeping
+    done = threading.Event()
+
+    def fetch_to_gpu() -> None:
+        store.fetch("read", "gpu").wait()  # under the lock: waits for the queued read
+        done.set()
+
+    threading.Thread(target=fetch_to_gpu, daemon=True).start()
+    assert done.wait(20), "the fetch and the write's completion callback wait for each other"
+    written.wait()
+    queued.wait()
+    assert same_bits(store.tensor("read", "gpu"), value["read"])
+    assert store.state("written", "nvme") is S.CLEAN and store.state("written", "host") is S.ABSENT
+
+
 def test_concurrent_fetches_of_many_keys(make_store, nvme_dir: Path) -> None:
     store = make_store(nvme_path=str(nvme_dir), io_threads=4)
     moved = Moved(store)
