@@ -63,21 +63,23 @@ def _batch(step: int, micro: int) -> torch.Tensor:
 class _Both:
     """The offloaded model and the plain one, driven by the same calls."""
 
-    def __init__(self, optimizer_config: dict, modules: str):
+    def __init__(self, optimizer_config: dict, modules: str, device: str = "cpu"):
         torch.manual_seed(0)
         model = PartlyUsedNet()
-        self.reference = copy.deepcopy(model)
+        self.device = device
+        self.reference = copy.deepcopy(model).to(device)
+        self.initial = {name: p.detach().clone() for name, p in self.reference.named_parameters()}
         self.ref_opt = torch.optim.AdamW(self.reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
         self.clip = optimizer_config.get("grad_clip")
         self.accumulation = optimizer_config.get("accumulation_steps", 1)
-        config = {"dtype": "fp32", "blocks": {"modules": [modules]},
+        config = {"dtype": "fp32", "device": device, "blocks": {"modules": [modules]},
                   "optimizer": {"lr": LR, "weight_decay": WEIGHT_DECAY, "grad_clip": None, **optimizer_config}}
         self.model, self.optimizer = offload(model, config)
         self.session = self.optimizer.session
 
     def train_step(self, step: int, skip_b: bool) -> None:
         for micro in range(self.accumulation):
-            x = _batch(step, micro)
+            x = _batch(step, micro).to(self.device)
             self.model(x, skip_b).backward()
             self.reference(x, skip_b).backward()
         self.step()
@@ -93,15 +95,23 @@ class _Both:
         self.ref_opt.zero_grad(set_to_none=set_to_none)
 
     def assert_equal(self, when: str) -> None:
+        """Bit-identical on the CPU. On a GPU the blocks tierstore updates on the CPU run the CPU's fused AdamW
+        against the reference's CUDA kernel (last-bit differences): there within 1% of what training changed, far
+        below what one update missed or applied twice moves."""
         weights = self.session.master_state_dict()
         for name, p in self.reference.named_parameters():
-            assert torch.equal(weights[name], p.detach()), f"{name} differs {when}"
+            if self.device == "cpu":
+                assert torch.equal(weights[name], p.detach()), f"{name} differs {when}"
+            else:
+                change = (p.detach() - self.initial[name]).norm()
+                assert (weights[name].to(self.device) - p.detach()).norm() <= 0.01 * change, f"{name} differs {when}"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("modules", ["layers.*", "layers.*.*"], ids=["partly-used-block", "unused-block"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_kept_zero_gradients_update_as_in_plain_pytorch(placement, modules):
-    both = _Both(PLACEMENTS[placement], modules)
+def test_kept_zero_gradients_update_as_in_plain_pytorch(placement, modules, device):
+    both = _Both(PLACEMENTS[placement], modules, device)
     with both.session:
         assert PLACED[placement](both.session.controller)
         for step in range(4):  # odd steps skip the second layers: plain AdamW updates them with zero gradients
@@ -196,8 +206,9 @@ def test_a_step_of_assigned_gradients_right_after_a_step_reads_its_updates(rep):
         both.assert_equal("after the step of assigned gradients")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("placement", ["cpu-streaming", "cpu-clipped", "device-sums"])
-def test_a_block_no_forward_used_waits_for_its_last_update_before_its_gradient_lands(placement, monkeypatch):
+def test_a_block_no_forward_used_waits_for_its_last_update_before_its_gradient_lands(placement, device, monkeypatch):
     """A block the step's forward skips gets its kept zero gradient (or, with device sums, a step ended after one
     of two micro-batches) while the last step's update of it may still be queued: nothing fetched its weights, which
     waits for that update. Its gradient waits for it before filling the host gradient buffer that update reads (a
@@ -212,12 +223,12 @@ def test_a_block_no_forward_used_waits_for_its_last_update_before_its_gradient_l
         run_job(worker, job)
 
     monkeypatch.setattr(overlap.UpdateWorker, "_run_job", slow_last_block)
-    both = _Both(PLACEMENTS[placement], "layers.*.*")
+    both = _Both(PLACEMENTS[placement], "layers.*.*", device)
     with both.session:
         both.train_step(0, skip_b=False)
         both.zero_grad(set_to_none=False)
         if placement == "device-sums":  # one micro-batch of two, then step(): the step ends early
-            x = _batch(1, 0)
+            x = _batch(1, 0).to(device)
             both.model(x, True).backward()
             both.reference(x, True).backward()
             both.step()
