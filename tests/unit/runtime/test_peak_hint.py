@@ -101,15 +101,18 @@ def test_on_the_cpu_offload_listens_for_no_gpu_peak():
 @pytest.mark.gpu
 def test_on_a_gpu_offload_listens_for_the_peak_only_with_auto_placement():
     """On CUDA with the update fraction and the reserve auto, offload() measures the first step and places after it
-    (runtime.measured_placement) rather than hinting for the next run; where that path is not taken (gradients
-    summed in host memory) the hint is installed. A hand-set fraction or reserve gets neither."""
+    (runtime.measured_placement) rather than hinting for the next run, gradients summed in host memory included;
+    where that path is not taken (a compute-dtype copy of the weights may pay under accumulation, and the first
+    step's plan spills nothing) the hint is installed. A hand-set fraction or reserve gets neither."""
     from runtime.measured_placement import FirstStepPlacement
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA; run on the GPU machine")
     assert _peak_hints({"dtype": "bf16"}, FirstStepPlacement) == 1 and _peak_hints({"dtype": "bf16"}) == 0
     summed = {"dtype": "fp32", "optimizer": {"accumulation_steps": 2, "accumulate_on": "host"}}
-    assert _peak_hints(summed) == 1 and _peak_hints(summed, FirstStepPlacement) == 0
+    assert _peak_hints(summed, FirstStepPlacement) == 1 and _peak_hints(summed) == 0
+    copy_may_pay = {"dtype": "bf16", "optimizer": {"accumulation_steps": 2}}
+    assert _peak_hints(copy_may_pay) == 1 and _peak_hints(copy_may_pay, FirstStepPlacement) == 0
     for config in ({"dtype": "bf16", "optimizer": {"gpu_update_fraction": 0.5}},
                    {"dtype": "bf16", "tiers": {"gpu": {"activation_reserve": "1GiB"}}}):
         assert _peak_hints(config) == 0 and _peak_hints(config, FirstStepPlacement) == 0
