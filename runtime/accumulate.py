@@ -1,31 +1,34 @@
 """Gradient accumulation in pinned host memory, for models whose summed gradients do not fit the GPU.
 
 With ``optimizer.accumulate_on: host`` the gradient of a micro-batch that does not end the step leaves the device
-as soon as its block's backward is done, as fp32, and a CPU thread adds it to the block's host gradient buffer,
+as soon as its block's backward is done, in the host gradient dtype (``optimizer.host_grad_dtype``: bf16 under bf16
+by default, else fp32), and a CPU thread adds it to the block's host gradient buffer,
 the buffer the optimizer reads at the step. The GPU then holds one block's
 gradient at a time instead of the whole model's (16 GB of bf16 for an 8B model). The step's last micro-batch is
 summed on the device: the controller brings the host sum in, adds it, and sends the total through the usual
 offload (norms, clipping, unscaling).
 
 [Note: host gradient sums]
-Each micro-batch's gradient is converted to fp32 on the device and the sums run in micro-batch order,
-((g1 + g2) + g3) + ...:
-what a plain loop's ``.grad`` holds for fp32 parameters, bit for bit (a plain loop with bf16 parameters sums in
-bf16; this sum is exact to fp32). A parameter without a gradient in some micro-batch adds zero there (exact, but
-for the sign of a zero), and it is updated at the step when any micro-batch of the step gave it a gradient.
+The sums run in micro-batch order, ((g1 + g2) + g3) + ..., in the host gradient dtype: what a plain loop's ``.grad``
+holds, bit for bit, for fp32 parameters (fp32 sums) and for bf16 ones (bf16 sums, each add rounded, as autograd
+accumulates a bf16 ``.grad``; the CPU widens the total to fp32 for the clip and AdamW, exactly). fp32 sums under
+bf16 (``host_grad_dtype: fp32``) are finer than the plain loop's and take twice the pinned memory: at the 8B
+scenario's budget 13.6 GiB more, which is 8 more blocks' moments on disk. A parameter without a gradient in some
+micro-batch adds zero there (exact, but for the sign of a zero), and it is updated at the step when any micro-batch
+of the step gave it a gradient.
 Between micro-batches the parameter's ``.grad`` is an ``OffloadedGrad`` standing for the host sum (runtime.clipping):
 ``model.zero_grad()`` (either form) drops it, as plain PyTorch drops its ``.grad``; its 2-norm and a multiply by one number
 (``clip_grad_norm_``, the HF Trainer's clip before a short last step) are served from and applied to the host sum;
 reading its values raises. The copies off the device go through a
 few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
-pieces, each made from the parameters' gradients once a buffer is free for it, so the GPU never holds a second,
-fp32 copy of a block's gradient: 2 GiB for the 8B scenario's head): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
+pieces, each made from the parameters' gradients once a buffer is free for it, so the GPU never holds a second
+copy of a block's gradient: 2 GiB of fp32 for the 8B scenario's head): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
 (1 GiB, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
 A piece holds its buffer from the moment the backward queues its copy, while the GPU may still be computing
 it, so the backward's wait for a buffer is the training thread running ahead of the GPU as much as the GPU
 idling: twelve buffers cut that wait from 16-17 s to 3.6 s a step of the 8B scenario but not its
 micro-batches (41.8 s against 40.7 with four), and their 2 GiB more pinned memory spilled two more blocks'
-moments to disk (59 s steady steps against 56; H200, 2026-11-26). fp32
+moments to disk (59 s steady steps against 56; H200, 2026-11-26). With fp32 sums, fp32
 crosses PCIe rather than bf16 because the host adds fp32 to fp32 fastest: on the H100 box, 10.8 G elements/s
 against 6.9-8.4 for a bf16 gradient widened piece by piece (a mixed-dtype ``add_`` is 10x slower still), while
 the device-to-host copy, otherwise idle during accumulation, carries 13 G fp32 elements/s. bf16 across would move
@@ -86,14 +89,16 @@ class SumStats:
 class HostGradSums:
     """Sums micro-batch gradients of the given blocks in their host gradient buffers, on one CPU thread."""
 
-    def __init__(self, store: TierStore, blocks: list[Block], slots: int | None = None):
+    def __init__(self, store: TierStore, blocks: list[Block], dtype: torch.dtype = torch.float32,
+                 slots: int | None = None):
         self.store = store
+        self.dtype = dtype  # of the sums and of what crosses to them (optimizer.host_grad_dtype)
         self.blocks = {block.index: block for block in blocks}
         self.piece_numel = max(1, min(PIECE_NUMEL, max((block.numel for block in blocks), default=1)))
         slots = STAGING_SLOTS if slots is None else slots  # read at construction: tests lower it
         self._staging = [_STAGING_KEY.format(i) for i in range(slots)]
         for key in self._staging:
-            store.register(key, TensorMeta(torch.float32, self.piece_numel), TierName.HOST)
+            store.register(key, TensorMeta(dtype, self.piece_numel), TierName.HOST)
         self._cond = threading.Condition()
         self._free = list(range(slots))
         self._queue: deque[_Pending] = deque()
@@ -111,18 +116,20 @@ class HostGradSums:
         return index in self.blocks
 
     def add(self, block: Block, grad: torch.Tensor, has_grad: list[bool]) -> float:
-        """Send one micro-batch's flat fp32 gradient of block (on the device, zeros where ``has_grad`` is False) to
-        its host sum. Returns once the copies are queued (grad's memory is kept until they end), with the seconds
-        it waited for a free staging buffer."""
-        if grad.dtype != torch.float32 or grad.numel() != block.numel:
-            raise ValueError(f"{block.name}: a host sum takes the block's flat fp32 gradient, got {grad.dtype} x{grad.numel()}")
+        """Send one micro-batch's flat gradient of block (on the device, in the sums' dtype, zeros where ``has_grad``
+        is False) to its host sum. Returns once the copies are queued (grad's memory is kept until they end), with
+        the seconds it waited for a free staging buffer."""
+        if grad.dtype != self.dtype or grad.numel() != block.numel:
+            raise ValueError(f"{block.name}: a host sum takes the block's flat {_name(self.dtype)} gradient, got "
+                             f"{_name(grad.dtype)} x{grad.numel()}")
         return self.add_pieces(block, lambda begin, end: grad[begin:end], has_grad)
 
     def add_pieces(self, block: Block, piece: Callable[[int, int], torch.Tensor], has_grad: list[bool]) -> float:
-        """:meth:`add`, with the flat fp32 gradient made a piece at a time: ``piece(begin, end)`` gives its elements
+        """:meth:`add`, with the flat gradient made a piece at a time: ``piece(begin, end)`` gives its elements
         ``[begin, end)`` on the device, called once a staging buffer is free for them. The GPU then holds the
-        pieces whose copies are queued instead of the block's whole fp32 gradient (2 GiB for a 128k vocabulary's
-        head under the 8B scenario's 24 GiB cap). Returns the seconds it waited for a free staging buffer."""
+        pieces whose copies are queued instead of the block's whole gradient (2 GiB of fp32 for a 128k
+        vocabulary's head under the 8B scenario's 24 GiB cap). Returns the seconds it waited for a free staging
+        buffer."""
         self._raise_if_failed()
         index = block.index
         previous = self._had_grad.get(index)
@@ -135,9 +142,9 @@ class HostGradSums:
             waited += seconds
             try:
                 source = piece(begin, end)
-                if source.dtype != torch.float32 or source.numel() != end - begin:
-                    raise ValueError(f"{block.name}: piece [{begin}, {end}) of a host sum must be {end - begin} fp32 "
-                                     f"elements, got {source.dtype} x{source.numel()}")
+                if source.dtype != self.dtype or source.numel() != end - begin:
+                    raise ValueError(f"{block.name}: piece [{begin}, {end}) of a host sum must be {end - begin} "
+                                     f"{_name(self.dtype)} elements, got {_name(source.dtype)} x{source.numel()}")
                 staging = self.store.tensor(self._staging[slot], TierName.HOST)[: end - begin]
                 with torch.profiler.record_function("tierstore.grad_to_host_sum"):
                     handle = self.store.engine.d2h(block.key("grad"), source, staging)
@@ -146,7 +153,7 @@ class HostGradSums:
                     self._free.append(slot)
                     self._cond.notify_all()
                 raise
-            self.stats.nbytes += (end - begin) * 4
+            self.stats.nbytes += (end - begin) * source.element_size()
             with self._cond:
                 self._sent[index] += 1
                 self._queue.append(_Pending(block, handle, slot, first, begin, end))
@@ -279,3 +286,7 @@ class HostGradSums:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"summing gradients on the host failed: {self._error!r}") from self._error
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -455,7 +455,8 @@ def _plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierNam
     return make_plan([b.numel for b in blocks if b.index not in updated], {k: v.value for k, v in homes.items()},
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
                      cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
-                     spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums)
+                     spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums,
+                     grad_itemsize=torch.empty((), dtype=host_grad_dtype(cfg, host_sums)).element_size())
 
 
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
@@ -736,6 +737,15 @@ def first_step_config(cfg: TierstoreConfig) -> TierstoreConfig:
     return dataclasses.replace(cfg, optimizer=opt, prefetch=dataclasses.replace(prefetch, keep_for_backward=keep))
 
 
+def host_grad_dtype(cfg: TierstoreConfig, host_sums: bool) -> torch.dtype:
+    """``optimizer.host_grad_dtype`` resolved: the dtype of the host gradient buffers the CPU updates from (``auto``:
+    the compute dtype under bf16 where micro-batches sum in host memory, ``host_sums``; else fp32)."""
+    choice = cfg.optimizer.host_grad_dtype
+    if choice == "fp32" or cfg.dtype != "bf16" or (choice == "auto" and not host_sums):
+        return torch.float32
+    return DTYPES[cfg.dtype]
+
+
 def waits_for_commit(cfg: TierstoreConfig) -> bool:
     """True when updates need the whole gradient before they can commit: clipping (tierstore's or the loop's)
     or fp16 overflow checks."""
@@ -784,5 +794,5 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
         record_intervals=record_intervals, gpu_update_fraction=placement.gpu_update_fraction,
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
         gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
-        hold_updates=opt.user_grad_clip, host_sums=placement.host_sums,
+        hold_updates=opt.user_grad_clip, host_sums=placement.host_sums, host_grad_dtype=host_grad_dtype(cfg, placement.host_sums),
         speculate=resolved.plan.pre_commit_buffers)

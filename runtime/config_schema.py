@@ -252,6 +252,17 @@ class OptimizerConfig:
         "Blocks updated on the GPU "
         "(`gpu_update_fraction`, `gpu_stream_fraction`) always sum on the device. `auto`: `host` when the model's "
         "gradients in the compute dtype would take more than a quarter of the GPU budget, else `gpu`.")
+    host_grad_dtype: str = _leaf(
+        ChoiceSpec(choices=("auto", "compute", "fp32")), "auto",
+        "The dtype of the gradients the CPU updates from, in pinned host memory, and so of the host gradient sums "
+        "(`accumulate_on: host`). `compute`: the compute dtype, half of fp32's pinned memory and PCIe bytes under "
+        "bf16 (on a memory-bound run, pinned room for moments that would otherwise go to disk); one micro-batch's "
+        "gradient loses nothing (it is computed in that dtype; the CPU widens it to fp32 for the clip and AdamW), "
+        "and micro-batches sum in that dtype in their order, bit for bit what plain PyTorch's `.grad` of a bf16 "
+        "parameter holds, and what `accumulate_on: gpu` sums. `fp32`: sums exact to fp32, finer than the plain "
+        "bf16 loop's. `auto`: `compute` under bf16 where the micro-batches sum in host memory (`accumulate_on` "
+        "resolved to `host`), else `fp32` (an fp32 gradient can wait on the GPU and be clipped there, which saves the "
+        "CPU a pass over it; fp16 gradients carry the loss scale).")
     overlap: str = _leaf(
         ChoiceSpec(choices=("exact", "delayed")), "exact",
         "`exact`: results equal a plain PyTorch AdamW loop. `delayed`: opt-in one-step-delayed "
@@ -468,6 +479,12 @@ def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
             f"placement puts {'master' if cfg.placement.master == 'nvme' else 'moments'} on nvme; "
             "place them on host (or auto), or set gpu_stream_fraction: 0.",
             ("placement.master", "placement.moments")))
+    if opt.host_grad_dtype == "compute" and cfg.dtype == "fp16":
+        problems.append(Problem(
+            "bad_value", "optimizer.host_grad_dtype",
+            "optimizer.host_grad_dtype: compute is for bf16: under fp16 the host gradients carry the loss scale, "
+            "and tierstore's overflow checks and unscaling work on fp32 ones. Use `auto` or `fp32` (the same under "
+            "fp16), or dtype: bf16.", ("dtype",)))
     model = cfg.train.model
     if model.hidden_size % model.num_heads:
         nearest = model.num_heads * max(1, round(model.hidden_size / model.num_heads))

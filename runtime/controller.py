@@ -59,6 +59,7 @@ class RuntimeOptions:
     record_intervals: bool = False
     gpu_update_fraction: float = 0.0  # share of parameters (first blocks) whose AdamW runs on the device
     host_sums: bool = False  # micro-batch gradients of host-updated blocks summed in host memory (runtime.accumulate)
+    host_grad_dtype: torch.dtype = torch.float32  # of the host gradient buffers (optimizer.host_grad_dtype)
     gpu_stream_fraction: float = 0.0  # share (next blocks) updated on the device over state streamed from host
     gpu_stream_ahead: int = 8  # streamed blocks whose state may be brought in ahead of the block in backward
     spilled_blocks: frozenset[int] = frozenset()  # blocks whose moments live on NVMe though homes says host
@@ -183,8 +184,10 @@ class Controller:
         self._grad_only_use: set[int] = set()  # blocks a backward that is no micro-batch holds (on_grad_only_backward)
         self._deferred_jobs: list[UpdateJob] = []
         self.held = HeldGrads(self.device)  # [Note: held gradients]
-        # Whether this step's host gradients may be held: where a clip (ours or the user's) may scale them.
-        self._hold_grads = options.grad_clip is not None or options.hold_updates
+        # Whether this step's host gradients may be held: where a clip (ours or the user's) may scale them. Not
+        # into host gradients narrower than fp32: the clip's product must reach AdamW unrounded (the CPU scales it).
+        self._holds_at_all = options.host_grad_dtype == torch.float32
+        self._hold_grads = self._holds_at_all and (options.grad_clip is not None or options.hold_updates)
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
         self.worker.on_updated = self.on_block_updated
@@ -195,7 +198,7 @@ class Controller:
         self._read_early: set[int] = set()  # spilled blocks whose moments this step read early
         self.sums: HostGradSums | None = None  # [Note: host gradient sums]
         if options.host_sums and options.accumulation_steps > 1 and hosted:
-            self.sums = HostGradSums(store, hosted)
+            self.sums = HostGradSums(store, hosted, options.host_grad_dtype)
             close_at_exit(self.sums, HostGradSums.close)  # its thread stops before the store it sums into
         self.stats = StepStats()
         # Optional observers (the profiler). Empty lists cost one truth test per wait / step boundary.
@@ -259,7 +262,7 @@ class Controller:
         for kind in MOMENT_KINDS:
             state[kind] = (f32, TierName.NVME if block.index in options.spilled_blocks else options.homes[kind])
         if block.index not in self.gpu_streamed:
-            state["grad"] = (f32, TierName.HOST)
+            state["grad"] = (TensorMeta(options.host_grad_dtype, block.numel), TierName.HOST)
         if options.weight_source is WeightSource.WEIGHTS:
             state["weights"] = (TensorMeta(options.compute_dtype, block.numel), options.homes["weights"])
         return state
@@ -722,12 +725,13 @@ class Controller:
         ([Note: prefetch across micro-batches])."""
         return self._wraps() and index in self._upcoming()
 
-    def _assemble(self, block: Block, present: list[bool], begin: int = 0, end: int | None = None) -> torch.Tensor:
-        """Elements ``[begin, end)`` (default: all) of the block's flat gradient, as a new fp32 device tensor (zeros
-        for parameters not ``present``), taken off the parameters: a parameter's ``.grad`` is dropped once its last
-        element is in."""
+    def _assemble(self, block: Block, present: list[bool], begin: int = 0, end: int | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Elements ``[begin, end)`` (default: all) of the block's flat gradient, as a new device tensor of ``dtype``
+        (zeros for parameters not ``present``), taken off the parameters: a parameter's ``.grad`` is dropped once its
+        last element is in."""
         end = block.numel if end is None else end
-        flat = torch.empty(end - begin, dtype=torch.float32, device=self.device)
+        flat = torch.empty(end - begin, dtype=dtype, device=self.device)
         with torch.no_grad():
             for slot, has in zip(block.slots, present):
                 low, high = max(begin, slot.offset), min(end, slot.offset + slot.numel)
@@ -746,8 +750,8 @@ class Controller:
         return self.sums is not None and self._phase is StepPhase.ACCUMULATING and self.sums.has_grad(*slot)
 
     def host_sum_of(self, slot: tuple[int, int]) -> torch.Tensor:
-        """Between micro-batches: parameter ``slot``'s gradient summed in host memory so far (fp32, in the
-        parameter's shape), once every piece sent for its block has landed. A view of the sum itself: what is
+        """Between micro-batches: parameter ``slot``'s gradient summed in host memory so far (in the host gradient
+        dtype, in the parameter's shape), once every piece sent for its block has landed. A view of the sum itself: what is
         written into it is what the step updates with."""
         index, position = slot
         assert self.sums is not None
@@ -763,8 +767,8 @@ class Controller:
             self.sums.drop(*slot)
 
     def _send_to_host_sum(self, block: Block) -> None:
-        """A micro-batch that does not end the step: the block's gradient, as fp32, joins its host sum a piece at a
-        time (the GPU holds the pieces in flight, not a second, fp32 copy of the block's gradient)."""
+        """A micro-batch that does not end the step: the block's gradient, in the host gradient dtype, joins its host
+        sum a piece at a time (the GPU holds the pieces in flight, not a second copy of the block's gradient)."""
         present = [slot.param.grad is not None for slot in block.slots]
         if not any(present):
             return
@@ -772,7 +776,7 @@ class Controller:
         start = time.perf_counter()
         try:
             waited = self.sums.add_pieces(  # type: ignore[union-attr]
-                block, lambda begin, end: self._assemble(block, present, begin, end), present)
+                block, lambda begin, end: self._assemble(block, present, begin, end, self.sums.dtype), present)
         finally:  # a piece that failed: the gradients go all the same, as after a whole one
             for slot in block.slots:
                 _take_grad(slot.param)
@@ -780,9 +784,10 @@ class Controller:
             self._emit_stall(block.index, STALL_GRAD_SUM, waited, start)
 
     def _offload_grads(self, block: Block) -> None:
-        """Assemble the block's fp32 gradient on the device (adding the host sum of the step's earlier
-        micro-batches when there is one), check / unscale / take norms, copy it to host (or hold it on the
-        device until the commit: [Note: held gradients] in runtime.held_grads)."""
+        """Assemble the block's gradient on the device (fp32, or the host gradient dtype for a host-updated block;
+        adding the host sum of the step's earlier micro-batches when there is one), check / unscale / take fp32
+        norms, copy it to host (or hold it on the device until the commit: [Note: held gradients] in
+        runtime.held_grads)."""
         present = [slot.param.grad is not None for slot in block.slots]
         if not self.deferred and self._hypers_read is None:  # streaming: the step's updates take the groups as now
             self._hypers_read = self.hyper_source()
@@ -804,15 +809,17 @@ class Controller:
         if not any(has_grad):
             job = UpdateJob(block, None, step, self.block_hypers(block), skip=True)
         else:
-            flat = self._assemble(block, present)  # parameters without any gradient: excluded below
+            # Parameters without any gradient: excluded below. A host gradient narrower than fp32 is the gradient
+            # as backward computed it (nothing is rounded), or the plain loop's sum of it (_add_host_sum).
+            flat = self._assemble(block, present, dtype=torch.float32 if on_device else self.options.host_grad_dtype)
             with torch.no_grad():
-                if earlier is not None:  # g_last + sum: fp32 addition commutes, so the plain loop's bits
+                if earlier is not None:  # g_last + sum: addition commutes, so the plain loop's bits in its dtype
                     self._add_host_sum(block, flat)
                 views = [v for v, present in zip(split_views(flat, [s.numel for s in block.slots]), has_grad) if present]
                 if self.scaler is not None:
                     torch._amp_foreach_non_finite_check_and_unscale_(views, self.found_inf, self.scaler.inv_scale())
                 # Updates that wait for the commit keep each gradient's norm: clipping (ours or the user's).
-                self.clipper.record(block, has_grad, list(torch._foreach_norm(views, 2.0)) if self.deferred else None)
+                self.clipper.record(block, has_grad, _fp32_norms(views) if self.deferred else None)
             if on_device:
                 self.device_updates.submit(block, flat, has_grad, step)
                 return
@@ -831,8 +838,8 @@ class Controller:
             self.worker.submit(job)
 
     def _add_host_sum(self, block: Block, flat: torch.Tensor) -> None:
-        """Add the block's host gradient sum into its flat fp32 gradient on the device, brought in a piece at a
-        time (``sums.piece_numel``): the GPU holds one piece beside the gradient, not a second fp32 copy of it."""
+        """Add the block's host gradient sum into its flat gradient on the device (the same dtype), brought in a piece
+        at a time (``sums.piece_numel``): the GPU holds one piece beside the gradient, not a second copy of it."""
         summed = self.store.tensor(block.key("grad"), TierName.HOST)
         step = self.sums.piece_numel  # type: ignore[union-attr]
         for begin in range(0, block.numel, step):
@@ -844,7 +851,7 @@ class Controller:
         return self.options.speculate and self._speculate_this_step and self.worker.spares.can_speculate(block)
 
     def _grad_to_host(self, block: Block, flat: torch.Tensor) -> Handle:
-        """Copy block's fp32 gradient into its host buffer (ordered after the work that produced it)."""
+        """Copy block's gradient into its host buffer (ordered after the work that produced it)."""
         return self.store.engine.d2h(block.key("grad"), flat, self.store.tensor(block.key("grad"), TierName.HOST))
 
     @property
@@ -915,7 +922,7 @@ class Controller:
         finally:
             self._commit_hypers = None
         if not skip:  # hold the next step's host gradients where that saves a multiply: this step's is the guess
-            self._hold_grads = scales_host
+            self._hold_grads = self._holds_at_all and scales_host
         else:
             self.stats.skipped_steps += 1
             log.info("fp16 overflow: step %d skipped, loss scale %.1f -> %.1f", self.optimizer_step + 1,
@@ -1327,6 +1334,14 @@ def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:
     updates a CPU optimizer cannot hide."""
     ordered = sorted(blocks, key=lambda b: b.index)
     return frozenset(b.index for b in ordered[: blocks_within([b.numel for b in ordered], fraction)])
+
+
+def _fp32_norms(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm in fp32, whatever their dtype: the plain loop takes them from its fp32 masters'
+    gradients (accumulated in fp32 over a compute-dtype gradient, the same values)."""
+    if views and views[0].dtype != torch.float32:
+        return list(torch._foreach_norm(views, 2.0, dtype=torch.float32))
+    return list(torch._foreach_norm(views, 2.0))
 
 
 def _take_grad(param: nn.Parameter) -> None:

@@ -114,6 +114,7 @@ class UpdateWorker:
         self.on_updated: Callable[[int], None] | None = None  # called in this thread after each update
         self._error: BaseException | None = None
         self._refresh_staging: torch.Tensor | None = None
+        self._widened: torch.Tensor | None = None  # fp32 copy of a narrower host gradient (_fp32_grad)
         self.spares = SpareBuffers(store)
         if weights.source is WeightSource.RESIDENT and store.device.type == "cuda":
             largest = max((b.numel for b in blocks), default=0)
@@ -344,9 +345,9 @@ class UpdateWorker:
             self._finish(job)
             return
         host = {kind: self._host_tensor(block.key(kind)) for kind in STATE_KINDS}
-        grad = self.store.tensor(block.key("grad"), TierName.HOST)
         adam_start = time.perf_counter()
         self.stats.wait_inputs_s += adam_start - start
+        grad = self._fp32_grad(self.store.tensor(block.key("grad"), TierName.HOST))
         if job.speculative:
             self._speculate(job, host, grad)
             self._count(job, adam_start)
@@ -385,6 +386,20 @@ class UpdateWorker:
                     self._writebacks = [h for h in self._writebacks if not h.done()] + [handle]
         self._count(job, adam_start)
         self._finish(job)
+
+    def _fp32_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The block's host gradient in fp32, what the clip's multiply and AdamW take: itself, or one narrower
+        (``optimizer.host_grad_dtype: compute``) widened into a buffer of this thread's that grows to the largest
+        block (pageable: only the CPU reads it). Widening is exact, and the host gradient keeps its bits (an update
+        done again after the commit widens it again)."""
+        if grad.dtype == torch.float32:
+            return grad
+        if self._widened is None or self._widened.numel() < grad.numel():
+            self._widened = None  # the old one goes before the larger one is taken
+            self._widened = torch.empty(grad.numel(), dtype=torch.float32)
+        widened = self._widened[: grad.numel()]
+        widened.copy_(grad)  # counted with the clip's multiply (scale_s) or, for an early update, in adam_s
+        return widened
 
     def _release_read_ahead(self, block: Block) -> None:
         for kind in STATE_KINDS:

@@ -100,7 +100,8 @@ class MemoryPlan:
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
               prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None,
-              spilled: int = 0, streamed: int = 0, spares: bool = False, host_sums: bool = False) -> MemoryPlan:
+              spilled: int = 0, streamed: int = 0, spares: bool = False, host_sums: bool = False,
+              grad_itemsize: int = 4) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
     (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
     blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction). ``spilled``:
@@ -111,7 +112,8 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     the CPU-updated blocks whose state lives in host memory get second buffers for their master and moments,
     so their updates run before the step commits (see [Note: speculative updates] in runtime.speculation).
     ``host_sums``: the micro-batches' gradients of the host-updated blocks are summed in their host gradient
-    buffers (``optimizer.accumulate_on: host``; see [Note: host gradient sums] in runtime.accumulate)."""
+    buffers (``optimizer.accumulate_on: host``; see [Note: host gradient sums] in runtime.accumulate).
+    ``grad_itemsize``: bytes an element of those host gradient buffers (``optimizer.host_grad_dtype``)."""
     gpu_updated_numels = gpu_updated_numels or []
     plan_homes = dict(homes)
     if spilled and homes["exp_avg"] == "host":
@@ -141,7 +143,9 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
         elif tier == "nvme":
             plan.rows.append((f"{kind} (fp32)", "nvme", sum(HEADER_NBYTES + host_bytes(n, 4) for n in block_numels)))
             plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * host_bytes(largest, 4)))
-    plan.rows.append(("gradients (fp32, offloaded)", "host", sum(host_bytes(n, 4) for n in block_numels[streamed:])))
+    grad_name = "fp32" if grad_itemsize == 4 else "compute dtype"
+    plan.rows.append((f"gradients ({grad_name}, offloaded)", "host",
+                      sum(host_bytes(n, grad_itemsize) for n in block_numels[streamed:])))
     if spares and all(homes[kind] == "host" for kind in STATE_KINDS):
         speculating = [n for p, n in enumerate(block_numels) if p >= streamed and p not in on_disk]
         plan.rows.append((PRE_COMMIT_BUFFERS, "host",
@@ -168,10 +172,11 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
             plan.rows.append(("accumulated gradients (GPU-updated)", "gpu", on_device * compute_itemsize))
         if block_numels[streamed:]:
             piece = min(PIECE_NUMEL, max(block_numels[streamed:]))
-            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS})", "host", STAGING_SLOTS * host_bytes(piece, 4)))
+            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS})", "host",
+                              STAGING_SLOTS * host_bytes(piece, grad_itemsize)))
             # The other micro-batches send their gradients out a piece at a time, up to one piece a staging buffer
             # in flight (each kept until its copy runs); the last brings the host sum in a piece at a time.
-            plan.rows.append(("gradient assembly: host sum (fp32)", "gpu", STAGING_SLOTS * piece * 4))
+            plan.rows.append((f"gradient assembly: host sum ({grad_name})", "gpu", STAGING_SLOTS * piece * grad_itemsize))
     elif accumulation_steps > 1:
         plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))
     return plan

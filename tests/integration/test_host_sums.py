@@ -32,6 +32,7 @@ def train_both(config: dict, accumulation: int, *, shape: ModelShape = SHAPE, ch
     assert sums is not None, "accumulate_on: host did not give the session host sums"
     batches = make_batches(steps * accumulation)
     ours, theirs = [], []
+    itemsize = session.store.record(session.blocks[0].key("grad")).meta.dtype.itemsize  # of the host gradient dtype
     with session:
         for step in range(steps):
             micro = batches[step * accumulation : (step + 1) * accumulation]
@@ -49,7 +50,8 @@ def train_both(config: dict, accumulation: int, *, shape: ModelShape = SHAPE, ch
         weights = session.master_state_dict()
         stats = session.controller.stats
     hosted = sum(block.numel for block in session.blocks)
-    assert sums.stats.nbytes == steps * (accumulation - 1) * hosted * 4  # every non-final gradient left, as fp32
+    # Every non-final gradient left the device, in the host gradient dtype (fp32, or bf16 under bf16: the default).
+    assert sums.stats.nbytes == steps * (accumulation - 1) * hosted * itemsize
     return ours, theirs, weights, reference, stats
 
 
@@ -58,6 +60,32 @@ def test_host_sums_equal_the_plain_loop(accumulation):
     ours, theirs, weights, reference, _ = train_both({"dtype": "fp32"}, accumulation)
     assert ours == theirs
     assert_identical(weights, reference)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05, 1e6], ids=["no-clip", "clipped", "clip-not-binding"])
+def test_bf16_host_sums_equal_the_plain_bf16_loop_bit_for_bit(clip):
+    """Under bf16 the host gradients are bf16 (``optimizer.host_grad_dtype: auto``): the micro-batches sum in bf16 in
+    their order, as the plain loop's bf16 ``.grad`` accumulates, and the CPU widens the sum to fp32 for the clip and
+    AdamW, as the plain loop's fp32 masters take it. Bit for bit on the CPU, half the bytes across."""
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": clip}}
+    ours, theirs, weights, reference, stats = train_both(config, 3, dtype=torch.bfloat16)
+    assert ours == theirs
+    assert_identical(weights, reference)
+    if clip == 0.05:
+        assert min(stats.grad_norms) > 0.05  # every step clipped
+
+
+def test_fp32_host_sums_under_bf16_are_finer_than_the_plain_bf16_loop():
+    """``host_grad_dtype: fp32`` under bf16: the sums are exact to fp32, so the weights differ from the plain bf16
+    loop's (whose ``.grad`` rounds at each micro-batch) by rounding only."""
+    config = {"dtype": "bf16", "optimizer": {"host_grad_dtype": "fp32"}}
+    ours, theirs, weights, reference, _ = train_both(config, 3, dtype=torch.bfloat16)
+    assert ours[:3] == theirs[:3]  # the first step's losses, before any update
+    expected = reference.master_state()
+    assert any(not torch.equal(weights[name], expected[name]) for name in expected)
+    for name in expected:  # within bf16 rounding of the sums: a relative norm, as the GPU tests compare
+        difference = (weights[name] - expected[name]).double().norm() / expected[name].double().norm()
+        assert difference < 1e-2, name
 
 
 def test_host_sums_in_pieces_that_cut_across_parameters_equal_the_plain_loop(monkeypatch):

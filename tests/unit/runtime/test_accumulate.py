@@ -42,10 +42,41 @@ def test_sums_run_in_micro_batch_order_piece_by_piece(setup):
     assert sums.stats.nbytes == 3 * block.numel * 4
 
 
-def test_a_gradient_other_than_the_block_s_flat_fp32_is_refused(setup):
-    blocks, _, sums = setup
-    with pytest.raises(ValueError, match="flat fp32 gradient"):
+def test_bf16_sums_add_in_bf16_in_micro_batch_order_as_a_bf16_grad_does():
+    """``host_grad_dtype: compute`` under bf16: each add rounds to bf16, in micro-batch order, as plain PyTorch's
+    ``.grad`` of a bf16 parameter accumulates (not the fp32 sum rounded once), and half the bytes cross."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    blocks = build_blocks(model, 1)
+    block = blocks[0]
+    with TierStore(StoreConfig(device="cpu", pin=False)) as store:
+        store.register(block.key("grad"), TensorMeta(torch.bfloat16, block.numel), TierName.HOST)
+        sums = HostGradSums(store, [block], torch.bfloat16, slots=2)
+        sums.piece_numel = 16
+        try:
+            grads = [torch.randn(block.numel, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(4)]
+            plain = torch.zeros(block.numel, dtype=torch.bfloat16)
+            for grad in grads:
+                sums.add(block, grad, [True] * len(block.slots))
+                plain += grad  # what AccumulateGrad does to a bf16 .grad
+            sums.finish(block.index)
+            assert torch.equal(host_sum(store, block), plain)
+            assert not torch.equal(plain, torch.stack([g.float() for g in grads]).sum(0).bfloat16())  # it rounds
+            assert sums.stats.nbytes == 4 * block.numel * 2
+        finally:
+            sums.close()
+
+
+def test_a_gradient_other_than_the_block_s_flat_one_of_the_sums_dtype_is_refused(setup):
+    blocks, store, sums = setup
+    with pytest.raises(ValueError, match="flat float32 gradient, got bfloat16"):
         sums.add(blocks[0], torch.zeros(blocks[0].numel, dtype=torch.bfloat16), [True] * len(blocks[0].slots))
+    sums.close()
+    narrow = HostGradSums(store, blocks, torch.bfloat16, slots=2)
+    try:
+        with pytest.raises(ValueError, match="flat bfloat16 gradient, got float32"):
+            narrow.add(blocks[0], torch.zeros(blocks[0].numel), [True] * len(blocks[0].slots))
+    finally:
+        narrow.close()
 
 
 def test_parameters_with_a_gradient_in_any_micro_batch_are_reported(setup):
@@ -133,6 +164,6 @@ def test_pieces_made_on_demand_are_summed_like_a_whole_gradient(setup):
     sums.finish(block.index)
     assert torch.equal(host_sum(store, block), grads[0] + grads[1])
     sums.reset()
-    with pytest.raises(ValueError, match=r"piece \[0, 16\).*16 fp32 elements, got torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"piece \[0, 16\).*16 float32 elements, got bfloat16"):
         sums.add_pieces(block, lambda begin, end: torch.zeros(end - begin, dtype=torch.bfloat16), [True] * len(block.slots))
     assert sorted(sums._free) == [0, 1]  # the refused piece's buffer is free again

@@ -339,7 +339,7 @@ def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step()
 def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
     """bf16 under accumulation with host sums and a host budget that spills moments (the 8B scenario's shape of
     plan): the first step is measured (a spilling plan never takes the weights copy), its moments spilled."""
-    from runtime.api import resolve_plan
+    from runtime.api import plan_for, resolve_homes, resolve_plan
     from runtime.weights import WeightSource
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
@@ -349,11 +349,12 @@ def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
               "tiers": {"gpu": {"budget": 36 * total}, "nvme": {"path": str(tmp_path)}},
               "optimizer": {"accumulation_steps": 4, "accumulate_on": "host"}}
     roomy = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
-    # The first step updates every block on the CPU: its pinned memory, the most any placement needs, with the last
-    # block's moments on disk.
-    first_cfg = {**config, "optimizer": {**config["optimizer"], "gpu_update_fraction": 0.0}}
-    config["tiers"]["host"] = first_cfg["tiers"]["host"] = {"budget": 1 << 40}
-    unspilled = resolve_plan(blocks, load_config(first_cfg), torch.device("cuda", 0), rates=rates).plan.host_nbytes
+    # The first step updates every block on the CPU (nothing streamed) fetching the fp32 master: its pinned memory,
+    # the most any placement needs, with the last block's moments on disk.
+    cfg = load_config(config)
+    homes, _ = resolve_homes(cfg, torch.device("cuda", 0))
+    unspilled = plan_for(blocks, cfg, homes, WeightSource.MASTER, torch.bfloat16,
+                         placement=Placement(0.0, 0.0, 0, host_sums=True)).host_nbytes
     last_moments = 2 * 4 * blocks[-1].numel
     config["tiers"]["host"] = {"budget": unspilled - last_moments // 2}
     resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
