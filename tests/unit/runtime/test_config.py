@@ -655,3 +655,9 @@ def test_config_error_pickles_and_is_value_error() -> None:
     assert str(again) == "x.yaml:3: a.b: bad"
     with pytest.raises(RuntimeError):
         ConfigError("bad", kind="no_such_kind")
+
+
+def test_compute_dtype_host_gradients_under_fp16_are_refused_saying_what_to_set() -> None:
+    with pytest.raises(ConfigError, match="host_grad_dtype: compute is for bf16.*`auto` or `fp32`"):
+        load_config({"dtype": "fp16", "optimizer": {"host_grad_dtype": "compute"}})
+    assert load_config({"dtype": "fp16", "optimizer": {"host_grad_dtype": "auto"}}).optimizer.host_grad_dtype == "auto"

@@ -24,19 +24,21 @@ def _rest_nbytes(plan, tier: str) -> int:
                and "assembly" not in kind)
 
 
-@pytest.mark.parametrize("placement,fraction,host_sums", [
-    ({"weights": "host", "master": "host", "moments": "host"}, 0.0, False),
-    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.0, False),
-    ({"weights": "host", "master": "nvme", "moments": "nvme"}, 0.0, False),
-    ({"weights": "gpu", "master": "host", "moments": "host"}, 0.0, False),
-    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.5, False),
+@pytest.mark.parametrize("placement,fraction,host_sums,dtype", [
+    ({"weights": "host", "master": "host", "moments": "host"}, 0.0, False, "fp32"),
+    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.0, False, "fp32"),
+    ({"weights": "host", "master": "nvme", "moments": "nvme"}, 0.0, False, "fp32"),
+    ({"weights": "gpu", "master": "host", "moments": "host"}, 0.0, False, "fp32"),
+    ({"weights": "host", "master": "host", "moments": "nvme"}, 0.5, False, "fp32"),
     # optimizer.accumulate_on: host pins the sum buffers beside the gradients, no model-sized device gradient
-    ({"weights": "host", "master": "host", "moments": "host"}, 0.0, True),
+    ({"weights": "host", "master": "host", "moments": "host"}, 0.0, True, "fp32"),
+    # under bf16 the host gradients and sum buffers are bf16 (optimizer.host_grad_dtype: auto)
+    ({"weights": "host", "master": "host", "moments": "host"}, 0.0, True, "bf16"),
 ])
-def test_plan_matches_the_store_accounting(placement, fraction, host_sums, tmpfs_dir):
+def test_plan_matches_the_store_accounting(placement, fraction, host_sums, dtype, tmpfs_dir):
     torch.manual_seed(0)
     micro_batches = 2 if host_sums else 1
-    config = {"dtype": "fp32", "placement": placement, "optimizer": {
+    config = {"dtype": dtype, "placement": placement, "optimizer": {
                   "gpu_update_fraction": fraction, "grad_clip": None, "accumulation_steps": micro_batches,
                   "accumulate_on": "host" if host_sums else "gpu"},
               "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
@@ -45,10 +47,16 @@ def test_plan_matches_the_store_accounting(placement, fraction, host_sums, tmpfs
     plan = session.plan
     assert (session.controller.sums is not None) == host_sums
     assert not any(kind == "accumulated gradients" for kind, _, _ in plan.rows)
+    hosted = session.controller.host_updated_blocks
+    grad_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    assert all(session.store.record(b.key("grad")).meta.dtype == grad_dtype for b in hosted)
+    grads = next(n for kind, _, n in plan.rows if kind.startswith("gradients ("))
+    unpadded = sum(b.numel for b in hosted) * grad_dtype.itemsize
+    assert unpadded <= grads < unpadded + len(hosted) * 4096  # each buffer padded to the IO alignment
     try:
         for _ in range(micro_batches):
             tokens = torch.randint(0, SHAPE.vocab_size, (2, 17))
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            model(tokens[:, :-1], tokens[:, 1:]).float().backward()
         optimizer.step()
         optimizer.synchronize()
         usage = session.store.usage()
