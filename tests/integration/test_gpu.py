@@ -96,9 +96,9 @@ def test_bf16_clipping_and_accumulation_on_gpu(clip, stream, sums):
         session.close()
     _assert_close(ours, reference)
     assert (worker.published > 0, worker.redone > 0) == ((False, True) if clip < 1 else (True, False))
-    if sums == "host":  # 4 steps x 1 non-final micro-batch x the host-updated blocks' gradients as fp32
-        hosted = sum(b.numel for b in session.controller.host_updated_blocks)
-        assert host_sums is not None and host_sums.stats.nbytes == 4 * hosted * 4
+    if sums == "host":  # 4 steps x 1 non-final micro-batch x the host-updated blocks' gradients, as bf16
+        hosted = sum(b.numel for b in session.controller.host_updated_blocks)  # (optimizer.host_grad_dtype: auto)
+        assert host_sums is not None and host_sums.stats.nbytes == 4 * hosted * 2
 
 
 def test_under_accumulation_the_gpu_fetches_a_bf16_copy_of_the_weights():
