@@ -13,8 +13,10 @@ So each offloaded parameter's class becomes a subclass of its own class (still a
 - metadata (shape, dtype, device, ``.grad``, hooks, ``requires_grad``): as is, nothing fetched;
 - views: returned *guarded* as well, so a view taken now reads correctly later (it fetches the block again
   if it was released meanwhile); ``detach()`` and ``.data`` fetch nothing;
-- in-place writes (``copy_``, ``fill_``, ``mul_``, ... -- what ``load_state_dict`` does): applied to the fp32
-  master in the same place, then the compute copies are refreshed; Adam's moments are untouched;
+- in-place writes (``copy_``, ``fill_``, ``mul_``, ... -- what ``load_state_dict`` does; an ATen overload such as
+  ``torch.ops.aten.mul_.Tensor``; a functional call with ``inplace=True``; ``torch._foreach_*_`` over a list, done one
+  parameter at a time): applied to the fp32 master in the same place, then the compute copies are refreshed; Adam's
+  moments are untouched;
 - any other read (``norm``, ``clone``, ``repr``, ``.cpu()``): the block's current weights are fetched to
   the device first and stay until the next forward.
 
@@ -102,9 +104,23 @@ def _same_device(wanted: torch.device, tensor: torch.Tensor) -> bool:
     return wanted.type == tensor.device.type and wanted.index in (None, tensor.device.index)
 
 
-def _is_in_place(func: Callable[..., Any]) -> bool:
+def _is_in_place(func: Callable[..., Any], kwargs: dict[str, Any] | None = None) -> bool:
+    """The call writes into its first argument: a method or function named with a trailing underscore, an
+    in-place operator, an ATen overload whose schema marks its first argument written (``torch.ops.aten.mul_.Tensor``,
+    named ``mul_.Tensor``), or a functional call with ``inplace=True`` (``F.dropout``, ``F.relu``)."""
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or func in IN_PLACE_DUNDERS
+    if (name.endswith("_") and not name.endswith("__")) or func in IN_PLACE_DUNDERS:
+        return True
+    if isinstance(func, torch._ops.OpOverload):
+        arguments = func._schema.arguments
+        return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+    return bool(kwargs) and kwargs.get("inplace") is True
+
+
+def _is_foreach_in_place(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    """``torch._foreach_<op>_(tensors, ...)``: in place on every tensor of its first argument, a list."""
+    name = getattr(func, "__name__", "")
+    return name.startswith("_foreach_") and name.endswith("_") and bool(args) and isinstance(args[0], (list, tuple))
 
 
 def is_offloaded(param: torch.Tensor) -> bool:
@@ -189,6 +205,11 @@ class ParamGuard:
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one torch call that involves a guarded tensor (see the module docstring)."""
+        if _is_foreach_in_place(func, args):
+            with torch._C.DisableTorchFunctionSubclass():
+                writes = not self._closed and any(self._is_guarded(t) for t in args[0])
+            if writes:
+                return self._foreach_write(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             if self._closed:
                 raise RuntimeError("this tensor is a view of a parameter of an offload session that was closed; take "
@@ -246,7 +267,8 @@ class ParamGuard:
 
     def _writes_guarded(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """The call writes into a guarded tensor: in place on its first argument, or through ``out=``."""
-        return (_is_in_place(func) and self._is_guarded(args[0] if args else None)) or self._is_guarded(kwargs.get("out"))
+        return (_is_in_place(func, kwargs) and self._is_guarded(args[0] if args else None)) \
+            or self._is_guarded(kwargs.get("out"))
 
     def _is_guarded(self, tensor: Any) -> bool:
         return isinstance(tensor, torch.Tensor) and self.block_of(tensor) is not None
@@ -296,6 +318,24 @@ class ParamGuard:
         if isinstance(result, (tuple, list)):
             return type(result)(self._guard_views(r) for r in result)
         return result
+
+    @staticmethod
+    def _foreach_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """``torch._foreach_mul_(params, 0.5)`` and the like on a list holding offloaded parameters: done as the
+        tensor method of the same name, one tensor at a time (each list argument of the same length gives its
+        element), so each write to an offloaded parameter reaches its fp32 master (``_write``) like ``p.mul_(0.5)``
+        does. As one call it would have changed only the compute copies fetched for it, and been lost."""
+        name = func.__name__.removeprefix("_foreach_")
+        method = getattr(torch.Tensor, name, None)
+        if method is None:
+            raise RuntimeError(f"{func.__name__} writes into offloaded parameters, and tierstore has no tensor method "
+                               f"{name} to apply it one parameter at a time: write each parameter in a loop "
+                               "(param.copy_(...) under torch.no_grad()) or with model.load_state_dict(...)")
+        tensors = args[0]
+        for position, tensor in enumerate(tensors):
+            rest = [a[position] if isinstance(a, (list, tuple)) and len(a) == len(tensors) else a for a in args[1:]]
+            method(tensor, *rest, **kwargs)
+        return list(tensors)
 
     def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                guarded: list[tuple[torch.Tensor, int | None]]) -> Any:

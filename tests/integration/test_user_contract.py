@@ -542,6 +542,46 @@ def test_nn_init_and_reset_parameters_after_offload_reach_the_master(tmp_path):
         assert_same(model.state_dict(), plain.state_dict())
 
 
+def test_foreach_aten_and_inplace_keyword_writes_between_steps_reach_the_master(tmp_path):
+    """Writes between steps that name no single parameter as the method's target: ``torch._foreach_*_`` over a list
+    of parameters, an ATen overload (``torch.ops.aten.mul_.Tensor``), a functional call with ``inplace=True``. Each
+    had changed only the compute copy fetched for it (reads right after looked right; ``state_dict()``, the next
+    step and ``close()`` used the old weights). Bit for bit against the plain loop, through a step; inside a pass
+    the same writes are refused."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+
+    def edit(net: nn.Module) -> None:
+        params = list(net.parameters())
+        with torch.no_grad():
+            torch._foreach_mul_(params, 0.5)
+            torch._foreach_add_(params[:3], [torch.ones_like(p) for p in params[:3]], alpha=0.1)
+            torch._foreach_zero_(params[3:4])
+            torch.ops.aten.mul_.Tensor(params[5], 0.25)
+            torch.manual_seed(3)
+            torch.nn.functional.dropout(params[6], 0.5, True, True)
+            torch.nn.functional.relu(params[7], inplace=True)
+
+    with optimizer.session:
+        edit(plain)
+        edit(model)
+        assert_same(model.state_dict(), plain.state_dict())
+        assert_same(optimizer.session.master_state_dict(), plain.state_dict())
+        for batch in make_batches(2):
+            plain_step(plain, plain_opt, batch)
+            offloaded_step(model, optimizer, batch)
+        assert_same(model.state_dict(), plain.state_dict())
+
+        def scale(module, args):
+            with torch.no_grad():
+                torch._foreach_mul_(list(module.parameters()), 1.0)
+
+        handle = model.layers[0].gate_up.register_forward_pre_hook(scale)
+        with pytest.raises(RuntimeError, match="mul_ writes into an offloaded parameter while its block runs"):
+            model(*make_batches(1)[0])
+        handle.remove()
+
+
 def test_a_param_group_added_after_offload_is_refused_not_ignored(tmp_path):
     """optimizer.add_param_group after offload(): refused with the way to do it (param_groups at offload), and the
     optimizer is left as it was. It had been accepted, its parameter never updated (zeros after three steps where
