@@ -66,6 +66,20 @@ def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) 
         assert torch.equal(ours[name].cpu(), theirs[name].detach().cpu()), name
 
 
+def edit_then_train_both(edit: Callable[[nn.Module], None], plain: tuple[nn.Module, torch.optim.Optimizer],
+                         offloaded: tuple[nn.Module, torch.optim.Optimizer]) -> None:
+    """The same edit of both models between steps, then two steps of each: equal weights and masters after the
+    edit, equal weights after the steps."""
+    edit(plain[0])
+    edit(offloaded[0])
+    assert_same(offloaded[0].state_dict(), plain[0].state_dict())
+    assert_same(offloaded[1].session.master_state_dict(), plain[0].state_dict())
+    for batch in make_batches(2):
+        plain_step(*plain, batch)
+        offloaded_step(*offloaded, batch)
+    assert_same(offloaded[0].state_dict(), plain[0].state_dict())
+
+
 def test_parameters_read_between_steps_equal_the_plain_loop(tmp_path):
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
@@ -532,14 +546,7 @@ def test_nn_init_and_reset_parameters_after_offload_reach_the_master(tmp_path):
             net.layers[1].gate_up.reset_parameters()  # kaiming_uniform_ through nn.init
 
     with optimizer.session:
-        reinit(plain)
-        reinit(model)
-        assert_same(model.state_dict(), plain.state_dict())
-        assert_same(optimizer.session.master_state_dict(), plain.state_dict())
-        for batch in make_batches(2):
-            plain_step(plain, plain_opt, batch)
-            offloaded_step(model, optimizer, batch)
-        assert_same(model.state_dict(), plain.state_dict())
+        edit_then_train_both(reinit, (plain, plain_opt), (model, optimizer))
 
 
 def test_foreach_aten_and_inplace_keyword_writes_between_steps_reach_the_master(tmp_path):
@@ -563,14 +570,7 @@ def test_foreach_aten_and_inplace_keyword_writes_between_steps_reach_the_master(
             torch.nn.functional.relu(params[7], inplace=True)
 
     with optimizer.session:
-        edit(plain)
-        edit(model)
-        assert_same(model.state_dict(), plain.state_dict())
-        assert_same(optimizer.session.master_state_dict(), plain.state_dict())
-        for batch in make_batches(2):
-            plain_step(plain, plain_opt, batch)
-            offloaded_step(model, optimizer, batch)
-        assert_same(model.state_dict(), plain.state_dict())
+        edit_then_train_both(edit, (plain, plain_opt), (model, optimizer))
 
         def scale(module, args):
             with torch.no_grad():
