@@ -180,6 +180,25 @@ def _give_back_parameters(blocks: list[Block], store: TierStore) -> None:
             slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", slot.dtype, copy=True)
 
 
+def _tied_through_memory(model: nn.Module) -> tuple[str, str] | None:
+    """The names of two distinct trainable parameters whose bytes overlap (``b.weight.data = a.weight.data``), or
+    None. One Parameter used twice is a tie tierstore keeps (``named_parameters`` yields it once); parameters that
+    are disjoint slices of one buffer are each copied on their own, as offload copies every parameter."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}  # storage -> (first byte, end byte, name)
+    for name, param in model.named_parameters():
+        if not param.requires_grad or param.is_meta or param.numel() == 0:
+            continue
+        itemsize = param.element_size()
+        first = param.storage_offset() * itemsize
+        extent = sum((size - 1) * stride for size, stride in zip(param.shape, param.stride())) + 1
+        span = (first, first + extent * itemsize, name)
+        for other in spans.setdefault(param.untyped_storage().data_ptr(), []):
+            if span[0] < other[1] and other[0] < span[1]:
+                return other[2], name
+        spans[param.untyped_storage().data_ptr()].append(span)
+    return None
+
+
 def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | None = None) -> None:
     """Move buffers and the parameters tierstore does not offload to device."""
     for module in model.modules():
@@ -252,6 +271,14 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         raise ValueError("this model is already offloaded: offload() ran on it and its session is open. Use the "
                          "optimizer that call returned, or close its session first (optimizer.session.close()) and "
                          "offload again")
+    tied = _tied_through_memory(model)
+    if tied is not None:
+        first, second = tied
+        raise ValueError(
+            f"parameters {first} and {second} are two Parameter objects over the same memory (tied through .data): "
+            "tierstore keeps and updates each parameter's own copy, so they would drift apart where plain PyTorch "
+            f"updates the one memory with both. Tie them as one Parameter before offload() (model.{second} = "
+            f"model.{first}), or give each its own memory (model.{second}.data = model.{second}.data.clone())")
     cfg = config if isinstance(config, TierstoreConfig) else load_config(config)
     for problem in consistency_problems(cfg)[:1]:  # a config built in code, not loaded, is checked here
         raise ConfigError(problem.message, problem.path, kind=problem.kind)

@@ -582,6 +582,35 @@ def test_foreach_aten_and_inplace_keyword_writes_between_steps_reach_the_master(
         handle.remove()
 
 
+def test_parameters_tied_through_their_memory_are_refused_and_disjoint_slices_train_exactly(tmp_path):
+    """Two Parameter objects over one memory (``head.weight.data = embed.weight.data``, an old way to tie): tierstore
+    would update each one's own copy and split them, where plain PyTorch updates the one memory with both. Refused
+    before anything changes, naming both and the tie to write instead. Parameters that are disjoint slices of one
+    buffer share no bytes: each is copied on its own, and training is bit for bit the plain loop's."""
+    tied = fresh_model()
+    tied.head.weight.data = tied.embed.weight.data
+    with pytest.raises(ValueError, match=r"embed\.weight and head\.weight are two Parameter objects over the same "
+                                         r"memory.*model\.head\.weight = model\.embed\.weight"):
+        offload(tied, config(tmp_path))
+    assert not any(type(p) is not nn.Parameter for p in tied.parameters())  # left as it was
+
+    def sliced() -> nn.Module:
+        net = fresh_model()
+        flat = torch.cat([net.norm.weight.detach(), net.layers[0].attn_norm.weight.detach()])
+        net.norm.weight = nn.Parameter(flat[: SHAPE.hidden_size])  # two views of one buffer, no byte in common
+        net.layers[0].attn_norm.weight = nn.Parameter(flat[SHAPE.hidden_size :])
+        return net
+
+    plain = sliced()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    model, optimizer = offload(sliced(), config(tmp_path))
+    with optimizer.session:
+        for batch in make_batches(2):
+            plain_step(plain, plain_opt, batch)
+            offloaded_step(model, optimizer, batch)
+        assert_same(model.state_dict(), plain.state_dict())
+
+
 def test_a_param_group_added_after_offload_is_refused_not_ignored(tmp_path):
     """optimizer.add_param_group after offload(): refused with the way to do it (param_groups at offload), and the
     optimizer is left as it was. It had been accepted, its parameter never updated (zeros after three steps where
