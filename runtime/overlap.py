@@ -387,7 +387,12 @@ class UpdateWorker:
                     refresh.wait()  # the H2D still reads the host copy the eviction will free
                 handle = self.store.evict(block.key(kind), TierName.HOST)  # written back, then released
                 with self._cond:
-                    self._writebacks = [h for h in self._writebacks if not h.done()] + [handle]
+                    pending = list(self._writebacks)
+                # done() may run the transfers' completion callbacks, which take the store's lock: not under _cond,
+                # which the training thread's submit() and waits take.
+                landed = {id(h) for h in pending if h.done()}
+                with self._cond:
+                    self._writebacks = [h for h in self._writebacks if id(h) not in landed] + [handle]
         self._count(job, adam_start)
         self._finish(job)
 

@@ -260,10 +260,8 @@ class TierStore:
                 if release:
                     self.release(record.key, frm)
                 return done_handle(str(record.key), to.value)
-            handle = self._copy(record, frm, to, None, dirty=to is not record.home, paced=background)
-            if release:
-                handle.add_done_callback(lambda h: h.error is None and self._release_after_evict(record, frm))
-            return handle
+            return self._copy(record, frm, to, None, dirty=to is not record.home, paced=background,
+                              release_source=release)
 
     def wait_written(self, key: TensorKey | str) -> None:
         """Wait until no write of key to its NVMe home is in flight (an ``evict``) and what follows it (the release
@@ -355,8 +353,9 @@ class TierStore:
 
     # ---- internals -----------------------------------------------------------------------------------
     def _copy(self, record: Record, frm: TierName, to: TierName, after: Handle | None, dirty: bool,
-              paced: bool = False) -> Handle:
-        """Reserve ``to``'s copy (if needed), issue the transfer, and settle the state when it completes."""
+              paced: bool = False, release_source: bool = False) -> Handle:
+        """Reserve ``to``'s copy (if needed), issue the transfer, and settle the state when it completes;
+        ``release_source``: then drop ``frm``'s copy too (an eviction), in the same step."""
         target = record.copies[to]
         if target.allocation is None:
             target.allocation = self.tiers[to].allocate(record.key, record.meta)
@@ -384,16 +383,23 @@ class TierStore:
             with self._lock:
                 if target.handle is not h:
                     return
-                target.handle = None
-                if h.error is not None:
-                    self._set_state(record, to, CopyState.ABSENT if to is not record.home else CopyState.STALE)
-                    if to is not record.home and target.allocation is not None:
-                        self.tiers[to].free(target.allocation)
-                        target.allocation = None
-                    return
-                self._set_state(record, to, final)
-                if to is record.home and source_copy.state is CopyState.DIRTY:
-                    self._set_state(record, frm, CopyState.CLEAN)
+                try:
+                    if h.error is not None:
+                        self._set_state(record, to, CopyState.ABSENT if to is not record.home else CopyState.STALE)
+                        if to is not record.home and target.allocation is not None:
+                            self.tiers[to].free(target.allocation)
+                            target.allocation = None
+                        return
+                    self._set_state(record, to, final)
+                    if to is record.home and source_copy.state is CopyState.DIRTY:
+                        self._set_state(record, frm, CopyState.CLEAN)
+                    if release_source:
+                        self._release_after_evict(record, frm)
+                finally:
+                    # Cleared last, under the lock: whoever sees no transfer in flight (wait_written) sees all of its
+                    # outcome, the eviction's release included. Released in a later callback, a caller could find
+                    # the write done, modify the copy it wrote from, and have that copy freed after it: lost.
+                    target.handle = None
 
         target.settle = settle
         target.handle = handle

@@ -317,7 +317,10 @@ class TransferEngine:
         itself when it gets there first."""
         try:
             self._done_pool.submit(handle._finish)
-        except RuntimeError:  # the interpreter's exit shut the pool, or no thread could start: complete here
+        except RuntimeError:
+            # The interpreter's exit shut the pool, or no thread could start (a pids limit): complete here, as before
+            # the done pool, when the rare wait above is possible again. (A submit whose thread failed to start may
+            # have queued the call too: _finish runs its callbacks once whoever calls it first.)
             handle._finish()
 
     def poll(self) -> None:

@@ -512,6 +512,37 @@ def test_a_fetch_waiting_under_the_lock_for_queued_io_is_not_held_up_by_completi
     assert store.state("written", "nvme") is S.CLEAN and store.state("written", "host") is S.ABSENT
 
 
+def test_wait_written_sees_the_eviction_s_release_so_a_copy_modified_after_it_is_kept(
+        make_store, nvme_dir: Path, monkeypatch) -> None:
+    """``wait_written`` is what the optimizer calls before it modifies a host copy in place: once it returns, the
+    eviction's release of that copy must have run. Released in a separate callback after the write's settle, a
+    slow release (another thread holding the lock) let ``wait_written`` return in between: the copy was then
+    modified, marked dirty, and freed by the late release, the key left with no current copy (found by a review
+    under natural timing with four IO threads: 2-3 failed updates in a few hundred)."""
+    store = make_store(nvme_path=str(nvme_dir), io_threads=1)
+    value = torch.arange(50_000, dtype=torch.float32)
+    store.register("k", TensorMeta.of(value), "nvme", init=value)
+    store.fetch("k", "host").wait()
+    store.mark_dirty("k", "host", step=1)
+    release = TierStore._release_after_evict
+
+    def slow_release(self, record, tier):
+        time.sleep(0.3)
+        release(self, record, tier)
+
+    monkeypatch.setattr(TierStore, "_release_after_evict", slow_release)
+    written = store.evict("k", "host")
+    time.sleep(0.1)  # the write has landed; its completion is under way
+    store.wait_written("k")
+    assert store.state("k", "host") is S.ABSENT  # the release ran before wait_written returned
+    store.fetch("k", "host").wait()  # what the optimizer does next: read it back, update it in place
+    store.tensor("k", "host").add_(1)
+    store.mark_dirty("k", "host", step=2)
+    written.wait()
+    assert store.state("k", "host") is S.DIRTY
+    assert same_bits(store.tensor("k", "host"), value + 1)
+
+
 def test_concurrent_fetches_of_many_keys(make_store, nvme_dir: Path) -> None:
     store = make_store(nvme_path=str(nvme_dir), io_threads=4)
     moved = Moved(store)
