@@ -353,26 +353,3 @@ def scale_slots(flat: torch.Tensor, block: Block, scales: list[torch.Tensor | No
                 flat[slot.offset : slot.offset + slot.numel].mul_(scale.to(flat.device))
     if multiplier is not None:
         flat.mul_(multiplier.to(flat.device))
-
-
-WIDEN_PIECE = 1 << 20  # elements widened and scaled at a time: 4 MiB of fp32, multiplied while in the CPU's caches
-
-
-def widen_and_scale(narrow: torch.Tensor, out: torch.Tensor, block: Block, scales: list[torch.Tensor | None] | None,
-                    multiplier: torch.Tensor | None, piece_numel: int = WIDEN_PIECE) -> None:
-    """``out`` (fp32, the block's size) = the block's flat gradient ``narrow`` (``optimizer.host_grad_dtype:
-    compute``) widened, then ``scale_slots``' factors applied, a piece at a time: each piece is multiplied while it is
-    still in the CPU's caches, one pass over memory where widening whole and then scaling made two. The same bits:
-    widening is exact, and each element meets the same factors in the same order."""
-    device = out.device
-    factors = [None if scale is None else scale.to(device) for scale in (scales or [None] * len(block.slots))]
-    multiplier = None if multiplier is None else multiplier.to(device)
-    for begin in range(0, narrow.numel(), piece_numel):
-        end = min(narrow.numel(), begin + piece_numel)
-        out[begin:end].copy_(narrow[begin:end])
-        for slot, factor in zip(block.slots, factors):
-            low, high = max(begin, slot.offset), min(end, slot.offset + slot.numel)
-            if factor is not None and low < high:
-                out[low:high].mul_(factor)
-        if multiplier is not None:
-            out[begin:end].mul_(multiplier)

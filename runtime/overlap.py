@@ -35,7 +35,7 @@ import torch
 
 from runtime.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, split_views
 from runtime.blocks import Block
-from runtime.clipping import scale_slots, widen_and_scale
+from runtime.clipping import scale_slots
 from runtime.plan import STATE_KINDS
 from runtime.speculation import SpareBuffers
 from runtime.weights import WeightManager, WeightSource
@@ -347,18 +347,14 @@ class UpdateWorker:
         host = {kind: self._host_tensor(block.key(kind)) for kind in STATE_KINDS}
         adam_start = time.perf_counter()
         self.stats.wait_inputs_s += adam_start - start
-        grad = self.store.tensor(block.key("grad"), TierName.HOST)
-        if job.speculative:  # with the gradient as backward left it
-            self._speculate(job, host, grad if grad.dtype == torch.float32 else self._widen(grad, block, None, None))
+        grad = self._fp32_grad(self.store.tensor(block.key("grad"), TierName.HOST))
+        if job.speculative:
+            self._speculate(job, host, grad)
             self._count(job, adam_start)
             return
         # A clip coefficient of exactly 1 (the clip did not bind) changes no bit: skip its pass over the gradient.
         multiplier = job.grad_multiplier
-        multiplier = None if multiplier is None or float(multiplier) == 1.0 else multiplier
-        if grad.dtype == torch.float32:
-            scale_slots(grad, block, job.slot_multipliers, multiplier)
-        else:
-            grad = self._widen(grad, block, job.slot_multipliers, multiplier)
+        scale_slots(grad, block, job.slot_multipliers, None if multiplier is None or float(multiplier) == 1.0 else multiplier)
         self.stats.scale_s += time.perf_counter() - adam_start
         sizes = [slot.numel for slot in block.slots]
         keep = job.mask or [True] * len(sizes)
@@ -396,17 +392,18 @@ class UpdateWorker:
         self._count(job, adam_start)
         self._finish(job)
 
-    def _widen(self, grad: torch.Tensor, block: Block, scales: list[torch.Tensor | None] | None,
-               multiplier: torch.Tensor | None) -> torch.Tensor:
-        """A host gradient narrower than fp32 (``optimizer.host_grad_dtype: compute``) in fp32 with the clip's factors
-        applied (``widen_and_scale``), what AdamW takes: in a buffer of this thread's that grows to the largest block
-        (pageable: only the CPU reads it). The host gradient keeps its bits (an update done again after the commit
-        widens it again)."""
+    def _fp32_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The block's host gradient in fp32, what the clip's multiply and AdamW take: itself, or one narrower
+        (``optimizer.host_grad_dtype: compute``) widened into a buffer of this thread's that grows to the largest
+        block (pageable: only the CPU reads it). Widening is exact, and the host gradient keeps its bits (an update
+        done again after the commit widens it again)."""
+        if grad.dtype == torch.float32:
+            return grad
         if self._widened is None or self._widened.numel() < grad.numel():
             self._widened = None  # the old one goes before the larger one is taken
             self._widened = torch.empty(grad.numel(), dtype=torch.float32)
         widened = self._widened[: grad.numel()]
-        widen_and_scale(grad, widened, block, scales, multiplier)
+        widened.copy_(grad)  # counted with the clip's multiply (scale_s) or, for an early update, in adam_s
         return widened
 
     def _release_read_ahead(self, block: Block) -> None:
