@@ -181,22 +181,48 @@ def _give_back_parameters(blocks: list[Block], store: TierStore) -> None:
 
 
 def _tied_through_memory(model: nn.Module) -> tuple[str, str] | None:
-    """The names of two distinct trainable parameters whose bytes overlap (``b.weight.data = a.weight.data``), or
-    None. One Parameter used twice is a tie tierstore keeps (``named_parameters`` yields it once); parameters that
-    are disjoint slices of one buffer are each copied on their own, as offload copies every parameter."""
-    spans: dict[int, list[tuple[int, int, str]]] = {}  # storage -> (first byte, end byte, name)
-    for name, param in model.named_parameters():
-        if not param.requires_grad or param.is_meta or param.numel() == 0:
+    """The names (in the model's order) of two distinct parameters, one of them trainable, that share bytes
+    (``b.weight.data = a.weight.data``), or None. One Parameter used twice is a tie tierstore keeps
+    (``named_parameters`` yields it once); parameters over disjoint bytes of one buffer are each copied on their own,
+    as offload copies every parameter. Compared by address, so two storages over the same memory count too."""
+    spans = []  # (first byte, end byte, position, name, parameter)
+    for position, (name, param) in enumerate(model.named_parameters()):
+        if param.is_meta or param.numel() == 0:
             continue
-        itemsize = param.element_size()
-        first = param.storage_offset() * itemsize
         extent = sum((size - 1) * stride for size, stride in zip(param.shape, param.stride())) + 1
-        span = (first, first + extent * itemsize, name)
-        for other in spans.setdefault(param.untyped_storage().data_ptr(), []):
-            if span[0] < other[1] and other[0] < span[1]:
-                return other[2], name
-        spans[param.untyped_storage().data_ptr()].append(span)
+        spans.append((param.data_ptr(), param.data_ptr() + extent * param.element_size(), position, name, param))
+    spans.sort(key=lambda span: span[0])
+    for i, (_, end, position, name, param) in enumerate(spans):
+        for start, _, other_position, other_name, other in spans[i + 1:]:
+            if start >= end:  # sorted by first byte: no later one reaches back into this one
+                break
+            if (param.requires_grad or other.requires_grad) and _share_bytes(param, other):
+                pair = sorted([(position, name), (other_position, other_name)])
+                return pair[0][1], pair[1][1]
     return None
+
+
+TIE_CHECK_NUMEL = 1 << 24  # elements past which two strided parameters with overlapping extents count as sharing
+
+
+def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte extents overlap have a byte in common: a contiguous tensor covers its whole
+    extent; strided ones (interleaved views, ``buf[:, 0::2]`` beside ``buf[:, 1::2]``) are compared byte by byte, up to
+    ``TIE_CHECK_NUMEL`` elements (larger ones are taken as sharing: refused, named, rather than split silently)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    if a.numel() > TIE_CHECK_NUMEL or b.numel() > TIE_CHECK_NUMEL:
+        return True
+    return bool(torch.isin(_byte_addresses(a), _byte_addresses(b)).any())
+
+
+def _byte_addresses(tensor: torch.Tensor) -> torch.Tensor:
+    """The address of every byte of ``tensor``'s elements (int64)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    first = tensor.data_ptr() + offsets.reshape(-1, 1) * tensor.element_size()
+    return (first + torch.arange(tensor.element_size(), dtype=torch.int64)).reshape(-1)
 
 
 def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | None = None) -> None:
@@ -542,6 +568,7 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
     inputs = PlacementInputs(block_numels=tuple(b.numel for b in ordered), gpu_budget_nbytes=gpu_budget_nbytes(cfg, device),
                              gpu_plan_nbytes=gpu_plan_nbytes, compute_itemsize=itemsize,
                              fetch_itemsize=4 if source is WeightSource.MASTER else itemsize,
+                             grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize,
                              weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason,
                              updates_wait_for_commit=waits_for_commit(cfg),
                              activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"

@@ -36,12 +36,14 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   where weights are fetched for the forward and again for the backward (``fetch_itemsize`` bytes a
   parameter: 4 from an fp32 master cast on the GPU) except the blocks kept for backward, or, with weights
   resident, refreshed once from the fp32 master of the CPU-updated blocks (4 ``H``);
-  ``T_d2h = (12 S + 4 H) / d2h_rate`` (streamed state written back, fp32 gradients of the CPU-updated blocks).
+  ``T_d2h = (12 S + g H) / d2h_rate`` (streamed state written back, the CPU-updated blocks' gradients: ``g`` bytes a
+  parameter, ``grad_itemsize``, 2 for bf16 host gradients, ``optimizer.host_grad_dtype``).
   0 when master or moments are not in pinned host memory.
   When updates wait for the commit (clipping, fp16 loss scaling) they all run after the backward, beside the
   next forward: the terms count what shares that window, the streamed state each way, the next forward's
-  weight fetches (or the resident weights' refresh) and the CPU-updated blocks' gradients (held on the device
-  until the commit and scaled there, ``runtime.held_grads``), not the backward's fetches. On an H100 under DeepSpeed ZeRO-2's reservation with clipping (2026-11-27), counting them
+  weight fetches (or the resident weights' refresh) and the CPU-updated blocks' gradients (fp32 ones held on the
+  device until the commit and scaled there, ``runtime.held_grads``; bf16 ones leave in the backward, but their
+  updates still run after the commit), not the backward's fetches. On an H100 under DeepSpeed ZeRO-2's reservation with clipping (2026-11-27), counting them
   chose a fifth of the streaming the best hand-set row had, at 0.61 s a step against its 0.45. This is the
   case of steps that keep clipping; where the coefficient stays 1, host updates run early into second
   buffers during the backward (``runtime.speculation``) and the model overstates T_cpu, erring towards
@@ -79,7 +81,6 @@ log = logging.getLogger(__name__)
 
 ACTIVATION_SHARE = 0.75  # of the GPU budget the plan with nothing device-updated leaves free (see the docstring)
 STATE_ITEMSIZE = 12  # fp32 master + two moments, bytes a parameter
-GRAD_ITEMSIZE = 4  # fp32 gradient, bytes a parameter
 REFRESH_ITEMSIZE = 4  # a resident block's weights refreshed from its fp32 master
 ADAM_PROBE_NUMEL = 32 << 20  # parameters timed for the CPU AdamW rate (512 MiB of master, grad, moments)
 ADAM_PROBE_TENSORS = 16  # the probe's parameters, as views: the fused kernel sees a list, as in a block
@@ -119,6 +120,7 @@ class PlacementInputs:
     gpu_plan_nbytes: Callable[[int, int], int]
     compute_itemsize: int  # bytes a parameter of the compute weights (what keep_for_backward counts)
     fetch_itemsize: int  # bytes a parameter of one weight fetch (4: the fp32 master, cast on the GPU)
+    grad_itemsize: int = 4  # bytes a parameter of a host-updated block's gradient to host (optimizer.host_grad_dtype)
     weights_resident: bool = False  # placement.weights: gpu
     activation_reserve_nbytes: int | None = None  # tiers.gpu.activation_reserve; None: ACTIVATION_SHARE of what is free
     # Updates wait for the commit (clipping, fp16 loss scaling): what overlaps the CPU's updates is the step's end
@@ -191,7 +193,7 @@ def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed:
         weights_nbytes = inputs.fetch_itemsize * (2 * fetched - kept_numel)
     # Waiting for the commit, the CPU-updated blocks' gradients wait on the device and leave after it, scaled
     # ([Note: held gradients] in runtime.held_grads): in that window too.
-    grads_nbytes = GRAD_ITEMSIZE * host_numel
+    grads_nbytes = inputs.grad_itemsize * host_numel
     return StepTimes(cpu_s=host_numel / rates.adam_params_per_s,
                      h2d_s=(STATE_ITEMSIZE * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,
                      d2h_s=(STATE_ITEMSIZE * streamed_numel + grads_nbytes) / rates.d2h_bytes_per_s,

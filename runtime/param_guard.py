@@ -117,10 +117,22 @@ def _is_in_place(func: Callable[..., Any], kwargs: dict[str, Any] | None = None)
     return bool(kwargs) and kwargs.get("inplace") is True
 
 
+def _op_name(func: Callable[..., Any]) -> str:
+    """A call's name without an ATen overload's suffix (``torch.ops.aten._foreach_mul_.Scalar``: ``_foreach_mul_``)."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func.overloadpacket.__name__
+    return getattr(func, "__name__", "")
+
+
 def _is_foreach_in_place(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
-    """``torch._foreach_<op>_(tensors, ...)``: in place on every tensor of its first argument, a list."""
-    name = getattr(func, "__name__", "")
+    """``torch._foreach_<op>_(tensors, ...)`` (or its ATen overload): in place on every tensor of its first argument,
+    a list."""
+    name = _op_name(func)
     return name.startswith("_foreach_") and name.endswith("_") and bool(args) and isinstance(args[0], (list, tuple))
+
+
+# Foreach ops whose tensor method takes the per-tensor scalar as a keyword, not positionally.
+_VALUE_KEYWORD = frozenset({"addcmul_", "addcdiv_"})
 
 
 def is_offloaded(param: torch.Tensor) -> bool:
@@ -325,16 +337,32 @@ class ParamGuard:
         tensor method of the same name, one tensor at a time (each list argument of the same length gives its
         element), so each write to an offloaded parameter reaches its fp32 master (``_write``) like ``p.mul_(0.5)``
         does. As one call it would have changed only the compute copies fetched for it, and been lost."""
-        name = func.__name__.removeprefix("_foreach_")
+        foreach = _op_name(func)
+        name = foreach.removeprefix("_foreach_")
         method = getattr(torch.Tensor, name, None)
-        if method is None:
-            raise RuntimeError(f"{func.__name__} writes into offloaded parameters, and tierstore has no tensor method "
+        function = getattr(torch, name.removesuffix("_"), None)  # torch.maximum for _foreach_maximum_
+        if method is None and function is None:
+            raise RuntimeError(f"{foreach} writes into offloaded parameters, and tierstore has no tensor method "
                                f"{name} to apply it one parameter at a time: write each parameter in a loop "
                                "(param.copy_(...) under torch.no_grad()) or with model.load_state_dict(...)")
         tensors = args[0]
+
+        def element(arg: Any, position: int) -> Any:
+            if isinstance(arg, (list, tuple)) and len(arg) == len(tensors):
+                return arg[position]
+            if isinstance(arg, torch.Tensor) and arg.dim() == 1 and name in _VALUE_KEYWORD:
+                return arg[position].item()  # a tensor of scalars, one a tensor
+            return arg
+
         for position, tensor in enumerate(tensors):
-            rest = [a[position] if isinstance(a, (list, tuple)) and len(a) == len(tensors) else a for a in args[1:]]
-            method(tensor, *rest, **kwargs)
+            rest = [element(a, position) for a in args[1:]]
+            extra = dict(kwargs)
+            if name in _VALUE_KEYWORD and len(rest) == 3:
+                extra["value"] = rest.pop()
+            if method is not None:
+                method(tensor, *rest, **extra)
+            else:
+                tensor.copy_(function(tensor, *rest, **extra))
         return list(tensors)
 
     def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -31,13 +31,15 @@ MIN_STALL_S = 1e-3  # waits below this per step are noise
 MIN_STALL_SHARE = 0.02  # ... and so are waits below this share of the step
 RAM_MARGIN = 1.25  # moving state to pinned memory wants this much more free RAM than it takes
 READ_SATURATED = 0.8  # NVMe reads at this share of the ceiling gain nothing from more threads
-HOST_STATE_ITEMSIZE = STATE_ITEMSIZE + 4  # what a host-updated block holds in pinned memory: state and fp32 gradient
-WEIGHTS_COPY_ITEMSIZE = 2  # and, with a compute-dtype copy of its weights (weight source "weights"), that copy
+WEIGHTS_COPY_ITEMSIZE = 2  # with a compute-dtype copy of its weights (weight source "weights"), that copy
 
 
-def host_state_itemsize(cfg: dict[str, Any]) -> int:
-    """Pinned bytes a parameter of a host-updated block holds, the weights copy included when there is one."""
-    return HOST_STATE_ITEMSIZE + (WEIGHTS_COPY_ITEMSIZE if cfg.get("weight_source") == "weights" else 0)
+def host_state_itemsize(cfg: dict[str, Any], weights_copy: bool = True) -> int:
+    """Pinned bytes a parameter of a host-updated block holds: its state and its host gradient (of
+    ``optimizer.host_grad_dtype``; fp32 in profiles that predate it), and the weights copy when there is one and
+    ``weights_copy``."""
+    copy = WEIGHTS_COPY_ITEMSIZE if weights_copy and cfg.get("weight_source") == "weights" else 0
+    return STATE_ITEMSIZE + int(cfg.get("host_grad_itemsize", 4)) + copy
 
 
 def size_text(nbytes: float) -> str:
@@ -282,5 +284,6 @@ def _spill_saved(summary: dict[str, Any], steady: dict[str, Any], moved: list[di
         return 0.0
     offloaded = (summary.get("memory") or {}).get("moments_offloaded_nbytes", 0)
     # Streamed blocks already keep no host gradient and never spill: moving them frees little.
-    freed = sum(HOST_STATE_ITEMSIZE * b["numel"] for b in moved if not b.get("gpu_updated") and not b.get("gpu_streamed"))
+    itemsize = host_state_itemsize(summary.get("config") or {}, weights_copy=False)
+    freed = sum(itemsize * b["numel"] for b in moved if not b.get("gpu_updated") and not b.get("gpu_streamed"))
     return steady.get("adam_wait_inputs_s", 0.0) * min(1.0, freed / offloaded) if offloaded else 0.0

@@ -263,6 +263,7 @@ def session_meta(session: "OffloadSession") -> dict[str, Any]:
             "accumulation_steps": cfg.optimizer.accumulation_steps,
             "cpu_threads": controller.options.cpu_threads,
             "weight_source": controller.options.weight_source.value,
+            "host_grad_itemsize": controller.options.host_grad_dtype.itemsize,  # optimizer.host_grad_dtype resolved
             # the layers' activations recomputed in the backward (placement.activations), as the session runs now
             "activations_recomputed": session.activations_recomputed,
             "homes": homes,

@@ -568,6 +568,11 @@ def test_foreach_aten_and_inplace_keyword_writes_between_steps_reach_the_master(
             torch.manual_seed(3)
             torch.nn.functional.dropout(params[6], 0.5, True, True)
             torch.nn.functional.relu(params[7], inplace=True)
+            torch.ops.aten._foreach_mul_.Scalar(params, 0.5)  # an ATen overload of a foreach op
+            ones = [torch.ones_like(p) for p in params]
+            torch._foreach_addcmul_(params, ones, ones, [0.01 * i for i in range(len(params))])  # scalars per tensor
+            torch._foreach_addcdiv_(params, ones, ones, torch.arange(len(params)) * 0.01)  # a tensor of scalars
+            torch._foreach_maximum_(params, [torch.full_like(p, -0.01) for p in params])  # no Tensor.maximum_
 
     with optimizer.session:
         edit_then_train_both(edit, (plain, plain_opt), (model, optimizer))
@@ -582,7 +587,7 @@ def test_foreach_aten_and_inplace_keyword_writes_between_steps_reach_the_master(
         handle.remove()
 
 
-def test_parameters_tied_through_their_memory_are_refused_and_disjoint_slices_train_exactly(tmp_path):
+def test_parameters_tied_through_their_memory_are_refused_and_disjoint_views_are_not(tmp_path):
     """Two Parameter objects over one memory (``head.weight.data = embed.weight.data``, an old way to tie): tierstore
     would update each one's own copy and split them, where plain PyTorch updates the one memory with both. Refused
     before anything changes, naming both and the tie to write instead. Parameters that are disjoint slices of one
@@ -593,6 +598,10 @@ def test_parameters_tied_through_their_memory_are_refused_and_disjoint_slices_tr
                                          r"memory.*model\.head\.weight = model\.embed\.weight"):
         offload(tied, config(tmp_path))
     assert not any(type(p) is not nn.Parameter for p in tied.parameters())  # left as it was
+    frozen = fresh_model()  # a frozen parameter over a trainable one's memory would keep the old values
+    frozen.head.weight = nn.Parameter(frozen.embed.weight.data, requires_grad=False)
+    with pytest.raises(ValueError, match=r"embed\.weight and head\.weight are two Parameter objects"):
+        offload(frozen, config(tmp_path))
 
     def sliced() -> nn.Module:
         net = fresh_model()
@@ -600,6 +609,12 @@ def test_parameters_tied_through_their_memory_are_refused_and_disjoint_slices_tr
         net.norm.weight = nn.Parameter(flat[: SHAPE.hidden_size])  # two views of one buffer, no byte in common
         net.layers[0].attn_norm.weight = nn.Parameter(flat[SHAPE.hidden_size :])
         return net
+
+    woven_net = fresh_model()  # interleaved views, every other element each: no byte in common, accepted
+    woven = torch.stack([woven_net.norm.weight.detach(), woven_net.layers[0].attn_norm.weight.detach()], dim=1)
+    woven_net.norm.weight = nn.Parameter(woven[:, 0])
+    woven_net.layers[0].attn_norm.weight = nn.Parameter(woven[:, 1])
+    offload(woven_net, config(tmp_path))[1].session.close()
 
     plain = sliced()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)

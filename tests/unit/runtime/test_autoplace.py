@@ -190,6 +190,8 @@ def test_step_times_count_the_bytes_of_each_path():
     assert times.d2h_s == pytest.approx((12 * 200 + 4 * 700) / 2)
     resident = step_times(inputs(numels, source="resident"), rates, updated=1, streamed=1, kept_numel=0)
     assert resident.h2d_s == pytest.approx(12 * 200 + 4 * 700)  # refreshes of the CPU-updated blocks only
+    narrow = step_times(dataclasses.replace(inputs(numels), grad_itemsize=2), rates, updated=1, streamed=1, kept_numel=300)
+    assert narrow.d2h_s == pytest.approx((12 * 200 + 2 * 700) / 2)  # bf16 host gradients (host_grad_dtype)
     # Updates waiting for the commit (clipping): what shares the step's end with them, the streamed state each way,
     # the next forward's fetches (or the refreshes) and the gradients held until the commit; the backward's
     # fetches ran before it.

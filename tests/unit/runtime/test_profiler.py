@@ -541,3 +541,15 @@ def test_a_fetch_stalls_device_wait_sums_the_pieces_its_fetch_issued():
                  piece(11.0, 0.7)]
     waits = device_waits(stalls, transfers, {1: "b1.master", 2: "b2.master"})
     assert waits == {0: pytest.approx(0.10)}
+
+
+def test_the_advice_counts_the_host_gradient_of_the_run_s_dtype():
+    """What a host-updated block holds in pinned memory, a parameter: fp32 master and moments (12 bytes), its host
+    gradient (4 bytes in fp32, 2 in bf16: optimizer.host_grad_dtype; fp32 in profiles without the key) and the
+    weights copy where there is one."""
+    from runtime.profiler.advice import host_state_itemsize
+
+    assert host_state_itemsize({}) == 16
+    assert host_state_itemsize({"host_grad_itemsize": 2}) == 14
+    assert host_state_itemsize({"host_grad_itemsize": 2, "weight_source": "weights"}) == 16
+    assert host_state_itemsize({"host_grad_itemsize": 2, "weight_source": "weights"}, weights_copy=False) == 14
