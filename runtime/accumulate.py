@@ -89,7 +89,7 @@ class SumStats:
 class HostGradSums:
     """Sums micro-batch gradients of the given blocks in their host gradient buffers, on one CPU thread."""
 
-    def __init__(self, store: TierStore, blocks: list[Block], dtype: torch.dtype = torch.float32,
+    def __init__(self, store: TierStore, blocks: list[Block], *, dtype: torch.dtype = torch.float32,
                  slots: int | None = None):
         self.store = store
         self.dtype = dtype  # of the sums and of what crosses to them (optimizer.host_grad_dtype)

@@ -198,7 +198,7 @@ class Controller:
         self._read_early: set[int] = set()  # spilled blocks whose moments this step read early
         self.sums: HostGradSums | None = None  # [Note: host gradient sums]
         if options.host_sums and options.accumulation_steps > 1 and hosted:
-            self.sums = HostGradSums(store, hosted, options.host_grad_dtype)
+            self.sums = HostGradSums(store, hosted, dtype=options.host_grad_dtype)
             close_at_exit(self.sums, HostGradSums.close)  # its thread stops before the store it sums into
         self.stats = StepStats()
         # Optional observers (the profiler). Empty lists cost one truth test per wait / step boundary.

@@ -403,7 +403,8 @@ class UpdateWorker:
             self._widened = None  # the old one goes before the larger one is taken
             self._widened = torch.empty(grad.numel(), dtype=torch.float32)
         widened = self._widened[: grad.numel()]
-        widened.copy_(grad)  # counted with the clip's multiply (scale_s) or, for an early update, in adam_s
+        with torch.profiler.record_function("tierstore.widen_host_grad"):
+            widened.copy_(grad)  # counted with the clip's multiply (scale_s) or, for an early update, in adam_s
         return widened
 
     def _release_read_ahead(self, block: Block) -> None:

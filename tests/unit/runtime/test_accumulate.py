@@ -50,7 +50,7 @@ def test_bf16_sums_add_in_bf16_in_micro_batch_order_as_a_bf16_grad_does():
     block = blocks[0]
     with TierStore(StoreConfig(device="cpu", pin=False)) as store:
         store.register(block.key("grad"), TensorMeta(torch.bfloat16, block.numel), TierName.HOST)
-        sums = HostGradSums(store, [block], torch.bfloat16, slots=2)
+        sums = HostGradSums(store, [block], dtype=torch.bfloat16, slots=2)
         sums.piece_numel = 16
         try:
             grads = [torch.randn(block.numel, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(4)]
@@ -71,7 +71,7 @@ def test_a_gradient_other_than_the_block_s_flat_one_of_the_sums_dtype_is_refused
     with pytest.raises(ValueError, match="flat float32 gradient, got bfloat16"):
         sums.add(blocks[0], torch.zeros(blocks[0].numel, dtype=torch.bfloat16), [True] * len(blocks[0].slots))
     sums.close()
-    narrow = HostGradSums(store, blocks, torch.bfloat16, slots=2)
+    narrow = HostGradSums(store, blocks, dtype=torch.bfloat16, slots=2)
     try:
         with pytest.raises(ValueError, match="flat bfloat16 gradient, got float32"):
             narrow.add(blocks[0], torch.zeros(blocks[0].numel), [True] * len(blocks[0].slots))
