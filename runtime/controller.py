@@ -1337,8 +1337,8 @@ def gpu_updated_blocks(blocks: list[Block], fraction: float) -> frozenset[int]:
 
 
 def _fp32_norms(views: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each gradient's 2-norm in fp32, whatever their dtype: the plain loop takes them from its fp32 masters'
-    gradients (accumulated in fp32 over a compute-dtype gradient, the same values)."""
+    """Each gradient's 2-norm computed and returned in fp32, whatever the gradients' dtype: the plain loop takes
+    them from its fp32 masters' gradients, which hold the same values in fp32."""
     if views and views[0].dtype != torch.float32:
         return list(torch._foreach_norm(views, 2.0, dtype=torch.float32))
     return list(torch._foreach_norm(views, 2.0))

@@ -345,9 +345,10 @@ class UpdateWorker:
             self._finish(job)
             return
         host = {kind: self._host_tensor(block.key(kind)) for kind in STATE_KINDS}
+        grad = self.store.tensor(block.key("grad"), TierName.HOST)  # waits for its copy to land: an input
         adam_start = time.perf_counter()
         self.stats.wait_inputs_s += adam_start - start
-        grad = self._fp32_grad(self.store.tensor(block.key("grad"), TierName.HOST))
+        grad = self._fp32_grad(grad)
         if job.speculative:
             self._speculate(job, host, grad)
             self._count(job, adam_start)
