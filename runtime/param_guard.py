@@ -351,7 +351,7 @@ class ParamGuard:
             if isinstance(arg, (list, tuple)) and len(arg) == len(tensors):
                 return arg[position]
             if isinstance(arg, torch.Tensor) and arg.dim() == 1 and name in _VALUE_KEYWORD:
-                return arg[position].item()  # a tensor of scalars, one a tensor
+                return arg[position].item()  # a tensor of scalars: one scalar for each tensor
             return arg
 
         for position, tensor in enumerate(tensors):
