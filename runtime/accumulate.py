@@ -12,8 +12,9 @@ offload (norms, clipping, unscaling).
 The sums run in micro-batch order, ((g1 + g2) + g3) + ..., in the host gradient dtype: what a plain loop's ``.grad``
 holds, bit for bit, for fp32 parameters (fp32 sums) and for bf16 ones (bf16 sums, each add rounded, as autograd
 accumulates a bf16 ``.grad``; the CPU widens the total to fp32 for the clip and AdamW, exactly). fp32 sums under
-bf16 (``host_grad_dtype: fp32``) are finer than the plain loop's and take twice the pinned memory: at the 8B
-scenario's budget 13.6 GiB more, which is 8 more blocks' moments on disk. A parameter without a gradient in some
+bf16 (``host_grad_dtype: fp32``) are finer than the plain loop's and take twice the pinned memory: in the 8B
+scenario 13.6 GiB more once the embedding and layer 0 update on the GPU (15.0 in the all-CPU first step); with them
+12 blocks' moments stayed on disk, with bf16 sums none (call G3, an H200). A parameter without a gradient in some
 micro-batch adds zero there (exact, but for the sign of a zero), and it is updated at the step when any micro-batch
 of the step gave it a gradient.
 Between micro-batches the parameter's ``.grad`` is an ``OffloadedGrad`` standing for the host sum (runtime.clipping):
@@ -23,7 +24,7 @@ reading its values raises. The copies off the device go through a
 few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
 pieces, each made from the parameters' gradients once a buffer is free for it, so the GPU never holds a second
 copy of a block's gradient: 2 GiB of fp32 for the 8B scenario's head): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
-(1 GiB, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
+(1 GiB of fp32 sums, 512 MiB of bf16 ones, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
 A piece holds its buffer from the moment the backward queues its copy, while the GPU may still be computing
 it, so the backward's wait for a buffer is the training thread running ahead of the GPU as much as the GPU
 idling: twelve buffers cut that wait from 16-17 s to 3.6 s a step of the 8B scenario but not its

@@ -191,8 +191,9 @@ def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed:
         weights_nbytes = inputs.fetch_itemsize * fetched
     else:
         weights_nbytes = inputs.fetch_itemsize * (2 * fetched - kept_numel)
-    # Waiting for the commit, the CPU-updated blocks' gradients wait on the device and leave after it, scaled
-    # ([Note: held gradients] in runtime.held_grads): in that window too.
+    # Waiting for the commit, the CPU-updated blocks' gradients count in that window too: fp32 ones wait on the
+    # device and leave after it, scaled ([Note: held gradients] in runtime.held_grads); narrower ones
+    # (optimizer.host_grad_dtype) leave in the backward, but beside the same copies of the step's end.
     grads_nbytes = inputs.grad_itemsize * host_numel
     return StepTimes(cpu_s=host_numel / rates.adam_params_per_s,
                      h2d_s=(STATE_ITEMSIZE * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,

@@ -81,7 +81,7 @@ class WorkerStats:
 
     adam_s: float = 0.0
     kernel_s: float = 0.0  # of adam_s, in the AdamW kernel itself, early (speculative) runs included
-    scale_s: float = 0.0  # of adam_s, multiplying gradients by clip factors
+    scale_s: float = 0.0  # of adam_s, widening narrow host gradients to fp32 and multiplying by clip factors
     refresh_s: float = 0.0  # of adam_s, issuing (or making) the compute weights' refresh
     wait_inputs_s: float = 0.0
     jobs: int = 0

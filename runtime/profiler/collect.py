@@ -217,7 +217,8 @@ class Profiler:
 
 
 def adam_split(stats: WorkerStats) -> dict[str, float]:
-    """The worker's cumulative seconds in the AdamW kernel, in multiplying gradients by clip factors and in
+    """The worker's cumulative seconds in the AdamW kernel, in widening narrow host gradients and multiplying
+    gradients by clip factors, and in
     refreshing compute weights (parts of its update time; pre-commit updates' kernels are not split out)."""
     return {"kernel_s": stats.kernel_s, "scale_s": stats.scale_s, "refresh_s": stats.refresh_s}
 

@@ -48,7 +48,7 @@ def _header(summary: dict[str, Any]) -> str:
                  f"({hidden / adam if adam else 0:.0%}) overlapped GPU work; Adam waited {totals['adam_wait_inputs_s']:.3f} s for inputs")
     split = totals.get("adam_split_s") or {}  # absent from summaries saved before it was recorded
     if any(split.values()):
-        lines.append(f"CPU Adam's parts: AdamW kernel {split.get('kernel_s', 0.0):.3f} s, clip factors "
+        lines.append(f"CPU Adam's parts: AdamW kernel {split.get('kernel_s', 0.0):.3f} s, widening + clip factors "
                      f"{split.get('scale_s', 0.0):.3f} s, weight refreshes {split.get('refresh_s', 0.0):.3f} s "
                      "(the kernel counts updates run before their commit too; the rest: copying parameters without a "
                      "gradient into early results, write-backs, bookkeeping)")

@@ -1,5 +1,5 @@
 """Gradient accumulation summed in host memory (``optimizer.accumulate_on: host``) equals a plain loop's, bit for
-bit in fp32 on the CPU: without clipping, with a clip coefficient below 1 and of exactly 1 (early updates), with
+bit in fp32 on the CPU (and under bf16 the plain bf16 loop's, whose ``.grad`` sums in bf16 as the host sums do): without clipping, with a clip coefficient below 1 and of exactly 1 (early updates), with
 activation checkpointing, tied embeddings and fp16 overflow steps. The gradients of the micro-batches that do not
 end a step really leave the device (bytes counted) and the parameters hold no gradient between micro-batches."""
 
@@ -18,7 +18,9 @@ STEPS = 3
 
 
 def train_both(config: dict, accumulation: int, *, shape: ModelShape = SHAPE, checkpointing: bool = False,
-               dtype: torch.dtype = torch.float32, loss_scale: float | None = None, steps: int = STEPS):
+               dtype: torch.dtype = torch.float32, loss_scale: float | None = None, steps: int = STEPS,
+               grad_dtype: torch.dtype | None = None):
+    """Both loops on the same micro-batches; ``grad_dtype``: the host gradient dtype the session must have."""
     torch.manual_seed(0)
     model = ExampleLM(shape, activation_checkpointing=checkpointing)
     opt = config.setdefault("optimizer", {})
@@ -32,7 +34,9 @@ def train_both(config: dict, accumulation: int, *, shape: ModelShape = SHAPE, ch
     assert sums is not None, "accumulate_on: host did not give the session host sums"
     batches = make_batches(steps * accumulation)
     ours, theirs = [], []
-    itemsize = session.store.record(session.blocks[0].key("grad")).meta.dtype.itemsize  # of the host gradient dtype
+    host_grad_dtype = session.store.record(session.blocks[0].key("grad")).meta.dtype
+    assert grad_dtype is None or host_grad_dtype == grad_dtype
+    itemsize = host_grad_dtype.itemsize
     with session:
         for step in range(steps):
             micro = batches[step * accumulation : (step + 1) * accumulation]
@@ -68,16 +72,16 @@ def test_bf16_host_sums_equal_the_plain_bf16_loop_bit_for_bit(clip):
     their order, as the plain loop's bf16 ``.grad`` accumulates, and the CPU widens the sum to fp32 for the clip and
     AdamW, as the plain loop's fp32 masters take it. Bit for bit on the CPU, half the bytes across."""
     config = {"dtype": "bf16", "optimizer": {"grad_clip": clip}}
-    ours, theirs, weights, reference, stats = train_both(config, 3, dtype=torch.bfloat16)
+    ours, theirs, weights, reference, stats = train_both(config, 3, dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
     assert ours == theirs
     assert_identical(weights, reference)
     if clip == 0.05:
         assert min(stats.grad_norms) > 0.05  # every step clipped
 
 
-def test_fp32_host_sums_under_bf16_are_finer_than_the_plain_bf16_loop():
+def test_fp32_host_sums_under_bf16_differ_from_the_plain_bf16_loop_by_rounding():
     """``host_grad_dtype: fp32`` under bf16: the sums are exact to fp32, so the weights differ from the plain bf16
-    loop's (whose ``.grad`` rounds at each micro-batch) by rounding only."""
+    loop's (whose ``.grad`` rounds at each micro-batch), by rounding only."""
     config = {"dtype": "bf16", "optimizer": {"host_grad_dtype": "fp32"}}
     ours, theirs, weights, reference, _ = train_both(config, 3, dtype=torch.bfloat16)
     assert ours[:3] == theirs[:3]  # the first step's losses, before any update

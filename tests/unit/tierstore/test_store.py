@@ -27,6 +27,7 @@ from tierstore import (
     TransferEvent,
 )
 from tierstore.nvme import HEADER_NBYTES, SUFFIX
+from tierstore.transfer import Handle
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
 NUMELS = [0, 1, 4097, (3 << 20) // 4 + 3]
@@ -480,24 +481,25 @@ def test_a_fetch_waiting_under_the_lock_for_queued_io_is_not_held_up_by_completi
         make_store, nvme_dir: Path, monkeypatch) -> None:
     """A fetch holds the store's lock while it waits for a read still queued on the IO threads; the callbacks of
     transfers those threads just finished need the same lock. They must not run on the IO threads, or the read
-    never starts and both sides wait for ever. One IO thread; the write's release-after-evict is slowed so that
-    the fetch takes the lock first."""
+    never starts and both sides wait for ever. One IO thread; the write's completion is slowed before its callbacks
+    run, so that the fetch takes the lock first (on the IO thread, as before the done pool, this hangs)."""
     store = make_store(nvme_path=str(nvme_dir), io_threads=1)
     value = {k: random_tensor(torch.float32, 50_000, i) for i, k in enumerate(("written", "read"))}
     for key, tensor in value.items():
         store.register(key, TensorMeta.of(tensor), "nvme", init=tensor)
     store.fetch("written", "host").wait()
     store.mark_dirty("written", "host")
-    release = TierStore._release_after_evict
+    finish = Handle._finish
 
-    def slow_release(self, record, tier):
-        time.sleep(0.3)  # the fetch below takes the lock meanwhile
-        release(self, record, tier)
+    def slow_finish(handle: Handle) -> None:
+        if handle.key == "written" and handle.dst_tier == "nvme":
+            time.sleep(0.3)  # the fetch below takes the lock meanwhile
+        finish(handle)
 
-    monkeypatch.setattr(TierStore, "_release_after_evict", slow_release)
-    written = store.evict("written", "host")  # its callback will want the lock
+    monkeypatch.setattr(Handle, "_finish", slow_finish)
+    written = store.evict("written", "host")  # its callbacks (settle, release) will want the lock
     queued = store.fetch("read", "host")  # queued behind the write on the one IO thread
-    time.sleep(0.05)  # the write has finished and its callback is sleeping
+    time.sleep(0.05)  # the write has finished and its completion is sleeping
     done = threading.Event()
 
     def fetch_to_gpu() -> None:
