@@ -188,6 +188,25 @@ def test_bf16_weights_from_a_host_copy_under_accumulation_bit_identical(monkeypa
     assert sum(e.nbytes for e in fetched) >= 2 * sum(p.numel() for p in reference.masters) * 3 * STEPS
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_bf16_host_gradients_without_accumulation_lose_nothing(clip):
+    """``optimizer.host_grad_dtype: compute`` where nothing is summed: a bf16 gradient crosses to host as bf16 (half
+    the bytes of fp32, which ``auto`` keeps here so that a clip can be applied on the device) and is widened on the
+    CPU exactly, so training matches the mixed-precision reference bit for bit, every step clipped or not."""
+    seen = {}
+
+    def inspect(session):
+        seen["dtypes"] = {session.store.record(b.key("grad")).meta.dtype for b in session.blocks}
+
+    config = {"dtype": "bf16", "optimizer": {"grad_clip": clip, "host_grad_dtype": "compute"}}
+    ours, theirs, weights, reference, events, (stats, _, _) = run_both(config, dtype=torch.bfloat16, inspect=inspect)
+    assert seen["dtypes"] == {torch.bfloat16}
+    assert ours == theirs
+    assert_identical(weights, reference)
+    if clip:
+        assert min(stats.grad_norms) > clip  # every step clipped: the clip multiplied the widened gradients
+
+
 def test_bf16_weights_fetched_from_the_master_in_pieces_bit_identical(monkeypatch):
     """Weights fetched from the fp32 master cross in pieces of at most FETCH_PIECE_NUMEL elements, each cast into
     the compute weights after its copy ([Note: fetch staging] in runtime.weights): with pieces far smaller than a
