@@ -121,6 +121,11 @@ class StateAccess:
         if not writing or controller.step_pending:
             self.end_batch()
         if controller.step_pending and not (read_only and controller.phase is StepPhase.ACCUMULATING):
+            if controller.phase is StepPhase.ACCUMULATING:  # a write: reads are served here
+                raise RuntimeError(
+                    "writing parameters or optimizer state between the micro-batches of a step (a backward ran since "
+                    "the last optimizer.step()) is refused: write them between steps (after optimizer.step(), or after "
+                    "optimizer.zero_grad() to drop the pending step). Reads work here and give the last step's state")
             raise RuntimeError(
                 "the training state is being updated: a backward ran since the last optimizer.step(). Read or "
                 "write parameters and optimizer state between steps (after optimizer.step(), or after "
