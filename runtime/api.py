@@ -509,7 +509,7 @@ def _plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierNam
                      source.value, torch.empty((), dtype=dtype).element_size(), cfg.prefetch.depth,
                      cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
                      spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums,
-                     grad_itemsize=torch.empty((), dtype=host_grad_dtype(cfg, host_sums)).element_size())
+                     grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize)
 
 
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress

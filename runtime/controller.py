@@ -184,9 +184,7 @@ class Controller:
         self._grad_only_use: set[int] = set()  # blocks a backward that is no micro-batch holds (on_grad_only_backward)
         self._deferred_jobs: list[UpdateJob] = []
         self.held = HeldGrads(self.device)  # [Note: held gradients]
-        # Whether this step's host gradients may be held: where a clip (ours or the user's) may scale them. Not
-        # into host gradients narrower than fp32: the clip's product must reach AdamW unrounded (the CPU scales it).
-        self._holds_at_all = options.host_grad_dtype == torch.float32
+        # Whether this step's host gradients may be held: where a clip (ours or the user's) may scale them.
         self._hold_grads = self._holds_at_all and (options.grad_clip is not None or options.hold_updates)
         self._updating: set[int] = set()  # blocks whose update of the pending step has been submitted
         self._wanted: set[int] = set()  # blocks the forward wants but whose update had not landed yet
@@ -836,6 +834,12 @@ class Controller:
         if job.speculative:  # runs now, out of place; the commit publishes or redoes it
             self.stats.early_updates += 1
             self.worker.submit(job)
+
+    @property
+    def _holds_at_all(self) -> bool:
+        """Whether host gradients are ever held on the device: not where they are narrower than fp32, since the clip's
+        product must reach AdamW unrounded (the CPU scales the widened gradient)."""
+        return self.options.host_grad_dtype == torch.float32
 
     def _add_host_sum(self, block: Block, flat: torch.Tensor) -> None:
         """Add the block's host gradient sum into its flat gradient on the device (the same dtype), brought in a piece
