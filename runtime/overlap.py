@@ -172,10 +172,17 @@ class UpdateWorker:
             return 0.0
         start = time.perf_counter()
         with self._cond:
-            while self._updated_step[index] < step and self._error is None:
+            while self._updated_step[index] < step and self._error is None and not self._stopped():
                 self._cond.wait(timeout=1.0)
         self._raise_if_failed()
+        if self._updated_step[index] < step:  # closed (by close() or at interpreter exit) with the update never queued
+            raise RuntimeError(f"the update worker was stopped (the session was closed) before block {index} was "
+                               f"updated to step {step}: nothing will update it now")
         return time.perf_counter() - start
+
+    def _stopped(self) -> bool:
+        """Whether the thread has finished stopping (close() lets it run the jobs queued before it ends)."""
+        return self._stopping and not self._thread.is_alive()
 
     def drain(self) -> None:
         """Wait until no update is queued or running and the NVMe write-backs they started have landed (a failed

@@ -7,7 +7,9 @@ behind. ``atexit`` is too late for them: Python first runs the threading module'
 after interpreter shutdown"); daemon threads then run on into finalization (on CUDA a thread calling into
 the driver there aborts the process). ``close_at_exit`` registers with those same threading exit hooks,
 which run newest first: an object registered after ``concurrent.futures`` was imported is closed while its
-thread pools, its worker threads and CUDA still work.
+thread pools, its worker threads and CUDA still work. Those hooks run before Python joins the program's own
+non-daemon threads, so a hook first waits for them (``_join_program_threads``): a training thread the main one
+did not join trains on to its end, as it would without tierstore, before anything it uses is closed.
 
 It holds a weak reference only: registering changes no object's lifetime, and a closed or collected object
 costs nothing at exit. A forked child (a DataLoader worker) inherits the hooks and runs them at its own exit;
@@ -18,6 +20,7 @@ What no exit hook can clean (a process killed by SIGKILL), ``reclaim_abandoned``
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread
 import fcntl
 import logging
 import os
@@ -51,6 +54,7 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
         target = ref() if os.getpid() == owner else None
         if target is None:
             return
+        _join_program_threads()
         try:
             close(target)
         except Exception:
@@ -63,6 +67,21 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
         register(hook)
     except RuntimeError:  # the interpreter is already shutting down: nothing later would run it
         log.debug("interpreter shutting down; %s is not closed at exit", type(obj).__name__)
+
+
+def _join_program_threads() -> None:
+    """Wait for the program's live non-daemon threads (not this one, not thread pools' idle workers, which
+    their own exit hook stops after ours). Python would join them anyway, right after the threading exit
+    hooks; joining them first keeps what they use open until they end. Ctrl-C stops the wait."""
+    pool_worker = getattr(concurrent.futures.thread, "_worker", None)
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is current or thread.daemon or not thread.is_alive():
+            continue
+        if pool_worker is not None and getattr(thread, "_target", None) is pool_worker:
+            continue
+        log.info("interpreter exit: waiting for thread %r to finish before closing tierstore's objects", thread.name)
+        thread.join()
 
 
 def reclaim_abandoned(root: str | os.PathLike[str], prefix: str) -> list[Path]:

@@ -4,6 +4,7 @@ It trains the tiny model with master and moments in swap files and never calls `
 
     noclose SWAP [SWAP...]  one session per swap path (``tmp``: a temporary directory), a few steps each, return
     loop SWAP               train until a signal ends it
+    thread SWAP             a non-daemon thread trains 6 steps; the main thread returns once it has taken one
 
 Markers on stdout: ``SWAP <dir>`` (where the session's swap files are), ``STEP <n>`` after each step, ``END``.
 """
@@ -11,6 +12,7 @@ Markers on stdout: ``SWAP <dir>`` (where the session's swap files are), ``STEP <
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
@@ -51,6 +53,18 @@ def main(argv: list[str]) -> int:
             train(model, optimizer, 3)
     elif mode == "loop":
         train(*session_for(swaps[0]), None)
+    elif mode == "thread":
+        first_step = threading.Event()
+
+        def trainer() -> None:
+            model, optimizer = session_for(swaps[0])
+            train(model, optimizer, 1)
+            first_step.set()
+            train(model, optimizer, 5)
+            print("THREAD END", flush=True)
+
+        threading.Thread(target=trainer, name="user-trainer").start()
+        first_step.wait()  # then return without joining it: Python joins it at exit
     print("END", flush=True)
     return 0
 

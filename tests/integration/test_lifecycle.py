@@ -1,6 +1,7 @@
 """How a training process ends, tried as a user would, each in its own process (the claims are about exit):
 
-- a script that returns without ``session.close()`` exits 0, with no traceback and no swap file left;
+- a script that returns without ``session.close()`` exits 0, with no traceback and no swap file left, also
+  while a thread it did not join still trains (that thread finishes first);
 - SIGTERM (what schedulers and ``docker stop`` send) mid-training ends a script or ``tierstore train`` with a
   non-zero status and a message, no swap file left, and the latest checkpoint intact;
 - after SIGKILL (nothing of the process runs) the next start reclaims what was left: the same swap
@@ -220,3 +221,15 @@ def test_exit_without_close_on_cuda_never_aborts(case):
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (attempt, proc.returncode, proc.stderr[-2000:])
         swap = Path(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("SWAP")))
         assert not swap.exists() or not list(swap.glob("*.tsw")), attempt
+
+
+def test_a_thread_still_training_when_the_script_returns_finishes_before_the_session_closes(children, tmp_path):
+    """Python joins non-daemon threads after the threading exit hooks that close tierstore's objects: those hooks
+    wait for the thread first (they had closed the session under it: a hang in wait_updated, or a KeyError)."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    child = start(children, "-m", "tests.integration.lifecycle_child", "thread", str(swap))
+    child.wait_for("THREAD END")
+    assert child.finish() == 0, child.text()
+    assert "Traceback" not in child.text(), child.text()
+    assert swap_files(swap) == []

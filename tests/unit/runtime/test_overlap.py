@@ -641,3 +641,27 @@ def test_drain_waits_for_the_queued_and_running_updates_only() -> None:
     worker.drain()
     assert finished.is_set()
     assert worker._writebacks == [written]  # left for synchronize(), which raises a failed one's error
+
+
+def test_a_wait_for_an_update_that_was_never_queued_ends_with_an_error_once_the_worker_is_stopped():
+    """A training thread still waiting when the session closes under it (interpreter exit) gets an error that
+    says why, not a wait that never ends; updates queued before the close still run."""
+    with make_setup() as s:
+        worker = UpdateWorker(s.blocks, s.store, HYPER, s.weights)
+        set_grads(s, seed=1)
+        worker.submit(job(s, 0, 1))
+        waited: list[BaseException | float] = []
+        waiter = threading.Thread(target=lambda: waited.append(_wait_or_error(worker, 1, 1)), daemon=True)
+        waiter.start()
+        worker.close()
+        waiter.join(timeout=10)
+        assert not waiter.is_alive(), "the wait outlived the worker"
+        assert worker.updated_step(0) == 1  # the queued update ran before the thread stopped
+        assert isinstance(waited[0], RuntimeError) and "block 1 was updated to step 1" in str(waited[0])
+
+
+def _wait_or_error(worker: UpdateWorker, index: int, step: int) -> BaseException | float:
+    try:
+        return worker.wait_updated(index, step)
+    except BaseException as exc:  # noqa: BLE001  (the test inspects it)
+        return exc

@@ -415,7 +415,8 @@ def test_unregister_and_close_return_everything(make_store, nvme_dir: Path) -> N
 
 def test_second_store_on_the_same_directory_is_refused(make_store, nvme_dir: Path) -> None:
     make_store(nvme_path=str(nvme_dir))
-    with pytest.raises(DirectoryLockedError, match="in use"):
+    with pytest.raises(DirectoryLockedError, match=r"held by an object of this same process .* never closed: close it "
+                                                   r"first \(a training session: `optimizer.session.close\(\)`\)"):
         TierStore(StoreConfig(nvme_path=str(nvme_dir), host_budget_nbytes=4096))
 
 
