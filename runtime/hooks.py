@@ -63,6 +63,31 @@ def _will_accumulate(param: torch.Tensor) -> bool:
         return False
 
 
+def _inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a pickled or copied model holds in place of a session's hook: the copy is no offloaded model."""
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return _inert_hook
+
+
+class SessionHook:
+    """A module hook of one session: called as the function it wraps. A pickle of the model (``torch.save(model)``)
+    or a ``copy.deepcopy`` gets ``_inert_hook`` in its place: the function itself is a closure, which pickle refuses
+    (the whole save failed), and a copy must not drive this session. Every hook runs with Ctrl-C and SIGTERM held
+    back until it returns ([Note: deferred interrupts]). No ``__slots__``: torch marks some hooks with an attribute."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self._fn = defers_interrupts(fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _inert, ()
+
+
 class HookSet:
     """Registers the runtime's hooks on a model; ``remove()`` takes them all off."""
 
@@ -74,16 +99,15 @@ class HookSet:
         self._params = [slot.param for block in blocks for slot in block.slots]
         self._task: tuple[int, bool] = (-1, False)
         self._module_blocks = self._needed_blocks(model, blocks)
-        # Module hooks are closures that act only for the module they were registered on: a copy.deepcopy of
-        # the model shares them (functions are copied by reference) and must not drive this session.
-        # Every hook runs with Ctrl-C and SIGTERM held back until it returns ([Note: deferred interrupts]).
-        self._handles.append(model.register_forward_pre_hook(defers_interrupts(self._make_root_pre_forward(model))))
+        # Module hooks are closures that act only for the module they were registered on, held in a SessionHook: a
+        # copy.deepcopy or a pickle of the model gets an inert hook instead, and must not drive this session anyway.
+        hook = SessionHook
+        self._handles.append(model.register_forward_pre_hook(hook(self._make_root_pre_forward(model))))
         # always_call: it runs when the forward raises too, so the controller knows no forward is running then.
-        self._handles.append(model.register_forward_hook(defers_interrupts(self._make_root_post_forward(model)),
-                                                         always_call=True))
+        self._handles.append(model.register_forward_hook(hook(self._make_root_post_forward(model)), always_call=True))
         for module, indices in self._module_blocks.items():
-            self._handles.append(module.register_forward_pre_hook(defers_interrupts(self._make_pre_forward(indices, module))))
-            self._handles.append(module.register_forward_hook(defers_interrupts(self._make_post_forward(indices, module))))
+            self._handles.append(module.register_forward_pre_hook(hook(self._make_pre_forward(indices, module))))
+            self._handles.append(module.register_forward_hook(hook(self._make_post_forward(indices, module))))
         param_grad = defers_interrupts(self._param_grad)
         for block in blocks:
             for slot in block.slots:
@@ -222,7 +246,7 @@ class StateDictHooks:
         self._destination: Any = None  # the dict the cached call fills (a call that raised never cleared it)
         self._keep_vars = False
         self._handles: list[Any] = []
-        # Plain functions, not bound methods: torch marks the post-hook function with an attribute.
+        # Not bound methods: torch marks the post-hook with an attribute (SessionHook takes one).
         def pre(module: nn.Module, *args: Any) -> None:
             if id(module) in self._modules:
                 self._pre(module, *args)
@@ -243,8 +267,8 @@ class StateDictHooks:
             if id(module) in self._modules:
                 self._finish_load()
 
-        self._handles.append(model.register_forward_pre_hook(defers_interrupts(before_forward)))
-        pre, post, pre_load, post_load = map(defers_interrupts, (pre, post, pre_load, post_load))
+        self._handles.append(model.register_forward_pre_hook(SessionHook(before_forward)))
+        pre, post, pre_load, post_load = map(SessionHook, (pre, post, pre_load, post_load))
         for module in model.modules():  # every module: the outermost state_dict() call opens the cache
             self._handles.append(module.register_state_dict_pre_hook(pre))
             self._handles.append(module.register_state_dict_post_hook(post))

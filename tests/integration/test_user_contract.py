@@ -895,6 +895,28 @@ def test_deepcopy_gives_a_plain_model_with_the_current_weights(tmp_path):
         assert_same(model.state_dict(), plain.state_dict())
 
 
+def test_torch_save_of_the_whole_model_gives_a_plain_model_with_the_current_weights(tmp_path):
+    """Older scripts checkpoint with torch.save(model): the pickle failed on the session's hooks (closures). Now
+    it holds an ordinary model, the current weights and inert hooks in the session's place."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        batches = make_batches(3)
+        for batch in batches[:2]:
+            plain_step(plain, plain_opt, batch)
+            offloaded_step(model, optimizer, batch)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert all(type(p) is nn.Parameter for p in loaded.parameters())
+        assert_same(loaded.state_dict(), plain.state_dict())
+        assert torch.equal(loaded(*batches[2]), plain(*batches[2]))  # runs without the session
+        plain_step(plain, plain_opt, batches[2])
+        offloaded_step(model, optimizer, batches[2])  # and the session is undisturbed
+        assert_same(model.state_dict(), plain.state_dict())
+
+
 @pytest.mark.parametrize("user_clip, when", [(False, "before step"), (True, "before step"), (False, "after step")])
 def test_an_lr_change_between_backward_and_step_is_said_when_it_applies_a_step_late(tmp_path, caplog, user_clip, when):
     """Streaming updates start as gradients land, with the lr the backward found: an lr set after backward, before
