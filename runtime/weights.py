@@ -71,6 +71,17 @@ class WeightManager:
         self._held_refreshes: dict[int, torch.Tensor] | None = None
         self._staging: torch.Tensor | None = None  # of master fetches, made at the first ([Note: fetch staging])
 
+    def cut_off(self) -> list[str]:
+        """Names of parameters that no longer view their block's weights: ``p.set_(t)`` (which reaches no
+        torch-function override, so the parameter guard never sees it) gave them memory of their own, which no
+        fetch writes and no update reaches."""
+        names = []
+        with torch._C.DisableTorchFunctionSubclass():
+            for state in self.states:
+                storage = state.flat.untyped_storage()._cdata
+                names += [slot.name for slot in state.block.slots if slot.param.untyped_storage()._cdata != storage]
+        return names
+
     @property
     def needs_cast(self) -> bool:
         """True when fetched bytes are fp32 master and the compute dtype differs."""

@@ -895,6 +895,19 @@ def test_deepcopy_gives_a_plain_model_with_the_current_weights(tmp_path):
         assert_same(model.state_dict(), plain.state_dict())
 
 
+def test_a_parameter_given_other_memory_by_set_is_refused_at_the_next_forward(tmp_path):
+    """p.set_(t) reaches no torch-function override: the parameter silently stopped following the tiers (the
+    forward computed with t forever while the master trained on). The next forward refuses, naming it."""
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session:
+        batch = make_batches(1)[0]
+        offloaded_step(model, optimizer, batch)
+        with torch.no_grad():
+            model.head.weight.set_(torch.full(model.head.weight.shape, 0.25))
+        with pytest.raises(RuntimeError, match=r"parameter head.weight no longer uses tierstore.s memory .*param.copy_"):
+            model(*batch)
+
+
 def test_torch_save_of_the_whole_model_gives_a_plain_model_with_the_current_weights(tmp_path):
     """Older scripts checkpoint with torch.save(model): the pickle failed on the session's hooks (closures). Now
     it holds an ordinary model, the current weights and inert hooks in the session's place."""
