@@ -18,14 +18,16 @@ states are uint8 tensors stored as raw bytes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -34,12 +36,16 @@ import yaml
 from runtime.checkpoint_io import (
     CheckpointError,
     FileEntry,
+    LATEST_NAME,
+    MANIFEST_NAME,
     META_NAME,
     PendingCheckpoint,
     check_listing,
     copy_range,
     find_checkpoint,
     json_bytes,
+    list_checkpoints,
+    parse_step_dir,
     read_verified,
     read_verified_into,
     resolve_checkpoint,
@@ -50,6 +56,7 @@ from runtime.checkpoint_meta import FORMAT, VERSION, read_meta
 from runtime.checkpoint_root import CheckpointRoot
 from runtime.config import dump_config
 from runtime.plan import STATE_KINDS
+from runtime.signals import defers_interrupts
 from runtime.state_access import refresh_compute_weights
 from runtime.step_phase import StepPhase
 from runtime.weights import WeightSource
@@ -64,7 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "CheckpointRoot", "bench_checkpoint", "find_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointError", "CheckpointRoot", "DamagedCheckpointError", "bench_checkpoint", "find_checkpoint", "load_checkpoint",
            "resume_training", "save_checkpoint", "save_due", "verify_checkpoint"]
 
 CONFIG_NAME = "config.yaml"
@@ -272,16 +279,13 @@ def _optimizer_state(session: "OffloadSession", scheduler: Any) -> dict[str, Any
     return out
 
 
-def _restore_optimizer_state(session: "OffloadSession", meta: dict[str, Any], scheduler: Any, path: Path) -> None:
+def _restore_optimizer_state(session: "OffloadSession", meta: dict[str, Any], scheduler: Any) -> None:
+    """The checkpoint's param_groups hyper-parameters and the scheduler's state (both checked by _check_compatible)."""
     groups = meta.get("param_groups")
     if groups is not None:
-        if len(groups) != len(session.optimizer.param_groups):
-            raise CheckpointError(f"{path}: it has {len(groups)} parameter groups, the optimizer {len(session.optimizer.param_groups)}")
         for group, saved in zip(session.optimizer.param_groups, groups):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     if scheduler is not None:
-        if meta.get("scheduler") is None:
-            raise CheckpointError(f"{path} holds no LR scheduler state; it was saved without scheduler=")
         scheduler.load_state_dict(meta["scheduler"])
 
 
@@ -292,46 +296,94 @@ def load_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str]
 
     ``directory`` is a checkpoint root (its ``latest`` is loaded; a :class:`CheckpointRoot` too) or one
     ``step-NNNNNN`` directory. Before anything is restored: the listing (no unlisted files, no links, sizes)
-    and meta.json's values are checked, and the small files are read and hashed. Tensor files are hashed
-    as they stream into the tiers; a mismatch there (a file corrupted, or replaced since the listing was
-    checked) is refused naming the file, and the session is left part-loaded: close it. To keep a trained
-    session safe from a corrupt checkpoint, call ``verify_checkpoint`` first (it reads every file once
-    more). ``scheduler``: the LR scheduler to restore (saved with ``save_checkpoint(..., scheduler=)``); the
-    optimizer's param_groups hyper-parameters are restored either way. The session must hold the same model (same blocks and parameters); its tier layout, NVMe path
-    and device may differ. Call between steps."""
+    and meta.json's values are checked, the checkpoint must fit the session (same blocks and parameters, as
+    many param_groups, a scheduler state when ``scheduler`` is given), and the small files are read and
+    hashed; a refusal there leaves the session as it was. Tensor files are hashed as they stream into the
+    tiers; a mismatch there (a file corrupted, or replaced since the listing was checked) is refused naming
+    the file. A load cut short there (that, Ctrl-C, a disk error) leaves the session part-loaded: it then
+    refuses to train, save or hand out its state until a load completes (into it: the same call with a good
+    checkpoint), or it is closed. To keep a trained session safe from a corrupt checkpoint, call
+    ``verify_checkpoint`` first (it reads every file once more). A damaged checkpoint raises
+    :class:`DamagedCheckpointError`. ``scheduler``: the LR scheduler to restore (saved with
+    ``save_checkpoint(..., scheduler=)``); the optimizer's param_groups hyper-parameters are restored either
+    way, over the config's (as torch's ``optimizer.load_state_dict`` does). The tier layout, NVMe path and
+    device may differ from the saving run's. Call between steps."""
     path = resolve_checkpoint(directory.path if isinstance(directory, CheckpointRoot) else directory)
-    files = check_listing(path)
-    meta = read_meta(path, files)
-    _check_compatible(session, meta, path, files)
-    small = _read_small_files(meta, path, files)
+    with _damaged():
+        files = check_listing(path)
+        meta = read_meta(path, files)
+    _check_compatible(session, meta=meta, path=path, files=files, scheduler=scheduler)
+    with _damaged():
+        small = _read_small_files(meta, path, files)
     controller = session.controller
     _require_between_steps(controller, "load")
     controller.synchronize()
-    _log_config_changes(session, small.get(CONFIG_NAME), path)
+    _log_config_changes(session, small.get(CONFIG_NAME), path, saved_groups=meta.get("param_groups"))
     step = int(meta["step"])
+    _release_fetched_weights(controller)  # only drops cached copies: nothing is lost if it raises
+    loaded = 0
     try:
-        _release_fetched_weights(controller)
         for block in session.blocks:
             for kind in STATE_KINDS:
                 entry = meta["tensors"][block.key(kind)]
                 after = (lambda master, b=block: refresh_compute_weights(controller, b, master, step)) if kind == "master" else None
                 _load_tensor(session.store, block.key(kind), path / entry["file"], files[entry["file"]], step, after)
+                loaded += 1
         _restore_counters(controller, session.blocks, meta["blocks"], step)
         _restore_scaler(controller, meta.get("scaler"), path)
-        _restore_optimizer_state(session, meta, scheduler, path)
+        _restore_optimizer_state(session, meta, scheduler)
         _restore_rng(meta["rng"], path, small)
         if data is not None:
             _restore_data(data, meta.get("data"), path, small)
-    except CheckpointError as exc:  # a tensor file failed its hash as it was read
-        raise CheckpointError(f"{exc}; this session now holds a mix of old and loaded state: close it and load a "
-                              "good checkpoint into a new one") from exc
-    except Exception as exc:
-        # The checkpoint verified, so this is the machine (disk, memory budget): say what state we are in.
-        raise RuntimeError(f"loading {path} failed part-way ({exc}); this session now holds a mix of old and "
-                           "loaded state: close it and load into a new one") from exc
+    except BaseException as exc:
+        # Some tensors are the checkpoint's, the rest the session's: training on, or saving, would make a
+        # checkpoint of neither. The session refuses both until a load completes.
+        effect = _mark_cut_short(controller, path, exc, f"{loaded} of {len(session.blocks) * len(STATE_KINDS)} tensors loaded")
+        if isinstance(exc, CheckpointError):  # a tensor file failed its hash as it was read
+            raise DamagedCheckpointError(f"{exc}; {effect}") from exc
+        if isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt(f"Ctrl-C while loading {path}: {effect}") from exc
+        if isinstance(exc, Exception):  # the checkpoint verified, so this is the machine (disk, memory budget)
+            raise RuntimeError(f"loading {path} failed part-way ({exc}): {effect}") from exc
+        raise  # SIGTERM (Terminated) and the like: the process is ending, the session is marked
     controller.clear_interrupted()  # every block is at the loaded step again
     log.info("resumed from %s (step %d)", path, step)
     return step
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are not what its manifest lists (missing, truncated, changed, unparseable): an
+    earlier checkpoint in the same root may still be intact. A checkpoint that does not fit the session is a
+    plain CheckpointError."""
+
+
+@contextlib.contextmanager
+def _damaged() -> Iterator[None]:
+    """A CheckpointError raised inside is about the files themselves: re-raised as DamagedCheckpointError."""
+    try:
+        yield
+    except DamagedCheckpointError:
+        raise
+    except CheckpointError as exc:
+        raise DamagedCheckpointError(str(exc)) from exc
+
+
+@defers_interrupts  # a second Ctrl-C must not land between the failure and the mark
+def _mark_cut_short(controller: "Controller", path: Path, exc: BaseException, progress: str) -> str:
+    """Make the session refuse to train, save or hand out its state until a load completes; returns what that
+    means for the user, to add to the error."""
+    effect = (f"this session now holds a mix of its own state and {path}'s ({progress}) and refuses to train, save "
+              "or hand out its state: load a good checkpoint (runtime.checkpoint.load_checkpoint, into this "
+              "session), or close the session")
+    cause = "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else (str(exc) or type(exc).__name__)
+    why = f"a checkpoint load was cut short ({cause}): {effect}"
+    if controller.interrupted is not None:
+        why += f" (before the load: {controller.interrupted})"
+    try:
+        controller.discard_pending(broken=why)  # no step is pending: this only marks the blocks as at different steps
+    except Exception as cleanup:  # the mark is set before anything there can fail
+        log.warning("after the load of %s was cut short, cleaning up failed too: %r", path, cleanup)
+    return effect
 
 
 def _restore_counters(controller: "Controller", blocks: list["Block"], saved_blocks: list[dict[str, Any]], step: int) -> None:
@@ -359,10 +411,20 @@ def _read_small_files(meta: dict[str, Any], path: Path, files: dict[str, FileEnt
     return {name: read_verified(path / name, files[name]) for name in names}
 
 
-def _check_compatible(session: "OffloadSession", meta: dict[str, Any], path: Path, files: dict[str, FileEntry]) -> None:
-    """The checkpoint holds this model's state (same blocks, parameters and sizes), and every file it refers
-    to is in the manifest with the size its dtype and numel imply."""
+def _check_compatible(session: "OffloadSession", *, meta: dict[str, Any], path: Path, files: dict[str, FileEntry],
+                      scheduler: Any) -> None:
+    """The checkpoint holds this model's state (same blocks, parameters and sizes) and what the optimizer and
+    ``scheduler`` restore, and every file it refers to is in the manifest with the size its dtype and numel
+    imply. Runs before anything is restored: a refusal here leaves the session as it was."""
     meta_path = path / META_NAME
+    groups, ours = meta.get("param_groups"), len(session.optimizer.param_groups)
+    if groups is not None and len(groups) != ours:
+        raise CheckpointError(f"{meta_path}: pass the same param_groups to offload() as the saving run: it had "
+                              f"{len(groups)} parameter group(s), this optimizer has {ours}")
+    if scheduler is not None and meta.get("scheduler") is None:
+        raise CheckpointError(f"{path} holds no LR scheduler state (it was saved without save_checkpoint(..., "
+                              "scheduler=)): load it without scheduler= (the param_groups' lr is restored either way) "
+                              "and step the scheduler yourself, or resume from a checkpoint saved with scheduler=")
     saved_blocks = meta.get("blocks", [])
     if len(saved_blocks) != len(session.blocks):
         raise CheckpointError(f"{meta_path}: {len(saved_blocks)} blocks, this model has {len(session.blocks)}; "
@@ -391,9 +453,16 @@ def _check_compatible(session: "OffloadSession", meta: dict[str, Any], path: Pat
                 raise CheckpointError(f"{path / name}: {files[name].nbytes:,} bytes, {key} needs {record.meta.nbytes:,}")
 
 
-def _log_config_changes(session: "OffloadSession", text: bytes | None, path: Path) -> None:
+# Config keys whose values the optimizer's param_groups carry: a checkpoint's groups override them on load.
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _log_config_changes(session: "OffloadSession", text: bytes | None, path: Path, *,
+                        saved_groups: list[dict[str, Any]] | None) -> None:
     """Say which settings differ from the saving run's (a different layout is fine; other changes are the
-    user's choice but break exact resume). ``text``: the saved config.yaml, already verified."""
+    user's choice but break exact resume). ``text``: the saved config.yaml, already verified. A changed
+    optimizer hyper-parameter that ``saved_groups`` (the checkpoint's param_groups) carry is not used: the
+    checkpoint's value is restored, as torch's ``optimizer.load_state_dict`` does; the warning says so."""
     try:
         if text is None:
             raise OSError("not in the checkpoint")
@@ -403,7 +472,16 @@ def _log_config_changes(session: "OffloadSession", text: bytes | None, path: Pat
         return
     now = yaml.safe_load(dump_config(session.config))
     for dotted, old, new in _diff(saved, now):
-        exact = dotted.split(".")[0] in ("tiers", "placement", "prefetch", "train", "profile")
+        section, _, key = dotted.partition(".")
+        if section == "optimizer" and key in _GROUP_KEYS and saved_groups is not None:
+            restored = sorted({repr(group.get(key)) for group in saved_groups})
+            scheduler = " (with an LR scheduler, its base_lrs: it sets lr at each step)" if key == "lr" else ""
+            log.warning("resuming with %s %r in the config where the checkpoint's run had %r: %r is not used; the "
+                        "checkpoint's param_groups are restored with %s %s, as torch's optimizer.load_state_dict "
+                        "does. To train with another %s, set group[%r] in optimizer.param_groups after loading%s",
+                        dotted, new, old, new, key, " / ".join(restored), key, key, scheduler)
+            continue
+        exact = section in ("tiers", "placement", "prefetch", "train", "profile")
         (log.info if exact else log.warning)("resuming with %s changed: %r -> %r", dotted, old, new)
 
 
@@ -518,13 +596,52 @@ def save_due(step: int, total_steps: int, save_every: int) -> bool:
 
 def resume_training(session: "OffloadSession", directory: str | os.PathLike[str] | CheckpointRoot,
                     data: ResumableData | None = None, *, scheduler: Any = None) -> int:
-    """Load the latest checkpoint in ``directory`` if there is one; returns its step (0: start afresh)."""
-    path = directory.path if isinstance(directory, CheckpointRoot) else directory
+    """Load the latest checkpoint in ``directory`` if there is one; returns its step (0: start afresh).
+
+    A damaged latest checkpoint is refused, never skipped for an older one: the DamagedCheckpointError lists
+    the intact earlier checkpoints in ``directory`` and the command that resumes from one. When the damage was
+    found part-way through the load, the session refuses to train until a load completes: call this again
+    once ``latest`` names a good checkpoint."""
+    path = Path(directory.path if isinstance(directory, CheckpointRoot) else directory)
     found = find_checkpoint(path)
     if found is None:
         log.warning("no checkpoint in %s yet; starting from step 0", path)
         return 0
-    return load_checkpoint(session, found, data, scheduler=scheduler)
+    try:
+        if not (found / MANIFEST_NAME).exists():  # else load_checkpoint would look for a root inside it
+            raise DamagedCheckpointError(f"{found / MANIFEST_NAME}: missing (an incomplete or damaged checkpoint)")
+        return load_checkpoint(session, found, data, scheduler=scheduler)
+    except DamagedCheckpointError as exc:
+        if found == path:  # directory is one checkpoint, not a root: there is no other to point at
+            raise
+        # The file's own message: what the load said about this session is answered by the way out below.
+        cause = exc.__cause__ if isinstance(exc.__cause__, CheckpointError) else exc
+        raise DamagedCheckpointError(f"{cause}. {_way_out(path, found)}") from exc
+
+
+def _way_out(root: Path, damaged: Path) -> str:
+    """The intact checkpoints before ``damaged`` in ``root`` (listing, sizes and meta.json checked; the tensor
+    files are hashed when they load), and the commands that resume from the newest of them."""
+    step = parse_step_dir(damaged.name)
+    intact = []
+    for earlier_step, earlier in reversed(list_checkpoints(root)):
+        if step is None or earlier_step >= step:
+            continue
+        try:
+            read_meta(earlier, check_listing(earlier))
+        except (CheckpointError, OSError):
+            continue
+        intact.append(earlier.name)
+    if not intact:
+        return (f"The latest checkpoint in {root}, {damaged.name}, is damaged and there is no intact earlier one: "
+                f"restore {damaged} from a copy, or start afresh in another --checkpoint-dir (train.checkpoint_dir)")
+    aside = root / f"damaged-{damaged.name}"  # inside the root: the same file system, and not a step-* name
+    command = (f"mv {shlex.quote(str(damaged))} {shlex.quote(str(aside))} && "
+               f"echo {intact[0]} > {shlex.quote(str(root / LATEST_NAME))}")
+    return (f"The latest checkpoint in {root}, {damaged.name}, is damaged; it is not skipped on its own. Intact "
+            f"earlier checkpoints there, newest first: {', '.join(intact)}. To resume from {intact[0]}, move the "
+            f"damaged one aside and point latest at it: `{command}`, then resume again (tierstore train --resume; "
+            "resume_training in Python)")
 
 
 def bench_checkpoint(session: "OffloadSession", directory: str | os.PathLike[str], data: ResumableData | None = None,

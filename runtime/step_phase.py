@@ -8,8 +8,9 @@ and changes it only through ``check_phase_transition``; everything outside reads
 - BACKWARD: a backward is running (any micro-batch; recomputed forwards of checkpointed blocks run inside it).
 - ACCUMULATING: between micro-batches, the step's last backward still to come.
 - READY: the last micro-batch's backward ended; ``optimizer.step()`` commits.
-- INTERRUPTED: a dropped step whose updates had started as gradients landed left blocks at different steps;
-  only a checkpoint load (every block at one step again) leaves it. Also a placement change between steps that
+- INTERRUPTED: a dropped step whose updates had started as gradients landed left blocks at different steps, or a
+  checkpoint load was cut short (``runtime.checkpoint``); only a complete checkpoint load (every block at one step
+  again) leaves it. Also a placement change between steps that
   failed and could not be undone (``Controller.adopt_placement``): the next step refuses, saying why.
 
 What it leaves out: what happens on each move (the controller's methods), the update jobs' own phases

@@ -244,8 +244,9 @@ def test_tensor_file_is_hashed_as_it_is_loaded(trained, saved, monkeypatch):
     reads = []
     real_read = checkpoint_module.read_verified_into
     monkeypatch.setattr(checkpoint_module, "read_verified_into", lambda path, dst, entry: (reads.append(path.name), real_read(path, dst, entry)))
-    with pytest.raises(CheckpointError, match=r"block1\.exp_avg\.bin: sha256 .* does not match .*mix of old and loaded state"):
+    with pytest.raises(CheckpointError, match=r"block1\.exp_avg\.bin: sha256 .* does not match .*holds a mix of its own state"):
         load_checkpoint(session, saved, data)
+    assert "a checkpoint load was cut short" in session.controller.interrupted
     assert reads.count("block1.exp_avg.bin") == 1  # read once: verified and loaded together
     key = session.blocks[1].key("exp_avg")  # its home is a swap file: the half-read staging copy was dropped
     assert session.store.record(key).home is TierName.NVME and session.store.state(key, TierName.HOST) is CopyState.ABSENT
