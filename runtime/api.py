@@ -102,7 +102,9 @@ class OffloadSession:
         """Finish updates, free every tier and delete swap files. The model becomes a plain module again: its
         parameters hold the trained weights on the CPU in their original dtype (from the fp32 masters). Where
         they do not fit in host memory (or can't be read) they are left on the meta device, with a warning: save
-        them first (``session.save_pretrained(DIR)`` writes them a shard at a time)."""
+        them first (``session.save_pretrained(DIR)`` writes them a shard at a time). After the optimizer worker failed,
+        each block's master is handed back as its last finished update left it, and a warning names the parameters
+        not at the last committed step (or not given back) and why."""
         if self.closed:
             return
         values: dict[str, torch.Tensor] | None = None
@@ -124,8 +126,10 @@ class OffloadSession:
         except BaseException as exc:  # re-raised once everything is given back
             failure = exc
             if self.controller.worker_error is not None:  # the masters it did not touch are intact: hand them back
-                failure = None
-                values = self._salvage(dtypes)
+                try:
+                    values, failure = self._salvage(dtypes), None
+                except Exception as error:  # then the worker's failure is raised, once the rest is given back
+                    log.error("close(): handing back the masters after the optimizer worker failed failed too: %r", error)
         self.closed = True
         try:
             self.controller.close()
@@ -150,7 +154,6 @@ class OffloadSession:
         gc.collect()
         if failure is not None:
             raise failure
-
 
     def _salvage(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """close() after the optimizer worker failed: the masters that can be read (``StateAccess.salvage_masters``),
