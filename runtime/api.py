@@ -102,11 +102,14 @@ class OffloadSession:
         """Finish updates, free every tier and delete swap files. The model becomes a plain module again: its
         parameters hold the trained weights on the CPU in their original dtype (from the fp32 masters). Where
         they do not fit in host memory (or can't be read) they are left on the meta device, with a warning: save
-        them first (``session.save_pretrained(DIR)`` writes them a shard at a time)."""
+        them first (``session.save_pretrained(DIR)`` writes them a shard at a time). After the optimizer worker failed,
+        each block's master is handed back as its last finished update left it, and a warning names the parameters
+        not at the last committed step (or not given back) and why."""
         if self.closed:
             return
         values: dict[str, torch.Tensor] | None = None
         failure: BaseException | None = None
+        dtypes = {s.name: s.dtype for b in self.blocks for s in b.slots}
         try:
             if self.controller.step_pending:
                 self.controller.discard_pending()
@@ -116,24 +119,28 @@ class OffloadSession:
                 log.error("close(): the weights handed back are not the last committed step's (training would "
                           "have refused to go on): %s", self.controller.interrupted)
             self.access.mixed_steps_allowed = True
-            values = self.access.slot_values("master", {s.name: s.dtype for b in self.blocks for s in b.slots})
+            values = self.access.slot_values("master", dtypes)
         except MemoryError as exc:
             log.warning("close(): the trained weights do not fit in host memory, the parameters are left on the meta "
                         "device (%s)", exc)
         except BaseException as exc:  # re-raised once everything is given back
             failure = exc
+            if self.controller.worker_error is not None:  # the masters it did not touch are intact: hand them back
+                try:
+                    values, failure = self._salvage(dtypes), None
+                except Exception as error:  # then the worker's failure is raised, once the rest is given back
+                    log.error("close(): handing back the masters after the optimizer worker failed failed too: %r", error)
         self.closed = True
         try:
             self.controller.close()
             self.hooks.remove()
             self.state_dict_hooks.remove()
             self.guard.remove()
-            if values is not None:
-                for block in self.blocks:
-                    for slot in block.slots:
+            _replace_with_meta(self.model, self.blocks, keep=set(values or ()))
+            for block in self.blocks:
+                for slot in block.slots:
+                    if values is not None and slot.name in values:
                         slot.param.data = values[slot.name]
-            else:
-                _replace_with_meta(self.model, self.blocks)
             _move_rest(self.model, torch.device("cpu"))
             self.store.close()
         finally:  # also when giving something back failed: closed is set, a second close() returns at once
@@ -148,11 +155,21 @@ class OffloadSession:
         if failure is not None:
             raise failure
 
+    def _salvage(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """close() after the optimizer worker failed: the masters that can be read (``StateAccess.salvage_masters``),
+        with a warning that names each parameter not at the committed step or not given back, and why."""
+        values, notes = self.access.salvage_masters(dtypes)
+        lines = [f"  {name}: {why}" for name, why in notes.items()]
+        log.warning("close(): the optimizer worker had failed (%r); %d of %d parameters are given back at step %d%s",
+                    self.controller.worker_error, len(dtypes) - len(notes), len(dtypes), self.controller.optimizer_step,
+                    "; the others:\n" + "\n".join(lines) if lines else "")
+        return values
 
-def _replace_with_meta(model: nn.Module, blocks: list[Block]) -> None:
-    """Give the model meta-device parameters in place of the offloaded ones (whose values could not be kept):
-    a read then raises instead of touching freed memory. Tied parameters stay tied."""
-    slots = {id(slot.param): slot for block in blocks for slot in block.slots}
+
+def _replace_with_meta(model: nn.Module, blocks: list[Block], keep: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """Give the model meta-device parameters in place of the offloaded ones (whose values could not be kept) but
+    those named in ``keep``: a read then raises instead of touching freed memory. Tied parameters stay tied."""
+    slots = {id(slot.param): slot for block in blocks for slot in block.slots if slot.name not in keep}
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -165,19 +182,50 @@ def _replace_with_meta(model: nn.Module, blocks: list[Block]) -> None:
 
 
 def _give_back_parameters(blocks: list[Block], store: TierStore) -> None:
-    """A refused offload: put back the values of the parameters already moved into the store (CPU tensors of
-    their own dtype), so the model is usable again; parameters not yet moved were never touched."""
+    """A refused offload: put back the values of the parameters already moved into the store (on the device and in
+    the dtype each had), so the model is as it was; parameters not yet moved were never touched. One block
+    at a time, each block's state unregistered once given back: a master staged from NVMe needs host room, and a
+    setup that failed may have filled the host tier. A block that cannot be given back is logged, by name, and the
+    others still are."""
+    masters = {block.key("master") for block in blocks}
+    for key in store.keys():  # the room the masters' staging needs
+        if str(key) not in masters:
+            _log_failure(functools.partial(store.unregister, key))
     for block in blocks:
         key = block.key("master")
-        if key not in {str(k) for k in store.keys()}:
+        if not store.has(key):  # its parameters are released only once its state is registered
             continue
-        record = store.record(key)
-        tier = TierName.GPU if record.home is TierName.GPU else TierName.HOST
-        if tier is TierName.HOST:
-            store.fetch(key, TierName.HOST).wait()
-        flat = store.tensor(key, tier)
-        for slot in block.slots:
-            slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", slot.dtype, copy=True)
+        try:
+            home = store.record(key).home
+            tier = TierName.GPU if home is TierName.GPU else TierName.HOST
+            store.fetch(key, tier).wait()
+            flat = store.tensor(key, tier)
+            for slot in block.slots:
+                view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                slot.param.data = view.to(slot.device, slot.dtype, copy=True)
+        except Exception as error:
+            log.error("offload() failed, and giving back %s failed too: their values are lost (%r)",
+                      ", ".join(slot.name for slot in block.slots), error)
+        _log_failure(functools.partial(store.unregister, key))
+
+
+def _undo_offload(blocks: list[Block], store: TierStore | None, steps: list[Callable[[], None]]) -> None:
+    """A failed or interrupted ``offload()``: run each undo step (hooks and guard off, threads stopped, the layers'
+    classes and signal handlers back), then give the parameters back and close the store (swap files deleted, the
+    directory unlocked). Each step in its own try: one that fails is logged and the others still run, so the
+    caller raises the setup's own error."""
+    if store is not None:
+        steps = [*steps, functools.partial(_give_back_parameters, blocks, store), store.close]
+    for step in steps:
+        _log_failure(step)
+
+
+def _log_failure(step: Callable[[], None]) -> None:
+    """Run one step of a failed offload()'s undo; an error of its own is logged, not raised (the setup's is)."""
+    try:
+        step()
+    except Exception as error:
+        log.error("offload() failed, and undoing it failed too at %r: %r", step, error)
 
 
 def _tied_through_memory(model: nn.Module) -> tuple[str, str] | None:
@@ -335,66 +383,68 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     if budgets.host_nbytes >= LONG_SETUP_NBYTES:  # pinning runs at about 2 GB/s: say so before a long silence
         log.info("%s %s of host memory for tierstore's tiers", "pinning" if device.type == "cuda" and pin is not False
                  else "reserving", approx_size(budgets.host_nbytes))
-    store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes, host_budget_nbytes=budgets.host_nbytes,
-                                  pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
-                                  nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
-                                  io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
     offloaded = [slot.param for b in blocks for slot in b.slots]
     # Groups are checked before the parameters are bound to blocks: a refusal leaves the model as it was.
     groups = param_groups_of(model, param_groups, offloaded)
     check_param_groups(groups, blocks)
-    controller = hooks = guard = state_dict_hooks = None
+    store: TierStore | None = None
+    session: OffloadSession | None = None
+    undo: list[Callable[[], None]] = []  # what a failure from here on takes back, in the order it was done
     try:
+        store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes, host_budget_nbytes=budgets.host_nbytes,
+                                      pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
+                                      nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
+                                      io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
         options = _options(cfg, dtype, resolved, record_intervals)
         controller = Controller(model, blocks, store, options, init=init, uninitialized=uninitialized)
+        undo.append(controller.close)
         access = StateAccess(controller)
         hooks = HookSet(model, blocks, controller)
+        undo.append(hooks.remove)
         guard = ParamGuard(blocks, access, controller.clipper)
+        undo.append(guard.remove)
         guard.install()
         state_dict_hooks = StateDictHooks(model, blocks, lambda block: session.weights_of(block),
                                           access.begin_batch, access.end_batch)
+        undo.append(state_dict_hooks.remove)
         session = OffloadSession(cfg, blocks, store, controller, hooks, plan, model, access, guard, state_dict_hooks)
         offloaded_ids = {id(p) for p in offloaded}
         controller.frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in offloaded_ids]
         optimizer = OffloadAdamW(groups, controller, access)
-    except BaseException:
-        for undo in (guard, hooks, state_dict_hooks):
-            if undo is not None:
-                undo.remove()
-        if controller is not None:
-            controller.close()
-        _give_back_parameters(blocks, store)
-        store.close()
+        optimizer.session = session  # type: ignore[attr-defined]
+        session.optimizer = optimizer
+        session.placement = resolved.placement
+        if device.type == "cuda" and (resolved.measured_first_step or resolved.placement.activation_reserve_nbytes):
+            install_oom_hint(session, _oom_hint)  # silent until auto placement has reserved something
+        recompute = session.recompute = Recompute(blocks, model)
+        session.on_close.append(recompute.undo)
+        if cfg.placement.activations == "recompute":
+            recompute.turn_on()
+        if resolved.measured_first_step:
+            peak, peak_what = cuda_step_peak(device)
+            controller.step_listeners.append(FirstStepPlacement(
+                plan_gpu_nbytes=plan.gpu_nbytes, budget_nbytes=store.tiers[TierName.GPU].capacity_nbytes,
+                ask=placement_asker(session, may_stream=resolved.source is not WeightSource.WEIGHTS),
+                adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=peak, peak_what=peak_what,
+                reset_peak=functools.partial(_reset_peak, device),
+                report=functools.partial(_note_in_plan, weakref.ref(session)), pools=cuda_reserved_by_stream(device),
+                trial=_recompute_trial(cfg, blocks, recompute, controller, device)))
+            # A session closed before the trial ended takes the timer's hooks off the layers too
+            session.on_close.append(controller.step_listeners[-1].close)
+        elif (resolved.placement.activation_reserve_nbytes and device.type == "cuda"
+              and cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto"):
+            # after the first steps: would a lower reserve put more on the GPU?
+            controller.step_listeners.append(PeakHint(placement_figures(session), blocks, placement_asker(session),
+                                                      cuda_peak(device)))
+        # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
+        # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
+        # every weight back into the model first.
+        session.on_close.append(handle_signals())
+    except BaseException:  # the model as it was, the directory unlocked, no thread left; the error unchanged
+        if session is not None:
+            session.closed = True  # its listeners and close() then do nothing
+        _undo_offload(blocks, store, [*reversed(undo), *(session.on_close if session is not None else [])])
         raise
-    optimizer.session = session  # type: ignore[attr-defined]
-    session.optimizer = optimizer
-    session.placement = resolved.placement
-    if device.type == "cuda" and (resolved.measured_first_step or resolved.placement.activation_reserve_nbytes):
-        install_oom_hint(session, _oom_hint)  # silent until auto placement has reserved something
-    recompute = session.recompute = Recompute(blocks, model)
-    session.on_close.append(recompute.undo)
-    if cfg.placement.activations == "recompute":
-        recompute.turn_on()
-    if resolved.measured_first_step:
-        peak, peak_what = cuda_step_peak(device)
-        controller.step_listeners.append(FirstStepPlacement(
-            plan_gpu_nbytes=plan.gpu_nbytes, budget_nbytes=store.tiers[TierName.GPU].capacity_nbytes,
-            ask=placement_asker(session, may_stream=resolved.source is not WeightSource.WEIGHTS),
-            adopt=functools.partial(_adopt_placement, weakref.ref(session)), peak=peak, peak_what=peak_what,
-            reset_peak=functools.partial(_reset_peak, device),
-            report=functools.partial(_note_in_plan, weakref.ref(session)), pools=cuda_reserved_by_stream(device),
-            trial=_recompute_trial(cfg, blocks, recompute, controller, device)))
-        # A session closed before the trial ended takes the timer's hooks off the layers too
-        session.on_close.append(controller.step_listeners[-1].close)
-    elif (resolved.placement.activation_reserve_nbytes and device.type == "cuda"
-          and cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto"):
-        # after the first steps: would a lower reserve put more on the GPU?
-        controller.step_listeners.append(PeakHint(placement_figures(session), blocks, placement_asker(session),
-                                                  cuda_peak(device)))
-    # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
-    # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
-    # every weight back into the model first.
-    session.on_close.append(handle_signals())
     return model, optimizer
 
 

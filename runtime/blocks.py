@@ -31,6 +31,7 @@ class ParamSlot:
     shape: torch.Size
     index: int  # position in model.parameters(), the order the reference loop sees
     dtype: torch.dtype = torch.float32  # the parameter's dtype before offload (close() gives it back)
+    device: torch.device = torch.device("cpu")  # the parameter's device before offload (a failed offload() gives it back)
 
 
 @dataclass
@@ -136,7 +137,8 @@ def build_blocks(model: nn.Module, min_block_nbytes: int = 16 << 20, module_patt
     for p in model.parameters():
         if id(p) in owner_block:
             block = blocks[owner_block[id(p)]]
-            block.slots.append(ParamSlot(param_names[id(p)], p, block.numel, p.numel(), p.shape, param_index[id(p)], p.dtype))
+            block.slots.append(ParamSlot(param_names[id(p)], p, block.numel, p.numel(), p.shape, param_index[id(p)], p.dtype,
+                                             p.device))
 
     # Every module that directly uses a block's parameter needs that block at forward time, unless it lies
     # inside the layer that owns it (the layer's own hooks cover it): e.g. a head tied to a layer's weight.

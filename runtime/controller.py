@@ -134,6 +134,15 @@ class Controller:
         self.gpu_updated = gpu_updated_blocks(blocks, options.gpu_update_fraction)
         self.gpu_streamed = gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction)
         self._register_state(options, init, uninitialized or set())
+        try:
+            self._start(options)
+        except BaseException:  # offload() gives the parameters back and closes the store; the threads are ours
+            self._stop_started()
+            raise
+
+    def _start(self, options: RuntimeOptions) -> None:
+        """The setup past the state's registration: weight manager, schedule, optimizer worker, host sums."""
+        blocks, store = self.blocks, self.store
         self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source, self.gpu_updated)
         for block in blocks:
             if block.index in self.gpu_updated:
@@ -242,11 +251,13 @@ class Controller:
                 if fresh and init is not None:
                     initialize(fresh, init)
                 master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
-                for slot in block.slots:
-                    slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
                 for kind, (meta, home) in homes[block.index].items():  # keys without a value: zero-filled by the store
                     value = master if kind == "master" else master.to(meta.dtype) if kind == "weights" else None
                     self.store.register(block.key(kind), meta, home, init=value)
+                # Only now: a registration that fails (a disk filling, Ctrl-C) leaves this block's values in the model,
+                # and offload() gives back the blocks before it from the store.
+                for slot in block.slots:
+                    slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
 
     def _state_homes(self, block: Block, options: RuntimeOptions) -> dict[str, tuple[TensorMeta, TierName]]:
         """The state a block keeps from setup, in registration order, with each key's size and home tier: master and
@@ -1229,6 +1240,11 @@ class Controller:
                 "offload the model again (offload(model, config)) and load that state")
 
     @property
+    def worker_error(self) -> BaseException | None:
+        """What stopped the optimizer worker (an update that failed), or None while it runs."""
+        return self.worker._error
+
+    @property
     def interrupted(self) -> str | None:
         """Why the blocks are at different steps (an abandoned streaming step, a commit that failed part-way), or
         None when they are at one step."""
@@ -1264,6 +1280,18 @@ class Controller:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss times the current fp16 loss scale (identity without loss scaling)."""
         return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
+
+    def _stop_started(self) -> None:
+        """A setup that failed past the state's registration: stop the threads ``_start`` got to (each one tried,
+        a failure logged: the setup's own error is what offload() raises)."""
+        for part in (getattr(self, "sums", None), getattr(self, "worker", None), getattr(self, "weights", None)):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as error:
+                    log.error("offload(): stopping %s after a failed setup failed too: %r", type(part).__name__, error)
+        if hasattr(self, "_switch_interval"):
+            sys.setswitchinterval(self._switch_interval)
 
     def close(self) -> None:
         """Stop the host sums and the worker (finishing queued updates)."""

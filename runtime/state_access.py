@@ -21,7 +21,7 @@ from runtime.blocks import Block
 from runtime.hostmem import host_memory
 from runtime.step_phase import StepPhase
 from runtime.weights import WeightSource
-from tierstore import CapacityError, TierName
+from tierstore import CapacityError, CopyState, TierName
 
 if TYPE_CHECKING:
     from runtime.controller import Controller
@@ -212,6 +212,40 @@ class StateAccess:
         for block in self.blocks:
             out.update(self.block_values(block, kind, dtypes))
         return out
+
+    def salvage_masters(self, dtypes: dict[str, torch.dtype]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """After the optimizer worker failed (``close()``): every block's master that can be read, as CPU tensors by
+        parameter name cast to ``dtypes[name]``, without waiting for updates that will never run; and, by parameter
+        name, why one is not at the committed step or not given at all. A block whose update to the committed step
+        did not finish is read as its last finished update left it: an NVMe home's file, not a copy in host memory
+        that the failed update may have changed half-way; a master in host memory has no other copy, so it is given
+        as it is and named (the failed update may have changed part of it)."""
+        controller, store = self.controller, self.store
+        committed = controller.optimizer_step
+        controller.worker.drain()  # the write-backs still in flight land (or fail) first
+        values: dict[str, torch.Tensor] = {}
+        notes: dict[str, str] = {}
+        for block in self.blocks:
+            key, done = block.key("master"), controller.worker.updated_step(block.index)
+            record = store.record(key)
+            doubt = None
+            if done < committed and record.step <= done:  # its update to the committed step did not get to its commit
+                if record.home is TierName.NVME:
+                    if store.state(key, TierName.HOST) is CopyState.CLEAN:  # read again from the file
+                        store.release(key, TierName.HOST)
+                    doubt = f"given back at step {done}: its update to step {committed} did not run or failed"
+                elif record.home is TierName.HOST:
+                    doubt = (f"given back at step {done}, its update to step {committed} did not run or failed: where it "
+                             "failed inside AdamW, its weights may be partly updated")
+            try:
+                values.update(self.block_values(block, "master", dtypes))
+            except Exception as error:  # a corrupt or unreadable master: named, the other blocks still given
+                notes.update({slot.name: f"left on the meta device: its master could not be read ({error!r})"
+                              for slot in block.slots})
+                continue
+            if doubt is not None:
+                notes.update({slot.name: doubt for slot in block.slots})
+        return values, notes
 
     def block_values(self, block: Block, kind: str, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
         """Block's parameters' tensors of one kind as CPU copies by name (cast to ``dtypes[name]`` when given).
