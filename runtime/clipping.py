@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _NORM_CALLS = frozenset({torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm})
 _SCALE_CALLS = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
+# What stands for the same gradient (``p.grad.data.norm(2)``, a logging idiom): the stand-in itself, served as p.grad is.
+_SAME_GRAD = frozenset({torch.Tensor.data.__get__, torch.Tensor.detach})
 # What a gradient summed in host memory serves between micro-batches (GradClipper._host_sum_call): norms and scaling.
 _HOST_SUM_SERVED = _NORM_CALLS | _SCALE_CALLS | {torch._foreach_norm, torch._foreach_mul_}
 _GRAD_METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -41,11 +43,33 @@ _GRAD_METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.dtype.__get
                             torch.Tensor.element_size, torch.Tensor.__len__})
 
 
-def _two_norm_only(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse a norm of an offloaded gradient other than its whole 2-norm (the one that is known)."""
-    order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else 2.0))
-    if order not in (2, 2.0, "fro", None) or kwargs.get("dim") is not None:
+def _whole_two_norm_shape(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """Refuse a norm of an offloaded gradient other than its whole 2-norm (the one that is known); returns the
+    norm's shape (``keepdim``). ``torch.norm`` and ``Tensor.norm`` take a number as a vector norm over ``dim``, as
+    ``vector_norm`` does; ``torch.linalg.norm`` takes one over two dimensions as a matrix norm (``ord=2``: the
+    spectral norm), and ``'fro'`` as the Frobenius norm, which is the whole 2-norm."""
+    if func is torch._foreach_norm:
+        order = kwargs.get("ord", args[1] if len(args) > 1 else 2.0)
+        if order not in (2, 2.0):
+            raise RuntimeError(f"{name}: only the 2-norm of an offloaded gradient is known (asked: {order})")
+        return ()
+    order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else None))
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+    keepdim = kwargs.get("keepdim", args[3] if len(args) > 3 else False)
+    if order not in (2, 2.0, "fro", None):
         raise RuntimeError(f"{name}: only the 2-norm of an offloaded gradient is known (asked: {order})")
+    with torch._C.DisableTorchFunctionSubclass():
+        ndim = args[0].dim()
+    dims = range(ndim) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    if dim is not None and (ndim == 0 or sorted(d % ndim for d in dims) != list(range(ndim))):
+        raise RuntimeError(f"{name} over dim={dim!r} of an offloaded gradient of {ndim} dimensions: only the 2-norm of "
+                           "the whole gradient is known (dim=None, or every dimension)")
+    if func is torch.linalg.norm and order is not None and (len(dims) == 2) != (order == "fro"):
+        what = "the spectral norm (a matrix norm)" if len(dims) == 2 else f"a matrix norm of {len(dims)} dimensions"
+        raise RuntimeError(f"torch.linalg.norm(g, {order!r}) of an offloaded gradient of {len(dims)} dimensions asks "
+                           f"for {what}, which is not known: only its whole 2-norm is (torch.linalg.vector_norm(g), "
+                           "g.norm(), torch.linalg.norm(g))")
+    return (1,) * ndim if keepdim else ()
 
 
 class OffloadedGrad(torch.Tensor):
@@ -166,17 +190,19 @@ class GradClipper:
         with torch._C.DisableTorchFunctionSubclass():
             if func in _GRAD_METADATA:
                 return func(*args, **kwargs)
+        if func in _SAME_GRAD:
+            return args[0]
         name = getattr(func, "__name__", str(func))
         if grads[0].slot not in self._proxies:  # between micro-batches: the gradient is a sum in host memory
             return self._host_sum_call(func, name, args, kwargs, grads[0])
         if func is torch._foreach_norm or func in _NORM_CALLS:
-            _two_norm_only(name, args, kwargs)
+            shape = _whole_two_norm_shape(func, name, args, kwargs)
             norms = [self._norm(g).to(g.dtype) for g in grads]
-            return norms if func is torch._foreach_norm else norms[0]
+            return norms if func is torch._foreach_norm else norms[0].reshape(shape)
         if func is torch._foreach_mul_ or func in _SCALE_CALLS:
             factor = args[1]
             for g in grads:
-                self._scale(g, factor)
+                self._scale(g, factor, name)
             return args[0]
         if "unscale" in name:  # torch.amp.GradScaler.unscale_ / step in the loop
             raise RuntimeError(
@@ -216,9 +242,9 @@ class GradClipper:
                                "scaling its sum in host memory is still multiplied by the loss scale. Clip after the "
                                "step's last micro-batch, or let tierstore clip (optimizer.grad_clip)")
         if func is torch._foreach_norm or func in _NORM_CALLS:
-            _two_norm_only(name, args, kwargs)
+            shape = _whole_two_norm_shape(func, name, args, kwargs)
             if func is not torch._foreach_norm:
-                return self._host_sum_norm(grad)
+                return self._host_sum_norm(grad).reshape(shape)
             with torch._C.DisableTorchFunctionSubclass():
                 return [self._host_sum_norm(g) if isinstance(g, OffloadedGrad) else torch._foreach_norm([g])[0]
                         for g in args[0]]
@@ -227,7 +253,7 @@ class GradClipper:
             if isinstance(factor, torch.Tensor) and factor.numel() != 1 or isinstance(factor, (list, tuple)):
                 raise RuntimeError(f"{name}: a gradient summed in host memory between micro-batches can be multiplied "
                                    "only by one number (what clip_grad_norm_ does)")
-            self._refuse_second_clip(grad)
+            self._refuse_second_clip(grad, name)
             with torch._C.DisableTorchFunctionSubclass():
                 for g in (args[0] if func is torch._foreach_mul_ else [args[0]]):
                     if isinstance(g, OffloadedGrad):
@@ -254,23 +280,27 @@ class GradClipper:
             raise RuntimeError(self._streaming_message(grad))
         return self._norm_of(grad.slot)
 
-    def _refuse_second_clip(self, grad: OffloadedGrad) -> None:
-        """The loop scales a gradient (its clip) while tierstore clips too (``optimizer.grad_clip``): each step would
-        be clipped twice, which plain PyTorch does not do (tierstore's 1.0 where the loop clipped at 5.0)."""
+    def _refuse_second_clip(self, grad: OffloadedGrad, call: str) -> None:
+        """The loop multiplies a gradient (its clip, or by hand) while tierstore clips too (``optimizer.grad_clip``):
+        a loop's clip would clip each step twice, which plain PyTorch does not do (tierstore's 1.0 where the loop
+        clipped at 5.0), so any multiply is refused there."""
         threshold = self.controller.options.grad_clip
         if threshold is not None:
             raise RuntimeError(
-                f"{self._name(grad)}: your loop scales the gradients (clip_grad_norm_) and tierstore clips them too "
-                f"(optimizer.grad_clip: {threshold}): the step would be clipped twice, unlike plain PyTorch. "
-                + ("Set optimizer.grad_clip: null (or leave it out) to clip in your loop only"
+                f"{call} on the gradient of {self._name(grad)}: your loop multiplies gradients after backward (as "
+                f"clip_grad_norm_ does) and tierstore clips the step itself (optimizer.grad_clip: {threshold}); with a "
+                "clip in your loop the step would be clipped twice, unlike plain PyTorch, so a multiply is refused "
+                "there. "
+                + ("Set optimizer.grad_clip: null (or leave it out) to multiply or clip in your loop only"
                    if self.controller.options.hold_updates else
-                   "Set optimizer.user_grad_clip: true (tierstore's own clip is then off) to clip in your loop")
-                + ", or drop the loop's clip and keep optimizer.grad_clip")
+                   "Set optimizer.user_grad_clip: true (tierstore's own clip is then off) to multiply or clip in your "
+                   "loop")
+                + ", or drop the loop's multiply and keep optimizer.grad_clip")
 
-    def _scale(self, grad: OffloadedGrad, factor: Any) -> None:
+    def _scale(self, grad: OffloadedGrad, factor: Any, call: str) -> None:
         if grad.slot not in self._norms:
             raise RuntimeError(self._streaming_message(grad))
-        self._refuse_second_clip(grad)
+        self._refuse_second_clip(grad, call)
         factor = factor if isinstance(factor, torch.Tensor) else torch.tensor(float(factor))
         if factor.numel() != 1:  # the stored norm scales by one number; an elementwise factor would change it unknowably
             raise RuntimeError(
@@ -339,7 +369,8 @@ class GradClipper:
         assert total is not None  # _norms is not empty
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for block_index, position in list(self._norms):
-            self._scale(self.grad_of(self.controller.blocks[block_index].slots[position].param), coef)
+            self._scale(self.grad_of(self.controller.blocks[block_index].slots[position].param), coef,
+                        "optimizer.clip_grad_norm_")
         return total
 
 

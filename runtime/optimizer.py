@@ -19,18 +19,24 @@ from torch import nn
 from runtime.adam import AdamWHyper
 from runtime.controller import Controller, refuse_unfrozen
 from runtime.signals import defers_interrupts
+from runtime.step_phase import StepPhase
 
 if TYPE_CHECKING:
     from runtime.state_access import StateAccess
 
 log = logging.getLogger(__name__)
 
-GROUP_KEYS = frozenset({"params", "lr", "betas", "eps", "weight_decay", "initial_lr", "name"})
-UNSUPPORTED = {"amsgrad": False, "maximize": False}  # AdamW options the offloaded update does not implement
-# The implementation flags torch.optim.AdamW(fused=True) saves in each group, whose update ours equals bit for bit:
-# a state_dict loaded into a plain AdamW without them falls back to its foreach kernel (1e-8 off, not exact).
-TORCH_ADAMW_FLAGS = {**UNSUPPORTED, "foreach": None, "capturable": False, "differentiable": False, "fused": True,
-                     "decoupled_weight_decay": True}
+# AdamW options whose other values change the update, which the offloaded one does not implement. Any other key of
+# a group is kept and not read, as torch.optim.AdamW keeps one (a layer-decay recipe's lr_scale, a group's name).
+UNSUPPORTED = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True}
+# Which kernel torch.optim.AdamW runs: the offloaded update equals fused=True's bit for bit, so state_dict() always
+# says so (a plain AdamW that loads a group without `fused` runs its foreach kernel, 1e-8 off). A group's own values
+# are kept and ignored, and a loaded state's are not taken.
+IMPLEMENTATION_FLAGS = {"foreach": None, "capturable": False, "differentiable": False, "fused": True}
+ADD_PARAM_GROUP_REFUSAL = (
+    "tierstore lays out the parameters and their optimizer state when it offloads the model, so a parameter the "
+    "optimizer is given later would never be updated. Pass every group to offload(model, config, param_groups=[...]) "
+    "instead (a group may hold parameters by name, with its own lr, betas, eps and weight_decay)")
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -42,6 +48,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.controller = controller
         self.access = access
+        self._warned_regrouping = False
         self._bind_groups()
         controller.hyper_source = self._hypers
 
@@ -52,18 +59,32 @@ class OffloadAdamW(torch.optim.Optimizer):
         if "controller" not in self.__dict__:  # torch.optim.Optimizer.__init__ adds the groups it was given
             super().add_param_group(param_group)
             return
-        raise ValueError("add_param_group after offload(): tierstore lays out the parameters and their optimizer "
-                         "state when it offloads the model, so a group added later would never be updated. Pass "
-                         "every group to offload(model, config, param_groups=[...]) instead (a group may hold "
-                         "parameters by name, with its own lr, betas, eps and weight_decay)")
+        raise ValueError(f"add_param_group after offload(): {ADD_PARAM_GROUP_REFUSAL}")
 
     def _bind_groups(self) -> None:
         """Tell the controller which group each offloaded parameter is in."""
-        group_of = check_param_groups(self.param_groups, self.controller.blocks)
+        group_of = check_param_groups(self.param_groups, self.controller.blocks, after_offload=True)
         self.controller.slot_groups = [[group_of[id(slot.param)] for slot in block.slots] for block in self.controller.blocks]
+        self._membership = _membership(self.param_groups)
+
+    def _follow_regrouping(self) -> None:
+        """The groups' lists edited since they were bound (a parameter moved to another group, two groups' lists
+        swapped, a group of offloaded parameters appended): bind them again, so the next update reads each
+        parameter's new group as torch.optim.AdamW does. A parameter that is not offloaded, or one left out of
+        every group, is refused (``check_param_groups``)."""
+        if _membership(self.param_groups) == self._membership:
+            return
+        if self.controller.phase is StepPhase.READY and not self.controller.deferred and not self._warned_regrouping:
+            self._warned_regrouping = True  # said once a session, as a change of the groups' values is
+            log.warning("optimizer.param_groups' parameters changed between backward() and step(): this step's "
+                        "updates started as its gradients landed and used the groups the backward found; the change "
+                        "applies from the next step. Change them before the forward, or set "
+                        "optimizer.user_grad_clip: true so that updates wait for optimizer.step() and read them there")
+        self._bind_groups()
 
     def _hypers(self) -> list[AdamWHyper]:
-        """Each group's AdamW hyper-parameters as they stand now."""
+        """Each group's AdamW hyper-parameters as they stand now (and their parameters: ``_follow_regrouping``)."""
+        self._follow_regrouping()
         out = []
         for number, group in enumerate(self.param_groups):
             refuse_unsupported(number, group)
@@ -76,6 +97,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Commit the update started by the last micro-batch's backward."""
         self.controller.check_open()
+        self._follow_regrouping()  # refused before anything of the pending step changes
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -152,6 +174,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """torch.optim.AdamW's layout: ``state`` (per parameter index: ``step``, ``exp_avg``, ``exp_avg_sq``, CPU
         tensors read from the tiers) and ``param_groups``. A parameter that was never updated has no state,
         as in torch. Refused, with the numbers, when the moments would not fit in host memory."""
+        self._follow_regrouping()
         self.access.settle(read_only=True)  # every committed update landed: its step counters and moments are final
         slots = self._slots()
         updated = any(float(self._step_counter(block.index, position)) > 0 for _, block, position, _ in slots)
@@ -165,7 +188,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                             "exp_avg_sq": by_name["exp_avg_sq"][slot.name]}
         groups, start = [], 0
         for group in self.param_groups:
-            saved = {**TORCH_ADAMW_FLAGS, **{k: v for k, v in group.items() if k != "params"}}
+            saved = {**UNSUPPORTED, **{k: v for k, v in group.items() if k != "params"}, **IMPLEMENTATION_FLAGS}
             saved["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(saved)
@@ -175,6 +198,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of this optimizer (or of torch.optim.AdamW over the same parameters): the groups'
         hyper-parameters, and each parameter's moments and step counter, written into the tiers."""
+        self._follow_regrouping()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, self.param_groups)):
             raise ValueError("the optimizer state_dict's param_groups do not match this optimizer's (number of groups "
@@ -192,7 +216,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             per_block.setdefault(block.index, []).append((position, slot, entry))
         self.access.settle()
         for group, saved in zip(self.param_groups, groups):
-            group.update({key: value for key, value in saved.items() if key != "params"})
+            group.update({key: value for key, value in saved.items() if key != "params" and key not in IMPLEMENTATION_FLAGS})
         for block_index, entries in per_block.items():
             for position, _slot, entry in entries:
                 self._step_counter(block_index, position).fill_(float(entry.get("step", 0.0)))
@@ -215,24 +239,34 @@ def refuse_unsupported(number: int, group: dict[str, Any]) -> None:
             raise ValueError(f"param_groups[{number}]['{key}'] = {group[key]!r} is not supported by the offloaded AdamW")
 
 
-def check_param_groups(groups: list[dict[str, Any]], blocks: list[Any]) -> dict[int, int]:
-    """Refuse groups the offloaded update can't honour (unknown keys, a parameter twice or missing, one that is
-    not offloaded); returns each parameter's group number by id."""
+def _membership(groups: list[dict[str, Any]]) -> tuple[tuple[int, ...], ...]:
+    """Which parameters each group holds, by id (the offloaded parameters live as long as the session)."""
+    return tuple(tuple(map(id, group["params"])) for group in groups)
+
+
+def check_param_groups(groups: list[dict[str, Any]], blocks: list[Any], *, after_offload: bool = False) -> dict[int, int]:
+    """Refuse groups the offloaded update can't honour (an option it does not implement, a parameter twice or
+    missing, one that is not offloaded); returns each parameter's group number by id. ``after_offload``: the
+    optimizer's groups, as the user's edits left them."""
     group_of: dict[int, int] = {}
     for number, group in enumerate(groups):
-        unknown = sorted(set(group) - GROUP_KEYS - set(UNSUPPORTED))
-        if unknown:
-            raise ValueError(f"param_groups[{number}] has {unknown}: the offloaded AdamW takes lr, betas, eps and weight_decay")
         refuse_unsupported(number, group)
         for p in group["params"]:
             if id(p) in group_of:
                 raise ValueError(f"a parameter appears in param_groups {group_of[id(p)]} and {number}; list each once")
             group_of[id(p)] = number
-    offloaded = {id(slot.param) for block in blocks for slot in block.slots}
-    if set(group_of) - offloaded:
+    names = {id(slot.param): slot.name for block in blocks for slot in block.slots}
+    if set(group_of) - set(names):
+        if after_offload:
+            raise ValueError(f"optimizer.param_groups hold a parameter that is not offloaded: {ADD_PARAM_GROUP_REFUSAL}")
         raise ValueError("param_groups hold parameters that are not offloaded (frozen, or not of this model): "
                          "give the optimizer only the model's trainable parameters")
-    missing = [slot.name for block in blocks for slot in block.slots if id(slot.param) not in group_of]
+    missing = [name for key, name in names.items() if key not in group_of]
+    if missing and after_offload:
+        raise ValueError(f"{missing[0]} was taken out of optimizer.param_groups: torch.optim.AdamW would stop updating "
+                         "it, tierstore's update of its block would not. Leave it in a group and freeze it instead "
+                         "(p.requires_grad_(False)): an offloaded parameter without a gradient is not "
+                         "updated, as in torch.optim.AdamW")
     if missing:
         raise ValueError(f"param_groups must hold every offloaded parameter; missing: {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")

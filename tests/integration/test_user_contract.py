@@ -181,7 +181,8 @@ def test_user_grad_clip_leaves_tierstore_s_own_clip_off_by_default(tmp_path, loo
 
 def test_a_loop_clip_beside_tierstore_s_clip_is_refused_not_stacked(tmp_path):
     """tierstore's default clip (1.0) and a clip in the loop would clip every step twice: refused at the loop's clip
-    with the key to set, and refused in the config where both are set by hand."""
+    with the key to set, and refused in the config where both are set by hand. A multiply by hand is refused too,
+    saying what the loop did (it had said the loop called clip_grad_norm_)."""
     from runtime.config import ConfigError, load_config
 
     cfg = config(tmp_path)
@@ -191,6 +192,8 @@ def test_a_loop_clip_beside_tierstore_s_clip_is_refused_not_stacked(tmp_path):
         model(*make_batches(1)[0]).backward()
         with pytest.raises(RuntimeError, match="clipped twice.*optimizer.user_grad_clip: true"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        with pytest.raises(RuntimeError, match=r"^mul_ on the gradient of embed\.weight: your loop multiplies gradients"):
+            model.embed.weight.grad.mul_(0)
         optimizer.zero_grad()
     with pytest.raises(ConfigError, match="would clip every step twice"):
         load_config({"optimizer": {"grad_clip": 1.0, "user_grad_clip": True}})
@@ -218,6 +221,45 @@ def test_gradient_calls_tierstore_cannot_serve_say_what_to_use(tmp_path):
         with torch.no_grad(), pytest.raises(RuntimeError, match=r"Call optimizer\.step\(\) first"):
             model(*batch)
         optimizer.zero_grad()
+
+
+def test_norms_of_an_offloaded_gradient_are_its_whole_2_norm_or_refused(tmp_path):
+    """What a loop reads of a gradient that left the device: its whole 2-norm, however asked (through .data or
+    .detach(), a logging idiom that had been refused naming __get__; over every dim, with keepdim), equal to the
+    plain loop's; torch.linalg.norm(g, 2) of a matrix, torch's spectral norm, is refused (it had returned the
+    Frobenius norm), and so is a norm over some dims, naming them. A multiply through .data scales the gradient,
+    bit for bit."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=True))
+    batch = make_batches(1)[0]
+    with optimizer.session:
+        reads = {
+            "norm": lambda g: g.norm(), "data": lambda g: g.data.norm(2), "detach": lambda g: g.detach().norm(2),
+            "linalg": lambda g: torch.linalg.norm(g), "fro": lambda g: torch.linalg.norm(g, "fro"),
+            "every dim": lambda g: g.norm(2, dim=(0, 1)), "vector": lambda g: torch.linalg.vector_norm(g, 2, (-1, 0)),
+            "keepdim": lambda g: torch.norm(g, 2, dim=(1, 0), keepdim=True),
+        }
+        for m in (plain, model):
+            m(*batch).backward()
+        for name, read in reads.items():
+            ours, theirs = read(model.layers[0].qkv.weight.grad), read(plain.layers[0].qkv.weight.grad)
+            assert ours.shape == theirs.shape and torch.equal(ours, theirs), name
+        # Of a vector, torch.linalg.norm(g, 2) is its 2-norm.
+        assert torch.equal(torch.linalg.norm(model.layers[0].attn_norm.weight.grad, 2),
+                           torch.linalg.norm(plain.layers[0].attn_norm.weight.grad, 2))
+        grad = model.layers[0].qkv.weight.grad
+        with pytest.raises(RuntimeError, match="spectral norm"):
+            torch.linalg.norm(grad, 2)
+        with pytest.raises(RuntimeError, match="spectral norm"):
+            torch.linalg.norm(grad, ord=2)
+        with pytest.raises(RuntimeError, match=r"over dim=0 .*whole gradient"):
+            grad.norm(2, dim=0)
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            for p in m.parameters():
+                p.grad.data.mul_(0.5)
+            opt.step()
+            opt.zero_grad()
+        assert_same(model.state_dict(), plain.state_dict())
 
 
 def test_an_elementwise_factor_on_an_offloaded_gradient_is_refused_and_a_scalar_one_is_exact(tmp_path):
@@ -768,8 +810,8 @@ def test_close_when_the_weights_cannot_be_kept(tmp_path, monkeypatch, error):
 def test_a_refused_offload_leaves_the_model_usable(tmp_path):
     model = fresh_model()
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="momentum"):
-        offload(model, config(tmp_path), param_groups=[{"params": list(model.parameters()), "momentum": 0.9}])
+    with pytest.raises(ValueError, match="amsgrad"):
+        offload(model, config(tmp_path), param_groups=[{"params": list(model.parameters()), "amsgrad": True}])
     assert_same(dict(model.named_parameters()), expected)
     model(*make_batches(1)[0]).backward()  # an ordinary module again
 
