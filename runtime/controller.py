@@ -1242,7 +1242,7 @@ class Controller:
     @property
     def worker_error(self) -> BaseException | None:
         """What stopped the optimizer worker (an update that failed), or None while it runs."""
-        return self.worker._error
+        return self.worker.error
 
     @property
     def interrupted(self) -> str | None:

@@ -180,6 +180,11 @@ class UpdateWorker:
                                f"updated to step {step}: nothing will update it now")
         return time.perf_counter() - start
 
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the thread (an update that failed), or None while it runs."""
+        return self._error
+
     def _stopped(self) -> bool:
         """Whether the thread has finished stopping (close() lets it run the jobs queued before it ends)."""
         return self._stopping and not self._thread.is_alive()
