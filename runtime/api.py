@@ -228,6 +228,24 @@ def _log_failure(step: Callable[[], None]) -> None:
         log.error("offload() failed, and undoing it failed too at %r: %r", step, error)
 
 
+def _warn_of_other_dtypes(model: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """Say when trainable parameters are in a dtype the session does not train them in (silently, before): fp64
+    ones get fp32 masters, and 16-bit ones other than the config's ``dtype`` compute in it (plain PyTorch trains
+    each in its own dtype). fp32 parameters under a 16-bit ``dtype`` are the usual mixed precision: nothing to say."""
+    other: dict[torch.dtype, list[str]] = {}
+    for param_name, param in model.named_parameters():
+        if param.requires_grad and param.dtype != dtype and (param.dtype == torch.float64 or param.element_size() == 2):
+            other.setdefault(param.dtype, []).append(param_name)
+    for found, names in other.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        what = (f"they train with fp32 masters, computing in {name} (fewer bits than their own)" if found == torch.float64
+                else f"they train in {name} (compute) with fp32 masters")
+        log.warning("%d trainable parameter%s in %s (%s), the config's dtype is %s: %s, and close() gives them back in "
+                    "%s. Set dtype to match the model, or convert the model before offload()", len(names),
+                    "s are" if len(names) > 1 else " is", str(found).removeprefix("torch."), shown, name, what,
+                    str(found).removeprefix("torch."))
+
+
 def _tied_through_memory(model: nn.Module) -> tuple[str, str] | None:
     """The names (in the model's order) of two distinct parameters, one of them trainable, that share bytes
     (``b.weight.data = a.weight.data``), or None. One Parameter used twice is a tie tierstore keeps
@@ -360,6 +378,7 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     dtype = DTYPES[cfg.dtype]
     if dtype is torch.float16 and device.type == "cpu":
         log.warning("fp16 compute on the CPU is slow; it is meant for tests")
+    _warn_of_other_dtypes(model, cfg.dtype, dtype)
     has_meta = any(p.is_meta for p in model.parameters())
     if has_meta and init is None:
         raise ValueError("the model's parameters are on the meta device: pass init=fn, where fn(name, tensor) fills "

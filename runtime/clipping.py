@@ -197,7 +197,9 @@ class GradClipper:
             return self._host_sum_call(func, name, args, kwargs, grads[0])
         if func is torch._foreach_norm or func in _NORM_CALLS:
             shape = _whole_two_norm_shape(func, name, args, kwargs)
-            norms = [self._norm(g).to(g.dtype) for g in grads]
+            # In the gradient's dtype as torch gives it for bf16 .grad, but fp16's (loss scaling) holds no norm above
+            # 65,504: an inf there clipped the whole step to zero. Its reference is the fp32 master gradient's norm.
+            norms = [self._norm(g) if g.dtype == torch.float16 else self._norm(g).to(g.dtype) for g in grads]
             return norms if func is torch._foreach_norm else norms[0].reshape(shape)
         if func is torch._foreach_mul_ or func in _SCALE_CALLS:
             factor = args[1]

@@ -937,6 +937,59 @@ def test_deepcopy_gives_a_plain_model_with_the_current_weights(tmp_path):
         assert_same(model.state_dict(), plain.state_dict())
 
 
+@pytest.mark.parametrize("model_dtype, dtype, said", [(torch.bfloat16, "fp32", "in bfloat16"), (torch.float64, "fp32", "in float64"),
+                                                      (torch.float32, "bf16", None), (torch.float32, "fp32", None)])
+def test_parameters_in_another_dtype_than_the_config_s_are_said_at_offload(caplog, model_dtype, dtype, said):
+    """A bf16 model under dtype: fp32 trains in fp32 and an fp64 one with fp32 masters (plain PyTorch: each in its
+    own dtype): said once at offload(), naming the dtype to set; fp32 parameters under bf16 are the usual case."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="runtime.api"):
+        model, optimizer = offload(fresh_model().to(model_dtype), {"device": "cpu", "dtype": dtype,
+                                                                    "optimizer": {"grad_clip": None}})
+        optimizer.session.close()
+    notices = [r.getMessage() for r in caplog.records if "the config's dtype" in r.getMessage()]
+    if said is None:
+        assert notices == []
+    else:
+        assert len(notices) == 1 and said in notices[0] and "Set dtype to match the model" in notices[0]
+
+
+class ScaledLoss(nn.Module):
+    """The example model with its loss multiplied: gradients whose elements fp16 holds and whose norm it does not."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.lm, self.factor = fresh_model(), factor
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.lm(x, y).float() * self.factor  # in fp32: the loss itself is above fp16's range
+
+
+def test_under_fp16_the_loop_s_clip_takes_the_norm_in_fp32_as_tierstore_s_own_clip(tmp_path):
+    """A norm above fp16's 65,504 was returned in fp16, inf: the loop's clip then zeroed the step's gradients. It is
+    the fp32 masters' norm, as with optimizer.grad_clip, and the two loops train bit for bit alike."""
+    batches = make_batches(2)
+    results = []
+    for loop_clips in (True, False):
+        optimizer_cfg = {"lr": LR, "weight_decay": 0.01, "loss_scale": {"initial": 1.0},
+                         **({"grad_clip": None, "user_grad_clip": True} if loop_clips else {"grad_clip": 1.0})}
+        model, optimizer = offload(ScaledLoss(6e4), {"device": "cpu", "dtype": "fp16", "optimizer": optimizer_cfg})
+        with optimizer.session:
+            norms = []
+            for batch in batches:
+                optimizer.scale_loss(model(*batch)).backward()
+                if loop_clips:
+                    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+                optimizer.step()
+                optimizer.zero_grad()
+                if loop_clips:
+                    assert norms[-1].dtype == torch.float32 and 65504 < norms[-1].item() < float("inf")
+                    assert norms[-1].item() == pytest.approx(optimizer.last_grad_norm, rel=1e-6)
+            results.append(optimizer.session.master_state_dict())
+    assert_same(*results)
+
+
 def test_a_parameter_given_other_memory_by_set_is_refused_at_the_next_forward(tmp_path):
     """p.set_(t) reaches no torch-function override: the parameter silently stopped following the tiers (the
     forward computed with t forever while the master trained on). The next forward refuses, naming it."""
