@@ -39,7 +39,7 @@ def main() -> None:
     # The Trainer's own AdamW leaves biases and norm weights out of weight decay: the same split as parameter groups
     # (get_decay_parameter_names does not use the Trainer instance). One group with weight_decay would decay all.
     decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, p in model.named_parameters() if p.requires_grad]  # frozen ones are not offloaded
     groups = [{"params": [n for n in names if n in decay], "weight_decay": training.weight_decay},
               {"params": [n for n in names if n not in decay], "weight_decay": 0.0}]
     model, optimizer = offload(model, {

@@ -279,6 +279,8 @@ def param_groups_of(model: nn.Module, groups: list[dict[str, Any]] | None, offlo
     if groups is None:
         return [{"params": offloaded}]
     named = dict(model.named_parameters())
+    name_of = {id(p): name for name, p in named.items()}
+    ours = {id(p) for p in offloaded}
     out = []
     for number, group in enumerate(groups):
         if "params" not in group:
@@ -289,6 +291,12 @@ def param_groups_of(model: nn.Module, groups: list[dict[str, Any]] | None, offlo
                 if p not in named:
                     raise ValueError(f"param_groups[{number}]: the model has no parameter named {p!r}")
                 p = named[p]
+            if id(p) not in ours and id(p) in name_of and not p.requires_grad:
+                # A weight-decay split built from named_parameters() (the HF Trainer recipe) lists frozen ones too.
+                raise ValueError(
+                    f"param_groups[{number}] holds {name_of[id(p)]}, which is frozen (requires_grad=False): only "
+                    "trainable parameters are offloaded and updated. Leave frozen parameters out of param_groups, "
+                    "e.g. names = [n for n, p in model.named_parameters() if p.requires_grad]")
             params.append(p)
         out.append({**group, "params": params})
     return out

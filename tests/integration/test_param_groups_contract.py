@@ -219,3 +219,14 @@ def test_state_dict_says_fused_after_loading_a_foreach_adamw_state(tmp_path):
         plain_step(reference, reference_opt, batch)
         plain_step(moved, moved_opt, batch)
     assert_same(moved.state_dict(), reference.state_dict())
+
+
+def test_a_frozen_parameter_in_the_groups_given_to_offload_is_refused_by_name():
+    """The HF Trainer recipe builds its weight-decay split from named_parameters(); a frozen parameter there was
+    refused without a name ('parameters that are not offloaded'). The refusal names it and says what to list."""
+    model = fresh_model()
+    model.embed.weight.requires_grad_(False)
+    names = [name for name, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match=r"param_groups\[0\] holds embed.weight, which is frozen .*p.requires_grad\]"):
+        offload(model, {"device": "cpu", "dtype": "fp32", "optimizer": {"grad_clip": None}},
+                param_groups=[{"params": names}])
