@@ -262,6 +262,22 @@ def test_norms_of_an_offloaded_gradient_are_its_whole_2_norm_or_refused(tmp_path
         assert_same(model.state_dict(), plain.state_dict())
 
 
+def test_a_bf16_gradient_s_norm_comes_in_the_dtype_asked(tmp_path):
+    """g.norm(dtype=torch.float32) of a bf16 gradient is fp32 in torch; it came back in bf16 (rounded)."""
+    plain = fresh_model().to(torch.bfloat16)
+    model, optimizer = offload(fresh_model(), {**config(tmp_path, user_grad_clip=True), "dtype": "bf16"})
+    batch = make_batches(1)[0]
+    with optimizer.session:
+        for m in (plain, model):
+            m(*batch).backward()
+        ours, theirs = model.layers[0].qkv.weight.grad, plain.layers[0].qkv.weight.grad
+        for read in (lambda g: g.norm(dtype=torch.float32), lambda g: torch.linalg.vector_norm(g, dtype=torch.float32),
+                     lambda g: g.norm(2, None, False, torch.float32)):
+            assert read(ours).dtype == read(theirs).dtype == torch.float32
+            assert read(ours).item() == pytest.approx(read(theirs).item(), rel=1e-6)
+        assert ours.norm().dtype == theirs.norm().dtype == torch.bfloat16
+
+
 def test_an_elementwise_factor_on_an_offloaded_gradient_is_refused_and_a_scalar_one_is_exact(tmp_path):
     """``p.grad.mul_`` after backward: one number is applied exactly (as clip_grad_norm_'s coefficient is); a
     tensor of several elements would change the stored norm in a way nobody could know, so it raises."""
