@@ -193,6 +193,9 @@ class GradClipper:
         if func in _SAME_GRAD:
             return args[0]
         name = getattr(func, "__name__", str(func))
+        if name in ("__repr__", "__str__", "__format__"):  # print(p.grad) while debugging: say what it is
+            return (f"OffloadedGrad(the gradient of {self._name(grads[0])}, shape {tuple(grads[0].shape)}, "
+                    f"{grads[0].dtype}: it left the device for the pending step; g.norm() reads its 2-norm)")
         if grads[0].slot not in self._proxies:  # between micro-batches: the gradient is a sum in host memory
             return self._host_sum_call(func, name, args, kwargs, grads[0])
         if func is torch._foreach_norm or func in _NORM_CALLS:

@@ -248,6 +248,8 @@ def test_norms_of_an_offloaded_gradient_are_its_whole_2_norm_or_refused(tmp_path
         assert torch.equal(torch.linalg.norm(model.layers[0].attn_norm.weight.grad, 2),
                            torch.linalg.norm(plain.layers[0].attn_norm.weight.grad, 2))
         grad = model.layers[0].qkv.weight.grad
+        # print(p.grad) while debugging says what it is (it raised)
+        assert repr(grad) == str(grad) == f"{grad}" and "the gradient of layers.0.qkv.weight, shape (96, 32)" in repr(grad)
         with pytest.raises(RuntimeError, match="spectral norm"):
             torch.linalg.norm(grad, 2)
         with pytest.raises(RuntimeError, match="spectral norm"):
