@@ -181,6 +181,7 @@ class Controller:
         # later change was reported (_warn_if_hypers_changed_since_backward).
         self._hypers_read: list[AdamWHyper] | None = None
         self._warned_hypers = False
+        self._warned_stale_step = False  # said once: a step() with no backward where plain PyTorch re-applies
         # Layer blocks acquired by a forward recomputed inside a backward (activation checkpointing: the model's own
         # where its hooks see it, or runtime.recompute's), counted over the session. A head or a loss recomputed by
         # the model does not count: its layers may still be worth recomputing.
@@ -1013,6 +1014,7 @@ class Controller:
         had_backward = self._phase is not StepPhase.IDLE
         if self._phase is StepPhase.IDLE:
             if not self._has_assigned_grads() and not self.kept_grads.zero_step_pending:
+                self._warn_if_last_gradients_held()
                 return  # no backward and no gradient since the last step (or its step was dropped): like torch, nothing to do
             self._step_from_assigned_grads()
         if self._phase is StepPhase.ACCUMULATING:
@@ -1040,6 +1042,17 @@ class Controller:
         self.kept_grads.step_committed(had_backward)
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("commit", self.optimizer_step, time.perf_counter()))
+
+    def _warn_if_last_gradients_held(self) -> None:
+        """A ``step()`` with no backward and no ``optimizer.zero_grad()`` since the last step: plain PyTorch applies
+        the last gradients again (its ``.grad`` tensors still hold them, unless the module's ``zero_grad()`` cleared
+        them, which tierstore does not see); here they were used up by that step's update. Said once a session."""
+        if self._warned_stale_step or not self.kept_grads.last_gradients_held:
+            return
+        self._warned_stale_step = True
+        log.warning("optimizer.step() with no backward since the last step and no optimizer.zero_grad(): nothing is "
+                    "applied, the last step's gradients went to its update. Plain PyTorch would apply them again unless "
+                    "model.zero_grad() cleared them. Call optimizer.zero_grad() after each step to make the two agree")
 
     def _warn_if_hypers_changed_since_backward(self) -> None:
         """Streaming updates took the parameter groups' values (lr, betas, eps, weight_decay) as the backward found

@@ -58,6 +58,13 @@ class KeptGrads:
         """A ``step()`` with no backward would update some parameter with a zero gradient (zeros kept)."""
         return self.zeros_kept and any(any(held) for held in self._held)
 
+    @property
+    def last_gradients_held(self) -> bool:
+        """Plain PyTorch would still hold the last step's gradients (no ``optimizer.zero_grad`` since a step with a
+        backward): a ``step()`` with no backward would apply them again there, unless the module's
+        ``zero_grad()`` cleared them, which is not seen here."""
+        return not self.zeros_kept and any(any(held) for held in self._held)
+
     def drop(self, index: int, position: int) -> None:
         """``p.grad = None`` for parameter ``position`` of block ``index``: plain PyTorch holds no tensor for it."""
         self._held[index][position] = False

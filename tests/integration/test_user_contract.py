@@ -973,6 +973,28 @@ def test_parameters_in_another_dtype_than_the_config_s_are_said_at_offload(caplo
         assert len(notices) == 1 and said in notices[0] and "Set dtype to match the model" in notices[0]
 
 
+@pytest.mark.parametrize("between", ["nothing", "zero_grad", "zero_grad(set_to_none=False)"])
+def test_a_second_step_with_no_backward_is_said_where_plain_pytorch_would_apply_the_gradients_again(tmp_path, caplog,
+                                                                                                    between):
+    """Plain PyTorch's .grad still holds the last gradients after step(): a second step() with no backward applies
+    them again (unless model.zero_grad() cleared them); tierstore has used them up. That step did nothing silently:
+    now it says so, once, naming optimizer.zero_grad(). After the optimizer's zero_grad both agree: nothing to say."""
+    import logging
+
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+        for batch in make_batches(2):
+            model(*batch).backward()
+            optimizer.step()
+            if between == "zero_grad":
+                optimizer.zero_grad()
+            elif between != "nothing":
+                optimizer.zero_grad(set_to_none=False)
+            optimizer.step()
+    said = [r.getMessage() for r in caplog.records if "with no backward since the last step" in r.getMessage()]
+    assert len(said) == (1 if between == "nothing" else 0), said
+
+
 class ScaledLoss(nn.Module):
     """The example model with its loss multiplied: gradients whose elements fp16 holds and whose norm it does not."""
 
