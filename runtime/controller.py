@@ -400,6 +400,13 @@ class Controller:
     def on_step_begin(self) -> None:
         """The model's forward starts: close the previous trace and open one for this signature."""
         self.check_not_interrupted()
+        cut = self.weights.cut_off()
+        if cut:
+            raise RuntimeError(
+                f"offloaded parameter{'s' if len(cut) > 1 else ''} {', '.join(cut[:3])}{' ...' if len(cut) > 3 else ''} "
+                f"no longer use{'' if len(cut) > 1 else 's'} tierstore's memory (`param.set_(...)`, or another swap of "
+                "its storage): the forward would compute with values no update reaches. Write new values with "
+                "param.copy_(...) or load_state_dict, or set them before offload()")
         if torch.is_grad_enabled():
             refuse_unfrozen(self.frozen, lambda p: p.requires_grad, "requires a gradient")
         if self._phase is StepPhase.BACKWARD:  # the last backward raised and the user carried on: drop its step

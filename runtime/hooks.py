@@ -132,14 +132,6 @@ class HookSet:
                 # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
                 # that raised (the engine drops its callbacks then).
                 self._ends_queued.clear()
-                cut = self.controller.weights.cut_off()
-                if cut:
-                    raise RuntimeError(
-                        f"offloaded parameter{'s' if len(cut) > 1 else ''} {', '.join(cut[:3])}"
-                        f"{' ...' if len(cut) > 3 else ''} no longer use{'' if len(cut) > 1 else 's'} tierstore's "
-                        "memory (`param.set_(...)`, or "
-                        "another swap of its storage): the forward would compute with values no update reaches. Write "
-                        "new values with param.copy_(...) or load_state_dict, or set them before offload()")
                 self.controller.on_step_begin()
 
         return root_pre_forward

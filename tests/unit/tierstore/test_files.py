@@ -145,7 +145,12 @@ def test_create_new_never_follows_or_reuses(tmp_path: Path) -> None:
 def test_lock_file_is_exclusive_and_names_the_holder(tmp_path: Path) -> None:
     fd = lock_file(tmp_path / "lock", "the thing", "Use another one.")
     try:
-        with pytest.raises(DirectoryLockedError, match=rf"the thing is in use by another run \(pid {os.getpid()} .*Use another one"):
+        # Held in this very process: the message says so (a notebook cell run again), not 'another run'.
+        with pytest.raises(DirectoryLockedError, match=rf"the thing is held by an object of this same process \(pid "
+                                                       rf"{os.getpid()} .*never closed.*Use another one"):
+            lock_file(tmp_path / "lock", "the thing", "Use another one.")
+        os.pwrite(fd, b"1 otherhost", 0)  # as another process's lock file reads
+        with pytest.raises(DirectoryLockedError, match=r"the thing is in use by another run \(pid 1 otherhost\)\. Use another one"):
             lock_file(tmp_path / "lock", "the thing", "Use another one.")
     finally:
         os.close(fd)
