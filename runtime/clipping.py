@@ -72,6 +72,13 @@ def _whole_two_norm_shape(func: Any, name: str, args: tuple[Any, ...], kwargs: d
     return (1,) * ndim if keepdim else ()
 
 
+def real_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """``param.grad`` as torch holds it, not what the parameter guard shows the user (a stand-in of a gradient that
+    left the device, or of one plain PyTorch would still hold between steps)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.grad.__get__(param)
+
+
 class OffloadedGrad(torch.Tensor):
     """Stands for a parameter's gradient that already left the device for the pending step (no storage)."""
 
@@ -139,6 +146,8 @@ class GradClipper:
             grad = torch.Tensor.grad.__get__(param)
             if grad is None and slot is not None and self.controller.host_sum_holds(slot):
                 return OffloadedGrad(param, self, slot)  # between micro-batches, summed in host memory
+            if grad is None and slot is not None and self._spent_held(slot):
+                return OffloadedGrad(param, self, slot)  # between steps, what plain PyTorch's .grad still holds
             return grad
         proxy = self._proxies[slot]
         if proxy is None:
@@ -196,6 +205,9 @@ class GradClipper:
         if name in ("__repr__", "__str__", "__format__"):  # print(p.grad) while debugging: say what it is
             return (f"OffloadedGrad(the gradient of {self._name(grads[0])}, shape {tuple(grads[0].shape)}, "
                     f"{grads[0].dtype}: it left the device for the pending step; g.norm() reads its 2-norm)")
+        spent = [g for g in grads if g.slot not in self._proxies and not self.controller.host_sum_holds(g.slot)]
+        if spent:  # between steps: a gradient its step's update used
+            return self._spent_call(func, name, args, spent[0])
         if grads[0].slot not in self._proxies:  # between micro-batches: the gradient is a sum in host memory
             return self._host_sum_call(func, name, args, kwargs, grads[0])
         if func is torch._foreach_norm or func in _NORM_CALLS:
@@ -222,6 +234,33 @@ class GradClipper:
             "pending step. Its 2-norm and a multiply by one number (clip_grad_norm_) work, not other reads or "
             "changes (clip_grad_value_, a norm other than 2); for the last step's global norm read "
             "optimizer.last_grad_norm")
+
+    def _spent_held(self, slot: tuple[int, int]) -> bool:
+        """Between steps, plain PyTorch's ``.grad`` of this parameter would still hold a tensor: the last step's
+        gradient (used by its update, no copy kept) or zeros (``zero_grad(set_to_none=False)``)."""
+        return self.controller.phase is StepPhase.IDLE and self.controller.kept_grads.holds(*slot)
+
+    def _spent_call(self, func: Any, name: str, args: tuple[Any, ...], grad: OffloadedGrad) -> Any:
+        """A call on ``p.grad`` between steps, where plain PyTorch still holds a tensor: what ``model.zero_grad()``
+        does to it (``p.grad = None`` reaches ``on_grad_set``; with ``set_to_none=False``: ``grad_fn``,
+        ``detach_``, ``zero_``, which keeps it as a zero gradient) is served; reading its values is refused, saying
+        where they went. A stand-in kept from a step that has ended since is refused too."""
+        if func == torch.Tensor.grad_fn.__get__:
+            return None
+        if func == torch.Tensor.detach_:
+            return args[0]
+        current = self._spent_held(grad.slot) and grad.step == self.controller.optimizer_step
+        if func == torch.Tensor.zero_ and current:
+            self.controller.kept_grads.zero_grad(False, [grad.slot])
+            return args[0]
+        if not current:
+            raise RuntimeError(f"{name} on a p.grad of {self._name(grad)} kept from a step that has ended: read p.grad "
+                               "again")
+        raise RuntimeError(
+            f"{name} on p.grad of {self._name(grad)} between steps: plain PyTorch's .grad still holds the last step's "
+            "gradient (or the zeros of zero_grad(set_to_none=False)); tierstore used it for that step's update and "
+            "keeps no copy. Read gradients between backward and optimizer.step() (optimizer.last_grad_norm holds the "
+            "last step's global norm); zero_grad() or p.grad = None clears it")
 
     def _host_sum_call(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                        grad: OffloadedGrad) -> Any:

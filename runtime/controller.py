@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from runtime.accumulate import HostGradSums
 from runtime.adam import AdamWHyper, split_views
 from runtime.autoplace import STATE_ITEMSIZE, blocks_within
 from runtime.blocks import Block
-from runtime.clipping import GradClipper, scale_slots
+from runtime.clipping import GradClipper, real_grad, scale_slots
 from runtime.device_updates import DeviceUpdates
 from runtime.held_grads import HeldGrads
 from runtime.kept_grads import KeptGrads
@@ -37,7 +38,7 @@ from runtime.spill_return import bring_moments_home
 from runtime.units import approx_size
 from runtime.weights import WeightManager, WeightSource
 from runtime.writeback import DeviceWritebacks
-from tierstore import CapacityError, Handle, TensorMeta, TierName, TierStore, close_at_exit
+from tierstore import CapacityError, Handle, TensorMeta, TierName, TierStore, close_at_exit, wait_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,10 @@ class Controller:
         if options.host_sums and options.accumulation_steps > 1 and hosted:
             self.sums = HostGradSums(store, hosted, dtype=options.host_grad_dtype)
             close_at_exit(self.sums, HostGradSums.close)  # its thread stops before the store it sums into
+        # Registered after the worker and the sums, so it runs first at interpreter exit: a training thread the
+        # program did not join finishes before they close under it (Python joins it only after those hooks).
+        self.driver: threading.Thread | None = None  # the thread that last began a forward or called step()
+        wait_at_exit(self, lambda controller: None if controller.closed else controller.driver)
         self.stats = StepStats()
         # Optional observers (the profiler). Empty lists cost one truth test per wait / step boundary.
         self.stall_listeners: list[Callable[[StallEvent], None]] = []
@@ -400,6 +405,7 @@ class Controller:
     def on_step_begin(self) -> None:
         """The model's forward starts: close the previous trace and open one for this signature."""
         self.check_not_interrupted()
+        self.driver = threading.current_thread()
         cut = self.weights.cut_off()
         if cut:
             raise RuntimeError(
@@ -610,6 +616,8 @@ class Controller:
     def on_backward_begin(self, indices: list[int]) -> None:
         """Gradients w.r.t. a module's outputs are ready: its backward is next."""
         begins = self._phase is not StepPhase.BACKWARD  # the first block of this backward
+        if begins and self._phase is StepPhase.IDLE:
+            self._warn_if_last_gradients_held("a backward")
         if begins:
             self._enter_backward()
         if self._paces_forward and begins:
@@ -1018,10 +1026,11 @@ class Controller:
     def step(self) -> None:
         """Commit the optimizer step whose updates the last backward started."""
         self.check_not_interrupted()
+        self.driver = threading.current_thread()
         had_backward = self._phase is not StepPhase.IDLE
         if self._phase is StepPhase.IDLE:
             if not self._has_assigned_grads() and not self.kept_grads.zero_step_pending:
-                self._warn_if_last_gradients_held()
+                self._warn_if_last_gradients_held("optimizer.step() with no backward")
                 return  # no backward and no gradient since the last step (or its step was dropped): like torch, nothing to do
             self._step_from_assigned_grads()
         if self._phase is StepPhase.ACCUMULATING:
@@ -1050,16 +1059,18 @@ class Controller:
         if self.step_listeners:
             self._emit(self.step_listeners, StepEvent("commit", self.optimizer_step, time.perf_counter()))
 
-    def _warn_if_last_gradients_held(self) -> None:
-        """A ``step()`` with no backward and no ``optimizer.zero_grad()`` since the last step: plain PyTorch applies
-        the last gradients again (its ``.grad`` tensors still hold them, unless the module's ``zero_grad()`` cleared
-        them, which tierstore does not see); here they were used up by that step's update. Said once a session."""
+    def _warn_if_last_gradients_held(self, what: str) -> None:
+        """A step() with no backward, or a step's first backward, with no ``zero_grad()`` (the optimizer's or the
+        model's) since the last step: plain PyTorch's ``.grad`` tensors still hold that step's gradients, which it
+        applies again, or adds the new ones to; here they were used up by that step's update. Said once a session."""
         if self._warned_stale_step or not self.kept_grads.last_gradients_held:
             return
         self._warned_stale_step = True
-        log.warning("optimizer.step() with no backward since the last step and no optimizer.zero_grad(): nothing is "
-                    "applied, the last step's gradients went to its update. Plain PyTorch would apply them again unless "
-                    "model.zero_grad() cleared them. Call optimizer.zero_grad() after each step to make the two agree")
+        effect = ("nothing is applied, where plain PyTorch applies them again" if what.startswith("optimizer.step")
+                  else "its gradients start from zero, where plain PyTorch adds them to the last step's")
+        log.warning("%s since the last step and no zero_grad() (the optimizer's or the model's) between them: the last "
+                    "step's gradients went to its update, so %s (its .grad tensors still hold them). Call zero_grad() "
+                    "after each step to make the two agree", what, effect)
 
     def _warn_if_hypers_changed_since_backward(self) -> None:
         """Streaming updates took the parameter groups' values (lr, betas, eps, weight_decay) as the backward found
@@ -1093,14 +1104,14 @@ class Controller:
         memory) keep a zeroed ``.grad`` in plain PyTorch, which the next step updates (``runtime.kept_grads``)."""
         present = [] if set_to_none else [
             (index, position) for index, block in enumerate(self.blocks) for position, slot in enumerate(block.slots)
-            if torch.Tensor.grad.__get__(slot.param) is not None
+            if real_grad(slot.param) is not None
             or (self.sums is not None and self._phase.pending and self.sums.has_grad(index, position))]
         self.kept_grads.zero_grad(set_to_none, present)
 
     def _has_assigned_grads(self) -> bool:
         """Between steps, whether some offloaded parameter holds a real ``.grad``: one assigned by hand, since a
         backward's gradients leave the parameters for their update and a dropped step clears them."""
-        return any(torch.Tensor.grad.__get__(slot.param) is not None for block in self.blocks for slot in block.slots)
+        return any(real_grad(slot.param) is not None for block in self.blocks for slot in block.slots)
 
     def _step_from_assigned_grads(self) -> None:
         """``optimizer.step()`` with no backward since the last step, but gradients in ``.grad`` that the user assigned

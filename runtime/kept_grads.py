@@ -11,13 +11,12 @@ zeros, a step counts those parameters as having a zero gradient (``Controller._o
 
 ``p.grad = None`` drops the parameter's tensor (``GradClipper.on_grad_set`` says so), as in plain PyTorch.
 
-What it leaves out: ``model.zero_grad()`` (the module's, not the optimizer's) never reaches it: after a step an
-offloaded parameter's ``.grad`` reads ``None``, so the module's call has nothing to clear or fill. So that a loop
-which clears with the module's call after one ``optimizer.zero_grad(set_to_none=False)`` is not updated with zeros
-for good, zeros are kept only until a step with a backward commits: plain PyTorch's ``.grad`` tensors then hold
-that step's gradients, not zeros (a later step with no ``zero_grad`` at all adds to them, or applies them again,
-which is not emulated). A module's ``zero_grad()`` between the optimizer's ``zero_grad(set_to_none=False)`` and
-the step is not seen. Pure bookkeeping: no tensors.
+Between steps a parameter held here reads, as ``p.grad``, a stand-in of that gradient (``runtime.clipping``: its data
+went to the step's update): so the module's ``model.zero_grad()`` finds it and clears it (``p.grad = None`` drops it
+here) or zeroes it (zeros kept), as it does plain PyTorch's. Zeros are kept only until a step with a backward
+commits: plain PyTorch's ``.grad`` tensors then hold that step's gradients, not zeros. A later step with no
+``zero_grad`` at all adds to them, or applies them again: not emulated, said once (``Controller``). Pure
+bookkeeping: no tensors.
 """
 
 from __future__ import annotations
@@ -60,10 +59,13 @@ class KeptGrads:
 
     @property
     def last_gradients_held(self) -> bool:
-        """Plain PyTorch would still hold the last step's gradients (no ``optimizer.zero_grad`` since a step with a
-        backward): a ``step()`` with no backward would apply them again there, unless the module's
-        ``zero_grad()`` cleared them, which is not seen here."""
+        """Plain PyTorch would still hold the last step's gradients (no ``zero_grad`` since a step with a backward):
+        a ``step()`` with no backward would apply them again there, and a backward would add to them."""
         return not self.zeros_kept and any(any(held) for held in self._held)
+
+    def holds(self, index: int, position: int) -> bool:
+        """Plain PyTorch would hold a ``.grad`` tensor for parameter ``position`` of block ``index`` now."""
+        return self._held[index][position]
 
     def drop(self, index: int, position: int) -> None:
         """``p.grad = None`` for parameter ``position`` of block ``index``: plain PyTorch holds no tensor for it."""

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from runtime.adam import AdamWHyper
+from runtime.clipping import real_grad
 from runtime.controller import Controller, refuse_unfrozen
 from runtime.signals import defers_interrupts
 from runtime.step_phase import StepPhase
@@ -126,7 +127,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.controller.discard_pending()
         for group in self.param_groups:
             for p in group["params"]:
-                grad = torch.Tensor.grad.__get__(p)  # the real one, not the stand-in of an offloaded gradient
+                grad = real_grad(p)  # the real one, not a stand-in
                 if grad is not None:
                     if set_to_none:
                         torch.Tensor.grad.__set__(p, None)

@@ -20,7 +20,7 @@ from tierstore.errors import (
 )
 from tierstore.events import EventBus, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
-from tierstore.lifecycle import close_at_exit
+from tierstore.lifecycle import close_at_exit, wait_at_exit
 from tierstore.residency import CopyState, IllegalTransitionError
 from tierstore.tiers import Allocation, Tier, TierName
 from tierstore.pinned import PinnedArena
@@ -52,5 +52,6 @@ __all__ = [
     "TransferEvent",
     "UnsafeDirectoryError",
     "close_at_exit",
+    "wait_at_exit",
     "swap_tmp_root",
 ]

@@ -8,8 +8,9 @@ after interpreter shutdown"); daemon threads then run on into finalization (on C
 the driver there aborts the process). ``close_at_exit`` registers with those same threading exit hooks,
 which run newest first: an object registered after ``concurrent.futures`` was imported is closed while its
 thread pools, its worker threads and CUDA still work. Those hooks run before Python joins the program's own
-non-daemon threads, so a hook first waits for them (``_join_program_threads``): a training thread the main one
-did not join trains on to its end, as it would without tierstore, before anything it uses is closed.
+non-daemon threads: ``wait_at_exit`` registers one that first waits for the thread driving an object (a training
+thread the main one did not join trains on to its end, as it would without tierstore, before anything it uses is
+closed).
 
 It holds a weak reference only: registering changes no object's lifetime, and a closed or collected object
 costs nothing at exit. A forked child (a DataLoader worker) inherits the hooks and runs them at its own exit;
@@ -20,7 +21,6 @@ What no exit hook can clean (a process killed by SIGKILL), ``reclaim_abandoned``
 from __future__ import annotations
 
 import atexit
-import concurrent.futures.thread
 import fcntl
 import logging
 import os
@@ -45,6 +45,36 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
     idempotent: it also runs for objects the program closed itself. Its errors are logged, never raised
     (an exception there would skip the remaining exit hooks, the thread pools' own among them).
     """
+    def act(target: T) -> None:
+        try:
+            close(target)
+        except Exception:
+            log.exception("closing %s at interpreter exit failed", type(target).__name__)
+
+    _at_exit(obj, act)
+
+
+def wait_at_exit(obj: T, driver: Callable[[T], threading.Thread | None]) -> None:
+    """At interpreter exit, if ``obj`` is still alive, wait for the thread ``driver(obj)`` names (None: none, or
+    ``obj`` is closed) when it is alive and not the exiting one. Python joins a program's non-daemon threads only
+    after the exit hooks that close tierstore's objects; registered after those objects, this runs before their
+    hooks. Ctrl-C ends the wait, not the closing that follows (logged)."""
+    def act(target: T) -> None:
+        thread = driver(target)
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            return
+        log.info("interpreter exit: waiting for thread %r to finish before closing %s", thread.name, type(target).__name__)
+        try:
+            thread.join()
+        except KeyboardInterrupt:
+            log.warning("interpreter exit: stopped waiting for thread %r (Ctrl-C); closing %s under it",
+                        thread.name, type(target).__name__)
+
+    _at_exit(obj, act)
+
+
+def _at_exit(obj: T, act: Callable[[T], None]) -> None:
+    """Run ``act(obj)`` among the threading exit hooks (newest first) if ``obj`` is alive then; a weak reference only."""
     ref = weakref.ref(obj)
     owner = os.getpid()
 
@@ -52,13 +82,8 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
         # A forked child inherits the hook and runs it too (multiprocessing's children call the threading exit
         # hooks): closing its copy would delete the parent's swap files, which are the same files.
         target = ref() if os.getpid() == owner else None
-        if target is None:
-            return
-        _join_program_threads()
-        try:
-            close(target)
-        except Exception:
-            log.exception("closing %s at interpreter exit failed", type(target).__name__)
+        if target is not None:
+            act(target)
 
     # threading._register_atexit is what concurrent.futures itself uses (Python 3.9+); atexit is the fallback
     # for an interpreter without it, where pools may already be stopped but files are still removed.
@@ -67,21 +92,6 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
         register(hook)
     except RuntimeError:  # the interpreter is already shutting down: nothing later would run it
         log.debug("interpreter shutting down; %s is not closed at exit", type(obj).__name__)
-
-
-def _join_program_threads() -> None:
-    """Wait for the program's live non-daemon threads (not this one, not thread pools' idle workers, which
-    their own exit hook stops after ours). Python would join them anyway, right after the threading exit
-    hooks; joining them first keeps what they use open until they end. Ctrl-C stops the wait."""
-    pool_worker = getattr(concurrent.futures.thread, "_worker", None)
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is current or thread.daemon or not thread.is_alive():
-            continue
-        if pool_worker is not None and getattr(thread, "_target", None) is pool_worker:
-            continue
-        log.info("interpreter exit: waiting for thread %r to finish before closing tierstore's objects", thread.name)
-        thread.join()
 
 
 def reclaim_abandoned(root: str | os.PathLike[str], prefix: str) -> list[Path]:

@@ -5,6 +5,7 @@ It trains the tiny model with master and moments in swap files and never calls `
     noclose SWAP [SWAP...]  one session per swap path (``tmp``: a temporary directory), a few steps each, return
     loop SWAP               train until a signal ends it
     thread SWAP             a non-daemon thread trains 6 steps; the main thread returns once it has taken one
+    pool SWAP               a process pool stays open (its manager thread is non-daemon), a session trains 3 steps
 
 Markers on stdout: ``SWAP <dir>`` (where the session's swap files are), ``STEP <n>`` after each step, ``END``.
 """
@@ -53,6 +54,13 @@ def main(argv: list[str]) -> int:
             train(model, optimizer, 3)
     elif mode == "loop":
         train(*session_for(swaps[0]), None)
+    elif mode == "pool":
+        import concurrent.futures
+        import os
+
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=1)  # stops in its own exit hook, after tierstore's
+        pool.submit(os.getpid).result()
+        train(*session_for(swaps[0]), 3)
     elif mode == "thread":
         first_step = threading.Event()
 

@@ -233,3 +233,15 @@ def test_a_thread_still_training_when_the_script_returns_finishes_before_the_ses
     assert child.finish() == 0, child.text()
     assert "Traceback" not in child.text(), child.text()
     assert swap_files(swap) == []
+
+
+def test_a_process_pool_left_open_does_not_hold_the_exit(children, tmp_path):
+    """The exit hooks wait only for the thread that drives the session, not for every non-daemon thread: a process
+    pool's manager thread (non-daemon, stopped by its own exit hook, which runs after tierstore's) held the exit
+    forever when they waited for all."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    child = start(children, "-m", "tests.integration.lifecycle_child", "pool", str(swap))
+    child.wait_for("END")
+    assert child.finish() == 0, child.text()
+    assert swap_files(swap) == []

@@ -995,6 +995,47 @@ def test_a_second_step_with_no_backward_is_said_where_plain_pytorch_would_apply_
     assert len(said) == (1 if between == "nothing" else 0), said
 
 
+@pytest.mark.parametrize("clear", ["model.zero_grad()", "model.zero_grad(set_to_none=False)",
+                                   "optimizer.zero_grad(set_to_none=False), model.zero_grad()", "nothing"])
+def test_between_steps_p_grad_is_there_where_plain_pytorch_holds_one_so_model_zero_grad_reaches_it(tmp_path, caplog,
+                                                                                                  clear):
+    """After step() plain PyTorch's .grad still holds the step's gradient: p.grad is a stand-in there (it read None,
+    so the module's zero_grad() found nothing: its zeros, or its clearing after the optimizer kept zeros, were
+    silently not done). Reading its values is refused, saying where they went; model.zero_grad() clears or zeroes
+    it as in plain PyTorch, and a step() with no backward then does what plain PyTorch's does, bit for bit. With
+    nothing cleared, the next backward says once that plain PyTorch would add to the last gradients."""
+    import logging
+
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    batches = make_batches(3)
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            m(*batches[0]).backward()
+            opt.step()
+        grad = model.layers[0].qkv.weight.grad
+        assert grad is not None and grad.shape == plain.layers[0].qkv.weight.grad.shape
+        with pytest.raises(RuntimeError, match="still holds the last step's gradient.*used it for that step's update"):
+            grad.norm()
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            if clear == "model.zero_grad()":
+                m.zero_grad()
+            elif clear == "model.zero_grad(set_to_none=False)":
+                m.zero_grad(set_to_none=False)
+            elif clear != "nothing":
+                opt.zero_grad(set_to_none=False)
+                m.zero_grad()
+        assert (model.layers[0].qkv.weight.grad is None) == (plain.layers[0].qkv.weight.grad is None)
+        if clear != "nothing":
+            for m, opt in ((plain, plain_opt), (model, optimizer)):
+                opt.step()  # no backward: nothing (cleared), or zero gradients (zeroed)
+            assert_same(model.state_dict(), plain.state_dict())
+        model(*batches[1]).backward()
+        optimizer.step()
+    said = [r.getMessage() for r in caplog.records if "a backward since the last step" in r.getMessage()]
+    assert len(said) == (1 if clear == "nothing" else 0), said
+
+
 class ScaledLoss(nn.Module):
     """The example model with its loss multiplied: gradients whose elements fp16 holds and whose norm it does not."""
 
