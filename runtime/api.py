@@ -104,7 +104,7 @@ class OffloadSession:
         they do not fit in host memory (or can't be read) they are left on the meta device, with a warning: save
         them first (``session.save_pretrained(DIR)`` writes them a shard at a time). After the optimizer worker failed,
         each block's master is handed back as its last finished update left it, and a warning names the parameters
-        not at the last committed step (or not given back) and why."""
+        not at the last committed step (or not given back) and why; then close() raises the worker's failure."""
         if self.closed:
             return
         values: dict[str, torch.Tensor] | None = None
@@ -127,7 +127,12 @@ class OffloadSession:
             failure = exc
             if self.controller.worker_error is not None:  # the masters it did not touch are intact: hand them back
                 try:
-                    values, failure = self._salvage(dtypes), None
+                    values = self._salvage(dtypes)
+                    # Raised still, once given back: the failure may be the last step's, which nothing else reports.
+                    failure = RuntimeError(
+                        "close(): the optimizer worker had failed; the parameters were given back as the warning "
+                        f"above lists ({self.controller.worker_error!r})")
+                    failure.__cause__ = self.controller.worker_error
                 except Exception as error:  # then the worker's failure is raised, once the rest is given back
                     log.error("close(): handing back the masters after the optimizer worker failed failed too: %r", error)
         self.closed = True
@@ -194,6 +199,11 @@ def _give_back_parameters(blocks: list[Block], store: TierStore) -> None:
     for block in blocks:
         key = block.key("master")
         if not store.has(key):  # its parameters are released only once its state is registered
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            untouched = all(slot.param.numel() == slot.numel for slot in block.slots)
+        if untouched:  # registered, but the failure came before its parameters were released: their own values
+            _log_failure(functools.partial(store.unregister, key))  # (an fp64 one's are finer than the fp32 master)
             continue
         try:
             home = store.record(key).home
