@@ -200,10 +200,10 @@ def _give_back_parameters(blocks: list[Block], store: TierStore) -> None:
         key = block.key("master")
         if not store.has(key):  # its parameters are released only once its state is registered
             continue
-        with torch._C.DisableTorchFunctionSubclass():
-            untouched = all(slot.param.numel() == slot.numel for slot in block.slots)
-        if untouched:  # registered, but the failure came before its parameters were released: their own values
-            _log_failure(functools.partial(store.unregister, key))  # (an fp64 one's are finer than the fp32 master)
+        if all(_holds_own_values(slot) for slot in block.slots):
+            # Registered, but the failure came before its parameters were released: their own values (an fp64
+            # one's are finer than the fp32 master).
+            _log_failure(functools.partial(store.unregister, key))
             continue
         try:
             home = store.record(key).home
@@ -219,15 +219,34 @@ def _give_back_parameters(blocks: list[Block], store: TierStore) -> None:
         _log_failure(functools.partial(store.unregister, key))
 
 
+def _holds_own_values(slot: Any) -> bool:
+    """The parameter still holds the values it came with: not emptied at its block's registration, nor made a view
+    of the compute weights' buffer (whose storage is empty until a fetch fills it)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        param = slot.param
+        needed = (param.storage_offset() + param.numel()) * param.element_size()
+        return (param.numel() == slot.numel and param.dtype == slot.dtype
+                and param.untyped_storage().nbytes() >= needed)
+
+
 def _undo_offload(blocks: list[Block], store: TierStore | None, steps: list[Callable[[], None]]) -> None:
     """A failed or interrupted ``offload()``: run each undo step (hooks and guard off, threads stopped, the layers'
     classes and signal handlers back), then give the parameters back and close the store (swap files deleted, the
     directory unlocked). Each step in its own try: one that fails is logged and the others still run, so the
-    caller raises the setup's own error."""
+    caller raises the setup's own error. A Ctrl-C during the undo (a second one, when the first interrupted the
+    setup) is logged and the undo goes on; another one after it stops the undo."""
     if store is not None:
         steps = [*steps, functools.partial(_give_back_parameters, blocks, store), store.close]
+    interrupted = False
     for step in steps:
-        _log_failure(step)
+        try:
+            _log_failure(step)
+        except KeyboardInterrupt:
+            if interrupted:
+                raise
+            interrupted = True
+            log.warning("offload() is undoing a failed setup: Ctrl-C again to stop that (the model may then hold "
+                        "parameters with no values, and the swap directory stay locked until exit)")
 
 
 def _log_failure(step: Callable[[], None]) -> None:

@@ -64,6 +64,10 @@ def _whole_two_norm_shape(func: Any, name: str, args: tuple[Any, ...], kwargs: d
     if dim is not None and (ndim == 0 or sorted(d % ndim for d in dims) != list(range(ndim))):
         raise RuntimeError(f"{name} over dim={dim!r} of an offloaded gradient of {ndim} dimensions: only the 2-norm of "
                            "the whole gradient is known (dim=None, or every dimension)")
+    if func is torch.linalg.norm and order is not None and dim is None and ndim > 2:
+        raise RuntimeError(f"torch.linalg.norm(g, {order!r}) of an offloaded gradient of {ndim} dimensions with no dim: "
+                           "torch refuses it (an ord needs a 1-D or 2-D input); its whole 2-norm is "
+                           "torch.linalg.vector_norm(g) or g.norm()")
     if func is torch.linalg.norm and order is not None and (len(dims) == 2) != (order == "fro"):
         what = "the spectral norm (a matrix norm)" if len(dims) == 2 else f"a matrix norm of {len(dims)} dimensions"
         raise RuntimeError(f"torch.linalg.norm(g, {order!r}) of an offloaded gradient of {len(dims)} dimensions asks "

@@ -73,7 +73,7 @@ def lock_file(name: str | os.PathLike[str], what: str, hint: str, *, dir_fd: int
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            if holder.split()[:1] == [str(os.getpid())]:  # a notebook re-running a cell after an exception
+            if holder == f"{os.getpid()} {os.uname().nodename}":  # a notebook re-running a cell after an exception
                 raise DirectoryLockedError(
                     f"{what} is held by an object of this same process (pid {holder}) that was never closed: close "
                     f"it first (a training session: `optimizer.session.close()`), or restart the interpreter. {hint}") from None
