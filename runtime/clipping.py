@@ -208,7 +208,7 @@ class GradClipper:
         name = getattr(func, "__name__", str(func))
         if name in ("__repr__", "__str__", "__format__"):  # print(p.grad) while debugging: say what it is
             return (f"OffloadedGrad(the gradient of {self._name(grads[0])}, shape {tuple(grads[0].shape)}, "
-                    f"{grads[0].dtype}: it left the device for the pending step; g.norm() reads its 2-norm)")
+                    f"{grads[0].dtype}: it left the device for its step's update)")
         spent = [g for g in grads if g.slot not in self._proxies and not self.controller.host_sum_holds(g.slot)]
         if spent:  # between steps: a gradient its step's update used
             return self._spent_call(func, name, args, spent[0])
