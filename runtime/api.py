@@ -225,7 +225,7 @@ def _holds_own_values(slot: Any) -> bool:
     with torch._C.DisableTorchFunctionSubclass():
         param = slot.param
         needed = (param.storage_offset() + param.numel()) * param.element_size()
-        return (param.numel() == slot.numel and param.dtype == slot.dtype
+        return (param.numel() == slot.numel and param.dtype == slot.dtype and param.device == slot.device
                 and param.untyped_storage().nbytes() >= needed)
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runtime.blocks import Block
+from runtime.param_guard import moves_nowhere
 from runtime.step_phase import StepPhase
 
 if TYPE_CHECKING:
@@ -76,6 +77,20 @@ def _whole_two_norm_shape(func: Any, name: str, args: tuple[Any, ...], kwargs: d
     return (1,) * ndim if keepdim else ()
 
 
+def _module_apply_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grad: "OffloadedGrad") -> tuple[bool, Any]:
+    """What ``Module._apply`` (``model.to(device)``, ``.cpu()``, ``.cuda()``, ``share_memory()``) does to a parameter's
+    ``.grad`` where it moves nothing: served as the no-op it is, as the parameter's own call is (it crashed
+    ``model.to()`` between steps once ``p.grad`` stood for a gradient there). Returns (served, result)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if moves_nowhere(func, args, kwargs) or func == torch.Tensor.share_memory_:
+            return True, args[0]
+        if func is torch._has_compatible_shallow_copy_type:
+            return True, func(*args, **kwargs)
+    if func == torch.Tensor.data.__set__ and isinstance(args[1], OffloadedGrad) and args[1].slot == grad.slot:
+        return True, None  # grad.data = the stand-in it already is
+    return False, None
+
+
 def real_grad(param: torch.Tensor) -> torch.Tensor | None:
     """``param.grad`` as torch holds it, not what the parameter guard shows the user (a stand-in of a gradient that
     left the device, or of one plain PyTorch would still hold between steps)."""
@@ -89,6 +104,7 @@ class OffloadedGrad(torch.Tensor):
     clipper: "GradClipper"
     slot: tuple[int, int]  # (block index, position in the block)
     step: int  # the optimizer step it stands for a gradient of (the controller's count of committed steps then)
+    spent: bool
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, clipper: "GradClipper", slot: tuple[int, int]) -> "OffloadedGrad":
@@ -96,6 +112,7 @@ class OffloadedGrad(torch.Tensor):
         grad.clipper = clipper
         grad.slot = slot
         grad.step = clipper.controller.optimizer_step
+        grad.spent = False  # True: made between steps, for a gradient its step's update used (GradClipper.grad_of)
         return grad
 
     @classmethod
@@ -151,7 +168,9 @@ class GradClipper:
             if grad is None and slot is not None and self.controller.host_sum_holds(slot):
                 return OffloadedGrad(param, self, slot)  # between micro-batches, summed in host memory
             if grad is None and slot is not None and self._spent_held(slot):
-                return OffloadedGrad(param, self, slot)  # between steps, what plain PyTorch's .grad still holds
+                spent = OffloadedGrad(param, self, slot)  # between steps, what plain PyTorch's .grad still holds
+                spent.spent = True
+                return spent
             return grad
         proxy = self._proxies[slot]
         if proxy is None:
@@ -163,7 +182,12 @@ class GradClipper:
         update, as plain PyTorch skips a parameter without gradient; with streaming updates, which already ran,
         it raises. Assigning a gradient there raises, and so does assigning one after the step's last backward to a
         parameter that backward gave none (it would never be applied). Between steps an assigned gradient is what
-        the next ``step()`` applies (``Controller._step_from_assigned_grads``)."""
+        the next ``step()`` applies (``Controller._step_from_assigned_grads``). A stand-in is refused: it holds no
+        values (``model.to()`` assigns one under torch's ``overwrite_module_params_on_conversion``)."""
+        if isinstance(value, OffloadedGrad):
+            raise RuntimeError(f"p.grad = the gradient stand-in of {self._name(value)}: it holds no values to assign "
+                               "(model.to() does this under torch.__future__.set_overwrite_module_params_on_conversion"
+                               "(True): call zero_grad() first)")
         slot = self.controller.param_slot.get(id(param))
         if slot is not None and value is None:  # plain PyTorch holds no .grad tensor for it now (runtime.kept_grads)
             self.controller.kept_grads.drop(*slot)
@@ -209,8 +233,11 @@ class GradClipper:
         if name in ("__repr__", "__str__", "__format__"):  # print(p.grad) while debugging: say what it is
             return (f"OffloadedGrad(the gradient of {self._name(grads[0])}, shape {tuple(grads[0].shape)}, "
                     f"{grads[0].dtype}: it left the device for its step's update)")
-        spent = [g for g in grads if g.slot not in self._proxies and not self.controller.host_sum_holds(g.slot)]
-        if spent:  # between steps: a gradient its step's update used
+        carried, value = _module_apply_call(func, args, kwargs, grads[0])
+        if carried:
+            return value
+        spent = [g for g in grads if g.spent or (g.slot not in self._proxies and not self.controller.host_sum_holds(g.slot))]
+        if spent:  # between steps: a gradient its step's update used (or a stand-in of one, kept since)
             return self._spent_call(func, name, args, spent[0])
         if grads[0].slot not in self._proxies:  # between micro-batches: the gradient is a sum in host memory
             return self._host_sum_call(func, name, args, kwargs, grads[0])
@@ -255,7 +282,7 @@ class GradClipper:
             return args[0]
         current = self._spent_held(grad.slot) and grad.step == self.controller.optimizer_step
         if func == torch.Tensor.zero_ and current:
-            self.controller.kept_grads.zero_grad(False, [grad.slot])
+            self.controller.kept_grads.zero_slot(*grad.slot)
             return args[0]
         if not current:
             raise RuntimeError(f"{name} on a p.grad of {self._name(grad)} kept from a step that has ended: read p.grad "

@@ -1029,8 +1029,8 @@ class Controller:
         self.driver = threading.current_thread()
         had_backward = self._phase is not StepPhase.IDLE
         if self._phase is StepPhase.IDLE:
+            self._warn_if_last_gradients_held("optimizer.step() with no backward")
             if not self._has_assigned_grads() and not self.kept_grads.zero_step_pending:
-                self._warn_if_last_gradients_held("optimizer.step() with no backward")
                 return  # no backward and no gradient since the last step (or its step was dropped): like torch, nothing to do
             self._step_from_assigned_grads()
         if self._phase is StepPhase.ACCUMULATING:
@@ -1066,7 +1066,7 @@ class Controller:
         if self._warned_stale_step or not self.kept_grads.last_gradients_held:
             return
         self._warned_stale_step = True
-        effect = ("nothing is applied, where plain PyTorch applies them again" if what.startswith("optimizer.step")
+        effect = ("they are not applied again, where plain PyTorch applies them again" if what.startswith("optimizer.step")
                   else "its gradients start from zero, where plain PyTorch adds them to the last step's")
         log.warning("%s since the last step and no zero_grad() (the optimizer's or the model's) between them: the last "
                     "step's gradients went to its update, so %s (its .grad tensors still hold them). Call zero_grad() "

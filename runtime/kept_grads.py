@@ -30,15 +30,15 @@ class KeptGrads:
 
     def __init__(self, slots_per_block: Sequence[int]):
         self._held = [[False] * count for count in slots_per_block]
+        self._zeroed = [[False] * count for count in slots_per_block]  # zeroed one by one (p.grad.zero_())
         self.zeros_kept = False
 
     def merge(self, index: int, has_grad: list[bool]) -> list[bool]:
         """Block ``index``'s step takes gradients for the parameters ``has_grad`` marks: returns the parameters it
         updates (those, and while zeros are kept, every one plain PyTorch holds a zeroed ``.grad`` for), and records
         them as holding a ``.grad`` from now on."""
-        held = self._held[index]
-        if self.zeros_kept:
-            has_grad = [a or b for a, b in zip(has_grad, held)]
+        held, zeroed = self._held[index], self._zeroed[index]
+        has_grad = [a or (b and (self.zeros_kept or z)) for a, b, z in zip(has_grad, held, zeroed)]
         self._held[index] = [a or b for a, b in zip(has_grad, held)]
         return has_grad
 
@@ -46,22 +46,32 @@ class KeptGrads:
         """``optimizer.zero_grad(set_to_none)``: None drops every held ``.grad``; zeros keep them, with the
         parameters ``present`` lists ((block, position): gradients of a step in progress) held too."""
         self.zeros_kept = not set_to_none
+        self._zeroed = [[False] * len(held) for held in self._held]
         if set_to_none:
             self._held = [[False] * len(held) for held in self._held]
             return
         for index, position in present:
             self._held[index][position] = True
 
+    def zero_slot(self, index: int, position: int) -> None:
+        """``p.grad.zero_()`` between steps (``model.zero_grad(set_to_none=False)``, one parameter at a time): that
+        one holds zeros, the others what they held."""
+        if self._held[index][position]:
+            self._zeroed[index][position] = True
+
+    def _zero(self, index: int, position: int) -> bool:
+        return self._held[index][position] and (self.zeros_kept or self._zeroed[index][position])
+
     @property
     def zero_step_pending(self) -> bool:
         """A ``step()`` with no backward would update some parameter with a zero gradient (zeros kept)."""
-        return self.zeros_kept and any(any(held) for held in self._held)
+        return any(self._zero(i, p) for i, held in enumerate(self._held) for p in range(len(held)))
 
     @property
     def last_gradients_held(self) -> bool:
         """Plain PyTorch would still hold the last step's gradients (no ``zero_grad`` since a step with a backward):
         a ``step()`` with no backward would apply them again there, and a backward would add to them."""
-        return not self.zeros_kept and any(any(held) for held in self._held)
+        return any(h and not self._zero(i, p) for i, held in enumerate(self._held) for p, h in enumerate(held))
 
     def holds(self, index: int, position: int) -> bool:
         """Plain PyTorch would hold a ``.grad`` tensor for parameter ``position`` of block ``index`` now."""
@@ -69,7 +79,7 @@ class KeptGrads:
 
     def drop(self, index: int, position: int) -> None:
         """``p.grad = None`` for parameter ``position`` of block ``index``: plain PyTorch holds no tensor for it."""
-        self._held[index][position] = False
+        self._held[index][position] = self._zeroed[index][position] = False
 
     def step_committed(self, had_backward: bool) -> None:
         """``optimizer.step()`` committed a step. One with a backward leaves plain PyTorch's ``.grad`` tensors
@@ -77,3 +87,4 @@ class KeptGrads:
         leaves them as they were."""
         if had_backward:
             self.zeros_kept = False
+            self._zeroed = [[False] * len(held) for held in self._held]

@@ -99,6 +99,16 @@ def _tensors_in(args: Iterable[Any]) -> Iterable[torch.Tensor]:
             yield from (a for a in arg if isinstance(a, torch.Tensor))
 
 
+def moves_nowhere(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``t.to(...)``, ``t.cuda()`` or ``t.cpu()`` that returns ``t`` itself: what ``model.to(device)`` calls on the
+    tensors already there."""
+    if func == TO:
+        return ParamGuard._no_op_to(args, kwargs)
+    if func == CUDA:
+        return ParamGuard._no_op_cuda(args, kwargs)
+    return func == torch.Tensor.cpu and args[0].device.type == "cpu"
+
+
 def _same_device(wanted: torch.device, tensor: torch.Tensor) -> bool:
     """``wanted`` names the device tensor is on (an index left out matches any)."""
     return wanted.type == tensor.device.type and wanted.index in (None, tensor.device.index)

@@ -21,6 +21,7 @@ What no exit hook can clean (a process killed by SIGKILL), ``reclaim_abandoned``
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread
 import fcntl
 import logging
 import os
@@ -36,6 +37,8 @@ from tierstore.nvme import LOCK_NAME
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_pool_worker = getattr(concurrent.futures.thread, "_worker", None)  # what a ThreadPoolExecutor's threads run
 
 
 def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
@@ -56,13 +59,16 @@ def close_at_exit(obj: T, close: Callable[[T], object]) -> None:
 
 def wait_at_exit(obj: T, driver: Callable[[T], threading.Thread | None]) -> None:
     """At interpreter exit, if ``obj`` is still alive, wait for the thread ``driver(obj)`` names (None: none, or
-    ``obj`` is closed) when it is alive and not the exiting one. Python joins a program's non-daemon threads only
-    after the exit hooks that close tierstore's objects; registered after those objects, this runs before their
-    hooks. Ctrl-C ends the wait, not the closing that follows (logged)."""
+    ``obj`` is closed) when it is alive, not the exiting one, not a daemon and not a thread pool's. Python joins a
+    program's non-daemon threads only after the exit hooks that close tierstore's objects; registered after those
+    objects, this runs before their hooks. Ctrl-C ends the wait, not the closing that follows (logged)."""
     def act(target: T) -> None:
         thread = driver(target)
-        if thread is None or thread is threading.current_thread() or not thread.is_alive():
-            return
+        if thread is None or thread is threading.current_thread() or not thread.is_alive() or thread.daemon:
+            return  # a daemon thread Python would not wait for either
+        if getattr(thread, "_target", None) is _pool_worker:
+            return  # a thread pool's worker: idle until its pool's own exit hook, which runs after this one
+
         log.info("interpreter exit: waiting for thread %r to finish before closing %s", thread.name, type(target).__name__)
         try:
             thread.join()

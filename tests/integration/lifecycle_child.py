@@ -6,6 +6,8 @@ It trains the tiny model with master and moments in swap files and never calls `
     loop SWAP               train until a signal ends it
     thread SWAP             a non-daemon thread trains 6 steps; the main thread returns once it has taken one
     pool SWAP               a process pool stays open (its manager thread is non-daemon), a session trains 3 steps
+    daemon SWAP             a daemon thread trains until the process ends; the main thread returns after its first step
+    worker SWAP             a thread pool's worker trains 3 steps; the pool is never shut down
 
 Markers on stdout: ``SWAP <dir>`` (where the session's swap files are), ``STEP <n>`` after each step, ``END``.
 """
@@ -61,6 +63,22 @@ def main(argv: list[str]) -> int:
         pool = concurrent.futures.ProcessPoolExecutor(max_workers=1)  # stops in its own exit hook, after tierstore's
         pool.submit(os.getpid).result()
         train(*session_for(swaps[0]), 3)
+    elif mode in ("daemon", "worker"):
+        import concurrent.futures
+
+        first_step = threading.Event()
+
+        def trainer(steps: int | None) -> None:
+            model, optimizer = session_for(swaps[0])
+            train(model, optimizer, 1)
+            first_step.set()
+            train(model, optimizer, steps)
+
+        if mode == "daemon":
+            threading.Thread(target=trainer, args=(None,), name="user-daemon", daemon=True).start()
+            first_step.wait()
+        else:
+            concurrent.futures.ThreadPoolExecutor(max_workers=1).submit(trainer, 2).result()
     elif mode == "thread":
         first_step = threading.Event()
 

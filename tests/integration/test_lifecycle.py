@@ -245,3 +245,15 @@ def test_a_process_pool_left_open_does_not_hold_the_exit(children, tmp_path):
     child.wait_for("END")
     assert child.finish() == 0, child.text()
     assert swap_files(swap) == []
+
+
+@pytest.mark.parametrize("mode", ["daemon", "worker"])
+def test_a_session_driven_by_a_daemon_or_a_pool_s_thread_does_not_hold_the_exit(children, tmp_path, mode):
+    """The exit hook waits for the driving thread only where Python would: not for a daemon thread (a serving loop),
+    nor for a thread pool's worker, idle until its pool's own exit hook (which runs after tierstore's): both held
+    the exit forever."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    child = start(children, "-m", "tests.integration.lifecycle_child", mode, str(swap))
+    child.wait_for("END")
+    assert child.finish() == 0 or mode == "daemon", child.text()  # a daemon killed mid-step at exit may complain

@@ -1026,6 +1026,8 @@ def test_between_steps_p_grad_is_there_where_plain_pytorch_holds_one_so_model_ze
                 opt.zero_grad(set_to_none=False)
                 m.zero_grad()
         assert (model.layers[0].qkv.weight.grad is None) == (plain.layers[0].qkv.weight.grad is None)
+        for m in (plain, model):  # Module._apply carries each .grad along: a no-op here (it crashed on the stand-in)
+            m.to("cpu").cpu()
         if clear != "nothing":
             for m, opt in ((plain, plain_opt), (model, optimizer)):
                 opt.step()  # no backward: nothing (cleared), or zero gradients (zeroed)
@@ -1034,6 +1036,46 @@ def test_between_steps_p_grad_is_there_where_plain_pytorch_holds_one_so_model_ze
         optimizer.step()
     said = [r.getMessage() for r in caplog.records if "a backward since the last step" in r.getMessage()]
     assert len(said) == (1 if clear == "nothing" else 0), said
+
+
+def test_zeroing_part_of_the_gradients_between_steps_zeroes_those_and_says_the_rest_is_not_applied_again(tmp_path,
+                                                                                                       caplog):
+    """model.layers[0].zero_grad(set_to_none=False) after a step: plain PyTorch updates those with zeros at a step()
+    with no backward, and applies the others' last gradients again (not emulated: said once). The zeroed ones
+    were taken for every held gradient, silently."""
+    import logging
+
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+        for m, opt in ((plain, plain_opt), (model, optimizer)):
+            m(*make_batches(1)[0]).backward()
+            opt.step()
+            m.layers[0].zero_grad(set_to_none=False)
+            opt.step()
+        ours, theirs = model.state_dict(), plain.state_dict()
+        assert_same({k: v for k, v in ours.items() if k.startswith("layers.0.")},
+                    {k: v for k, v in theirs.items() if k.startswith("layers.0.")})
+    said = [r.getMessage() for r in caplog.records if "they are not applied again" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_a_p_grad_kept_from_between_steps_is_refused_in_the_next_step(tmp_path):
+    """A stand-in read between steps and kept: in the next step's accumulation window it was taken for the new host
+    sum (its norm, a zero_() that dropped the new micro-batch's gradient). It is refused there."""
+    model, optimizer = offload(fresh_model(), config(tmp_path, accumulation_steps=2, accumulate_on="host"))
+    batches = make_batches(4)
+    with optimizer.session:
+        for batch in batches[:2]:
+            model(*batch).backward()
+        optimizer.step()
+        kept = model.layers[0].qkv.weight.grad
+        optimizer.zero_grad()
+        model(*batches[2]).backward()
+        for use in (lambda g: g.norm(), lambda g: g.zero_()):
+            with pytest.raises(RuntimeError, match="kept from a step that has ended: read p.grad again"):
+                use(kept)
+        model.layers[0].qkv.weight.grad.norm()  # read again: the new sum's
 
 
 class ScaledLoss(nn.Module):
