@@ -412,8 +412,8 @@ def check_environment(cfg: TierstoreConfig) -> None:
     problem = shared_directory_problem(st)  # a sticky bit does not stop planted links: refused too
     if problem is not None:
         raise _env_error(f"the NVMe directory {path!r} {problem}, so another user could plant links "
-                         f"or replace swap files there. Run `chmod go-w {path}`, or use a private "
-                         f"subdirectory (`mkdir -m 700 {path}/mine`), or write `path: tmp`.")
+                         f"or replace swap files there. Use a private subdirectory (`mkdir -m 700 {path}/mine`"
+                         f"{_own_chmod_hint(st, path)}), or write `path: tmp`.")
     checkpoint_dir = cfg.train.checkpoint_dir
     if checkpoint_dir is not None:
         swap = Path(os.path.realpath(path))
@@ -536,3 +536,11 @@ def config_reference_markdown() -> str:
     out.extend(reference_tables(_inline_yaml))
     out.append("\n## Defaults as YAML\n\n```yaml\n" + dump_config(TierstoreConfig()) + "```")
     return "\n".join(out) + "\n"
+
+
+def _own_chmod_hint(st: os.stat_result, path: str) -> str:
+    """The chmod that would make a directory private, offered only for one of this user's without the sticky bit:
+    a sticky directory (/tmp) is shared on purpose, and taking its write bits away would break the system."""
+    if st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
+        return f"; or, if nobody else needs it, `chmod go-w {path}`"
+    return ""

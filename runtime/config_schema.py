@@ -113,8 +113,8 @@ class NvmeTierConfig:
         PathSpec(nullable=True), None,
         "Directory for swap files; null disables the NVMe tier. `tmp` means a fresh temporary "
         "directory (on /dev/shm where there is one: RAM, which the plan counts as such; one a killed run "
-        "left there is removed at the next start). Must exist, be writable, and not be world-writable "
-        "without the sticky bit.",
+        "left there is removed at the next start). Must exist, be writable, be this user's and be writable by "
+        "nobody else (a sticky shared directory such as /tmp is refused: use a private subdirectory).",
         "/mnt/nvme/tierstore")
     budget: int = _leaf(SizeSpec(min_nbytes=1), 64 * 2**30,
                         "Most bytes of swap files tierstore may write.")
@@ -541,8 +541,8 @@ How values are read:
   An empty file is refused; write `{}` for all defaults.
 - `null` is accepted only where the table says so.
 - Placing weights, master or moments on `nvme` requires `tiers.nvme.path`. When it names a
-  directory, the directory must exist, be writable, not be world-writable without the sticky
-  bit, and not overlap `train.checkpoint_dir`.
+  directory, the directory must exist, be writable, be this user's and writable by nobody else (a
+  sticky shared directory such as /tmp is refused), and not overlap `train.checkpoint_dir`.
 """
 
 

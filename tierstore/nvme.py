@@ -361,8 +361,8 @@ def _open_private_dir(path: Path) -> int:
         os.close(fd)
         raise UnsafeDirectoryError(
             f"NVMe directory {path} {problem}: another user could plant links or replace swap files there. Point "
-            f"tiers.nvme.path at a directory only you can write (`chmod go-w {path}`, or `mkdir -m 700 {path}/mine` "
-            "and use that), or write tiers.nvme.path: tmp for a private temporary one")
+            f"tiers.nvme.path at a directory only you can write (`mkdir -m 700 {path}/mine` and use that), or write "
+            "tiers.nvme.path: tmp for a private temporary one")
     return fd
 
 
