@@ -21,6 +21,36 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_size(text: str) -> int:
+    nbytes = _size(text)
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size above zero (e.g. 64MiB)")
+    return nbytes
+
+
+def _transfer_size(text: str) -> int:
+    nbytes = _positive_size(text)
+    if nbytes % 4096:  # the store's swap files move whole 4 KiB pages (O_DIRECT)
+        raise argparse.ArgumentTypeError(f"{text!r}: a transfer is a whole number of 4 KiB pages (e.g. 4KiB, 64MiB)")
+    return nbytes
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
+def _path(text: str) -> Path:
+    if not text:  # Path("") is the current directory: a run would write its checkpoints or profile there
+        raise argparse.ArgumentTypeError("an empty path; give a directory (`.` for the current one)")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="tierstore", description="Offload training across GPU, pinned host memory and NVMe.")
@@ -28,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train the bundled example model with offload (embedded default config)")
-    train.add_argument("--config", type=Path, help="YAML config (default: the embedded one, through all three tiers)")
+    train.add_argument("--config", type=_path, help="YAML config (default: the embedded one, through all three tiers)")
     train.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
-    train.add_argument("--profile", type=Path, metavar="DIR", help="write a swap-traffic profile to DIR")
-    train.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="save checkpoints under DIR")
+    train.add_argument("--profile", type=_path, metavar="DIR", help="write a swap-traffic profile to DIR")
+    train.add_argument("--checkpoint-dir", type=_path, metavar="DIR", help="save checkpoints under DIR")
     train.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N steps")
     train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --checkpoint-dir")
     train.add_argument("--overwrite", action="store_true",
@@ -39,21 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "a directory holding another run's checkpoints is refused)")
 
     plan = sub.add_parser("plan", help="show the memory plan of a config; refuses one that does not fit")
-    plan.add_argument("--config", type=Path, required=True)
+    plan.add_argument("--config", type=_path, required=True)
 
     profile = sub.add_parser("profile", help="report of a saved profile")
-    profile.add_argument("dir", type=Path)
+    profile.add_argument("dir", type=_path)
     profile.add_argument("--plot", action="store_true", help="also draw DIR/plot.png from the saved summary (needs matplotlib)")
 
     bench = sub.add_parser("bench", help="benchmarks (store bandwidth; training against baselines)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     store = bench_sub.add_parser("store", help="store bandwidth on each path vs the raw ceiling, same run")
     store.add_argument("--nvme-dir", help="directory for the NVMe paths ('tmp' for a temporary one; omit to skip)")
-    store.add_argument("--total", type=_size, default=1 << 30, help="bytes per path (default 1GiB)")
-    store.add_argument("--transfer", type=_size, default=64 << 20, help="bytes per transfer (default 64MiB)")
-    store.add_argument("--repeats", type=int, default=3, help="timed repeats per path; the best is kept")
-    store.add_argument("--io-threads", type=int, default=4)
-    store.add_argument("--json", type=Path, help="also write the results as JSON here")
+    store.add_argument("--total", type=_positive_size, default=1 << 30, help="bytes per path (default 1GiB)")
+    store.add_argument("--transfer", type=_transfer_size, default=64 << 20,
+                       help="bytes per transfer, whole 4 KiB pages (default 64MiB)")
+    store.add_argument("--repeats", type=_at_least_one, default=3, help="timed repeats per path; the best is kept")
+    store.add_argument("--io-threads", type=_at_least_one, default=4, help="swap files read and written at once")
+    store.add_argument("--json", type=_path, help="also write the results as JSON here")
     store.add_argument("--disk-sweep", action="store_true",
                        help="instead, the disk's read / write GB/s over IOs in flight (1, 2, 4, 8, 16) and IO sizes (8, 64MiB) in "
                             "--nvme-dir, to choose tiers.nvme.io_threads and tiers.nvme.block_size (--total bytes a "
@@ -78,7 +109,7 @@ def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
                                                   "measured, two with a recompute trial)")
     btrain.add_argument("--nvme-dir", help="directory for the NVMe rows' swap files and the disk ceiling "
                                            "(default: a temporary one, and T_nvme is not measured)")
-    btrain.add_argument("--json", type=Path, help="also write rows, rates and bounds as JSON here")
+    btrain.add_argument("--json", type=_path, help="also write rows, rates and bounds as JSON here")
     btrain.add_argument("--gpu-cap", type=_size, metavar="SIZE",
                         help="GPU memory of the -cap rows (e.g. 24GiB: what a run would do on a card that size); "
                              "default: the peak the first ds-zero2-cpu row without -ckpt reserved in the same call")

@@ -139,3 +139,22 @@ def test_resume_of_a_finished_run_says_it_is_complete(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is already complete at step 2 (train.steps is 2); nothing to train" in err
     assert "nan" not in err and "done:" not in err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["bench", "store", "--transfer", "0"], "--transfer: '0': give a size above zero"),
+    (["bench", "store", "--transfer", "1000"], "a whole number of 4 KiB pages"),
+    (["bench", "store", "--total", "0"], "--total: '0': give a size above zero"),
+    (["bench", "store", "--repeats", "0"], "--repeats: 0: give 1 or more"),
+    (["bench", "store", "--io-threads", "0"], "--io-threads: 0: give 1 or more"),
+    (["train", "--checkpoint-dir", ""], "--checkpoint-dir: an empty path"),
+    (["train", "--profile", ""], "--profile: an empty path"),
+])
+def test_a_bad_command_line_value_is_refused_by_its_flag(capsys, args, said):
+    """Found by a helper: --transfer 0 divided by zero (a traceback), --repeats 0 said 'min() arg is an empty
+    sequence', a transfer that is no whole page made a swap file per kilobyte until EMFILE, and an empty path was
+    the current directory (a run wrote its checkpoints there)."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(args)
+    assert info.value.code == 2
+    assert said in capsys.readouterr().err
