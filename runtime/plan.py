@@ -298,8 +298,10 @@ def _swap_directory(nvme_path: str | None) -> str | None:
 def _host_hint(plan: MemoryPlan, swap_in_ram: str | None) -> str:
     if swap_in_ram:
         return "put tiers.nvme.path on a disk (the tmp path is RAM) or use a machine with more RAM"
-    moveable = [k for k in STATE_KINDS if plan.homes[k].startswith("host")]
-    if not moveable:
+    # The config's keys: master, and both moments under one (the plan's state kinds are exp_avg / exp_avg_sq).
+    keys = list(dict.fromkeys("master" if k == "master" else "moments"
+                              for k in STATE_KINDS if plan.homes[k].startswith("host")))
+    if not keys:
         return "use a machine with more RAM"
-    return (f"move {' and '.join(moveable)} to nvme (placement.{moveable[-1]}: nvme), or let the moments that do "
-            "not fit spill there (placement.moments: auto with tiers.nvme.path)")
+    return (f"move the optimizer state to nvme ({', '.join(f'placement.{k}: nvme' for k in keys)}, with tiers.nvme.path set), or "
+            "let the moments that do not fit spill there (placement.moments: auto with tiers.nvme.path)")

@@ -359,3 +359,16 @@ def test_an_auto_gpu_budget_stays_under_the_process_s_memory_cap(monkeypatch):
     assert gpu_budget_nbytes(cfg, torch.device("cuda")) == int(0.9 * 22 * gib)
     monkeypatch.setattr(plan_module, "allocator_limit_nbytes", lambda device: 80 * gib)  # uncapped: the card's free
     assert gpu_budget_nbytes(cfg, torch.device("cuda")) == int(0.9 * 70 * gib)
+
+
+def test_the_advice_for_a_plan_over_the_host_budget_names_keys_the_config_has():
+    """It said `placement.exp_avg_sq: nvme` (a state kind, not a config key: the config refused it)."""
+    from runtime.config import load_config
+    from runtime.plan import _host_hint
+
+    class Homes:
+        homes = {"master": "host", "exp_avg": "host", "exp_avg_sq": "host", "weights": "gpu"}
+
+    hint = _host_hint(Homes, None)  # type: ignore[arg-type]
+    assert "placement.master: nvme" in hint and "placement.moments: nvme" in hint and "exp_avg" not in hint
+    load_config({"placement": {"master": "nvme", "moments": "nvme"}, "tiers": {"nvme": {"path": "tmp"}}})
