@@ -31,7 +31,15 @@ def load_summary(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: write a profile first, e.g. tierstore train --profile {directory}")
-    return json.loads(path.read_text())
+    try:
+        summary = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a profile's summary (not JSON: {exc}); write the profile again") from None
+    missing = [key for key in ("totals", "steps", "duration_s") if not isinstance(summary, dict) or key not in summary]
+    if missing:
+        raise ValueError(f"{path} is not a profile's summary (no {', '.join(missing)}: written by something else, or "
+                         "by another version); write the profile again")
+    return summary
 
 
 def main(args: argparse.Namespace) -> int:

@@ -158,3 +158,13 @@ def test_a_bad_command_line_value_is_refused_by_its_flag(capsys, args, said):
         cli_main(args)
     assert info.value.code == 2
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, said", [("", "not JSON"), ("{}", "no totals, steps, duration_s")])
+def test_a_profile_directory_whose_summary_is_no_profile_s_is_refused_naming_the_file(tmp_path, capsys, content, said):
+    """`tierstore profile DIR` on a summary.json that is empty or not a profile's: a KeyError traceback, or a bare
+    JSON message naming no file (found by a helper)."""
+    (tmp_path / "summary.json").write_text(content)
+    assert cli_main(["profile", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'summary.json'} is not a profile's summary ({said}" in err and "Traceback" not in err
