@@ -136,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter((logging.Formatter if args.verbose else _NoTracebacks)("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
-    from runtime.signals import Terminated
+    from runtime.signals import Terminated, handle_signals
 
     try:
         if args.command == "bench" and args.bench_command == "store":
-            return _bench_store(args)
+            leave = handle_signals()  # SIGTERM raises Terminated: the bench's swap files go on the way out
+            try:
+                return _bench_store(args)
+            finally:
+                leave()
         if args.command == "bench" and args.bench_command == "train":
             from runtime.bench.train_bench import main as bench_train_main
 
@@ -159,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Terminated as exc:  # SIGTERM: runtime.signals turned it into an exception so cleanup ran
-        print(f"tierstore: {exc}: the step in progress was abandoned and the swap files removed; checkpoints "
-              "already saved are complete (--resume goes on from the latest)", file=sys.stderr)
+        if args.command == "train":
+            print(f"tierstore: {exc}: the step in progress was abandoned and the swap files removed; checkpoints "
+                  "already saved are complete (--resume goes on from the latest)", file=sys.stderr)
+        else:
+            print(f"tierstore: {exc}: stopped, its swap files removed", file=sys.stderr)
         return int(exc.code)  # type: ignore[arg-type]
     except Exception as exc:  # a person reads this: one line, then the details at debug level
         from runtime.user_errors import user_message
