@@ -78,7 +78,11 @@ class CheckpointRoot:
         if os.path.lexists(self.path / MANIFEST_NAME):  # a lock file in it would make it fail verification
             raise CheckpointError(f"{self.path} is one checkpoint, not a checkpoint root; pass its parent "
                                   f"{self.path.parent} as --checkpoint-dir (train.checkpoint_dir)")
-        _make_private_dirs(self.path)
+        try:
+            _make_private_dirs(self.path)
+        except (FileNotFoundError, NotADirectoryError) as exc:  # permissions and read-only ones: runtime.user_errors
+            raise CheckpointError(f"checkpoint directory {self.path} cannot be made ({exc.strerror or exc}): give "
+                                  "--checkpoint-dir (train.checkpoint_dir) a directory this user can create") from exc
         self._lock_fd = lock_file(self.path / LOCK_NAME, f"checkpoint directory {self.path}",
                                   "Give each run its own --checkpoint-dir (train.checkpoint_dir).")
         try:

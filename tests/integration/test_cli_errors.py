@@ -191,3 +191,12 @@ def test_sigterm_during_bench_store_removes_its_swap_files(tmp_path):
     assert proc.returncode == 143, err
     assert "terminated by SIGTERM: stopped, its swap files removed" in err
     assert list(disk.rglob("*.tsw")) == [], err
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_refused_naming_the_flag(tmp_path, capsys):
+    """It printed a bare `[Errno 2] No such file or directory: '/proc/...'` (found by a helper)."""
+    (tmp_path / "a_file").write_text("")
+    target = tmp_path / "a_file" / "ckpt"  # a directory under a file: never creatable
+    assert cli_main(["train", "--config", str(config_file(tmp_path)), "--checkpoint-dir", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint directory {target} cannot be made" in err and "--checkpoint-dir" in err
