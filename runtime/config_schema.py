@@ -60,7 +60,9 @@ def _section(cls: type, doc: str) -> Any:
     return field(default_factory=cls, metadata={"doc": doc, "section": cls})
 
 
-_TIER = ("gpu", "host", "nvme", "auto")
+_STATE_TIER = ("auto", "host", "nvme")  # optimizer state: on the GPU only through optimizer.gpu_update_fraction
+_STATE_NOTE = ("Optimizer state is not placed on the GPU this way: optimizer.gpu_update_fraction updates the first "
+               "blocks on the GPU, their master and moments there.")
 
 
 @dataclass(frozen=True)
@@ -142,19 +144,21 @@ class TiersConfig:
 class PlacementConfig:
     """Where each kind of training state lives between uses."""
 
-    weights: str = _leaf(ChoiceSpec(choices=_TIER), "host",
+    weights: str = _leaf(ChoiceSpec(choices=("auto", "host", "gpu"),
+                                    note="Compute weights are not kept on NVMe: they are fetched from pinned memory "
+                                         "or kept on the GPU."), "host",
                          "Where the GPU fetches compute weights from. `host` / `auto`: with the master in pinned "
                          "memory, the fp32 master itself (cast on the GPU), or, on a GPU with gradient "
                          "accumulation, a compute-dtype copy in pinned memory when it fits beside the rest without "
                          "spilling moments or streaming less (half the bytes a fetch; the plan says which); with the "
                          "master on NVMe, a compute-dtype copy. `gpu`: resident on the GPU.")
     gradients: str = _leaf(
-        ChoiceSpec(choices=("gpu", "host"),
-                   note="Gradients are produced on the GPU and consumed by the CPU optimizer, "
-                        "so they never go to NVMe."), "host",
-        "Gradients, moved off the GPU block by block as backward completes them.")
-    master: str = _leaf(ChoiceSpec(choices=_TIER), "host", "fp32 master weights. `auto`: host.")
-    moments: str = _leaf(ChoiceSpec(choices=_TIER), "host",
+        ChoiceSpec(choices=("host",),
+                   note="Gradients are produced on the GPU and consumed by the CPU optimizer: they always leave the "
+                        "GPU block by block (where the gradients are summed is optimizer.accumulate_on)."), "host",
+        "Gradients, moved off the GPU block by block as backward completes them (fixed: `host`).")
+    master: str = _leaf(ChoiceSpec(choices=_STATE_TIER, note=_STATE_NOTE), "host", "fp32 master weights. `auto`: host.")
+    moments: str = _leaf(ChoiceSpec(choices=_STATE_TIER, note=_STATE_NOTE), "host",
                          "Adam first and second moments. `auto`: pinned host memory as far as `tiers.host.budget` "
                          "allows (`auto` budget: the RAM available at start, less headroom); the moments that do not "
                          "fit go to NVMe, the last blocks' first and blocks over twice the median size (a large "
@@ -265,9 +269,8 @@ class OptimizerConfig:
         "resolved to `host`), else `fp32` (an fp32 gradient can wait on the GPU and be clipped there, which saves the "
         "CPU a pass over it; fp16 gradients carry the loss scale).")
     overlap: str = _leaf(
-        ChoiceSpec(choices=("exact", "delayed")), "exact",
-        "`exact`: results equal a plain PyTorch AdamW loop. `delayed`: opt-in one-step-delayed "
-        "update, which overlaps more but changes the training semantics.")
+        ChoiceSpec(choices=("exact",), note="A one-step-delayed update (`delayed`) is not implemented."), "exact",
+        "`exact`: results equal a plain PyTorch AdamW loop (the only mode).")
     cpu_threads: int | Literal["auto"] = _leaf(
         IntSpec(min=1, auto=True), "auto",
         "Threads of the CPU optimizer. `auto`: all cores but the ones the GPU launcher needs.", 14)

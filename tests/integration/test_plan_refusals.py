@@ -47,8 +47,12 @@ ROWS: list[tuple[str, dict[str, Any], str, Callable[[MemoryPlan], HostMemory] | 
     ("cgroup limit", {}, CGROUP, in_container),
     ("tmp swap is RAM", {"placement": {"moments": "nvme"}, "tiers": {"nvme": {"path": "tmp"}}}, "(tmpfs: RAM)",
      swap_does_not_fit_in_ram),
-    ("delayed overlap", {"optimizer": {"overlap": "delayed"}}, "optimizer.overlap: delayed", None),
-    ("weights on nvme", {"placement": {"weights": "nvme"}, "tiers": {"nvme": {"path": "tmp"}}}, "placement.weights: nvme", None),
+    # Refused by the schema, with the file's line (they were refused at run time, without one)
+    ("delayed overlap", {"optimizer": {"overlap": "delayed"}}, "optimizer.overlap: expected one of `exact`", None),
+    ("weights on nvme", {"placement": {"weights": "nvme"}, "tiers": {"nvme": {"path": "tmp"}}},
+     "placement.weights: expected one of `auto`, `host`, `gpu`", None),
+    ("master on the gpu", {"placement": {"master": "gpu"}}, "placement.master: expected one of `auto`, `host`, `nvme`",
+     None),
     ("no CUDA", {"device": "cuda"}, "CUDA is not available", None),
 ]
 

@@ -207,7 +207,7 @@ BAD_CONFIGS = [
           nvme:
             path: null
         placement:
-          weights: nvme
+          master: nvme
         """, "missing_key", "tiers.nvme.path", 3, id="nvme-placement-null-path"),
     pytest.param("""\
         train:
