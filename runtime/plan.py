@@ -89,12 +89,13 @@ class MemoryPlan:
     def table(self) -> str:
         """A table for a person: one row per kind and tier, then totals."""
         source = WEIGHT_SOURCE_TEXT.get(self.weight_source, self.weight_source)
+        width = max([32, *(len(kind) + 2 for kind, _, _ in self.rows)])  # a long label never runs into its tier
         lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {source}",
-                 *(f"  {note}" for note in self.notes), f"  {'state':<32}{'tier':<6}{'bytes':>14}"]
+                 *(f"  {note}" for note in self.notes), f"  {'state':<{width}}{'tier':<6}{'bytes':>14}"]
         for kind, tier, nbytes in self.rows:
-            lines.append(f"  {kind:<32}{tier:<6}{approx_size(nbytes):>14}")
+            lines.append(f"  {kind:<{width}}{tier:<6}{approx_size(nbytes):>14}")
         for tier in ("gpu", "host", "nvme"):
-            lines.append(f"  {'total':<32}{tier:<6}{approx_size(self.tier_nbytes(tier)):>14}")
+            lines.append(f"  {'total':<{width}}{tier:<6}{approx_size(self.tier_nbytes(tier)):>14}")
         return "\n".join(lines)
 
 

@@ -121,7 +121,7 @@ def write_plot(summary: dict[str, Any], path: Path) -> bool:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        log.info("plot skipped: matplotlib is not installed (pip install 'tierstore[plot]')")
+        log.warning("plot skipped: matplotlib is not installed (pip install 'tierstore[plot]')")
         return False
     steps = summary["steps"]
     x = [s["step"] for s in steps]

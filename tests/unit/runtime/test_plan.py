@@ -372,3 +372,15 @@ def test_the_advice_for_a_plan_over_the_host_budget_names_keys_the_config_has():
     hint = _host_hint(Homes, None)  # type: ignore[arg-type]
     assert "placement.master: nvme" in hint and "placement.moments: nvme" in hint and "exp_avg" not in hint
     load_config({"placement": {"master": "nvme", "moments": "nvme"}, "tiers": {"nvme": {"path": "tmp"}}})
+
+
+def test_the_plan_table_keeps_a_long_label_apart_from_its_tier():
+    """A 32-character label ran into its tier ('streamed update state (2 blocks)gpu'; found by a helper)."""
+    from runtime.plan import MemoryPlan
+
+    long = "gradient assembly: host sum (compute dtype)"
+    plan = MemoryPlan(num_params=1, homes={}, weight_source="master",
+                      rows=[("streamed update state (2 blocks)", "gpu", 1 << 20), (long, "gpu", 1 << 20)])
+    lines = plan.table().splitlines()
+    assert any(line.strip().startswith("streamed update state (2 blocks) ") for line in lines)
+    assert any(line.strip().startswith(long + " ") and line.split()[-3] == "gpu" for line in lines)
