@@ -246,8 +246,7 @@ class GradClipper:
             # In the gradient's dtype as torch gives it for bf16 .grad, but fp16's (loss scaling) holds no norm above
             # 65,504: an inf there clipped the whole step to zero. Its reference is the fp32 master gradient's norm.
             asked = kwargs.get("dtype", next((a for a in args[4:] if isinstance(a, torch.dtype)), None))
-            norms = [self._norm(g).to(asked) if asked is not None else self._norm(g) if g.dtype == torch.float16
-                     else self._norm(g).to(g.dtype) for g in grads]
+            norms = [self._norm(g).to(asked or (torch.float32 if g.dtype == torch.float16 else g.dtype)) for g in grads]
             return norms if func is torch._foreach_norm else norms[0].reshape(shape)
         if func is torch._foreach_mul_ or func in _SCALE_CALLS:
             factor = args[1]

@@ -101,13 +101,12 @@ class HookSet:
         self._module_blocks = self._needed_blocks(model, blocks)
         # Module hooks are closures that act only for the module they were registered on, held in a SessionHook: a
         # copy.deepcopy or a pickle of the model gets an inert hook instead, and must not drive this session anyway.
-        hook = SessionHook
-        self._handles.append(model.register_forward_pre_hook(hook(self._make_root_pre_forward(model))))
+        self._handles.append(model.register_forward_pre_hook(SessionHook(self._make_root_pre_forward(model))))
         # always_call: it runs when the forward raises too, so the controller knows no forward is running then.
-        self._handles.append(model.register_forward_hook(hook(self._make_root_post_forward(model)), always_call=True))
+        self._handles.append(model.register_forward_hook(SessionHook(self._make_root_post_forward(model)), always_call=True))
         for module, indices in self._module_blocks.items():
-            self._handles.append(module.register_forward_pre_hook(hook(self._make_pre_forward(indices, module))))
-            self._handles.append(module.register_forward_hook(hook(self._make_post_forward(indices, module))))
+            self._handles.append(module.register_forward_pre_hook(SessionHook(self._make_pre_forward(indices, module))))
+            self._handles.append(module.register_forward_hook(SessionHook(self._make_post_forward(indices, module))))
         param_grad = defers_interrupts(self._param_grad)
         for block in blocks:
             for slot in block.slots:
