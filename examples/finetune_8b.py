@@ -35,11 +35,12 @@ import torch
 import yaml
 
 from runtime import offload
-from runtime.data import ByteBatches, stdlib_text_bytes
-from runtime.materialize import seeded_normal_init
-from runtime.plan import PlanError
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+from runtime.config.units import approx_size, parse_size
+from runtime.model.materialize import seeded_normal_init
+from runtime.planning.memory_plan import PlanError
 from runtime.profiler import Profiler, measure_ceilings
-from runtime.units import approx_size, parse_size
+
 
 class PiecewiseLossLM(torch.nn.Module):
     """The causal LM with its loss taken a piece of the sequence at a time: the logits of a 128k vocabulary for a
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     logging.basicConfig(level=logging.WARNING)
     # setup's progress, the spill, the placement measured from the first step, the reserve hint
-    for name in ("runtime.api", "runtime.controller", "runtime.measured_placement", "runtime.peak_hint", "runtime.spill_return"):
+    for name in ("runtime.session", "runtime.engine.controller", "runtime.planning.measured_placement", "runtime.planning.peak_hint", "runtime.engine.spill_return"):
         logging.getLogger(name).setLevel(logging.INFO)
     if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
@@ -259,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_only(model: torch.nn.Module, config: dict) -> int:
     """Print the plan the config resolves to on this machine and whether it fits (1 when it does not)."""
-    from runtime.api import plan_model, resolve_device
-    from runtime.config import load_config
+    from runtime.config.loader import load_config
+    from runtime.session import plan_model, resolve_device
 
     cfg = load_config(config)
     try:

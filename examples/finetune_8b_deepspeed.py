@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_8b import add_scenario_args, check_scenario_args, for_training, llama_config  # noqa: E402  (the scenario's own definitions)
 
-from runtime.data import ByteBatches, stdlib_text_bytes  # noqa: E402
-from runtime.units import approx_size, parse_size  # noqa: E402
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes  # noqa: E402
+from runtime.config.units import approx_size, parse_size  # noqa: E402
 
 WATCHDOG_EXIT = 3
 

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from runtime import offload
-from runtime.data import ByteBatches, stdlib_text_bytes
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes
 
 
 def main() -> None:

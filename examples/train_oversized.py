@@ -22,10 +22,9 @@ import time
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM, ModelShape
-from runtime.materialize import seeded_normal_init
+from runtime.bundled.example_model import ExampleLM, ModelShape
+from runtime.model.materialize import seeded_normal_init
 from runtime.profiler import Profiler, measure_ceilings
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):
         model = ExampleLM(shape)
     if args.plan_only:
-        from runtime.api import resolve_device, resolve_plan
-        from runtime.blocks import build_blocks
-        from runtime.config import load_config
+        from runtime.config.loader import load_config
+        from runtime.core.blocks import build_blocks
+        from runtime.session import resolve_device, resolve_plan
 
         cfg = load_config(config)
         print(resolve_plan(build_blocks(model, cfg.blocks.min_block_size), cfg, resolve_device(cfg)).plan.table())

@@ -32,21 +32,21 @@ if [[ $what == tests || $what == all ]]; then
   # -v: each test's name and outcome as it ends, so a run cut by a time limit still says which test failed
   # TIERSTORE_FAILURES_NOW: a failure's traceback as the test ends (tests/conftest.py), not only in the summary
   TIERSTORE_FAILURES_NOW=1 python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -60 || status=$(( status ? status : $? ))
-  [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli train 2>&1 | tee "$OUT/train_default.log" | tail -12
+  [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli.main train 2>&1 | tee "$OUT/train_default.log" | tail -12
 fi
 if [[ $what == store || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-bench
-  python3 -m runtime.cli bench store --nvme-dir /var/tmp/tierstore-bench --total 4GiB --json "$OUT/store_disk.json" 2>&1 | tee "$OUT/store_disk.log" | grep -v INFO
-  python3 -m runtime.cli bench store --nvme-dir /dev/shm --total 4GiB --json "$OUT/store_tmpfs.json" 2>&1 | tee "$OUT/store_tmpfs.log" | grep -v INFO
+  python3 -m runtime.cli.main bench store --nvme-dir /var/tmp/tierstore-bench --total 4GiB --json "$OUT/store_disk.json" 2>&1 | tee "$OUT/store_disk.log" | grep -v INFO
+  python3 -m runtime.cli.main bench store --nvme-dir /dev/shm --total 4GiB --json "$OUT/store_tmpfs.json" 2>&1 | tee "$OUT/store_tmpfs.log" | grep -v INFO
 fi
 if [[ $what == sweep ]]; then  # which IO shape the disk reads fastest (tiers.nvme.io_threads / block_size)
   mkdir -p /var/tmp/tierstore-bench
-  python3 -m runtime.cli bench store --nvme-dir /var/tmp/tierstore-bench --disk-sweep --total ${TOTAL:-2GiB} 2>&1 | tee "$OUT/disk_sweep.log" | grep -v INFO
+  python3 -m runtime.cli.main bench store --nvme-dir /var/tmp/tierstore-bench --disk-sweep --total ${TOTAL:-2GiB} 2>&1 | tee "$OUT/disk_sweep.log" | grep -v INFO
 fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
   # BENCH_ARGS: another shape, e.g. "--model hf-llama --hidden 2048 --layers 28 --heads 16 --kv-heads 4 --tied --seq 2048"
-  python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train${TAG:+_$TAG}.json" 2>&1 | tee "$OUT/train${TAG:+_$TAG}.log" | awk '!/INFO/ || /train_bench: row /'
+  python3 -m runtime.cli.main bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train${TAG:+_$TAG}.json" 2>&1 | tee "$OUT/train${TAG:+_$TAG}.log" | awk '!/INFO/ || /train_bench: row /'
 fi
 if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
   # compare: this, then DeepSpeed (the block below) in one call; give both the shape: FT_ARGS="--layers 16" DS_ARGS="--layers 16 ..."

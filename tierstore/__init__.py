@@ -21,12 +21,12 @@ from tierstore.errors import (
 from tierstore.events import EventBus, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.lifecycle import close_at_exit, wait_at_exit
-from tierstore.residency import CopyState, IllegalTransitionError
-from tierstore.tiers import Allocation, Tier, TierName
-from tierstore.pinned import PinnedArena
 from tierstore.nvme import NVMeDirectory
-from tierstore.transfer import Handle, TransferEngine
+from tierstore.pinned import PinnedArena
+from tierstore.residency import CopyState, IllegalTransitionError
 from tierstore.store import StoreConfig, TierStore, swap_tmp_root
+from tierstore.tiers import Allocation, Tier, TierName
+from tierstore.transfer import Handle, TransferEngine
 
 __all__ = [
     "Allocation",

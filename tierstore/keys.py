@@ -69,6 +69,6 @@ class TensorMeta:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
         """The meta of an existing tensor (flattened)."""
         return cls(dtype=tensor.dtype, numel=tensor.numel())

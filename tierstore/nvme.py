@@ -329,7 +329,7 @@ def zeros_checksum(nbytes: int) -> int:
     return hasher.intdigest()
 
 
-def payload_hasher() -> "xxhash.xxh3_64":
+def payload_hasher() -> xxhash.xxh3_64:
     """A fresh hasher of the algorithm swap-file headers record for their payload (XXH3-64): ``update``
     it with the payload bytes in order, then compare ``intdigest()`` with ``read_payload_checksum``."""
     return xxhash.xxh3_64()

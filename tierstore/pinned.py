@@ -106,7 +106,7 @@ class PinnedArena:
         """Allocations made inside (``nbytes`` reserved in all, alignment included) fill the arena's last ``nbytes``
         in the order they are made, so the arena's free room lies below the first of them: when the first ones are
         freed, their room and the free room are one range. Why: a placement that moves the first blocks' state to
-        the GPU between steps frees it, and what comes back in its place (spilled moments, ``runtime.spill_return``)
+        the GPU between steps frees it, and what comes back in its place (spilled moments, ``runtime.engine.spill_return``)
         needs ranges, not bytes. An allocation that finds no room up there is placed first fit below. The floor is
         the arena's, not the caller's: any thread's allocation inside is packed too, and it does not nest."""
         self._allocator.set_floor(self.capacity_nbytes - nbytes - self.capacity_nbytes % IO_ALIGNMENT)
@@ -145,7 +145,7 @@ class PinnedArena:
         if self._closed:
             raise RuntimeError(f"{self.name} arena is closed")
 
-    def __enter__(self) -> "PinnedArena":
+    def __enter__(self) -> PinnedArena:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,9 +14,9 @@ import os
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -493,7 +493,7 @@ class TierStore:
             for key in list(self._records):
                 self.unregister(key)
 
-    def __enter__(self) -> "TierStore":
+    def __enter__(self) -> TierStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

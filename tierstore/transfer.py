@@ -13,8 +13,8 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -45,7 +45,7 @@ class Handle:
         self._end_event: torch.cuda.Event | None = None
         self._error: BaseException | None = None
         self._finished = False
-        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._callbacks: list[Callable[[Handle], None]] = []
         # File IO completes on another thread than the one that moved the bytes (TransferEngine._complete_io):
         # its event reports when and where the move ended, not when the callbacks got a thread.
         self._moved_end_s: float | None = None
@@ -63,7 +63,7 @@ class Handle:
         self._finish()
         return self._completed.is_set()  # False while another thread is still running the callbacks
 
-    def wait(self) -> "Handle":
+    def wait(self) -> Handle:
         """Block the calling thread until the transfer is complete and its completion callbacks (state
         changes of the store, event listeners) have run; re-raises a transfer error."""
         self._wait_complete()
@@ -94,7 +94,7 @@ class Handle:
         else:
             self.wait()
 
-    def add_done_callback(self, callback: Callable[["Handle"], None]) -> None:
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
         """Run callback(handle) once, at the first observation of completion (immediately if complete)."""
         with self._lock:
             if not self._completed.is_set():

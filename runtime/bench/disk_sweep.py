@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from runtime.config.units import format_size
 from runtime.profiler.ceilings import measure_disk_ceiling
-from runtime.units import format_size
 
 IOS_IN_FLIGHT = (1, 2, 4, 8, 16)
 BLOCK_NBYTES = (8 << 20, 64 << 20)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from runtime.bench.train_model import MODEL_KINDS
-from runtime.example_model import PRESETS
+from runtime.bundled.example_model import PRESETS
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from runtime import OffloadSession, offload
+from runtime.bench.profiler_bench import HEADLINE_ROW
 from runtime.bench.train_model import BenchModel, make_batch
 from runtime.bench.train_rows import row_config
-from runtime.bench.profiler_bench import HEADLINE_ROW
-from runtime.checkpoint import bench_checkpoint
-from runtime.example_model import PRESETS, ExampleLM
+from runtime.bundled.example_model import PRESETS, ExampleLM
+from runtime.checkpoint.state import bench_checkpoint
 from runtime.profiler import Profiler, measure_ceilings
 
 log = logging.getLogger(__name__)

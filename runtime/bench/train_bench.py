@@ -36,14 +36,22 @@ from typing import Any
 
 import torch
 
-from runtime.bench.train_bound import (Bound, Rates, RowPlacement, measure_cpu_adam_s_per_param, measure_disk_gbps,
-                                       measure_gpu_adam_s_per_param, measure_pcie_gbps, plain_placement, row_bound,
-                                       tierstore_placement)
+from runtime.bench.train_bound import (
+    Bound,
+    Rates,
+    RowPlacement,
+    measure_cpu_adam_s_per_param,
+    measure_disk_gbps,
+    measure_gpu_adam_s_per_param,
+    measure_pcie_gbps,
+    plain_placement,
+    row_bound,
+    tierstore_placement,
+)
 from runtime.bench.train_model import BenchModel, batch_loss, build_model, count_params, make_batch, spec_num_params
-from runtime.bench.train_rows import (CLIP_NORM, ROWS, accumulation_of, describe_row, is_tierstore, row_config,
-                                      row_errors, row_options)
-from runtime.measured_placement import first_step_listener
-from runtime.units import approx_size
+from runtime.bench.train_rows import CLIP_NORM, ROWS, accumulation_of, describe_row, is_tierstore, row_config, row_errors, row_options
+from runtime.config.units import approx_size
+from runtime.planning.measured_placement import first_step_listener
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +393,7 @@ def main(args: argparse.Namespace) -> int:
     spec = BenchModel.from_args(args)
     num_params = spec_num_params(spec)
     results = run_rows(rows, spec, args)
-    from runtime.api import default_cpu_threads
+    from runtime.session import default_cpu_threads
 
     threads = default_cpu_threads()
     rates = measure_rates(results, num_params, args.nvme_dir, threads)

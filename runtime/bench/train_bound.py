@@ -38,13 +38,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
 
 import torch
 
-from runtime.rates import cpu_adam_seconds, pinned_copy_gbps
-from runtime.schedule import joins_window
+from runtime.engine.schedule import joins_window
+from runtime.planning.rates import cpu_adam_seconds, pinned_copy_gbps
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _kept_numel(fetched_numels: list[int], keep_nbytes: int, elem_nbytes: int) -
 
 def _carried_numel(fetched_numels: list[int], depth: int, budget_nbytes: int, elem_nbytes: int) -> int:
     """Weights (of the fetched blocks, in forward order) a backward leaves on the GPU for the next micro-batch's
-    forward ([Note: prefetch across micro-batches] in runtime.controller): the first ``depth`` blocks, within the
+    forward ([Note: prefetch across micro-batches] in runtime.engine.controller): the first ``depth`` blocks, within the
     prefetch byte budget (the first block always). It assumes the usual hook order, each block's gradients done
     before the next block's backward begins; a block whose gradients finish only at the backward's end (a
     parameter without one in that micro-batch) is kept too, one block more than counted here."""
@@ -279,7 +279,7 @@ def measure_gpu_adam_s_per_param(num_params: int, device: torch.device) -> float
 
 
 def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
-    """Raw pinned copy bandwidth (H2D, D2H) in GB/s, best of three (``runtime.rates``, as the profiler's
+    """Raw pinned copy bandwidth (H2D, D2H) in GB/s, best of three (``runtime.planning.rates``, as the profiler's
     ceilings and auto placement measure it)."""
     return pinned_copy_gbps(torch.device("cuda"), nbytes, 3)
 

@@ -2,7 +2,7 @@
 
 Every row (plain PyTorch, tierstore, DeepSpeed) builds its model here, from one :class:`BenchModel`, and
 computes its loss through :func:`batch_loss`, so rows differ only in where the training state lives.
-Two model kinds: ``example`` (``runtime.example_model.ExampleLM``, multi-head attention only) and
+Two model kinds: ``example`` (``runtime.bundled.example_model.ExampleLM``, multi-head attention only) and
 ``hf-llama`` (``transformers.LlamaForCausalLM`` built from a ``LlamaConfig``: no download, random init,
 SDPA attention). Both use seed 0. The data is synthetic: uniform random tokens, the same for every row.
 Nothing here times anything.
@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from runtime.example_model import PRESETS, ExampleLM, ModelShape
+from runtime.bundled.example_model import PRESETS, ExampleLM, ModelShape
 
 SEQ_LEN = 1024  # default sequence length of a bench row
 MICRO_BATCH = 8  # default micro-batch of a bench row
@@ -59,8 +60,8 @@ class BenchModel:
                              "no grouped-query attention; pass --model hf-llama (or drop --kv-heads)")
 
     @classmethod
-    def from_preset(cls, preset: str, kind: str = "example", **overrides: Any) -> "BenchModel":
-        """The preset's shape (``runtime.example_model.PRESETS``), then every override that is not None;
+    def from_preset(cls, preset: str, kind: str = "example", **overrides: Any) -> BenchModel:
+        """The preset's shape (``runtime.bundled.example_model.PRESETS``), then every override that is not None;
         ``kv_heads`` defaults to the number of heads (multi-head attention)."""
         if preset not in PRESETS:
             raise ValueError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
@@ -72,7 +73,7 @@ class BenchModel:
         return cls(**spec)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BenchModel":
+    def from_args(cls, args: argparse.Namespace) -> BenchModel:
         """The shape ``tierstore bench train``'s options ask for (``--preset`` then the explicit ones)."""
         return cls.from_preset(args.preset, args.model, hidden=args.hidden, layers=args.layers, heads=args.heads,
                                kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, tied=args.tied, seq=args.seq,
@@ -83,7 +84,7 @@ class BenchModel:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "BenchModel":
+    def from_json(cls, text: str) -> BenchModel:
         """The inverse of :meth:`to_json`."""
         return cls(**json.loads(text))
 

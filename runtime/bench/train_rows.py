@@ -15,7 +15,7 @@ Suffixes, in any order:
   reserved in the same call; ``-noseg``
   PyTorch's default allocator (our rows otherwise run with ``expandable_segments:True`` unless
   ``PYTORCH_CUDA_ALLOC_CONF`` is set); ``-nopace`` streamed state's write-backs queued at once, not paced
-  (the comparison for [Note: paced write-back] in ``runtime/writeback.py``); ``-rc`` the layers' activations
+  (the comparison for [Note: paced write-back] in ``runtime/engine/writeback.py``); ``-rc`` the layers' activations
   recomputed in the backward (``placement.activations: recompute``); ``-norc`` on an -auto row, activations kept
   (``keep``: -auto rows otherwise leave the choice to the runtime, ``auto``, and rows without -auto keep them).
   A row without -f, -s, -keep or -auto sets those to 0.

@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from runtime.api import OffloadSession
-    from runtime.blocks import Block
+    from runtime.core.blocks import Block
+    from runtime.session import OffloadSession
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def plan_shards(blocks: list["Block"], itemsize: int, max_shard_nbytes: int) -> list[list["Block"]]:
+def plan_shards(blocks: list[Block], itemsize: int, max_shard_nbytes: int) -> list[list[Block]]:
     """Consecutive blocks grouped into shards of at most ``max_shard_nbytes`` (a larger block gets its own)."""
-    shards: list[list["Block"]] = []
-    current: list["Block"] = []
+    shards: list[list[Block]] = []
+    current: list[Block] = []
     nbytes = 0
     for block in blocks:
         size = block.numel * itemsize
@@ -45,7 +45,7 @@ def plan_shards(blocks: list["Block"], itemsize: int, max_shard_nbytes: int) -> 
     return shards
 
 
-def save_sharded(session: "OffloadSession", directory: str | os.PathLike[str], *,
+def save_sharded(session: OffloadSession, directory: str | os.PathLike[str], *,
                  max_shard_nbytes: int = 5 << 30, dtype: torch.dtype | None = None) -> Path:
     """Write the session's current weights (the fp32 masters cast to ``dtype``, default the compute dtype) and
     the model's other parameters and persistent buffers as HF-style safetensors shards; returns the index path."""
@@ -83,7 +83,7 @@ def save_sharded(session: "OffloadSession", directory: str | os.PathLike[str], *
     return index
 
 
-def _other_tensors(session: "OffloadSession") -> dict[str, torch.Tensor]:
+def _other_tensors(session: OffloadSession) -> dict[str, torch.Tensor]:
     """Parameters tierstore does not offload (frozen ones) and persistent buffers, by state_dict name."""
     offloaded = {id(slot.param) for block in session.blocks for slot in block.slots}
     out: dict[str, torch.Tensor] = {}

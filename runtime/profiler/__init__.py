@@ -18,8 +18,8 @@ from typing import Any
 
 from runtime.profiler.ceilings import ceilings_from_store_bench, measure_ceilings
 from runtime.profiler.collect import Profiler
-from runtime.profiler.records import RawProfile, StepMark
 from runtime.profiler.outputs import SavedProfile, chrome_trace, save_profile, write_plot
+from runtime.profiler.records import RawProfile, StepMark
 from runtime.profiler.report import format_report
 
 __all__ = ["Profiler", "RawProfile", "SavedProfile", "StepMark", "ceilings_from_store_bench", "chrome_trace",

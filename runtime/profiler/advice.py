@@ -14,7 +14,7 @@ a change can at most remove the waiting it targets. The rules, by cause of the w
   On a GPU, the steps' measured peak bounds what may move there: with a hand-set fraction, the blocks whose
   device-side state fits the memory the peak left unused, less ``GPU_MARGIN`` of the budget; under ``auto``
   placement, the activation reserve the peak supports and what auto placement chooses with it
-  (``runtime.peak_hint.reserve_probe`` asks it), when that is more blocks on the GPU.
+  (``runtime.planning.peak_hint.reserve_probe`` asks it), when that is more blocks on the GPU.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runtime.autoplace import STATE_ITEMSIZE
-from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
-from runtime.peak_hint import GPU_MARGIN, beyond_plan
+from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
+from runtime.planning.auto_placement import STATE_ITEMSIZE
+from runtime.planning.peak_hint import GPU_MARGIN, beyond_plan
 from runtime.profiler.shares import share_text
 
 MIN_STALL_S = 1e-3  # waits below this per step are noise
@@ -106,7 +106,7 @@ def _text(change: str, saves: float, total: float, why: str) -> str:
 def _grad_sum_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, add: Any) -> None:
     """The backward waited for a host-sum staging buffer: a larger micro-batch (fewer of them a step) sends fewer
     gradients to the host. On a GPU whose peak is known it must fit: a micro-batch twice as large needs about the
-    peak's bytes beyond the plan (``runtime.peak_hint.beyond_plan``: its activations) once more, and where the peak
+    peak's bytes beyond the plan (``runtime.planning.peak_hint.beyond_plan``: its activations) once more, and where the peak
     left less room than that the item says so and promises nothing (the 8B scenario: 4.8 GiB of activations, 2 GiB
     left under the 24 GiB cap) instead of naming a change that runs out of memory."""
     why = (f"{wait:.3f} s/step the backward waited for the host gradient sums (optimizer.accumulate_on: host) to free "
@@ -207,7 +207,7 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
         covered = sum(by_block.get(b["index"], 0.0) for b in prefix)
     total_numel = sum(b["numel"] for b in blocks)
     # Without a peak, a round figure; with one, the prefix's own share (rounded up at the fourth digit, so that
-    # runtime.controller.gpu_updated_blocks selects the prefix and not a block that does not fit).
+    # runtime.engine.controller.gpu_updated_blocks selects the prefix and not a block that does not fit).
     digits = 20 if room is None else 10_000
     fraction = math.ceil(sum(b["numel"] for b in prefix) / total_numel * digits) / digits
     current = float(cfg.get("gpu_update_fraction", 0.0))
@@ -227,7 +227,7 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
 def _reserve_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], add: Any,
                     blocks: list[dict[str, Any]], by_block: dict[int, float]) -> None:
     """Auto placement reserved more for activations than the step used: the reserve the peak supports and what
-    auto placement chose with it (``runtime.peak_hint.reserve_probe`` asked it), when that is more
+    auto placement chose with it (``runtime.planning.peak_hint.reserve_probe`` asked it), when that is more
     blocks on the GPU."""
     memory = summary.get("memory") or {}
     probe = memory.get("reserve_probe")

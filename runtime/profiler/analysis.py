@@ -7,9 +7,10 @@ Pure functions over :class:`~runtime.profiler.records.RawProfile`; nothing here 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE, StallEvent
+from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE, StallEvent
 from runtime.profiler.advice import advise
 from runtime.profiler.records import Counters, RawProfile, StepMark
 from runtime.profiler.shares import ceiling_share, over_ceiling
@@ -150,7 +151,7 @@ def _stall_figures(stalls: list[StallEvent], device_waits: dict[int, float]) -> 
 
 def device_waits(stalls: list[StallEvent], transfers: list[TransferEvent], source_keys: dict[int, str]) -> dict[int, float]:
     """Per fetch stall (by position): the CUDA-measured duration of the H2D copies it issued (a fetch from the fp32
-    master crosses in pieces, each its own event: [Note: fetch staging] in runtime.weights). On a GPU an
+    master crosses in pieces, each its own event: [Note: fetch staging] in runtime.engine.weights). On a GPU an
     on-demand copy makes the compute stream wait on the device, which host time does not show."""
     issued: dict[str, list[TransferEvent]] = {}
     for event in transfers:
@@ -245,7 +246,7 @@ def summarize(raw: RawProfile) -> dict[str, Any]:
 def _unsteady_steps(meta: dict[str, Any], step_numbers: list[int]) -> int:
     """Steps of the profile a steady state leaves out: its first (the session's first learns the schedule), or
     every step auto placement measured before it placed the state (two with a recompute trial:
-    runtime.measured_placement), those the profile saw: ``step_numbers`` are its steps' optimizer steps."""
+    runtime.planning.measured_placement), those the profile saw: ``step_numbers`` are its steps' optimizer steps."""
     measured = int(meta.get("placement_steps", 0))
     return max(1, sum(1 for number in step_numbers if number <= measured))
 

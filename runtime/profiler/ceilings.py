@@ -25,15 +25,16 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
-from runtime.rates import pinned_copy_gbps
-from runtime.units import format_size
+from runtime.config.units import format_size
+from runtime.planning.rates import pinned_copy_gbps
 from tierstore import CopyState, TierName, TierStore
 from tierstore.files import create_new
 
@@ -111,7 +112,7 @@ def wait_for_idle_store(store: TierStore, timeout_s: float = IDLE_TIMEOUT_S) -> 
 # ---- PCIe -----------------------------------------------------------------------------------------------
 def pcie_ceilings_gbps(device: torch.device, nbytes: int = PCIE_PROBE_NBYTES, repeats: int = 5) -> tuple[float, float]:
     """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between pinned memory and ``device``, each the best of
-    ``repeats`` after ``WARMUP_COPIES`` (``runtime.rates.pinned_copy_gbps``)."""
+    ``repeats`` after ``WARMUP_COPIES`` (``runtime.planning.rates.pinned_copy_gbps``)."""
     return pinned_copy_gbps(device, nbytes, repeats, warmups=WARMUP_COPIES)
 
 

@@ -13,20 +13,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from runtime.api import placement_asker, placement_figures
-from runtime.peak_hint import cuda_peak, reserve_probe
-from runtime.controller import StallEvent, StepEvent
-from runtime.measured_placement import first_step_listener
-from runtime.overlap import WorkerStats
+from runtime.core.events import StallEvent, StepEvent
+from runtime.planning.measured_placement import first_step_listener
+from runtime.planning.peak_hint import cuda_peak, reserve_probe
 from runtime.profiler.analysis import summarize
 from runtime.profiler.outputs import SavedProfile, save_profile
 from runtime.profiler.records import Counters, RawProfile, StepMark
+from runtime.session import placement_asker, placement_figures
+from runtime.update.worker import WorkerStats
 from tierstore import TierName, TransferEvent
 
 if TYPE_CHECKING:
-    from runtime.api import OffloadSession
+    from runtime.session import OffloadSession
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Profiler:
         profiler.stop(); profiler.save("profile/")
     """
 
-    def __init__(self, session: "OffloadSession", ceilings: Mapping[str, float] | None = None,
+    def __init__(self, session: OffloadSession, ceilings: Mapping[str, float] | None = None,
                  max_events: int = DEFAULT_MAX_EVENTS):
         self.session = session
         self.ceilings_gbps = {str(k): float(v) for k, v in (ceilings or {}).items()}
@@ -83,7 +84,7 @@ class Profiler:
         """True between start() and stop()."""
         return self._unsubscribe is not None
 
-    def start(self) -> "Profiler":
+    def start(self) -> Profiler:
         """Subscribe to the store's bus and the controller's hooks; turns on the worker's interval record."""
         if self.running:
             raise RuntimeError("the profiler is already running")
@@ -121,7 +122,7 @@ class Profiler:
         self._adam_split_end = adam_split(controller.worker.stats)  # as the intervals, which stop being recorded
         self._end_s = time.perf_counter()
 
-    def __enter__(self) -> "Profiler":
+    def __enter__(self) -> Profiler:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -223,14 +224,14 @@ def adam_split(stats: WorkerStats) -> dict[str, float]:
     return {"kernel_s": stats.kernel_s, "scale_s": stats.scale_s, "refresh_s": stats.refresh_s}
 
 
-def _gpu_peak_now(session: "OffloadSession") -> int | None:
+def _gpu_peak_now(session: OffloadSession) -> int | None:
     device = session.store.device
     if device.type != "cuda":
         return None
     return cuda_peak(device)()
 
 
-def session_meta(session: "OffloadSession") -> dict[str, Any]:
+def session_meta(session: OffloadSession) -> dict[str, Any]:
     """What advice needs to know about the session: device, the config's knobs, blocks, memory."""
     import psutil
 

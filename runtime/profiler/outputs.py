@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.controller import StallEvent
+from runtime.core.events import StallEvent
 from runtime.profiler.analysis import PATH_NAMES, placed_intervals, summarize
 from runtime.profiler.records import RawProfile
 from runtime.profiler.report import CAUSE_NAMES, format_report

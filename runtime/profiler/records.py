@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.controller import StallEvent
+from runtime.core.events import StallEvent
 from tierstore import TransferEvent
 
 
@@ -25,7 +25,7 @@ class Counters:
         self.count[kind] = self.count.get(kind, 0) + 1
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
 
-    def copy(self) -> "Counters":
+    def copy(self) -> Counters:
         """An independent snapshot."""
         return Counters(dict(self.nbytes), dict(self.count), dict(self.seconds))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
-from runtime.plan import WEIGHT_SOURCE_TEXT
+from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
+from runtime.planning.memory_plan import WEIGHT_SOURCE_TEXT
 from runtime.profiler.advice import size_text
 from runtime.profiler.analysis import PATH_NAMES, PATHS
 from runtime.profiler.shares import OVER_CEILING_NOTE, over_ceiling, share_text

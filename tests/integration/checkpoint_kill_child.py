@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch._dynamo  # noqa: F401  imported lazily by the first optimizer step: ~1.5 s per child otherwise
-from runtime.data import stdlib_text_bytes
-from tests.integration.checkpoint_training import train, tiny_config
+
+from runtime.bundled.data import stdlib_text_bytes
+from tests.integration.checkpoint_training import tiny_config, train
 
 
 def emit(text: str) -> None:

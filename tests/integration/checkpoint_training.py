@@ -5,15 +5,16 @@ generator, so a resume that forgot any of them would not reproduce the uninterru
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from runtime import CheckpointRoot, load_checkpoint, offload, save_checkpoint
-from runtime.data import ByteBatches
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.data import ByteBatches
+from runtime.bundled.example_model import ExampleLM, ModelShape
 
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
 BATCH, SEQ = 2, 32

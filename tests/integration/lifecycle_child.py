@@ -20,8 +20,8 @@ import threading
 import torch
 
 from runtime import offload
-from runtime.data import ByteBatches, stdlib_text_bytes
-from runtime.example_model import ExampleLM
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+from runtime.bundled.example_model import ExampleLM
 from tests.integration.checkpoint_training import BATCH, SEQ, SHAPE, tiny_config
 from tierstore import TierName
 

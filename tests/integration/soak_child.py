@@ -18,10 +18,10 @@ import time
 import psutil
 import torch
 
-from runtime.api import offload
-from runtime.config import load_config
-from runtime.data import ByteBatches, stdlib_text_bytes
-from runtime.train import build_model, default_config
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+from runtime.cli.train import build_model, default_config
+from runtime.config.loader import load_config
+from runtime.session import offload
 
 
 def main(steps: int, every: int) -> int:

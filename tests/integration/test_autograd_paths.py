@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from runtime import offload
-from runtime.step_phase import StepPhase
+from runtime.engine.step_phase import StepPhase
 from tests.integration.test_parity import make_batches
 from tests.integration.test_user_contract import assert_same, config, fresh_model, plain_model
 

@@ -22,13 +22,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 import pytest
 
-from runtime.checkpoint_root import LOCK_NAME
-from runtime.checkpoint_io import find_checkpoint, list_checkpoints, parse_step_dir, verify_checkpoint
+from runtime.checkpoint.files import find_checkpoint, list_checkpoints, parse_step_dir, verify_checkpoint
+from runtime.checkpoint.root import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 ROUNDS = 26  # children killed at a random moment of a save; at least 20 must land before it is published

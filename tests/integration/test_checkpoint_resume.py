@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.checkpoint_root import LOCK_NAME
-from runtime.cli import main as cli_main
-from runtime.data import stdlib_text_bytes
+from runtime.bundled.data import stdlib_text_bytes
+from runtime.checkpoint.root import LOCK_NAME
+from runtime.cli.main import main as cli_main
 from tests.integration.checkpoint_training import tiny_cli_config, tiny_config, train
 
 TOTAL = 7
@@ -137,7 +137,7 @@ def test_cli_resume_into_an_empty_directory_names_it(tmp_path, capsys, caplog):
     """`--resume` where no checkpoint is yet: training starts at step 0 and the warning names the directory (it
     had printed the CheckpointRoot object's repr)."""
     empty = tmp_path / "fresh"
-    with caplog.at_level(logging.WARNING, logger="runtime.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="runtime.checkpoint.state"):
         assert cli_main(["train", "--config", str(tiny_cli_config(tmp_path)), "--steps", "1",
                          "--checkpoint-dir", str(empty), "--resume"]) == 0
     assert f"no checkpoint in {empty} yet; starting from step 0" in caplog.text, caplog.text

@@ -10,17 +10,18 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-import runtime.checkpoint as checkpoint_module
+import runtime.checkpoint.state as checkpoint_module
 from runtime import CheckpointError, load_checkpoint, offload, save_checkpoint
-from runtime.cli import main as cli_main
-from runtime.data import ByteBatches
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.data import ByteBatches
+from runtime.bundled.example_model import ExampleLM, ModelShape
+from runtime.cli.main import main as cli_main
 from tests.integration.checkpoint_training import tiny_cli_config
 
 SHAPE = ModelShape(vocab_size=256, hidden_size=16, num_layers=2, num_heads=2, ffn_size=32, max_seq_len=32)
@@ -135,7 +136,7 @@ def test_a_changed_lr_in_the_config_is_reported_as_not_used(checkpoint, tmp_path
     """The checkpoint's param_groups win, as in plain PyTorch; the warning had said the lr 'changed' to the
     config's value, which was never used."""
     model, optimizer = make(tmp_path / "swap", lr=1e-3)
-    with caplog.at_level(logging.WARNING, logger="runtime.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="runtime.checkpoint.state"):
         load_checkpoint(optimizer.session, checkpoint)
     assert [group["lr"] for group in optimizer.param_groups] == [0.01]
     assert "optimizer.lr 0.001 in the config where the checkpoint's run had 0.01: 0.001 is not used" in caplog.text

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from runtime.bench.train_bench import failure_reason
-from runtime.cli import main as cli_main
+from runtime.cli.main import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_layers": 3, "num_heads": 4, "ffn_size": 64, "max_seq_len": 64}
@@ -52,7 +52,7 @@ def test_a_corrupt_swap_file_read_by_the_optimizer_worker(tmp_path):
                 os.close(fd)
             return original(self, swap, dst, *rest)
         nvme.NVMeDirectory.read = read
-        from runtime.cli import main
+        from runtime.cli.main import main
         sys.exit(main(sys.argv[1:]))
     """)
     swap = tmp_path / "swap"
@@ -68,7 +68,7 @@ def test_a_corrupt_swap_file_read_by_the_optimizer_worker(tmp_path):
 
 
 def test_cuda_out_of_memory(tmp_path, capsys, monkeypatch):
-    from runtime.example_model import ExampleLM
+    from runtime.bundled.example_model import ExampleLM
 
     def forward(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.10 GiB total)")
@@ -90,7 +90,7 @@ def test_a_checkpoint_directory_that_cannot_be_written(code, message, tmp_path, 
     def make_dirs(path):
         raise OSError(code, os.strerror(code), str(path))
 
-    monkeypatch.setattr("runtime.checkpoint_root._make_private_dirs", make_dirs)
+    monkeypatch.setattr("runtime.checkpoint.root._make_private_dirs", make_dirs)
     assert cli_main(["train", "--config", str(config_file(tmp_path)), "--checkpoint-dir", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
     assert "tierstore: error: " + message.format(target=target) in err
@@ -179,7 +179,7 @@ def test_sigterm_during_bench_store_removes_its_swap_files(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "bench", "store", "--nvme-dir", str(disk),
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli.main", "bench", "store", "--nvme-dir", str(disk),
                              "--total", "256MiB", "--repeats", "50"], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

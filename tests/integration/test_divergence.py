@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM, ModelShape, rotary_tables
+from runtime.bundled.example_model import ExampleLM, ModelShape, rotary_tables
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import assert_identical, make_batches, step_and_check
 

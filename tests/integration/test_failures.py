@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from runtime import offload
-from runtime.checkpoint import save_checkpoint
-from tierstore import CopyState, TierName
+from runtime.checkpoint.state import save_checkpoint
 from tests.integration.test_parity import make_batches
 from tests.integration.test_user_contract import assert_same, config, fresh_model, plain_model, plain_step
+from tierstore import CopyState, TierName
 
 
 class Planted(Exception):

@@ -106,8 +106,8 @@ def test_a_long_setup_reports_its_progress(tmp_path, caplog, monkeypatch):
     the blocks set up so far are logged as they go (here with the thresholds at zero)."""
     import logging
 
-    monkeypatch.setattr("runtime.controller.SETUP_PROGRESS_S", 0.0)
-    monkeypatch.setattr("runtime.api.LONG_SETUP_NBYTES", 0)
+    monkeypatch.setattr("runtime.engine.controller.SETUP_PROGRESS_S", 0.0)
+    monkeypatch.setattr("runtime.session.LONG_SETUP_NBYTES", 0)
     caplog.set_level(logging.INFO, logger="runtime")
     example = load_example()
     assert example.main(SMALL + ["--global-batch", "2", "--micro-batch", "2", "--steps", "1",
@@ -145,7 +145,7 @@ def test_the_deepspeed_baseline_does_the_scenario_s_work():
     config = baseline.ds_config(args, args.global_batch // args.micro_batch)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (4, 16)
     assert config["gradient_clipping"] == 1.0 and config["bf16"]["enabled"]
-    from runtime.config import load_config
+    from runtime.config.loader import load_config
 
     ours = load_config(load_example().tierstore_config(load_example().parse_args([]), cuda=True)).optimizer
     params = config["optimizer"]["params"]
@@ -168,7 +168,7 @@ def test_a_set_activation_reserve_reaches_the_config():
 def test_the_io_settings_reach_the_config():
     """--io-threads and --io-block (what the disk sweep recommends) become tiers.nvme's io_threads and block_size,
     and the schema takes them."""
-    from runtime.config import load_config
+    from runtime.config.loader import load_config
 
     example = load_example()
     config = example.tierstore_config(example.parse_args(["--io-threads", "2", "--io-block", "256MiB"]), cuda=True)
@@ -183,7 +183,7 @@ def test_any_other_setting_reaches_the_config_through_set():
     """--set KEY=VALUE puts a YAML value at a dotted path (a new section or beside the scenario's own keys), the
     schema takes it, a malformed one names what to write instead, and a setting one of the script's flags makes
     names that flag."""
-    from runtime.config import load_config
+    from runtime.config.loader import load_config
 
     example = load_example()
     args = example.parse_args(["--set", "prefetch.keep_for_backward=0", "--set", "optimizer.gpu_stream_fraction=0.25",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.example_model import ExampleLM, ModelShape
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import make_batches
 
@@ -105,7 +105,7 @@ def test_under_accumulation_the_gpu_fetches_a_bf16_copy_of_the_weights():
     """bf16, four micro-batches a step, nothing streamed, RAM to spare: the plan keeps a bf16 copy of the weights in
     pinned memory, every fetch reads it (2 bytes a parameter, no fp32 master crosses to the GPU), and training
     matches the mixed-precision reference."""
-    from runtime.weights import WeightSource
+    from runtime.planning.memory_plan import WeightSource
 
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
@@ -285,8 +285,8 @@ def test_the_cpu_adam_rate_auto_placement_uses_is_timed_while_copies_run_each_wa
     """Copies complete while the timed AdamW steps run (a thread keeps them queued until the kernel ends), and the
     rate auto placement plans with is that one; the kernel alone is timed too and is not slower than beside the
     copies by more than timing noise."""
-    from runtime.autoplace import ADAM_PROBE_NUMEL, measure_rates
-    from runtime.rates import cpu_adam_seconds_beside_copies
+    from runtime.planning.auto_placement import ADAM_PROBE_NUMEL, measure_rates
+    from runtime.planning.rates import cpu_adam_seconds_beside_copies
 
     times, beside = cpu_adam_seconds_beside_copies(torch.device("cuda"), ADAM_PROBE_NUMEL, 4, copy_nbytes=64 << 20)
     assert beside and len(times) == 3 and min(times) > 0, (beside, times)
@@ -299,7 +299,7 @@ def test_the_cpu_adam_rate_auto_placement_uses_is_timed_while_copies_run_each_wa
 def test_the_allocators_pools_are_split_by_the_stream_they_serve():
     """What the first-step placement line reports: 64 MiB allocated on a side stream shows on the side streams'
     side (allocated, then cached free once released), not on the compute stream's."""
-    from runtime.peak_hint import cuda_reserved_by_stream
+    from runtime.planning.peak_hint import cuda_reserved_by_stream
 
     # Allocated bytes, not segment sizes: streams come from a pool, and a stream an earlier test used may still
     # have a cached segment that serves this allocation without a new one.
@@ -327,8 +327,9 @@ def test_fetched_weights_come_from_the_compute_streams_pool(accumulation):
     of the compute stream's pool and the side streams hold no more allocated bytes than the fetch staging buffer.
     Allocated on the copy stream they sat in a pool the activations could reach only through an allocator retry.
     Training still matches the plain loop."""
-    from runtime.peak_hint import cuda_reserved_by_stream
-    from runtime.weights import FETCH_PIECE_NUMEL, WeightSource
+    from runtime.planning.buffers import FETCH_PIECE_NUMEL
+    from runtime.planning.memory_plan import WeightSource
+    from runtime.planning.peak_hint import cuda_reserved_by_stream
 
     def allocated(pools):
         return pools.own_nbytes - pools.own_free_nbytes, pools.other_nbytes - pools.other_free_nbytes
@@ -381,8 +382,8 @@ def test_recomputed_layers_train_like_the_plain_loop_in_less_memory():
     the plain loop; the forward timer auto's trial uses reads each layer's forward, less than the whole step."""
     import time
 
-    from runtime.data import ByteBatches, stdlib_text_bytes
-    from runtime.recompute import ForwardTimer
+    from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+    from runtime.model.recompute import ForwardTimer
 
     shape = ModelShape(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, ffn_size=1408, max_seq_len=1024)
     peaks, forward_s = {}, {}
@@ -454,8 +455,8 @@ def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_
     import gc
     import logging
 
-    from runtime.data import ByteBatches, stdlib_text_bytes
-    from runtime.peak_hint import supported_reserve
+    from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+    from runtime.planning.peak_hint import supported_reserve
 
     shape = ModelShape(vocab_size=4096, hidden_size=768, num_layers=8, num_heads=12, ffn_size=2048, max_seq_len=1024)
     data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=16, seq_len=1024, seed=0)
@@ -498,7 +499,7 @@ def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_
     model, optimizer = offload(ExampleLM(shape), {**config, "placement": {"weights": "gpu"},
                                                   "tiers": {"gpu": {"budget": budget}}})
     session = optimizer.session
-    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     with session:
         for step, ((x, y), reference_loss) in enumerate(zip(batches, reference_losses)):
             loss = model(x.cuda(), y.cuda())
@@ -530,7 +531,7 @@ def test_auto_placement_measured_from_the_first_step_trains_like_the_plain_loop(
     reference = ReferenceTrainer(model, dtype=torch.bfloat16, device="cuda", grad_clip=1.0)
     model, optimizer = offload(model, {"dtype": "bf16", "optimizer": {"grad_clip": 1.0}})
     session = optimizer.session
-    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     try:
         assert not session.controller.gpu_updated and session.plan.notes[0].startswith("auto placement: chosen from")
         for step, (x, y) in enumerate(make_batches(5)):
@@ -560,10 +561,10 @@ def test_auto_placement_measured_over_host_sums_and_spilled_moments_trains_like_
     import gc
     import logging
 
-    from runtime.api import resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.plan import PRE_COMMIT_BUFFERS
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
+    from runtime.session import resolve_plan
     from tierstore import TierName
 
     shape = ModelShape(vocab_size=256, hidden_size=512, num_layers=16, num_heads=4, ffn_size=1024)
@@ -593,7 +594,7 @@ def test_auto_placement_measured_over_host_sums_and_spilled_moments_trains_like_
     controller = session.controller
     spilled_before = controller.options.spilled_blocks
     batches = make_batches(8)
-    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     try:
         assert session.plan.notes[0].startswith("auto placement: chosen from") and spilled_before
         assert controller.sums is not None and not controller.gpu_updated
@@ -654,7 +655,7 @@ def test_clipped_host_gradients_wait_on_the_gpu_and_train_like_the_plain_loop():
     gradients wait on the device for the commit and are scaled there: the activations of 16 x 256 tokens leave far
     more room than those gradients and the streamed state need. The run stays within bf16 rounding of the plain
     loop, with no allocator retry."""
-    from runtime.data import ByteBatches, stdlib_text_bytes
+    from runtime.bundled.data import ByteBatches, stdlib_text_bytes
 
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)

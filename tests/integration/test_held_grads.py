@@ -1,5 +1,5 @@
 """Gradients of host-updated blocks held on the device until the commit and scaled there ([Note: held
-gradients] in ``runtime.held_grads``): bit-identical to the plain loop when every step clips, when some holds are
+gradients] in ``runtime.engine.held_grads``): bit-identical to the plain loop when every step clips, when some holds are
 refused (those gradients are scaled on the host, as before), with the user's own clipping, fp16 overflow steps,
 host gradient sums and a dropped step; the holds really happen (counted per block) and leave nothing behind."""
 
@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM
-from runtime.held_grads import HeldGrads
+from runtime.bundled.example_model import ExampleLM
+from runtime.engine.held_grads import HeldGrads
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_host_sums import train_both
-from tests.integration.test_parity import (SHAPE, assert_identical, make_batches, run_both, step_and_check,
-                                          train_with_the_users_clip)
+from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, step_and_check, train_with_the_users_clip
 
 
 def _host_updated(session) -> int:

@@ -19,7 +19,7 @@ from runtime import offload  # noqa: E402
 STEPS = 4
 
 
-def llama_config() -> "transformers.LlamaConfig":
+def llama_config() -> transformers.LlamaConfig:
     return transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                     initializer_range=0.2)  # large enough that the default clip at 1.0 acts

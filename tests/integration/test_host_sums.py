@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.clipping import OffloadedGrad
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.example_model import ExampleLM, ModelShape
+from runtime.engine.clipping import OffloadedGrad
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches
 
@@ -96,7 +96,7 @@ def test_host_sums_in_pieces_that_cut_across_parameters_equal_the_plain_loop(mon
     """Pieces of 7 elements: each micro-batch's gradient leaves the device built a piece at a time from the
     parameters' gradients (a piece holds the end of one parameter and the start of the next), and the last
     micro-batch brings the host sum in a piece at a time; the result is the plain loop's, bit for bit."""
-    monkeypatch.setattr("runtime.accumulate.PIECE_NUMEL", 7)
+    monkeypatch.setattr("runtime.engine.host_sums.PIECE_NUMEL", 7)
     ours, theirs, weights, reference, stats = train_both({"dtype": "fp32", "optimizer": {"grad_clip": 0.05}}, 3)
     assert ours == theirs
     assert_identical(weights, reference)
@@ -144,12 +144,11 @@ def test_a_backward_waiting_for_the_host_sums_is_reported_as_its_own_stall(monke
     stall (shown as 'sum buffer'), not as time nobody accounts for."""
     import time
 
-    from runtime.controller import STALL_GRAD_SUM
+    import runtime.engine.host_sums
+    from runtime.core.events import STALL_GRAD_SUM
     from runtime.profiler.report import CAUSE_NAMES
 
-    import runtime.accumulate
-
-    monkeypatch.setattr(runtime.accumulate, "STAGING_SLOTS", 2)  # fewer buffers than this model's blocks
+    monkeypatch.setattr(runtime.engine.host_sums, "STAGING_SLOTS", 2)  # fewer buffers than this model's blocks
     torch.manual_seed(0)
     model, optimizer = offload(ExampleLM(SHAPE), {"dtype": "fp32", "optimizer": {
         "grad_clip": None, "accumulation_steps": 2, "accumulate_on": "host"}})
@@ -200,10 +199,10 @@ def test_model_zero_grad_between_micro_batches_drops_the_host_sum_like_plain_pyt
 def test_a_dropped_step_gives_back_the_room_of_the_moments_read_early(tmpfs_dir):
     """Moments spilled to NVMe are read during the micro-batches; optimizer.zero_grad() before step() drops the
     step, and those copies must give their room back: reading the optimizer state afterwards needs it."""
-    from runtime.api import resolve_device, resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.plan import PRE_COMMIT_BUFFERS
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
+    from runtime.session import resolve_device, resolve_plan
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}}
@@ -237,7 +236,7 @@ def test_a_script_that_ends_mid_accumulation_without_close_exits_cleanly():
     script = (
         "import torch\n"
         "from runtime import offload\n"
-        "from runtime.example_model import ExampleLM\n"
+        "from runtime.bundled.example_model import ExampleLM\n"
         "from tests.integration.test_parity import SHAPE, make_batches\n"
         "model, optimizer = offload(ExampleLM(SHAPE), {'dtype': 'fp32', 'optimizer': {'grad_clip': None,\n"
         "    'accumulation_steps': 4, 'accumulate_on': 'host'}})\n"

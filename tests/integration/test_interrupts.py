@@ -1,5 +1,5 @@
 """Ctrl-C (SIGINT) and SIGTERM arriving while tierstore's own code runs in the main thread ([Note: deferred
-interrupts] in runtime.signals): the interrupt reaches the user's loop when tierstore's call returns, and the
+interrupts] in runtime.core.signals): the interrupt reaches the user's loop when tierstore's call returns, and the
 step it cut is dropped exactly, as an exception the loop catches is. The signal is sent from inside the store
 (a listener on its transfer events, run by the copy's own code in the main thread on the CPU): before, it landed
 there, was stored in the copy's handle as the copy's failure, and the optimizer worker died with it ('the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.signals import Terminated
+from runtime.core.signals import Terminated
 from tests.integration.test_parity import make_batches
 from tests.integration.test_user_contract import assert_same, config, fresh_model, plain_model
 

@@ -1,5 +1,5 @@
 """``optimizer.zero_grad(set_to_none=False)`` keeps zero gradients, as plain PyTorch keeps zeroed ``.grad`` tensors
-(``runtime.kept_grads``): a parameter a step's backwards do not reach is updated with a zero gradient, a ``step()``
+(``runtime.engine.kept_grads``): a parameter a step's backwards do not reach is updated with a zero gradient, a ``step()``
 with no backward updates every parameter that had a gradient, and ``zero_grad()`` (to None) stops both. Each case
 runs beside a plain AdamW loop doing the same calls (fp32 on the CPU: equal means bit-identical), with a model whose
 second layer of each pair is skipped on odd steps: a block with some parameters unreached, or, one block a layer, a
@@ -213,7 +213,7 @@ def test_a_block_no_forward_used_waits_for_its_last_update_before_its_gradient_l
     of two micro-batches) while the last step's update of it may still be queued: nothing fetched its weights, which
     waits for that update. Its gradient waits for it before filling the host gradient buffer that update reads (a
     slow CPU update of the last block stands in for a busy host: without the wait that update read zeros)."""
-    from runtime import overlap
+    from runtime.update import worker as overlap
 
     run_job = overlap.UpdateWorker._run_job
 

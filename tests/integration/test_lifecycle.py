@@ -18,13 +18,14 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 import pytest
 
-from runtime.checkpoint_io import find_checkpoint, list_checkpoints, verify_checkpoint
-from runtime.checkpoint_root import LOCK_NAME
+from runtime.checkpoint.files import find_checkpoint, list_checkpoints, verify_checkpoint
+from runtime.checkpoint.root import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 LINE_TIMEOUT_S = 120.0
@@ -166,7 +167,7 @@ def test_sigterm_ends_a_script_cleanly(children, tmp_path):
 
 def test_sigkill_then_a_restart_that_gets_sigterm_leaves_nothing_and_intact_checkpoints(children, tmp_path):
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
-    train = ["-m", "runtime.cli", "train", "--config", str(config_file(tmp_path, swap)), "--checkpoint-dir", str(ckpt),
+    train = ["-m", "runtime.cli.main", "train", "--config", str(config_file(tmp_path, swap)), "--checkpoint-dir", str(ckpt),
              "--save-every", "1"]
     killed = start(children, *train)
     killed.wait_for("step 3/")
@@ -189,7 +190,7 @@ def test_sigkill_then_a_restart_that_gets_sigterm_leaves_nothing_and_intact_chec
 CUDA_SCRIPT = """
 import torch
 from runtime import offload
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.example_model import ExampleLM, ModelShape
 from tierstore import TierName
 torch.manual_seed(0)
 shape = ModelShape(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, ffn_size=512)

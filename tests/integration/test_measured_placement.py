@@ -1,5 +1,5 @@
 """A placement adopted between steps (``Controller.adopt_placement``, driven after the first step by
-``runtime.measured_placement``): the moved blocks' state really lives on the device tier afterwards, and training
+``runtime.planning.measured_placement``): the moved blocks' state really lives on the device tier afterwards, and training
 stays bit-identical to the plain loop, with clipping that clips, clipping that does not, and resident weights."""
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.api import _adopt_placement
-from runtime.autoplace import Placement
-from runtime.controller import gpu_streamed_blocks, gpu_updated_blocks
-from runtime.example_model import ExampleLM
-from runtime.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement
-from runtime.peak_hint import StreamPools, supported_reserve
-from runtime.spill_return import bring_moments_home
-from runtime.step_phase import StepPhase
+from runtime.bundled.example_model import ExampleLM
+from runtime.engine.spill_return import bring_moments_home
+from runtime.engine.step_phase import StepPhase
+from runtime.planning.auto_placement import Placement, gpu_streamed_blocks, gpu_updated_blocks
+from runtime.planning.measured_placement import FIRST_STEP_NOTE, FirstStepPlacement
+from runtime.planning.peak_hint import StreamPools, supported_reserve
+from runtime.session import _adopt_placement
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, step_and_check
 from tierstore import TierName
@@ -127,7 +126,7 @@ def test_the_first_training_step_is_measured_and_its_placement_adopted(caplog):
         with torch.no_grad():
             model(*batches[0])
         assert resets == []
-        caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+        caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
         step_and_check(model, optimizer, reference, *batches[0])
         assert resets == [1] and ask.reserves == [supported_reserve(3 * GiB, 20 * GiB)]
         assert listener.chosen is chosen and session.placement is chosen
@@ -151,7 +150,7 @@ def test_a_placement_the_device_tier_cannot_hold_changes_nothing(caplog):
                          budget=320 << 10, resets=[])
     batches = make_batches(3)
     with session:
-        caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
+        caplog.set_level(logging.WARNING, logger="runtime.planning.measured_placement")
         _train(model, optimizer, reference, batches)
         assert listener.done and listener.chosen is None and "could not be adopted" in caplog.text
         assert session.placement is before and not session.controller.gpu_updated
@@ -179,7 +178,7 @@ def test_a_move_the_device_refuses_half_way_puts_everything_back(monkeypatch, ca
     keys_before = {str(k) for k in store.keys()}
     batches = make_batches(3)
     with session:
-        caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
+        caplog.set_level(logging.WARNING, logger="runtime.planning.measured_placement")
         _train(model, optimizer, reference, batches)
         assert len(calls) > 4 and listener.chosen is None and "could not be adopted" in caplog.text
         assert not session.controller.gpu_updated and not session.controller.gpu_streamed
@@ -231,7 +230,7 @@ def test_weights_the_device_cannot_hold_put_the_moved_state_back(monkeypatch, ca
     listener = _listener(session, _Asked(Placement(0.5, 0.0, 0, notes=("weights",))), peak_nbytes=2 * GiB,
                          budget=20 * GiB, resets=[])
     with session:
-        caplog.set_level(logging.WARNING, logger="runtime.measured_placement")
+        caplog.set_level(logging.WARNING, logger="runtime.planning.measured_placement")
         _train(model, optimizer, reference, make_batches(3))
         assert listener.chosen is None and "could not be adopted" in caplog.text
         assert set(_homes(session, "master")) == {TierName.HOST} and not session.controller.gpu_updated
@@ -282,7 +281,7 @@ def test_a_failing_question_leaves_every_update_on_the_cpu():
 def test_a_checkpoint_taken_after_the_change_resumes_exactly_in_a_fresh_session(tmp_path):
     """Saved with the first blocks' state on the device tier, loaded into a new session that still updates
     everything on the CPU (its first step not taken yet): training goes on bit-identical to the plain loop."""
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.checkpoint.state import load_checkpoint, save_checkpoint
 
     model, optimizer, reference = _session(0.05)
     session = optimizer.session
@@ -331,11 +330,11 @@ def _spilling_session_config(nvme_dir, short_by_layers: int, vocab_size: int = 2
     """The 8B scenario's kind of config on a 10-layer model (clipping, host sums, every update on the CPU, moments
     auto) with a host budget ``short_by_layers`` layers' moments short of holding them all: (config, shape, blocks
     spilled at offload)."""
-    from runtime.api import resolve_device, resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.example_model import ModelShape
-    from runtime.plan import PRE_COMMIT_BUFFERS
+    from runtime.bundled.example_model import ModelShape
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
+    from runtime.session import resolve_device, resolve_plan
 
     shape = ModelShape(vocab_size=vocab_size, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
     config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(nvme_dir)}}, "placement": {"moments": "auto"},
@@ -390,7 +389,7 @@ def test_a_placement_adopted_over_spilled_moments_brings_them_back_into_the_free
     those blocks freed, as many as the arena holds beside the staging room of the ones left (through the session's
     path, which works that out from the plan; or asked for every block, where the arena's own check stops it);
     training stays exact."""
-    from runtime.controller import StepEvent
+    from runtime.core.events import StepEvent
     from tests.integration.test_parity import nbytes_moved, run_both
 
     config, shape, spilled = _spilling_session_config(tmpfs_dir, short_by_layers=4)
@@ -442,7 +441,7 @@ def test_every_spilled_block_the_plan_asks_back_finds_ranges_in_the_room_the_fir
     the room is there by bytes, and by ranges too because the blocks' pinned state is packed at the arena's end
     (``PinnedArena.packed_at_end``): the embedding's ranges join the arena's free room when it leaves (laid out from
     the arena's start, they were holes apart from it and only four of the ten came back). Training stays exact."""
-    import runtime.controller as controller_module
+    import runtime.engine.controller as controller_module
     from tests.integration.test_parity import nbytes_moved, run_both
 
     config, shape, spilled = _spilling_session_config(tmpfs_dir, short_by_layers=5, vocab_size=512)
@@ -508,7 +507,7 @@ def test_a_spilled_block_whose_moments_cannot_be_read_back_stays_spilled_and_the
                           for i, b in enumerate(session.blocks)}
         after["placement"] = session.placement
 
-    caplog.set_level(logging.WARNING, logger="runtime.spill_return")
+    caplog.set_level(logging.WARNING, logger="runtime.engine.spill_return")
     ours, theirs, weights, reference, _, _ = run_both(config, shape=shape, prepare=prepare, inspect=inspect)
     assert ours == theirs
     assert_identical(weights, reference)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM, ModelShape
-from runtime.materialize import seeded_normal_init
+from runtime.bundled.example_model import ExampleLM, ModelShape
+from runtime.model.materialize import seeded_normal_init
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import assert_identical, make_batches, step_and_check
 

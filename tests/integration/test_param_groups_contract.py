@@ -6,7 +6,7 @@ means bit-identical), or checks that what tierstore can't do exactly is refused 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,8 +14,7 @@ from torch import nn
 
 from runtime import offload
 from tests.integration.test_parity import make_batches
-from tests.integration.test_user_contract import (LR, assert_same, config, fresh_model, offloaded_step,
-                                                  plain_step)
+from tests.integration.test_user_contract import LR, assert_same, config, fresh_model, offloaded_step, plain_step
 
 
 def two_groups(model: nn.Module) -> list[dict]:
@@ -79,7 +78,7 @@ def test_a_regrouping_between_backward_and_step_is_exact_or_said(tmp_path, caplo
     plain_opt = torch.optim.AdamW(two_groups(plain), lr=LR, weight_decay=0.01, fused=True)
     model = fresh_model()
     model, optimizer = offload(model, config(tmp_path, user_grad_clip=user_clip), param_groups=two_groups(model))
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.optimizer"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.model.optimizer"):
         for step, batch in enumerate(make_batches(3)):
             for net, opt in ((plain, plain_opt), (model, optimizer)):
                 net(*batch).backward()

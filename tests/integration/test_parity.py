@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 
-import torch
 import pytest
+import torch
 
 from runtime import offload
-from tierstore import TierName
-from runtime.data import ByteBatches, stdlib_text_bytes
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+from runtime.bundled.example_model import ExampleLM, ModelShape
 from tests.integration.reference_loop import ReferenceTrainer
+from tierstore import TierName
 
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
 STEPS = 4
@@ -25,8 +25,8 @@ def make_batches(num: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tens
 def force_weights_copy(monkeypatch) -> None:
     """Make resolve_plan consider (and so take, when it fits) the compute-dtype weights copy on the CPU, as it does
     on a GPU under accumulation."""
-    import runtime.api as api
-    from runtime.weights import WeightSource
+    import runtime.session as api
+    from runtime.planning.memory_plan import WeightSource
 
     monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
                         and cfg.optimizer.accumulation_steps > 1)
@@ -165,7 +165,7 @@ def test_bf16_weights_from_a_host_copy_under_accumulation_bit_identical(monkeypa
     """The plan's compute-dtype copy of the weights (master in pinned memory, accumulation; on a GPU the plan
     takes it when it fits): the optimizer worker refreshes it after every update, and training matches the
     mixed-precision reference bit for bit, also when every step clips. The plan is made to take it on the CPU."""
-    from runtime.weights import WeightSource
+    from runtime.planning.memory_plan import WeightSource
 
     force_weights_copy(monkeypatch)
     seen = {}
@@ -209,11 +209,11 @@ def test_bf16_host_gradients_without_accumulation_lose_nothing(clip):
 
 def test_bf16_weights_fetched_from_the_master_in_pieces_bit_identical(monkeypatch):
     """Weights fetched from the fp32 master cross in pieces of at most FETCH_PIECE_NUMEL elements, each cast into
-    the compute weights after its copy ([Note: fetch staging] in runtime.weights): with pieces far smaller than a
+    the compute weights after its copy ([Note: fetch staging] in runtime.engine.weights): with pieces far smaller than a
     block, training matches the mixed-precision reference bit for bit, and every block's master crossed whole
     (its pieces' bytes add up to its fp32 size, once per forward and backward fetch)."""
-    import runtime.weights as weights_module
-    from runtime.weights import WeightSource
+    import runtime.engine.weights as weights_module
+    from runtime.planning.memory_plan import WeightSource
 
     monkeypatch.setattr(weights_module, "FETCH_PIECE_NUMEL", 1000)
     seen = {}
@@ -280,9 +280,9 @@ def test_moments_spilled_past_the_host_budget_bit_identical(tmpfs_dir):
     """placement.moments: auto with a host budget too small for every block's moments: the last blocks'
     moments go to NVMe (bytes really move through it), the first stay pinned, and training is unchanged."""
     torch.manual_seed(0)
-    from runtime.api import resolve_plan, resolve_device
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.session import resolve_device, resolve_plan
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": None}}  # with clipping, the pre-commit buffers would be given up first
@@ -337,7 +337,7 @@ def test_a_backward_keeps_and_fetches_the_next_micro_batch_s_first_blocks_bit_id
                 sum(ctl.weights.is_fetched(i) for i in range(len(ctl.blocks)) if i not in ctl.gpu_updated)))
 
         if not wrap:
-            monkeypatch.setattr("runtime.controller.Controller._wraps", lambda self: False)
+            monkeypatch.setattr("runtime.engine.controller.Controller._wraps", lambda self: False)
         config = {"dtype": "fp32", "prefetch": {"depth": depth, "keep_for_backward": 0},
                   "optimizer": {"grad_clip": clip, "accumulation_steps": accumulation, "gpu_update_fraction": on_gpu}}
         ours, theirs, weights, reference, events, _ = run_both(config, prepare=watch)
@@ -433,9 +433,9 @@ def test_streaming_ahead_stays_within_the_planned_gpu_budget():
     """optimizer.gpu_stream_ahead brings more streamed blocks in while the GPU budget allows, but never the
     room the plan keeps for weight fetches: with tiers.gpu.budget set to exactly the plan's GPU bytes only
     the blocks the plan counts are brought in early, and training is unchanged either way."""
-    from runtime.api import resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.session import resolve_plan
 
     shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=8, num_heads=4, ffn_size=64, max_seq_len=64, tie_embeddings=False)
     config = {"dtype": "fp32", "optimizer": {"gpu_stream_fraction": 0.8, "gpu_stream_ahead": 8, "grad_clip": None}}
@@ -463,10 +463,10 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
     """Clipping, accumulation summed on the host and moments spilled past the host budget (the 8B scenario's
     configuration): the first spilled blocks' moments are read while the micro-batches compute, and training is
     unchanged."""
-    from runtime.api import resolve_plan, resolve_device
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.plan import PRE_COMMIT_BUFFERS
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
+    from runtime.session import resolve_device, resolve_plan
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}}
@@ -532,9 +532,9 @@ def test_skipped_fp16_steps_with_every_moment_on_nvme_do_not_hold_the_staging_ro
 def test_master_on_nvme_with_spilled_moments_and_clipping_bit_identical(tmpfs_dir):
     """Master on NVMe, moments spilled past the budget, clipping: the first updates need host room for their
     masters, so the spilled moments are not read early (they filled that room and the worker gave up)."""
-    from runtime.api import resolve_plan, resolve_device
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.session import resolve_device, resolve_plan
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}},
             "placement": {"moments": "auto", "master": "nvme"}, "optimizer": {"grad_clip": 0.05}}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM
+from runtime.bundled.example_model import ExampleLM
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches
 

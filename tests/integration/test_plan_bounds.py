@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.example_model import ExampleLM, ModelShape
 from tierstore import TierName
 
 
@@ -49,7 +49,7 @@ def test_the_gpu_tier_holds_no_more_weights_than_the_plan_counts(tie, checkpoint
 def test_auto_placement_can_be_asked_again_at_another_reserve():
     """The profiler's advice asks auto placement what it would choose at a lower activation reserve: the session's
     config with that reserve and the store's GPU budget. On the CPU every auto is 0 (the device is the CPU)."""
-    from runtime.api import placement_asker, placement_at_reserve
+    from runtime.session import placement_asker, placement_at_reserve
 
     model, optimizer = offload(ExampleLM(ModelShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                                                     ffn_size=128, max_seq_len=32)), {"dtype": "fp32"})
@@ -66,8 +66,8 @@ def test_auto_placement_can_be_asked_again_at_another_reserve():
 def test_a_lower_reserve_puts_no_fewer_blocks_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA; run on the GPU machine")
-    from runtime.api import placement_at_reserve
-    from runtime.controller import gpu_updated_blocks
+    from runtime.planning.auto_placement import gpu_updated_blocks
+    from runtime.session import placement_at_reserve
 
     model, optimizer = offload(ExampleLM(ModelShape(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8,
                                                     ffn_size=2816)), {"dtype": "bf16", "tiers": {"gpu": {"budget": "3GiB"}}})

@@ -1,5 +1,5 @@
 """``tierstore plan`` and ``tierstore train`` refuse the same configs with the same message, before training
-allocates anything: both run ``runtime.api.plan_model`` (one shared check, one table of cases here).
+allocates anything: both run ``runtime.session.plan_model`` (one shared check, one table of cases here).
 
 Each row is a config (over a small base) that must be refused, and a phrase of the message; the RAM rows
 replace this machine's memory with a fake one (a cgroup-limited container, a small box), as seen by both
@@ -9,16 +9,17 @@ commands. Training is run with a store that refuses to be built, so a refusal th
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import yaml
 
-from runtime.cli import main as cli_main
-from runtime.hostmem import HostMemory
-from runtime.plan import MemoryPlan
+from runtime.cli.main import main as cli_main
+from runtime.planning.hostmem import HostMemory
+from runtime.planning.memory_plan import MemoryPlan
 
 GiB = 1 << 30
 BASE: dict[str, Any] = {"dtype": "fp32", "optimizer": {"grad_clip": None},
@@ -74,7 +75,7 @@ def run(capsys, *argv: str) -> tuple[int, str]:
 @pytest.mark.parametrize("name,extra,phrase,memory", ROWS, ids=[row[0] for row in ROWS])
 def test_plan_and_train_refuse_alike(name, extra, phrase, memory, tmp_path, capsys, monkeypatch):
     if name == "tmp swap is RAM":
-        from runtime.hostmem import ram_backed
+        from runtime.planning.hostmem import ram_backed
         from tierstore import swap_tmp_root
 
         if ram_backed(swap_tmp_root()) is None:
@@ -84,12 +85,12 @@ def test_plan_and_train_refuse_alike(name, extra, phrase, memory, tmp_path, caps
     config = tmp_path / "tiers.yaml"
     config.write_text(yaml.safe_dump(merged(BASE, extra)))
     if memory is not None:
-        monkeypatch.setattr("runtime.plan.host_memory", lambda: memory(_plan_of(config)))
+        monkeypatch.setattr("runtime.planning.memory_plan.host_memory", lambda: memory(_plan_of(config)))
 
     def no_store(*args: object, **kwargs: object) -> None:
         raise AssertionError("training built a store for a config its plan refuses")
 
-    monkeypatch.setattr("runtime.api.TierStore", no_store)
+    monkeypatch.setattr("runtime.session.TierStore", no_store)
     plan_code, plan_err = run(capsys, "plan", "--config", str(config))
     train_code, train_err = run(capsys, "train", "--config", str(config))
     assert (plan_code, train_code) == (2, 2), (plan_err, train_err)
@@ -113,10 +114,10 @@ def test_a_config_that_fits_is_passed_by_both(tmp_path, capsys):
 
 def _plan_of(config: Path) -> MemoryPlan:
     """The plan the CLI computes for a config file (its example model, on the meta device)."""
-    from runtime.api import resolve_device, resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.train import build_model
+    from runtime.cli.train import build_model
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.session import resolve_device, resolve_plan
 
     cfg = load_config(config)
     with torch.device("meta"):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.cli import main as cli_main
-from runtime.controller import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
-from runtime.data import ByteBatches, stdlib_text_bytes
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+from runtime.bundled.example_model import ExampleLM, ModelShape
+from runtime.cli.main import main as cli_main
+from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
 from runtime.profiler import Profiler, format_report
 from runtime.profiler.outputs import PNG_SIGNATURE, TRACKS
 from tierstore import TierName, TransferEvent
@@ -160,7 +160,7 @@ def test_profile_command_draws_the_plot_later(profiled, capsys, monkeypatch):
 def test_plot_auto_follows_matplotlib():
     import importlib.util
 
-    from runtime.train import plot_wanted
+    from runtime.cli.train import plot_wanted
 
     assert plot_wanted("auto") is (importlib.util.find_spec("matplotlib") is not None)
     assert plot_wanted(True) and not plot_wanted(False)

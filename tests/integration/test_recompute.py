@@ -1,6 +1,6 @@
 """``placement.activations``: the layers' forwards recomputed in the backward train exactly like the plain loop,
 the layers get their classes back at close, refusals name the setting, and ``auto``'s trial after the measured
-first step keeps recomputation only when the time model says it pays (``runtime.measured_placement``)."""
+first step keeps recomputation only when the time model says it pays (``runtime.planning.measured_placement``)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,18 @@ import pytest
 import torch
 from torch import nn
 
+import runtime.model.recompute as recompute_module
 from runtime import offload
-from runtime.api import _adopt_placement, _note_in_plan
-from runtime.api import OffloadSession
-from runtime.autoplace import Placement, StepTimes
-from runtime.blocks import build_blocks
-from runtime.controller import StepEvent
-from runtime.example_model import ExampleLM
-from runtime.measured_placement import FirstStepPlacement, RecomputeTrial
-import runtime.recompute as recompute_module
-from runtime.recompute import BufferWatch, Recompute
+from runtime.bundled.example_model import ExampleLM
+from runtime.core.blocks import build_blocks
+from runtime.core.events import StepEvent
+from runtime.model.recompute import BufferWatch, Recompute
+from runtime.planning.auto_placement import Placement, StepTimes
+from runtime.planning.measured_placement import FirstStepPlacement, RecomputeTrial
+from runtime.session import OffloadSession, _adopt_placement, _note_in_plan
 from tests.integration.reference_loop import ReferenceTrainer
-from tierstore import CapacityError
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, step_and_check
+from tierstore import CapacityError
 
 GiB = 1 << 30
 
@@ -33,7 +32,7 @@ GiB = 1 << 30
 @pytest.fixture(autouse=True)
 def warn_of_a_cache_again(monkeypatch):
     """The cache warning is said once a process; each test here may look for it (or for its absence)."""
-    import runtime.recompute as recompute_module
+    import runtime.model.recompute as recompute_module
 
     monkeypatch.setattr(recompute_module, "_warned_of_a_cache", False)
 
@@ -57,7 +56,7 @@ def test_recomputed_layers_train_bit_identical_to_the_plain_loop(clip):
     # every layer's forward ran again in each backward, and close() gave the layers their own class back
     assert seen["recomputed"] == SHAPE.num_layers * len(ours)
     assert {cls.__name__ for cls in _layer_classes(seen["model"])} == {"DecoderLayer"}
-    assert all(cls.__module__ == "runtime.example_model" and not hasattr(cls, "_tierstore_recomputes")
+    assert all(cls.__module__ == "runtime.bundled.example_model" and not hasattr(cls, "_tierstore_recomputes")
                for cls in _layer_classes(seen["model"]))
 
 
@@ -109,7 +108,7 @@ RECOMPUTE_SMALL_BLOCKS = {"dtype": "fp32", "placement": {"activations": "recompu
 
 class LayerStack(nn.Module):
     """Layers called one after another (``call(layer, x)``, by default ``layer(x)``): the repeated layers
-    ``runtime.blocks`` finds; the loss is the output's mean square."""
+    ``runtime.core.blocks`` finds; the loss is the output's mean square."""
 
     def __init__(self, layers, call=None):
         super().__init__()
@@ -212,7 +211,7 @@ def _placement(update: float, stream: float, bound_s: float, after_backward: boo
 
 
 def _trial(session, recompute: Recompute, timer) -> RecomputeTrial:
-    """The trial offload() builds (runtime.api._recompute_trial), with a stand-in timer."""
+    """The trial offload() builds (runtime.session._recompute_trial), with a stand-in timer."""
     return RecomputeTrial(recompute, timer, lambda: session.controller.recomputed_acquires > 0,
                           BufferWatch(recompute.modules))
 
@@ -256,7 +255,7 @@ def test_the_second_measured_step_tries_recomputation_and_keeps_it_only_where_it
     kept, recomputed = _placement(0.2, 0.3, 0.2), _placement(1.0, 0.0, 0.1 if recompute_pays else 0.18)
     ask = _Asked(kept, recomputed)
     listener = _listen(session, recompute, timer, ask, report=True)
-    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     batches = make_batches(5)
     with session:
         step_and_check(model, optimizer, reference, *batches[0])
@@ -436,7 +435,7 @@ def test_a_gpt2_with_its_cache_on_recomputes_exactly(caplog):
 
 
 def test_a_cache_passed_to_a_layer_by_name_or_position_is_dropped_with_a_warning(caplog):
-    import runtime.recompute as recompute_module
+    import runtime.model.recompute as recompute_module
 
     Cache = type("Cache", (), {"__module__": "transformers.cache_utils"})
     DynamicCache = type("DynamicCache", (Cache,), {"__module__": "transformers.cache_utils"})
@@ -451,7 +450,7 @@ def test_a_cache_passed_to_a_layer_by_name_or_position_is_dropped_with_a_warning
 
 
 def test_undo_after_a_turn_on_that_failed_half_way_restores_every_layer(monkeypatch):
-    import runtime.recompute as recompute_module
+    import runtime.model.recompute as recompute_module
 
     torch.manual_seed(0)
     model = ExampleLM(SHAPE)
@@ -506,7 +505,7 @@ def test_no_trial_for_layers_that_change_their_buffers_or_start_checkpointing_th
     if why != "buffers":
         for layer in model.layers:  # as the HF Trainer's gradient_checkpointing does, inside train()
             layer.gradient_checkpointing = True
-    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     x = torch.randn(4, 16) if why == "buffers" else None
     with session:
         for batch in (make_batches(2) if x is None else [(x,), (x,)]):
@@ -572,7 +571,7 @@ def test_a_trial_whose_timer_fails_as_its_step_begins_places_by_that_step_kept(c
     timer = _Timer(0.05, fail_at_step=2)
     first, second = _placement(0.2, 0.0, 0.2), _placement(0.3, 0.0, 0.2)
     listener = _listen(session, recompute, timer, _Asked(first, second))
-    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     with session:
         batches = make_batches(4)
         step_and_check(model, optimizer, reference, *batches[0])
@@ -598,7 +597,7 @@ def test_a_recomputed_placement_that_cannot_be_adopted_falls_back_to_the_first_s
         adopt(placement)
 
     listener = _listen(session, recompute, timer, _Asked(kept, recomputed), adopt=adopt_all_but_everything)
-    caplog.set_level(logging.INFO, logger="runtime.measured_placement")
+    caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     with session:
         for x, y in make_batches(4):
             step_and_check(model, optimizer, reference, x, y)
@@ -651,7 +650,7 @@ def test_the_forward_time_counts_each_layers_least_over_the_measured_steps():
     """A layer's span in the second measured step grows while the first step's CPU updates run beside it; each layer
     counts its least time over the steps, and a layer a step did not run (a dropped attempt's, say) is not
     counted there."""
-    from runtime.recompute import least_per_layer
+    from runtime.model.recompute import least_per_layer
 
     first, second = {"a": 0.030, "b": 0.050}, {"a": 0.040, "b": 0.020, "c": 0.010}
     assert least_per_layer([first, second]) == pytest.approx(0.030 + 0.020 + 0.010)

@@ -8,15 +8,15 @@ from __future__ import annotations
 import errno
 import logging
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
-import runtime.checkpoint_io as checkpoint_io
-from runtime.checkpoint_io import find_checkpoint, list_checkpoints, read_latest, verify_checkpoint
-from runtime.checkpoint_root import LOCK_NAME
-from runtime.cli import main as cli_main
+import runtime.checkpoint.files as checkpoint_io
+from runtime.checkpoint.files import find_checkpoint, list_checkpoints, read_latest, verify_checkpoint
+from runtime.checkpoint.root import LOCK_NAME
+from runtime.cli.main import main as cli_main
 from tests.integration.checkpoint_training import tiny_cli_config
 
 
@@ -56,10 +56,10 @@ def assert_clean(ckpt: Path, latest: str) -> None:
 def test_failed_saves_warn_and_training_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog, capsys):
     ckpt = tmp_path / "ckpt"
     failed = fail_writes(monkeypatch, in_save_of(2, 3))
-    with caplog.at_level(logging.WARNING, logger="runtime.train"):
+    with caplog.at_level(logging.WARNING, logger="runtime.cli.train"):
         assert train(tmp_path, ckpt, 4) == 0
     assert failed and {f.split("/")[0][:17] for f in failed} == {".tmp-step-000002-", ".tmp-step-000003-"}
-    warnings = [r.getMessage() for r in caplog.records if r.name == "runtime.train"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "runtime.cli.train"]
     assert len(warnings) == 2 and all("No space left on device" in w and "step-000001 stays the latest" in w for w in warnings)
     assert "training goes on" in warnings[0] and "stop_on_save_failure" in warnings[0]
     assert [s for s, _ in list_checkpoints(ckpt)] == [1, 4]  # the run reached step 4 and saved it
@@ -112,8 +112,8 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 def test_a_disk_that_fills_during_a_save(tmp_path: Path, small_tmpfs: Path, caplog):
     ckpt = small_tmpfs / "ckpt"
-    with caplog.at_level(logging.WARNING, logger="runtime.train"):
+    with caplog.at_level(logging.WARNING, logger="runtime.cli.train"):
         assert train(tmp_path, ckpt, 3) == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "runtime.train"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "runtime.cli.train"]
     assert len(warnings) == 2 and all("No space left on device" in w or "ENOSPC" in w for w in warnings), warnings
     assert_clean(ckpt, "step-000001")

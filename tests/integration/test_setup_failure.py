@@ -12,12 +12,12 @@ import threading
 import pytest
 import torch
 
-import runtime.api
-import runtime.controller
+import runtime.engine.controller
+import runtime.session
 from runtime import offload
-from tierstore.nvme import HEADER_NBYTES, SUFFIX, NVMeDirectory
 from tests.integration.test_parity import make_batches
 from tests.integration.test_user_contract import config, fresh_model, offloaded_step, plain_model, plain_step
+from tierstore.nvme import HEADER_NBYTES, SUFFIX, NVMeDirectory
 
 SWAP_FILES = 15  # the tiny model's 5 blocks times master and two moments, all on NVMe (config())
 
@@ -72,9 +72,9 @@ def test_a_disk_filling_during_setup_gives_the_model_back(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("where", [
-    (runtime.controller, "GradClipper"),  # in the controller's setup, its optimizer worker started
-    (runtime.api, "OffloadAdamW"),  # the hooks and the parameter guard installed
-    (runtime.api, "handle_signals"),  # the last step: the session is whole
+    (runtime.engine.controller, "GradClipper"),  # in the controller's setup, its optimizer worker started
+    (runtime.session, "OffloadAdamW"),  # the hooks and the parameter guard installed
+    (runtime.session, "handle_signals"),  # the last step: the session is whole
 ])
 def test_an_interrupt_during_setup_gives_the_model_back(tmp_path, monkeypatch, where):
     """Ctrl-C at the setup's later steps: the model, the directory and the threads as they were, and the
@@ -108,9 +108,9 @@ def test_a_failing_cleanup_step_does_not_hide_the_setup_error(tmp_path, monkeypa
 
     model, threads = fresh_model(), set(threading.enumerate())
     before = snapshot(model)
-    monkeypatch.setattr(runtime.api, "OffloadAdamW", interrupt)
-    monkeypatch.setattr(runtime.api.HookSet, "remove", remove)
-    with caplog.at_level(logging.ERROR, logger="runtime.api"), pytest.raises(Planted):
+    monkeypatch.setattr(runtime.session, "OffloadAdamW", interrupt)
+    monkeypatch.setattr(runtime.session.HookSet, "remove", remove)
+    with caplog.at_level(logging.ERROR, logger="runtime.session"), pytest.raises(Planted):
         offload(model, config(tmp_path))
     monkeypatch.undo()
     assert "would not come off" in caplog.text
@@ -140,7 +140,7 @@ def test_close_after_the_worker_failed_hands_back_the_intact_masters(tmp_path, c
     offloaded_step(model, optimizer, batches[2])  # committed; the update fails on the worker
     with pytest.raises(RuntimeError, match="optimizer worker failed"):
         model.state_dict()
-    with caplog.at_level(logging.WARNING, logger="runtime.api"), \
+    with caplog.at_level(logging.WARNING, logger="runtime.session"), \
             pytest.raises(RuntimeError, match="optimizer worker had failed; the parameters were given back"):
         optimizer.session.close()  # raised once given back: a last step's failure would be reported nowhere else
     warned = [r.getMessage() for r in caplog.records if "optimizer worker had failed" in r.getMessage()]

@@ -4,11 +4,11 @@ and the early runs really happen (counted by the worker)."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM
+from runtime.bundled.example_model import ExampleLM
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, train_with_the_users_clip
 
@@ -24,7 +24,7 @@ def early_jobs_run_before_their_verdict(session) -> None:
     the redo path is exercised; CI saw that on a loaded 2-core machine)."""
     import time
 
-    from runtime.overlap import JobPhase
+    from runtime.update.worker import JobPhase
 
     worker = session.controller.worker
     resolve = worker.resolve
@@ -52,7 +52,7 @@ def test_an_early_updates_kernel_time_is_counted(monkeypatch):
     published, not only of those run at the commit: here each early kernel takes at least 20 ms."""
     import time
 
-    import runtime.overlap as overlap
+    import runtime.update.worker as overlap
 
     kernel = overlap.adamw_update_out_of_place
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
 from runtime import offload
-from runtime.step_phase import StepPhase
-from runtime.example_model import ExampleLM, ModelShape
+from runtime.bundled.example_model import ExampleLM, ModelShape
+from runtime.engine.step_phase import StepPhase
 from tests.integration.test_parity import make_batches
 
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
@@ -183,7 +183,7 @@ def test_a_loop_clip_beside_tierstore_s_clip_is_refused_not_stacked(tmp_path):
     """tierstore's default clip (1.0) and a clip in the loop would clip every step twice: refused at the loop's clip
     with the key to set, and refused in the config where both are set by hand. A multiply by hand is refused too,
     saying what the loop did (it had said the loop called clip_grad_norm_)."""
-    from runtime.config import ConfigError, load_config
+    from runtime.config.loader import ConfigError, load_config
 
     cfg = config(tmp_path)
     del cfg["optimizer"]["grad_clip"]  # the default: `auto`, 1.0 without user_grad_clip
@@ -372,7 +372,7 @@ def test_a_failed_last_micro_batch_whose_first_hook_was_a_parameters_is_an_aband
     gradient (through a parameter's hook, before any block's), then raises. The dropped step had started that
     block's update, so the next step refuses with the recovery to make; so do reads and saves, which would hand
     out a mix of the two steps, until a checkpoint load; close() hands the weights back and says what they are."""
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.checkpoint.state import save_checkpoint
 
     model, optimizer = offload(fresh_model(), config(tmp_path, accumulation_steps=2))
     batches = make_batches(3)
@@ -396,7 +396,7 @@ def test_a_failed_last_micro_batch_whose_first_hook_was_a_parameters_is_an_aband
             with pytest.raises(RuntimeError, match="a step was abandoned"):
                 read()
         assert not (tmp_path / "mixed").exists()
-    with caplog.at_level("ERROR", logger="runtime.api"):
+    with caplog.at_level("ERROR", logger="runtime.session"):
         optimizer.session.close()  # hands back what there is, and says it is not one step's
     assert "not the last committed step's" in caplog.text and "1 of" in caplog.text
     assert not torch.equal(model.embed.weight, before["embed.weight"])  # the block whose update had started
@@ -420,7 +420,7 @@ def test_reads_after_an_abandoned_streaming_step_come_back_with_a_checkpoint_loa
     """A backward that raises after some blocks' streaming updates started, then zero_grad(): reads refuse (they
     would mix steps) until load_checkpoint puts every block at the saved step; then they equal the plain loop's
     state at that step, and training goes on exactly."""
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.checkpoint.state import load_checkpoint, save_checkpoint
 
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
@@ -758,7 +758,7 @@ def test_model_to_device_is_a_no_op_and_a_dtype_change_is_refused(tmp_path):
 
 
 def test_checkpoints_carry_param_groups_and_the_lr_scheduler(tmp_path):
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.checkpoint.state import load_checkpoint, save_checkpoint
 
     def build(model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
         groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
@@ -904,7 +904,7 @@ def test_model_zero_grad_after_backward_drops_those_gradients(tmp_path):
 
 
 def test_optimizer_state_dict_right_after_step_and_recovery_by_checkpoint(tmp_path):
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.checkpoint.state import load_checkpoint, save_checkpoint
 
     model, optimizer = offload(fresh_model(), config(tmp_path, gpu_update_fraction=1.0))
     with optimizer.session as session:
@@ -962,7 +962,7 @@ def test_parameters_in_another_dtype_than_the_config_s_are_said_at_offload(caplo
     own dtype): said once at offload(), naming the dtype to set; fp32 parameters under bf16 are the usual case."""
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="runtime.api"):
+    with caplog.at_level(logging.WARNING, logger="runtime.session"):
         model, optimizer = offload(fresh_model().to(model_dtype), {"device": "cpu", "dtype": dtype,
                                                                     "optimizer": {"grad_clip": None}})
         optimizer.session.close()
@@ -982,7 +982,7 @@ def test_a_second_step_with_no_backward_is_said_where_plain_pytorch_would_apply_
     import logging
 
     model, optimizer = offload(fresh_model(), config(tmp_path))
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
         for batch in make_batches(2):
             model(*batch).backward()
             optimizer.step()
@@ -1009,7 +1009,7 @@ def test_between_steps_p_grad_is_there_where_plain_pytorch_holds_one_so_model_ze
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
     batches = make_batches(3)
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
         for m, opt in ((plain, plain_opt), (model, optimizer)):
             m(*batches[0]).backward()
             opt.step()
@@ -1047,7 +1047,7 @@ def test_zeroing_part_of_the_gradients_between_steps_zeroes_those_and_says_the_r
 
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
         for m, opt in ((plain, plain_opt), (model, optimizer)):
             m(*make_batches(1)[0]).backward()
             opt.step()
@@ -1159,7 +1159,7 @@ def test_an_lr_change_between_backward_and_step_is_said_when_it_applies_a_step_l
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=user_clip))
     batches = make_batches(3)
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
         for number, batch in enumerate(batches):
             for net, opt in ((model, optimizer), (plain, plain_opt)):
                 net(*batch).backward()

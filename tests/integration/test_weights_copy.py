@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from runtime import offload
-from runtime.example_model import ExampleLM
-from runtime.weights import WeightSource
+from runtime.bundled.example_model import ExampleLM
+from runtime.planning.memory_plan import WeightSource
 from tests.integration.test_parity import SHAPE, assert_identical, force_weights_copy, make_batches, run_both
 from tests.integration.test_user_contract import abandon_in_backward, assert_same
 
@@ -138,7 +138,7 @@ def test_user_writes_between_steps_reach_the_copy(monkeypatch):
 def test_checkpoint_round_trip_with_the_copy(force_copy, tmp_path, clip):
     """Save after two steps, train two more; a second session that trained elsewhere loads the checkpoint and
     must train the same two steps with the same losses and end with the same masters."""
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.checkpoint.state import load_checkpoint, save_checkpoint
 
     batches = make_batches(4 * ACC)
     model, optimizer, session = _session(grad_clip=clip)
@@ -175,13 +175,13 @@ def test_an_explicit_host_budget_that_holds_the_copy_takes_it_with_swap_on_tmpfs
     """Under an explicit ``tiers.host.budget`` the copy is weighed against the pinned pool's size, as the spill is:
     swap files on tmpfs are RAM but not the pool. A budget that holds the copy plan's pinned bytes with room to
     spare (``check_fits`` accepts that plan), though less than its pinned bytes and swap files together, takes it."""
-    from runtime.api import resolve_plan
-    from runtime.blocks import build_blocks
-    from runtime.config import load_config
-    from runtime.hostmem import ram_backed
-    from runtime.plan import check_fits
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.planning.hostmem import ram_backed
+    from runtime.planning.memory_plan import check_fits
+    from runtime.session import resolve_plan
+    from tests.unit.runtime.planning.test_auto_placement import REFERENCE
     from tierstore import swap_tmp_root
-    from tests.unit.runtime.test_autoplace import REFERENCE
 
     if not ram_backed(swap_tmp_root()):
         pytest.skip("the tmp swap path is not on tmpfs here")
@@ -244,7 +244,7 @@ def test_a_caught_failure_mid_step_leaves_the_copy_at_the_last_commit(monkeypatc
 
 
 def test_a_placement_change_with_the_copy_and_accumulation(force_copy):
-    """After the first step the first blocks move to the device (runtime.measured_placement does this on a GPU):
+    """After the first step the first blocks move to the device (runtime.planning.measured_placement does this on a GPU):
     their copy goes, their weights are cast from the device master, the rest keep refreshing theirs; bit-identical
     to the mixed-precision reference over micro-batches."""
     from tests.integration.reference_loop import ReferenceTrainer

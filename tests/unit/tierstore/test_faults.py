@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.tierstore.tensors import as_bytes, random_tensor
 from tierstore import CopyState, CorruptFileError, StoreConfig, StoreIOError, TensorKey, TensorMeta, TierStore
 from tierstore.nvme import HEADER_NBYTES, IO_ALIGNMENT, SUFFIX, NVMeDirectory
-from tests.unit.tierstore.tensors import as_bytes, random_tensor
 
 S = CopyState
 

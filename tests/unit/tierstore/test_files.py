@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from tests.unit.tierstore.tensors import as_bytes, random_tensor
-
 from tierstore import CorruptFileError, DirectoryLockedError, NVMeDirectory, StoreConfig, TierStore, UnsafeDirectoryError
 from tierstore.files import create_new, lock_file, shared_directory_problem
-from tierstore.keys import TensorKey, TensorMeta
+from tierstore.keys import TensorMeta
 from tierstore.nvme import LOCK_NAME, PROBE_NAME, SUFFIX
 
 VICTIM_TEXT = b"a file of someone else's that must survive\n"

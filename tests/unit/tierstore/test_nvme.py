@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.unit.tierstore.tensors import as_bytes, random_tensor
-
 from tierstore import CapacityError, CorruptFileError, DirectoryLockedError, NVMeDirectory, PinnedArena, StoreIOError
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.nvme import _HEADER_STRUCT, HEADER_NBYTES, IO_ALIGNMENT, LOCK_NAME, SUFFIX, probe_direct_io

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from tests.unit.tierstore.tensors import as_bytes, random_tensor
-
 from tierstore import (
     CapacityError,
     CopyState,

@@ -9,14 +9,9 @@ import pytest
 import torch
 
 from tests.unit.tierstore.tensors import as_bytes, random_tensor
-
 from tierstore import EventBus, NVMeDirectory, PinnedArena, TransferEngine, TransferEvent
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.transfer import Handle, _Pacer, done_handle
-
-
-
-
 
 
 class Recorder:

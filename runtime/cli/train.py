@@ -1,0 +1,207 @@
+"""``tierstore train``: train the bundled example model with offload, on the GPU when there is one.
+
+With no arguments it runs an embedded default: the small example decoder on the Python standard library's
+source (bytes), fp32 master on pinned host memory, Adam moments on NVMe swap files in a temporary directory,
+weights fetched to the GPU block by block -- every tier in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+from runtime.bundled.example_model import ExampleLM, ModelShape
+from runtime.checkpoint.files import read_latest
+from runtime.checkpoint.state import CheckpointError, CheckpointRoot, resume_training, save_checkpoint, save_due
+from runtime.config.loader import TierstoreConfig, TrainConfig, load_config
+from runtime.profiler import Profiler, measure_ceilings
+from runtime.profiler.outputs import check_profile_dir
+from runtime.profiler.traffic import TrafficCounter
+from runtime.session import OffloadSession, offload
+from tierstore import TierStoreError
+
+log = logging.getLogger(__name__)
+
+
+def default_config() -> dict[str, Any]:
+    """The embedded config: all three tiers; bf16 on a GPU, fp32 on the CPU."""
+    cuda = torch.cuda.is_available()
+    return {
+        "dtype": "bf16" if cuda else "fp32",
+        "tiers": {"nvme": {"path": "tmp", "budget": "4GiB"}},
+        "placement": {"weights": "host", "master": "host", "moments": "nvme"},
+        # The demonstration of the three tiers: an `auto` fraction would put this small model's state on the GPU.
+        "optimizer": {"gpu_update_fraction": 0.0},
+        "train": {"steps": 30, "batch_size": 8, "seq_len": 128, "log_every": 10},
+    }
+
+
+def build_model(cfg: TierstoreConfig) -> ExampleLM:
+    """The example model with the config's shape, seeded."""
+    m = cfg.train.model
+    torch.manual_seed(cfg.seed)
+    return ExampleLM(ModelShape(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                                num_heads=m.num_heads, ffn_size=m.ffn_size, max_seq_len=m.max_seq_len))
+
+
+class Progress:
+    """A one-line progress bar on stderr (a log line per ``log_every`` steps when stderr is not a terminal)."""
+
+    def __init__(self, total: int, log_every: int):
+        self.total = total
+        self.log_every = log_every
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """Show step / total, the loss and the throughput."""
+        width = 30
+        filled = int(width * step / self.total)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s / 1e3:.1f}k tok/s"
+        if self.tty:
+            print("\r" + line, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
+        elif step % self.log_every == 0 or step == self.total:
+            print(line, file=sys.stderr, flush=True)
+
+
+def plot_wanted(setting: bool | str) -> bool:
+    """``profile.plot``: ``auto`` plots when matplotlib can be imported."""
+    return importlib.util.find_spec("matplotlib") is not None if setting == "auto" else bool(setting)
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The config's schedule: linear warm-up over ``warmup_steps``, then constant or cosine decay to 10%."""
+    warmup, total, cosine = train.warmup_steps, train.steps, train.lr_schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatches, step: int, train: TrainConfig,
+                 scheduler: Any = None) -> Path | None:
+    """Save a checkpoint after ``step``; returns its directory, or None when the save failed.
+
+    A failed save (disk full, an IO error, a refused checkpoint) does not lose the run: the partial save is
+    removed, the previous checkpoint stays ``latest``, a warning says so and training goes on from memory,
+    to try again at the next save. With ``train.stop_on_save_failure`` the run stops instead, with one
+    clear error."""
+    try:
+        return save_checkpoint(session, root, data, keep_last=train.keep_last, scheduler=scheduler)
+    except (OSError, CheckpointError, TierStoreError) as exc:
+        try:
+            latest = read_latest(root.path)
+        except CheckpointError:
+            latest = None
+        kept = f"{latest} stays the latest checkpoint" if latest else "there is no checkpoint yet"
+        if train.stop_on_save_failure:
+            raise CheckpointError(f"checkpoint of step {step} failed: {exc}. {kept}; stopping "
+                                  "(train.stop_on_save_failure is true)") from exc
+        log.warning("checkpoint of step %d failed: %s. %s; training goes on and the next save tries again "
+                    "(set train.stop_on_save_failure: true to stop instead)", step, exc, kept)
+        return None
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the training job the CLI asked for."""
+    overrides: dict[str, object] = {}
+    if args.checkpoint_dir is not None:
+        overrides["train.checkpoint_dir"] = str(args.checkpoint_dir)
+    if args.save_every is not None:
+        overrides["train.save_every"] = args.save_every
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    if args.profile is not None:
+        overrides["profile.dir"] = str(args.profile)
+    cfg = load_config(args.config if args.config else default_config(), overrides=overrides or None)
+    if args.resume and cfg.train.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
+    if cfg.profile.dir:  # refused now, not after the run's steps
+        check_profile_dir(cfg.profile.dir)
+    # Opened first, so a used or busy checkpoint root is refused before anything is allocated; held (locked)
+    # for the whole run.
+    root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
+            if cfg.train.checkpoint_dir is not None else None)
+    try:
+        return _run(cfg, args, root)
+    finally:
+        if root is not None:
+            root.close()
+
+
+def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | None) -> int:
+    """Build the model and the offloaded session, train (resuming from ``root`` when asked), report."""
+    model = build_model(cfg)
+    steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
+    print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of "
+          f"{cfg.optimizer.accumulation_steps} x {batch} x {seq} tokens, dtype {cfg.dtype}", file=sys.stderr)
+    model, optimizer = offload(model, cfg)
+    session = optimizer.session  # type: ignore[attr-defined]
+    device = session.store.device
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no CUDA found)'}; "
+          f"NVMe IO: {session.store.nvme_io_mode or 'no NVMe tier'}", file=sys.stderr)
+    traffic = TrafficCounter()
+    session.store.bus.subscribe(traffic)
+    # --profile DIR: ceilings measured now (see runtime.profiler.ceilings), then listen until the session is closed.
+    profiler = Profiler(session, measure_ceilings(session.store)).start() if cfg.profile.dir else None
+    data = ByteBatches(stdlib_text_bytes(), batch, seq, seed=cfg.seed)
+    progress = Progress(steps, cfg.train.log_every)
+    scheduler = lr_scheduler(optimizer, cfg.train)
+    first_loss = last_loss = float("nan")
+    failed_saves = 0
+    begin = 0  # steps already done (by the run a checkpoint was taken from)
+    try:
+        if args.resume:
+            begin = resume_training(session, root, data, scheduler=scheduler)
+            if begin >= steps:  # a requeued job whose run already finished: nothing to do, and no error
+                print(f"tierstore train: the run in {cfg.train.checkpoint_dir} is already complete at step {begin} "
+                      f"(train.steps is {steps}); nothing to train. Raise --steps to train further", file=sys.stderr)
+                return 0
+        start = time.perf_counter()
+        for step in range(begin + 1, steps + 1):
+            step_start = time.perf_counter()
+            for _ in range(cfg.optimizer.accumulation_steps):
+                tokens, targets = data.next()
+                loss = model(tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+                optimizer.scale_loss(loss / cfg.optimizer.accumulation_steps).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            last_loss = loss.item()
+            first_loss = last_loss if step == begin + 1 else first_loss
+            elapsed = time.perf_counter() - step_start
+            progress.update(step, last_loss, cfg.optimizer.accumulation_steps * batch * seq / elapsed)
+            if root is not None and save_due(step, steps, cfg.train.save_every):
+                failed_saves += save_or_warn(session, root, data, step, cfg.train, scheduler) is None
+        optimizer.synchronize()  # type: ignore[attr-defined]
+        total_s = time.perf_counter() - start
+    finally:
+        session.close()
+    tokens = (steps - begin) * cfg.optimizer.accumulation_steps * batch * seq
+    print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({tokens / total_s / 1e3:.1f}k tok/s)", file=sys.stderr)
+    if failed_saves:
+        latest = read_latest(root.path) if root is not None else None
+        print(f"warning: {failed_saves} checkpoint save(s) failed (see above); latest checkpoint: {latest or 'none'}", file=sys.stderr)
+    print(traffic.summary(), file=sys.stderr)
+    stats = session.controller.schedule.stats
+    print(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "
+          f"on fetches {session.controller.stats.wait_fetch_s:.2f} s", file=sys.stderr)
+    if profiler is not None:
+        profiler.stop()  # after close(): the last write-backs are in the totals
+        saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=plot_wanted(cfg.profile.plot))
+        print(f"profile written to {saved.directory}; read it with: tierstore profile {saved.directory}", file=sys.stderr)
+    return 0

@@ -1,0 +1,263 @@
+"""Reading and writing a block's training state between steps, from the user's side of the model.
+
+The update pipeline owns every block's state while a step runs. Between steps the user may read weights
+(a parameter, ``state_dict()``), write them (``load_state_dict``, ``p.copy_(...)``) or read and load the
+optimizer's moments. This module is the one place that does so safely: it waits for the updates of the
+committed step (and the write-backs they started), brings the state to where it can be touched (staging it
+from NVMe when it lives there), and after a write refreshes the compute copies derived from the master.
+
+What it leaves out: deciding *when* a read is needed (``runtime.model.param_guard``) and the optimizer's torch
+surface (``runtime.model.optimizer``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.core.blocks import Block
+from runtime.engine.step_phase import StepPhase
+from runtime.planning.hostmem import host_memory
+from runtime.planning.memory_plan import WeightSource
+from tierstore import CapacityError, CopyState, TierName
+
+if TYPE_CHECKING:
+    from runtime.engine.controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+def refresh_compute_weights(controller: Controller, block: Block, master: torch.Tensor, step: int) -> None:
+    """Bring block's kept compute weights in line with a newly written fp32 master (after a load or a user's
+    write), the way the update worker does: resident weights are recast from it, a host copy in the compute
+    dtype is rewritten (and written back when its home is NVMe). Fetched-on-demand weights need nothing: they
+    are read from the master at their next fetch."""
+    weights, store = controller.weights, controller.store
+    if block.index in controller.gpu_updated or weights.source is WeightSource.RESIDENT:
+        weights.load_resident(block.index, master)
+    elif weights.source is WeightSource.WEIGHTS:
+        key = block.key("weights")
+        for copy in store.record(key).copies.values():  # a transfer of this key in flight lands first
+            if copy.handle is not None:
+                copy.handle.wait()
+        store.fetch(key, TierName.HOST).wait()
+        store.tensor(key, TierName.HOST).copy_(master)  # cast to the compute dtype
+        store.mark_dirty(key, TierName.HOST, step=step)
+        if store.record(key).home is TierName.NVME:
+            store.evict(key, TierName.HOST, release=False).wait()
+
+
+class StateAccess:
+    """Between-step reads and writes of blocks' weights, masters and moments."""
+
+    def __init__(self, controller: Controller):
+        self.controller = controller
+        self.store = controller.store
+        self.weights = controller.weights
+        self.blocks = controller.blocks
+        # While a load_state_dict() runs, master writes of one block are gathered: staged once, written back and
+        # their compute weights refreshed once, when the load ends (or before anything reads them).
+        self._batch: set[int] | None = None
+        self.mixed_steps_allowed = False  # close(): hand the weights back even when an abandoned step mixed them
+
+    # ---- batched writes (load_state_dict) --------------------------------------------------------------
+    def begin_batch(self) -> None:
+        """Gather the master writes that follow until ``end_batch`` (or the next read)."""
+        if self._batch is None:
+            self._batch = set()
+
+    def end_batch(self) -> None:
+        """Write back the gathered blocks' masters and refresh their compute weights."""
+        batch, self._batch = self._batch, None
+        for index in sorted(batch or ()):
+            block = self.blocks[index]
+            key = block.key("master")
+            if self.store.record(key).home is TierName.NVME:
+                self.store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
+            self._refresh_compute(block)
+
+    # ---- compute weights -------------------------------------------------------------------------------
+    def in_pass(self, index: int) -> bool:
+        """True while block index is acquired by a forward or backward (its weights are current on the device)."""
+        return self.weights.states[index].users > 0 or self.controller.in_backward_use(index)
+
+    def prepare_read(self, index: int) -> None:
+        """Make block index's compute weights current on the device for a read outside forward/backward.
+
+        A fetched block stays until the next forward begins (views the user took stay valid until then);
+        when the GPU budget is full, blocks fetched for earlier reads are released first (views of them
+        are guarded too and fetch again when read)."""
+        controller = self.controller
+        self.end_batch()  # a read sees every write before it
+        self._check_one_step()
+        if controller.update_under_way(index):
+            raise RuntimeError(
+                f"block {self.blocks[index].name} is being updated: its gradient landed and, with streaming updates, "
+                "its update started before optimizer.step(). Read parameters after optimizer.step() (or set "
+                "optimizer.user_grad_clip: true, so that updates wait for the step and reads before it see the "
+                "pre-step weights, as in plain PyTorch)")
+        controller.wait_block_current(index)
+        if self.weights.source is WeightSource.RESIDENT or index in controller.gpu_updated:
+            self.weights.wait_refresh(index)
+            return
+        try:
+            self.weights.wait(index)
+        except CapacityError:
+            for other, state in enumerate(self.weights.states):
+                if other != index and state.users == 0 and not self.in_pass(other):
+                    controller.release_block(other)
+            self.weights.wait(index)
+
+    # ---- fp32 state --------------------------------------------------------------------------------------
+    def settle(self, writing: bool = False, *, read_only: bool = False) -> None:
+        """Wait for every committed update, its write-backs and its weight refreshes; unless ``writing`` (another
+        write of a batch), finish the batched writes first. ``read_only``: a read, which may also come between
+        micro-batches (a state_dict saved at an epoch's end with micro-batches left over, after an evaluation
+        mid-window): no block changes before the step's last backward, so it reads the last step's state."""
+        controller = self.controller
+        controller.check_open()
+        if not writing or controller.step_pending:
+            self.end_batch()
+        if controller.step_pending and not (read_only and controller.phase is StepPhase.ACCUMULATING):
+            if controller.phase is StepPhase.ACCUMULATING:  # a write: reads are served here
+                raise RuntimeError(
+                    "writing parameters or optimizer state between the micro-batches of a step (a backward ran since "
+                    "the last optimizer.step()) is refused: write them between steps (after optimizer.step(), or after "
+                    "optimizer.zero_grad() to drop the pending step). Reads work here and give the last step's state")
+            raise RuntimeError(
+                "the training state is being updated: a backward ran since the last optimizer.step(). Read or "
+                "write parameters and optimizer state between steps (after optimizer.step(), or after "
+                "optimizer.zero_grad() to drop the pending step)")
+        controller.synchronize()
+        controller.wait_device_writebacks()
+        self.weights.release_refreshes()
+        if controller.device.type == "cuda":
+            torch.cuda.synchronize(controller.device)
+
+    def read_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None]) -> None:
+        """Call ``use`` with block's flat fp32 tensor of one kind (master, exp_avg, exp_avg_sq) where it can be
+        read (host, or the GPU for device-updated blocks); a copy staged from NVMe is released afterwards.
+        Call ``settle()`` first."""
+        self._check_one_step()
+        self._with_state(block, kind, use, write=False)
+
+    def _check_one_step(self) -> None:
+        """Reads hand out one step's values: refused (with the way back) while an abandoned streaming step left
+        the blocks at different steps, where a state_dict, a save or a parameter read would silently mix the
+        updated blocks with the others. ``close()`` reads anyway, under ``mixed_steps_allowed``, and says so."""
+        why = self.controller.interrupted
+        if why is not None and not self.mixed_steps_allowed:
+            raise RuntimeError(f"reading parameters or optimizer state now would mix two steps: {why}")
+
+    def write_state(self, block: Block, kind: str, apply: Callable[[torch.Tensor], None]) -> None:
+        """Modify block's flat fp32 tensor of one kind in place through ``apply``; it is written back to its
+        home, and after a master write the compute weights derived from it are refreshed. Call ``settle()``
+        first."""
+        if kind == "master" and self._batch is not None:
+            self._with_state(block, kind, apply, write=True, keep_staged=True)
+            self._batch.add(block.index)
+            return
+        self._with_state(block, kind, apply, write=True)
+        if kind == "master":
+            self._refresh_compute(block)
+
+    def _with_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool,
+                    keep_staged: bool = False) -> None:
+        store, key = self.store, block.key(kind)
+        record = store.record(key)
+        tier = TierName.GPU if record.home is TierName.GPU else TierName.HOST
+        staged = tier is TierName.HOST and not store.state(key, TierName.HOST).is_current
+        if tier is TierName.HOST:
+            store.fetch(key, TierName.HOST).wait()  # stages it when the home is NVMe
+        use(store.tensor(key, tier))
+        if write:
+            store.mark_dirty(key, tier, step=record.step)  # every other copy is stale now
+        if record.home is TierName.NVME and (write or staged) and not keep_staged:
+            if write:
+                store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
+            else:
+                store.release(key, TierName.HOST)
+
+    def _refresh_compute(self, block: Block) -> None:
+        """Bring block's compute weights in line with its master after a write."""
+        index = block.index
+        if self.weights.source is not WeightSource.MASTER or index in self.controller.gpu_updated:
+            step = self.store.record(block.key("master")).step
+            # Not read_state: this follows a write (also one made while an abandoned step left blocks at two
+            # steps, which reads refuse), and the compute copy must follow the master whatever the phase.
+            self._with_state(block, "master", lambda master: refresh_compute_weights(self.controller, block, master, step),
+                             write=False)
+        # A fetched copy holds the old values: drop it (views of it fetch again when read).
+        if self.weights.states[index].users == 0:
+            self.controller.release_block(index)
+
+    # ---- whole-model reads -----------------------------------------------------------------------------
+    def slot_values(self, kind: str, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+        """Every offloaded parameter's tensor of one kind as CPU tensors by parameter name (cast to
+        ``dtypes[name]`` when given), one block at a time. Refuses, naming the numbers, when they would not
+        fit in the RAM available now."""
+        needed = sum(slot.numel * (dtypes[slot.name].itemsize if dtypes else 4) for b in self.blocks for slot in b.slots)
+        memory = host_memory()
+        available = memory.available_nbytes
+        if needed > available:
+            raise MemoryError(
+                f"copying the model's {kind} to host memory needs {needed:,} bytes but {available:,} are available "
+                f"(under {memory.limit}); "
+                "write it block by block instead: optimizer.session.save_pretrained(DIR) for weights, "
+                "runtime.checkpoint.state.save_checkpoint(session, DIR) for the whole training state")
+        self.settle(read_only=True)
+        out: dict[str, torch.Tensor] = {}
+        for block in self.blocks:
+            out.update(self.block_values(block, kind, dtypes))
+        return out
+
+    def salvage_masters(self, dtypes: dict[str, torch.dtype]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """After the optimizer worker failed (``close()``): every block's master that can be read, as CPU tensors by
+        parameter name cast to ``dtypes[name]``, without waiting for updates that will never run; and, by parameter
+        name, why one is not at the committed step or not given at all. A block whose update to the committed step
+        did not finish is read as its last finished update left it: an NVMe home's file, not a copy in host memory
+        that the failed update may have changed half-way; a master in host memory has no other copy, so it is given
+        as it is and named (the failed update may have changed part of it)."""
+        controller, store = self.controller, self.store
+        committed = controller.optimizer_step
+        controller.worker.drain()  # the write-backs still in flight land (or fail) first
+        values: dict[str, torch.Tensor] = {}
+        notes: dict[str, str] = {}
+        for block in self.blocks:
+            key, done = block.key("master"), controller.worker.updated_step(block.index)
+            record = store.record(key)
+            doubt = None
+            if done < committed and record.step <= done:  # its update to the committed step did not get to its commit
+                if record.home is TierName.NVME:
+                    if store.state(key, TierName.HOST) is CopyState.CLEAN:  # read again from the file
+                        store.release(key, TierName.HOST)
+                    doubt = f"given back at step {done}: its update to step {committed} did not run or failed"
+                elif record.home is TierName.HOST:
+                    doubt = (f"given back at step {done}, its update to step {committed} did not run or failed: where it "
+                             "failed inside AdamW, its weights may be partly updated")
+            try:
+                values.update(self.block_values(block, "master", dtypes))
+            except Exception as error:  # a corrupt or unreadable master: named, the other blocks still given
+                notes.update({slot.name: f"left on the meta device: its master could not be read ({error!r})"
+                              for slot in block.slots})
+                continue
+            if doubt is not None:
+                notes.update({slot.name: doubt for slot in block.slots})
+        return values, notes
+
+    def block_values(self, block: Block, kind: str, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+        """Block's parameters' tensors of one kind as CPU copies by name (cast to ``dtypes[name]`` when given).
+        Call ``settle()`` first."""
+        out: dict[str, torch.Tensor] = {}
+
+        def take(flat: torch.Tensor) -> None:
+            for slot in block.slots:
+                view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                out[slot.name] = view.to(device="cpu", dtype=dtypes[slot.name] if dtypes else view.dtype, copy=True)
+
+        self.read_state(block, kind, take)
+        return out
+

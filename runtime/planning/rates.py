@@ -1,0 +1,177 @@
+"""What this machine's paths and optimizer run at: the one copy probe and the one CPU AdamW timing.
+
+``auto`` placement (``runtime.planning.auto_placement``), the profiler's ceilings (``runtime.profiler.ceilings``) and the
+training benchmark's bound (``runtime.bench.train_bound``) all measure the same two things; they differ only
+in sizes, repeats and which statistic they keep. Auto placement also times the AdamW kernel while copies run
+each way (what the CPU's updates get in a step); the bound keeps the kernel alone (a lower bound on the step).
+Pure measurement: nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from runtime.config.units import format_size
+from runtime.update.adam import AdamWHyper, adamw_update, split_views
+from tierstore import PinnedArena
+
+log = logging.getLogger(__name__)
+
+PCIE_MIN_NBYTES = 32 << 20  # the copy probe halves its buffer down to this when the GPU has no room for it
+
+
+def best_s(repeats: int, run: Callable[[], float], warmups: int = 1) -> float:
+    """The fastest of ``repeats`` timed runs after ``warmups`` untimed ones (first touch of the pages, the
+    CUDA context, the file's blocks, clocks leaving idle): a ceiling is what the path can reach."""
+    for _ in range(warmups):
+        run()
+    return min(run() for _ in range(repeats))
+
+
+def pinned_copy_gbps(device: torch.device, nbytes: int, repeats: int, *, warmups: int = 1,
+                     pin: bool | None = None) -> tuple[float, float]:
+    """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between host memory (pinned unless ``pin`` is False;
+    default: pinned on CUDA) and ``device``, each the best of ``repeats`` after ``warmups``; on a GPU timed by
+    CUDA events on a side stream (no launch or sync overhead in the figure), on the CPU by the host clock."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda else None
+    with _probe_buffers(device, nbytes, cuda if pin is None else pin) as (host, target):
+
+        def copy_s(to_device: bool) -> float:
+            dst, src = (target, host) if to_device else (host, target)
+            if stream is None:
+                start = time.perf_counter()
+                dst.copy_(src)
+                return time.perf_counter() - start
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                begin.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            end.synchronize()
+            return begin.elapsed_time(end) / 1000.0
+
+        h2d_s = best_s(repeats, lambda: copy_s(True), warmups=warmups)
+        d2h_s = best_s(repeats, lambda: copy_s(False), warmups=warmups)
+        return host.numel() / h2d_s / 1e9, host.numel() / d2h_s / 1e9
+
+
+@contextmanager
+def _probe_buffers(device: torch.device, nbytes: int, pin: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A device buffer and a host buffer of nbytes, halved (down to PCIE_MIN_NBYTES) while the device has no
+    room: the profiler probes beside a session that may fill the GPU. The host side is an exact-size arena,
+    pinned as the host tier pins it and unpinned afterwards, not torch's caching host allocator, which would
+    round the request up and keep it pinned for the life of the process."""
+    while True:
+        try:
+            target = torch.empty(nbytes, dtype=torch.uint8, device=device)  # first: the device is what may be full
+            break
+        except torch.OutOfMemoryError:
+            if nbytes // 2 < PCIE_MIN_NBYTES:
+                raise
+            log.info("copy probe: no room for %s on %s, trying half", format_size(nbytes), device)
+            nbytes //= 2
+    arena = PinnedArena(nbytes, pin=pin, name="copy probe")
+    try:
+        yield arena.view(0, nbytes), target
+    finally:
+        del target
+        arena.close()
+
+
+def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: int, *, tensors: int = 1,
+                                   repeats: int = 3, copy_nbytes: int, pin: bool = True) -> tuple[list[float], bool]:
+    """``cpu_adam_seconds`` while copies of ``copy_nbytes`` run back to back each way between host memory and the
+    CUDA ``device``, as they do beside the CPU's updates in an offloaded step (gradients and streamed state
+    leaving, weights and streamed state arriving): the DMA shares host memory's bandwidth with the kernel. On
+    the H100 box the kernel ran at 2.9-3.3 G params/s inside a step against 4.5-4.7 timed alone (call H5 in
+    docs/measurements-history.md). A thread keeps two copies queued each way until the kernel's last step ends,
+    waiting on blocking events (a spinning wait would take a core from the kernel's threads). Returns the times
+    and whether copies completed between the first timed step's start and the last one's end with the thread
+    still feeding (False: some steps may have run alone, and the figure is an upper bound)."""
+    if device.index is None:  # 'cuda': the feeding thread must be told which device, and starts on device 0
+        device = torch.device("cuda", torch.cuda.current_device())
+    stop, started = threading.Event(), threading.Event()
+    copied = [0]
+    errors: list[BaseException] = []
+    with _probe_buffers(device, copy_nbytes, pin) as (host_in, device_in), \
+            _probe_buffers(device, copy_nbytes, pin) as (host_out, device_out):
+        streams = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def feed() -> None:
+            queued: list[torch.cuda.Event] = []
+            try:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+                while not stop.is_set():
+                    for stream, dst, src in ((streams[0], device_in, host_in), (streams[1], host_out, device_out)):
+                        with torch.cuda.stream(stream):
+                            dst.copy_(src, non_blocking=True)
+                            queued.append(torch.cuda.Event(blocking=True))
+                            queued[-1].record(stream)
+                    if len(queued) > 4:  # two copies each way ahead of the one running
+                        queued.pop(0).synchronize()
+                        queued.pop(0).synchronize()
+                        copied[0] += 1
+                        started.set()
+            except BaseException as error:  # re-raised by the caller
+                errors.append(error)
+            finally:
+                started.set()
+                for stream in streams:  # nothing may still read or write the buffers when they are freed
+                    try:
+                        stream.synchronize()
+                    except BaseException as error:
+                        errors.append(error)
+
+        marks: list[tuple[int, bool]] = []  # (copies completed, feeder alive) at the first timed step and after the last
+        feeder = threading.Thread(target=feed, name="copy probe", daemon=True)
+        feeder.start()
+        try:
+            started.wait()
+            if errors:
+                raise errors[0]
+            times = cpu_adam_seconds(numel, threads, tensors=tensors, repeats=repeats,
+                                     mark=lambda: marks.append((copied[0], feeder.is_alive() and not errors)))
+        finally:
+            stop.set()
+            feeder.join()
+        if errors:
+            raise errors[0]
+        (first, _), (last, alive) = marks
+        return times, alive and last > first
+
+
+def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int = 3,
+                     mark: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` CPU fused AdamW steps (the runtime's own kernel) over ``numel`` fp32
+    parameters split into ``tensors`` views, with ``threads`` threads, after one untimed step that faults the
+    pages in. The caller keeps the statistic it needs (a ceiling the best, a typical step the median).
+    ``mark``: called just before the first timed step and just after the last."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        size = max(1, numel // tensors)
+        flat = torch.full((4 * size * tensors,), 1e-3)
+        master, grads, exp_avg, exp_avg_sq = (split_views(part, [size] * tensors) for part in flat.chunk(4))
+        steps = [torch.zeros(()) for _ in range(tensors)]
+        times = []
+        for attempt in range(repeats + 1):
+            if attempt == 1 and mark is not None:
+                mark()
+            start = time.perf_counter()
+            adamw_update(master, grads, exp_avg, exp_avg_sq, steps, AdamWHyper())
+            if attempt:
+                times.append(time.perf_counter() - start)
+        if mark is not None:
+            mark()
+        return times
+    finally:
+        torch.set_num_threads(previous)

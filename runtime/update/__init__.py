@@ -1,0 +1,7 @@
+"""AdamW wherever it runs: the kernel, the host worker thread, device updates, speculation.
+
+Owns: AdamW over a block's flat fp32 buffers (``adam``), the worker that takes a block's gradients from pinned
+memory, runs the CPU update and publishes the new weights (``worker``), the GPU's share of the update
+(``device_updates``) and second buffers for updates that run before their step commits (``speculation``).
+Leaves out: when a block's gradients are complete or a step commits (``engine`` decides and calls in).
+"""

@@ -1,0 +1,154 @@
+"""AdamW over a block's flat fp32 buffers, with torch's fused kernel (CPU or CUDA).
+
+The kernel is called on per-parameter views of the flat buffers, with one step counter per parameter:
+exactly the tensor list ``torch.optim.AdamW(fused=True)`` sees, so results are bit-identical to it in fp32
+(and a parameter that got no gradient keeps its own step count, as in the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.core.blocks import Block
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """AdamW hyper-parameters (torch.optim.AdamW's meaning)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+def split_views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive 1-D views of flat with the given element counts."""
+    views, offset = [], 0
+    for size in sizes:
+        views.append(flat[offset : offset + size])
+        offset += size
+    return views
+
+
+def adamw_update(
+    master: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: list[torch.Tensor],
+    exp_avg_sq: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hyper: AdamWHyper,
+    lr: float | None = None,
+) -> None:
+    """One AdamW step in place on parallel lists of views (all fp32, same device). Increments steps."""
+    if not master:
+        return
+    torch._foreach_add_(steps, 1)  # the reference increments before the update; one call, not one per tensor
+    torch._fused_adamw_(
+        master,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        [],
+        steps,
+        lr=hyper.lr if lr is None else lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
+    )
+
+
+def adamw_update_grouped(
+    master: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: list[torch.Tensor],
+    exp_avg_sq: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hypers: list[AdamWHyper],
+) -> None:
+    """``adamw_update`` where each tensor has its own hyper-parameters (its parameter group's): one fused call
+    per distinct setting, as torch.optim.AdamW makes one per group. The update is elementwise, so grouping
+    does not change a bit of the result."""
+    groups: dict[AdamWHyper, list[int]] = {}
+    for position, hyper in enumerate(hypers):
+        groups.setdefault(hyper, []).append(position)
+    for hyper, positions in groups.items():
+        def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [tensors[p] for p in positions]
+
+        adamw_update(pick(master), pick(grads), pick(exp_avg), pick(exp_avg_sq), pick(steps), hyper)
+
+
+# Elements per piece of an out-of-place update: a piece's state is copied, then updated while it is still in the
+# CPU's caches, so the copy costs one more read than an in-place update instead of a second pass. A multiple of
+# 64 elements: the fused kernel splits work at cache-line multiples and vectorizes from each piece's start, so
+# pieces that begin at such offsets compute every element exactly as one call over the whole tensor does.
+OUT_OF_PLACE_PIECE = 1 << 20
+
+
+def adamw_update_out_of_place(
+    old: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    new: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    grads: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hypers: list[AdamWHyper],
+    piece_numel: int = OUT_OF_PLACE_PIECE,
+) -> None:
+    """``adamw_update_grouped`` whose result lands in ``new`` (master, exp_avg, exp_avg_sq views, parallel to
+    ``old``'s) while ``old`` keeps the values it had: the state before the step survives until the result is
+    published. Bit-identical to the in-place update. Increments steps."""
+    if not grads:
+        return
+    torch._foreach_add_(steps, 1)
+    for piece in _pieces([g.numel() for g in grads], piece_numel):
+        for source, target in zip(old, new):
+            torch._foreach_copy_([target[i][a:b] for i, a, b in piece], [source[i][a:b] for i, a, b in piece])
+        groups: dict[AdamWHyper, list[tuple[int, int, int]]] = {}
+        for part in piece:
+            groups.setdefault(hypers[part[0]], []).append(part)
+        for hyper, parts in groups.items():
+            def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [tensors[i][a:b] for i, a, b in parts]
+
+            torch._fused_adamw_(
+                pick(new[0]), pick(grads), pick(new[1]), pick(new[2]), [], [steps[i] for i, _, _ in parts],
+                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
+                amsgrad=False, maximize=False,
+            )
+
+
+def _pieces(sizes: list[int], piece_numel: int) -> list[list[tuple[int, int, int]]]:
+    """(tensor position, start, end) ranges covering every tensor, gathered into pieces of about piece_numel
+    elements; a tensor is split only at multiples of piece_numel from its own start."""
+    pieces: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    filled = 0
+    for position, size in enumerate(sizes):
+        for start in range(0, size, piece_numel):
+            end = min(size, start + piece_numel)
+            current.append((position, start, end))
+            filled += end - start
+            if filled >= piece_numel:
+                pieces.append(current)
+                current, filled = [], 0
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def scale_slots(flat: torch.Tensor, block: Block, scales: list[torch.Tensor | None] | None,
+                 multiplier: torch.Tensor | None) -> None:
+    """Multiply a block's flat gradient by the user's per-parameter factors, then by tierstore's clip
+    coefficient, in the order the plain loop applies them."""
+    if scales is not None:
+        for slot, scale in zip(block.slots, scales):
+            if scale is not None:
+                flat[slot.offset : slot.offset + slot.numel].mul_(scale.to(flat.device))
+    if multiplier is not None:
+        flat.mul_(multiplier.to(flat.device))

@@ -1,0 +1,180 @@
+"""The device's share of the update: AdamW on the GPU for the blocks whose master and moments live there
+(``optimizer.gpu_update_fraction``) and for the streamed blocks (``optimizer.gpu_stream_fraction``), whose
+state is brought in from pinned host memory for the update and written back after it.
+
+A streamed block's state comes in during the backward that ends the step, nearest blocks first (the block
+whose backward is about to run, then the ones it reaches next); beyond the first ``always`` of a call, never
+into the room weight fetches may need. When
+updates wait for the commit (clipping, fp16 loss scaling, the user's own clipping) the state waits on the
+device until then, so each copy must fit below what was allocated when that backward began (the memory the
+backward freed); otherwise the first two come in at once and the rest under that bound. At the commit the
+next blocks' state comes in while each block updates, and the update itself brings its own in on demand if
+the budget refused it earlier; afterwards the state is written back ([Note: paced write-back] in
+``runtime.engine.writeback``) and the block's compute weights are recast from the updated master on the device.
+
+What it leaves out: which blocks are device-updated or streamed (the controller's placement), the gradients
+(assembled, fp16-unscaled and their norms taken by the controller; the clip factors are applied here, at the
+commit), the write-backs' pacing (``runtime.engine.writeback``) and when the commit runs (``runtime.engine.controller``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.core.blocks import Block
+from runtime.planning.memory_plan import WeightSource, window_bound
+from runtime.update.adam import adamw_update_grouped, scale_slots, split_views
+from runtime.update.worker import STATE_KINDS
+from tierstore import CapacityError, CopyState, TierName
+
+if TYPE_CHECKING:
+    from runtime.engine.controller import Controller
+
+
+class DeviceUpdates:
+    """The device-updated and streamed blocks' updates of one controller: their pending list (updates that
+    wait for the commit), the streamed state's way in, and the update itself."""
+
+    def __init__(self, controller: Controller):
+        self.controller = controller
+        self.pending: list[tuple[Block, torch.Tensor | None, list[bool], int]] = []  # waiting for the commit
+        self.stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
+        # Streamed blocks whose new compute weights were cast on the device from the updated master: the next
+        # forward uses them as they are (no wait for the write-back, no fetch).
+        self.fresh: set[int] = set()
+        # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
+        self.weights_window_nbytes = self._weights_window()
+
+    def placement_changed(self) -> None:
+        """The device's share grew (``Controller.adopt_placement``): fewer weights are fetched."""
+        self.weights_window_nbytes = self._weights_window()
+
+    def _weights_window(self) -> int:
+        """GPU-tier bytes the prefetch window of fetched (not resident) weights may take."""
+        ctl = self.controller
+        if ctl.options.weight_source is WeightSource.RESIDENT:
+            return 0
+        return window_bound([ctl.weights.nbytes(b.index) for b in ctl.blocks if b.index not in ctl.gpu_updated],
+                            ctl.options.prefetch_depth + 2)
+
+    def submit(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int) -> None:
+        """Block's gradient is final (None: no parameter of it has one): update it now, or at the commit when
+        updates wait for it."""
+        if self.controller.deferred:
+            self.pending.append((block, grad, has_grad, step))
+        else:  # without a gradient nothing is updated, and a streamed block's state brought in for it is dropped
+            self.update(block, grad, has_grad, step, skip=grad is None)
+
+    def begin_streaming(self) -> None:
+        """The backward that ends in an update starts: note the memory in use now, at the end of the forward
+        (state streamed ahead may use what the backward frees below it), and, when the state streams during
+        the backward, hold resident-weight refreshes until every streamed block's state is on its way (they
+        are needed only by the next forward)."""
+        ctl = self.controller
+        self.stream_ceiling = torch.cuda.memory_allocated(ctl.device) if ctl.device.type == "cuda" else None
+        if ctl.options.weight_source is WeightSource.RESIDENT and not ctl.deferred:
+            ctl.weights.hold_refreshes()
+
+    def stream_in_order(self, indices: Iterable[int], always: int = 2) -> None:
+        """Bring in the state of these blocks, nearest first: the first ``always`` at once, the rest while memory
+        in use stays below the ceiling (see begin_streaming) and the GPU budget keeps room for weight fetches.
+        A refusal stops the rest, so a block further ahead never holds room a nearer update needs."""
+        streamed = self.controller.gpu_streamed
+        for position, index in enumerate(indices):
+            if position >= always and not self._room_to_stream(index):
+                return
+            if not self.stream_in(index):
+                return
+            if index == min(streamed):
+                self.controller.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
+
+    def _room_to_stream(self, index: int) -> bool:
+        ctl = self.controller
+        if index not in ctl.gpu_streamed:
+            return True
+        block = ctl.blocks[index]
+        missing = sum(ctl.store.record(block.key(kind)).meta.nbytes for kind in STATE_KINDS
+                      if ctl.store.state(block.key(kind), TierName.GPU) is CopyState.ABSENT)
+        if ctl.store.tiers[TierName.GPU].free_nbytes - missing < self.weights_window_nbytes:
+            return False
+        return self.stream_ceiling is None or torch.cuda.memory_allocated(ctl.device) + missing <= self.stream_ceiling
+
+    def stream_in(self, index: int, required: bool = False) -> bool:
+        """Start copying a streamed block's master and moments to the device (no-op for other blocks and for
+        state already there or on its way). A full GPU budget stops an early copy quietly and returns False
+        (the update fetches then); with ``required`` (the update itself) it raises.
+
+        The device buffers are allocated on the caller's (compute) stream and the copy waits for the work
+        queued there so far: the state takes memory the backward has just freed, and no bytes are parked in
+        the copy stream's own allocator pool, which compute can't reuse. (Under a capped GPU memory
+        fraction such a side pool makes the allocator release its cache, synchronizing the device.)"""
+        ctl = self.controller
+        if index not in ctl.gpu_streamed:
+            return True
+        for kind in STATE_KINDS:
+            try:
+                ctl.store.fetch(ctl.blocks[index].key(kind), TierName.GPU)
+            except (CapacityError, torch.OutOfMemoryError):  # an early copy is optional: the update fetches later
+                if required:
+                    raise
+                return False
+        return True
+
+    def run(self, coef: torch.Tensor | None, skip: bool) -> None:
+        """At the commit: the pending updates, in forward order, each streamed block's state brought in ahead
+        of its update, each gradient scaled by its clip factors first."""
+        ctl = self.controller
+        pending = sorted(self.pending, key=lambda item: item[0].index)
+        updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
+        for position, (block, flat, has_grad, step) in enumerate(pending):
+            has_grad = ctl.clipper.kept(block, has_grad)  # p.grad = None after backward drops a parameter
+            if not any(has_grad):
+                flat = None
+            pending[position] = (block, flat, has_grad, step)
+        for block, flat, has_grad, step in pending:
+            if ctl.gpu_streamed:  # bring the next blocks' state in while this one updates
+                ctl.writebacks.settle()  # landed write-backs free the memory the next blocks' state comes into
+                later = updating[updating.index(block.index):] if block.index in updating else []
+                self.stream_in_order(later[: ctl.options.gpu_stream_ahead + 1])
+            if flat is not None and not skip:
+                scale_slots(flat, block, ctl.clipper.user_scales(block), coef)
+            self.update(block, flat, has_grad, step, skip=skip or flat is None)
+        self.pending = []
+
+    def update(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int, skip: bool) -> None:
+        """AdamW on the device, stream-ordered on the current stream (the gradient already scaled). A block whose
+        state lives there gets its compute weights recast (the next forward needs no host-side wait); a streamed
+        block's state is written back to pinned host memory, and the next forward's fetch waits for that copy."""
+        ctl = self.controller
+        store = ctl.store
+        streamed = block.index in ctl.gpu_streamed
+        if streamed and (skip or grad is None):
+            for kind in STATE_KINDS:  # brought in for nothing: drop the clean device copies
+                key = block.key(kind)
+                if store.state(key, TierName.GPU) is not CopyState.ABSENT:
+                    store.tensor(key, TierName.GPU)  # let a copy in flight land first
+                    store.release(key, TierName.GPU)
+        if not skip and grad is not None:
+            sizes = [slot.numel for slot in block.slots]
+
+            def views(flat: torch.Tensor) -> list[torch.Tensor]:
+                return [v for v, keep in zip(split_views(flat, sizes), has_grad) if keep]
+
+            if streamed:
+                self.stream_in(block.index, required=True)  # on demand when the budget refused it earlier
+            state = {kind: store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
+            adamw_update_grouped(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
+                                 [s for s, keep in zip(ctl.gpu_param_steps[block.index], has_grad) if keep],
+                                 [h for h, keep in zip(ctl.block_hypers(block), has_grad) if keep])
+            if not streamed or ctl.options.weight_source is WeightSource.RESIDENT:
+                ctl.weights.load_resident(block.index, state["master"])  # recast from the device master
+            elif ctl.weights.fill_from_device(block.index, state["master"]):
+                self.fresh.add(block.index)  # the next forward needs it first: no fetch after the write-back
+            if streamed:
+                for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
+                    store.mark_dirty(block.key(kind), TierName.GPU, step=step)
+                    ctl.writebacks.add(store.evict(block.key(kind), TierName.GPU, background=ctl.pace_writebacks))
+        ctl.worker.mark_updated(block.index, step)
