@@ -1,6 +1,6 @@
 """The bundled example model: a small Llama-shaped decoder (RMSNorm, rotary attention, SwiGLU).
 
-Built from sizes alone (no download); the same class, scaled up, is the benchmark model of DESIGN.md
+Built from sizes alone (no download); the same class, scaled up, is the benchmark model of docs/design.md
 (hidden 2048, 24 layers, ffn 5504, vocab 32000).
 """
 

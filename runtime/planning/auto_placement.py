@@ -385,7 +385,7 @@ def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, a
     ``ADAM_PROBE_REPEATS`` steps after a warm-up (the alone rate beside it is a median too): what the CPU's
     updates get in a step, where the copies to and from the GPU share host memory's bandwidth with them (on the
     H100 box the kernel alone was 1.4-1.8x faster; planned with the alone rate, auto placement streamed less
-    than the best hand-set rows, calls H5, H8 in docs/measurements-history.md and J1 in the README). At most
+    than the best hand-set rows, calls H5, H8 and J1 in docs/measurements-history.md). At most
     ``alone``, the kernel's rate with no copies (a faster figure is timing noise); ``alone`` itself where the
     probe cannot run (no room for its buffers, pinning refused: the larger probe may not fit where the copy
     probe after it does). Any other error (a dead CUDA context, a bug) surfaces."""
