@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,20 @@ def test_design_indexes_every_note_with_its_file() -> None:
             rows[m.group(1).strip()] = m.group(2)
     expected = {name: str(paths[0].relative_to(REPO)) for name, paths in note_definitions().items()}
     assert rows == expected
+
+
+def test_design_maps_every_layer_of_the_import_contract() -> None:
+    """docs/design.md's package map has a row for each layer of pyproject.toml's import-linter contract, and for
+    every package under runtime/: the map and the checked contract stay one picture."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
+    modules = {m.strip() for layer in contract["layers"] for m in layer.split("|")}
+    modules |= {f"runtime.{d.name}" for d in (REPO / "runtime").iterdir() if (d / "__init__.py").exists()}
+    first_cells = re.findall(r"^\|([^|]*)\|", (DOCS / "design.md").read_text(), re.M)
+    table = {path for cell in first_cells for path in re.findall(r"`(runtime/\w+(?:/|\.py))`", cell)}
+    missing = sorted(m for m in modules
+                     if f"{m.replace('.', '/')}/" not in table and f"{m.replace('.', '/')}.py" not in table)
+    assert missing == []
 
 
 def test_code_cites_only_documents_that_exist() -> None:
