@@ -162,7 +162,7 @@ def bench_nvme(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
     write_s = _best_of(repeats, lambda: _time_writeback(store, keys, TierName.HOST, TierName.NVME))
     for key in keys:
         store.unregister(key)
-    directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+    directory = store.tiers[TierName.NVME].directory
     total = num_transfers * transfer_nbytes
     ceiling = measure_disk_ceiling(directory.path, ios_in_flight=ceiling_ios, total_nbytes=total,
                                    repeats=max(2, repeats), direct=directory.io_mode == "direct")
@@ -177,7 +177,7 @@ def bench_nvme(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
 def bench_single_stream(store: TierStore, num_transfers: int, transfer_nbytes: int, repeats: int) -> SingleStream:
     """dd, one stream, on the NVMe directory in the store's IO mode: the figure earlier tables used as the
     ceiling, kept for comparison."""
-    directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+    directory = store.tiers[TierName.NVME].directory
     direct = directory.io_mode == "direct"
     write_s, read_s, method = _dd_ceiling(directory.path, num_transfers, transfer_nbytes, direct, repeats)
     return SingleStream(num_transfers * transfer_nbytes, read_s, write_s, method + ", 1 stream")

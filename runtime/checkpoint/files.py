@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from tierstore.files import create_new
+from tierstore import create_new
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from runtime.checkpoint.files import (
     remove_path,
     step_dir_name,
 )
-from tierstore.files import lock_file
+from tierstore import lock_file
 
 log = logging.getLogger(__name__)
 

@@ -60,9 +60,7 @@ from runtime.core.signals import defers_interrupts
 from runtime.engine.step_phase import StepPhase
 from runtime.model.state_access import refresh_compute_weights
 from runtime.planning.memory_plan import STATE_KINDS, WeightSource
-from tierstore import CorruptFileError, TierName, TierStore
-from tierstore.nvme import HEADER_NBYTES, payload_hasher
-from tierstore.store import Record
+from tierstore import HEADER_NBYTES, CorruptFileError, Record, TierName, TierStore, payload_hasher
 
 if TYPE_CHECKING:
     from runtime.core.blocks import Block
@@ -174,10 +172,9 @@ def _require_between_steps(controller: Controller, what: str) -> None:
 
 def _refuse_swap_overlap(store: TierStore, root: Path) -> None:
     """Checkpoints must not live in (or contain) the swap directory: that is a disposable cache."""
-    tier = store.tiers.get(TierName.NVME)
-    if tier is None:
+    if store.tiers.nvme is None:
         return
-    swap = Path(os.path.realpath(tier.directory.path))  # type: ignore[attr-defined]
+    swap = Path(os.path.realpath(store.tiers.nvme.directory.path))
     ckpt = Path(os.path.realpath(root))
     if swap == ckpt or swap.is_relative_to(ckpt) or ckpt.is_relative_to(swap):
         raise CheckpointError(f"{root}: overlaps the NVMe swap directory {swap}; swap files are a cache that the "
@@ -205,7 +202,7 @@ def _tensor_writer(store: TierStore, record: Record) -> Callable[[Path], FileEnt
         gpu = store.tensor(key, TierName.GPU)  # one block at a time in host RAM, on the writer thread
         return lambda path: write_buffer(path, _bytes_of(gpu.to("cpu")))
     if TierName.NVME in store.tiers and store.state(key, TierName.NVME).is_current:
-        directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+        directory = store.tiers[TierName.NVME].directory
         swap = directory.get(key)
         expected = directory.read_payload_checksum(swap, record.step)  # a stale file must not become a checkpoint
 
@@ -228,7 +225,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def _scalar_state(session: OffloadSession, controller: Controller, tensors: dict[str, dict[str, Any]],

@@ -35,8 +35,7 @@ import torch
 
 from runtime.config.units import format_size
 from runtime.planning.rates import pinned_copy_gbps
-from tierstore import CopyState, TierName, TierStore
-from tierstore.files import create_new
+from tierstore import CopyState, TierName, TierStore, create_new
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +76,9 @@ def measure_ceilings(store: TierStore, nbytes: int = PCIE_PROBE_NBYTES, repeats:
     device = store.device
     wait_for_idle_store(store)
     out = dict(zip(("h2d", "d2h"), pcie_ceilings_gbps(device, nbytes, repeats)))
-    nvme = store.tiers.get(TierName.NVME)
+    nvme = store.tiers.nvme
     if nvme is not None:
-        directory = nvme.directory  # type: ignore[attr-defined]
+        directory = nvme.directory
         try:
             disk = measure_disk_ceiling(Path(directory.path), ios_in_flight=disk_ios_in_flight,
                                         total_nbytes=disk_nbytes, repeats=max(2, min(repeats, 3)),

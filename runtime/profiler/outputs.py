@@ -21,7 +21,7 @@ from runtime.core.events import StallEvent
 from runtime.profiler.analysis import PATH_NAMES, placed_intervals, summarize
 from runtime.profiler.records import RawProfile
 from runtime.profiler.report import CAUSE_NAMES, format_report
-from tierstore.files import create_new
+from tierstore import create_new
 
 log = logging.getLogger(__name__)
 
