@@ -35,7 +35,7 @@ import torch
 
 from runtime.config.units import format_size
 from runtime.planning.rates import pinned_copy_gbps
-from tierstore import CopyState, TierName, TierStore, create_new
+from tierstore import CopyState, TierStore, create_new
 
 log = logging.getLogger(__name__)
 
