@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_of(repeats: int, run) -> float:  # type: ignore[no-untyped-def]
+def _best_of(repeats: int, run: Callable[[], float]) -> float:
     """The fastest of ``repeats`` timed runs (after the first, a warm-up): the ceiling each side can reach."""
     run()
     return min(run() for _ in range(repeats))
@@ -114,7 +115,7 @@ def bench_pcie(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
         _sync(device)
         start = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else _null():
-            for host, gpu in zip(hosts, gpus):
+            for host, gpu in zip(hosts, gpus, strict=True):
                 (gpu.copy_(host, non_blocking=True) if to_device else host.copy_(gpu, non_blocking=True))
         _sync(device)
         return time.perf_counter() - start
