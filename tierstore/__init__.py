@@ -5,6 +5,8 @@ The package knows nothing of nn.Module; the runtime builds on its public API:
 - :class:`TierStore` -- key -> record of where each copy of a tensor lives; fetch / evict / release.
 - :class:`TransferEngine` -- the only code that moves bytes; every transfer returns a :class:`Handle`.
 - :class:`PinnedArena`, :class:`NVMeDirectory` -- the host and disk back ends.
+- :class:`Tiers` -- a store's tiers by name (``store.tiers``), each its own class: :class:`GpuTier` (``reserve``),
+  :class:`HostTier` (``arena``), :class:`NvmeTier` (``directory``); :class:`Tier` declares what all three do.
 - :class:`EventBus` / :class:`TransferEvent` -- what moved, where and when, for listeners such as a profiler.
 - :func:`close_at_exit` -- closes what a program left open when the interpreter exits, before thread pools stop.
 - :class:`Record` -- what the store knows of one key (home, each tier's copy, the step of its value).
