@@ -109,7 +109,7 @@ class ExampleLM(nn.Module):
 
     def reset_parameters(self) -> None:
         """Small normal init (std 0.02), ones for norms."""
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
 

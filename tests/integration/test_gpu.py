@@ -501,7 +501,7 @@ def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_
     session = optimizer.session
     caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     with session:
-        for step, ((x, y), reference_loss) in enumerate(zip(batches, reference_losses)):
+        for step, ((x, y), reference_loss) in enumerate(zip(batches, reference_losses, strict=True)):
             loss = model(x.cuda(), y.cuda())
             loss.backward()
             optimizer.step()
@@ -701,7 +701,7 @@ def test_other_backwards_and_assigned_gradients_on_gpu(placement, fraction, stre
                 loss = model(x.cuda(), y.cuda())
                 if assigned and step % 2:
                     params = [p for p in model.parameters() if p.requires_grad]
-                    for p, g in zip(params, torch.autograd.grad(loss, params)):
+                    for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
                         p.grad = g
                 else:
                     loss.backward()

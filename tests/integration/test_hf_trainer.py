@@ -153,7 +153,7 @@ def test_unchanged_trainer_on_the_gpu_trains_like_the_plain_bf16_trainer_and_sav
 
     plain, ours = run(False), run(True)
     assert len(ours) == len(plain) == STEPS
-    for (loss, norm), (ref_loss, ref_norm) in zip(ours, plain):
+    for (loss, norm), (ref_loss, ref_norm) in zip(ours, plain, strict=True):
         assert loss == pytest.approx(ref_loss, rel=2e-2)
         assert norm == pytest.approx(ref_norm, rel=2e-2)
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved-gpu-True"))

@@ -1,7 +1,8 @@
 """Gradient accumulation summed in host memory (``optimizer.accumulate_on: host``) equals a plain loop's, bit for
-bit in fp32 on the CPU (and under bf16 the plain bf16 loop's, whose ``.grad`` sums in bf16 as the host sums do): without clipping, with a clip coefficient below 1 and of exactly 1 (early updates), with
-activation checkpointing, tied embeddings and fp16 overflow steps. The gradients of the micro-batches that do not
-end a step really leave the device (bytes counted) and the parameters hold no gradient between micro-batches."""
+bit in fp32 on the CPU (and under bf16 the plain bf16 loop's, whose ``.grad`` sums in bf16 as the host sums do):
+without clipping, with a clip coefficient below 1 and of exactly 1 (early updates), with activation checkpointing,
+tied embeddings and fp16 overflow steps. The gradients of the micro-batches that do not end a step really leave the
+device (bytes counted) and the parameters hold no gradient between micro-batches."""
 
 from __future__ import annotations
 
