@@ -94,6 +94,11 @@ class OffloadSession:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the offloaded parameters compute in (the config's ``dtype``)."""
+        return self.controller.options.compute_dtype
+
     @defers_interrupts
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (CPU tensors), after every committed update."""
@@ -104,7 +109,7 @@ class OffloadSession:
         """Block's current weights by parameter name: CPU tensors cast from the fp32 master to ``dtype`` (default:
         the parameters' compute dtype)."""
         self.access.settle(read_only=True)
-        dtype = dtype or self.controller.options.compute_dtype
+        dtype = dtype or self.compute_dtype
         return self.access.block_values(block, "master", {slot.name: dtype for slot in block.slots})
 
     def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_nbytes: int = 5 << 30) -> None:

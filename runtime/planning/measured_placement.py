@@ -57,12 +57,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from runtime.config.units import approx_size
 from runtime.core.events import StepEvent
-from runtime.model.recompute import BufferWatch, ForwardTimer, Recompute
 from runtime.planning.auto_placement import Placement
 from runtime.planning.peak_hint import StreamPools, supported_reserve
 from tierstore import CapacityError
@@ -78,6 +78,42 @@ TRIAL_NOTE = ("placement.activations auto: where the first step's state does not
               "faster placement of the two by the time model is adopted")
 
 
+class LayerRecompute(Protocol):
+    """The layers' recomputation as the trial switches it (``runtime.model.recompute.Recompute``)."""
+
+    def turn_on(self) -> None:
+        """Recompute the layers' forwards in the backward from the next forward on."""
+
+    def undo(self) -> None:
+        """Give every layer its own forward back."""
+
+
+class LayerTimer(Protocol):
+    """The layers' forwards timed over the measured steps (``runtime.model.recompute.ForwardTimer``)."""
+
+    def next_step(self) -> None:
+        """A measured step begins: its forwards are timed as a new step."""
+
+    def drop_step(self) -> None:
+        """The step under way was dropped: its timings are forgotten."""
+
+    def seconds(self) -> float:
+        """The layers' forward, each layer's least over the measured steps."""
+
+    def remove(self) -> None:
+        """Take the timer's hooks off the layers."""
+
+
+class LayerBuffers(Protocol):
+    """A watch on the layers' buffers (``runtime.model.recompute.BufferWatch``)."""
+
+    def mark(self) -> None:
+        """Remember the buffers as they are now."""
+
+    def changed(self) -> str | None:
+        """The first buffer changed since ``mark`` (None: none)."""
+
+
 @dataclass
 class RecomputeTrial:
     """What ``placement.activations: auto`` gives the first-step placement: the layers' recomputation to try in
@@ -85,10 +121,10 @@ class RecomputeTrial:
     its layers itself (seen recomputing, or flagged, perhaps since offload(): nothing to try), and a watch on the
     layers' buffers (a forward that changes them must not run twice)."""
 
-    recompute: Recompute
-    timer: ForwardTimer
+    recompute: LayerRecompute
+    timer: LayerTimer
     checkpoints_itself: Callable[[], bool]
-    buffers: BufferWatch
+    buffers: LayerBuffers
 
     def close(self, keep_on: bool) -> None:
         """The trial is over: the timer's hooks come off, recomputation stays on only when chosen."""
