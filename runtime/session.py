@@ -20,6 +20,7 @@ from runtime.config.units import approx_size
 from runtime.core.blocks import Block, build_blocks
 from runtime.core.signals import defers_interrupts, handle_signals
 from runtime.engine.controller import Controller, RuntimeOptions
+from runtime.integrations.safetensors_export import save_sharded  # needs safetensors only when called
 from runtime.model.hooks import HookSet, StateDictHooks
 from runtime.model.materialize import ParamInit, initialize, materialize_meta_parameters
 from runtime.model.optimizer import OffloadAdamW, check_param_groups, param_groups_of
@@ -96,8 +97,6 @@ class OffloadSession:
     def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_nbytes: int = 5 << 30) -> None:
         """Save the current weights as HF-style sharded safetensors (``from_pretrained`` reads them), one shard
         of blocks in host memory at a time: the way to save a model too large for ``model.state_dict()``."""
-        from runtime.integrations.safetensors_export import save_sharded  # optional dependency: safetensors
-
         save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
 
     @defers_interrupts
