@@ -168,8 +168,9 @@ def first_step_config(cfg: TierstoreConfig) -> TierstoreConfig:
 
 def _first_step_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, rates: Rates | None, limit: int,
                      *, recomputable: bool) -> ResolvedPlan | None:
-    """The plan of ``measures_first_step``'s first step (``first_step_config``), or None where it is not taken: a
-    compute-dtype copy of the weights may pay and the first step's plan spills no moments."""
+    """The plan of ``measures_first_step``'s first step (``first_step_config``), or None where it is not taken. It is
+    taken where it spills moments (fetching the master) within the host limit, or else where no compute-dtype copy
+    of the weights may pay and it fits the host with its pre-commit buffers."""
     homes, source = resolve_homes(cfg)
     first_cfg = first_step_config(cfg)
     first = resolve_plan(blocks, first_cfg, device, rates=rates)
