@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 def plan_only(model: torch.nn.Module, config: dict) -> int:
     """Print the plan the config resolves to on this machine and whether it fits (1 when it does not)."""
     from runtime.config.loader import load_config
-    from runtime.session import plan_model, resolve_device
+    from runtime.planning.settings import resolve_device
+    from runtime.session import plan_model
 
     cfg = load_config(config)
     try:

@@ -395,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
     spec = BenchModel.from_args(args)
     num_params = spec_num_params(spec)
     results = run_rows(rows, spec, args)
-    from runtime.session import default_cpu_threads
+    from runtime.planning.settings import default_cpu_threads
 
     threads = default_cpu_threads()
     rates = measure_rates(results, num_params, args.nvme_dir, threads)

@@ -195,7 +195,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from runtime.cli.train import build_model
     from runtime.config.loader import load_config
-    from runtime.session import plan_model, resolve_device
+    from runtime.planning.settings import resolve_device
+    from runtime.session import plan_model
 
     cfg = load_config(args.config)
     with torch.device("meta"):

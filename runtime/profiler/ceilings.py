@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from runtime.config.units import format_size
-from runtime.planning.rates import pinned_copy_gbps
+from runtime.update.rates import pinned_copy_gbps
 from tierstore import CopyState, TierStore, create_new
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def wait_for_idle_store(store: TierStore, timeout_s: float = IDLE_TIMEOUT_S) -> 
 # ---- PCIe -----------------------------------------------------------------------------------------------
 def pcie_ceilings_gbps(device: torch.device, nbytes: int = PCIE_PROBE_NBYTES, repeats: int = 5) -> tuple[float, float]:
     """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between pinned memory and ``device``, each the best of
-    ``repeats`` after ``WARMUP_COPIES`` (``runtime.planning.rates.pinned_copy_gbps``)."""
+    ``repeats`` after ``WARMUP_COPIES`` (``runtime.update.rates.pinned_copy_gbps``)."""
     return pinned_copy_gbps(device, nbytes, repeats, warmups=WARMUP_COPIES)
 
 

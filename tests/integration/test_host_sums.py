@@ -203,7 +203,8 @@ def test_a_dropped_step_gives_back_the_room_of_the_moments_read_early(tmpfs_dir)
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
     from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}}
