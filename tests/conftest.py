@@ -4,6 +4,7 @@ reported as they happen on request."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -35,6 +36,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device() -> torch.device:
     """The compute device: CUDA when available, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """SIGINT at Python's default (KeyboardInterrupt) during the test, as an interactive run has it, and as before
+    after it: offload() takes over only a signal left at its default, and pytest may start with SIGINT ignored
+    (under nohup, or a CI runner that ignores it), where a test's own Ctrl-C would reach no handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

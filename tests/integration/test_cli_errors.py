@@ -184,7 +184,7 @@ def test_sigterm_during_bench_store_removes_its_swap_files(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not any(disk.rglob("*.tsw")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.05)  # polls the file: another process's write has no event this one can wait on
     assert any(disk.rglob("*.tsw")), "the bench never wrote a swap file (else this test proves nothing)"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

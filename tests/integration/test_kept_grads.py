@@ -219,7 +219,7 @@ def test_a_block_no_forward_used_waits_for_its_last_update_before_its_gradient_l
 
     def slow_last_block(worker, job):
         if job.block.index == 3 and job.step == 1 and not job.skip:
-            time.sleep(0.3)
+            time.sleep(0.3)  # the busy host under test: the gradient must wait for this update, whatever its length
         run_job(worker, job)
 
     monkeypatch.setattr(overlap.UpdateWorker, "_run_job", slow_last_block)

@@ -533,7 +533,7 @@ def test_the_time_a_placement_takes_at_a_commit_is_in_no_steps_time():
     ask, ref = _Asked(Placement(0.4, 0.0, 0, notes=("slow",))), weakref.ref(session)
 
     def slow_adopt(placement: Placement) -> None:
-        time.sleep(0.4)
+        time.sleep(0.4)  # a placement that takes measurable time: the profile must leave it out of the steps
         _adopt_placement(ref, placement)
 
     session.controller.step_listeners.append(FirstStepPlacement(

@@ -559,7 +559,7 @@ def test_an_fp16_overflow_right_after_an_update_waits_for_its_write_back(tmpfs_d
     write = NVMeDirectory.write
 
     def slow_write(directory, swap, src, step=0, fsync=False):
-        time.sleep(0.02)
+        time.sleep(0.02)  # a slow disk: the write-back is still in flight when the overflow's skip comes
         return write(directory, swap, src, step, fsync)
 
     monkeypatch.setattr(NVMeDirectory, "write", slow_write)
