@@ -134,6 +134,7 @@ def run_child(server: Launcher, losses: dict[int, float], kill_at_save: int | No
             return seen
 
 
+@pytest.mark.slow
 def test_sigkill_inside_saves_never_loses_a_checkpoint(launcher, tmp_path):
     rng = random.Random(20240611)
     ckpt = tmp_path / "ckpt"

@@ -38,6 +38,7 @@ def config_file(tmp_path: Path, swap: Path | None = None, steps: int = 3) -> Pat
     return path
 
 
+@pytest.mark.slow
 def test_a_corrupt_swap_file_read_by_the_optimizer_worker(tmp_path):
     # The 20th swap read (a few steps in, on the worker's thread) first flips one payload byte on disk.
     driver = textwrap.dedent("""
@@ -170,6 +171,7 @@ def test_a_profile_directory_whose_summary_is_no_profile_s_is_refused_naming_the
     assert f"{tmp_path / 'summary.json'} is not a profile's summary ({said}" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sigterm_during_bench_store_removes_its_swap_files(tmp_path):
     """SIGTERM (a scheduler, `timeout`) killed `tierstore bench store` without its cleanup: up to 1.1 GB of swap
     files left (found by a helper). It now ends like `tierstore train`: status 143, nothing left."""
