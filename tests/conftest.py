@@ -22,8 +22,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         sys.stderr.flush()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the slow marks given here count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked gpu when CUDA is absent (they run on the lent GPU machine)."""
+    """Mark slow the cases of a long parametrisation that its ``quick_cases`` mark leaves out; skip tests marked gpu
+    when CUDA is absent (they run on the lent GPU machine)."""
+    for item in items:
+        quick = item.get_closest_marker("quick_cases")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if quick is not None and not any(all(params.get(name) == value for name, value in case.items())
+                                         for case in quick.args):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA; run on the GPU machine")

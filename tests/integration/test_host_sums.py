@@ -155,7 +155,7 @@ def test_a_backward_waiting_for_the_host_sums_is_reported_as_its_own_stall(monke
     session = optimizer.session
     sums = session.controller.sums
     slow = sums._sum
-    sums._sum = lambda pending: (time.sleep(0.3), slow(pending))  # a CPU that sums slower than any backward
+    sums._sum = lambda pending: (time.sleep(0.1), slow(pending))  # a CPU that sums slower than any backward
     stalls = []
     session.controller.stall_listeners.append(stalls.append)
     with session:

@@ -110,6 +110,7 @@ class _Both:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("modules", ["layers.*", "layers.*.*"], ids=["partly-used-block", "unused-block"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.quick_cases({"placement": "cpu-clipped"}, {"placement": "device-updated"}, {"placement": "host-sums"}, {"device": "cuda"})
 def test_kept_zero_gradients_update_as_in_plain_pytorch(placement, modules, device):
     both = _Both(PLACEMENTS[placement], modules, device)
     with both.session:
@@ -188,6 +189,7 @@ def test_a_loop_that_clears_with_the_module_after_one_zero_grad_keeping_zeros_tr
 
 
 @pytest.mark.parametrize("rep", range(6))
+@pytest.mark.quick_cases({"rep": 0}, {"rep": 1})
 def test_a_step_of_assigned_gradients_right_after_a_step_reads_its_updates(rep):
     """``step()`` with gradients assigned by hand right after a step, with no forward between (nothing fetched the
     weights, which waits for their update): its updates start from the last step's, not from state that an update

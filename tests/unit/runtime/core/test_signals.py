@@ -94,6 +94,7 @@ def test_a_programs_own_handler_is_left_alone():
     assert signal.getsignal(signal.SIGTERM) is mine
 
 
+@pytest.mark.slow
 def test_a_forked_child_dies_of_sigterm_as_by_default():
     script = textwrap.dedent("""
         import os, signal, sys, time
