@@ -4,6 +4,7 @@ reported as they happen on request."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -21,8 +22,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         sys.stderr.flush()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the slow marks given here count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked gpu when CUDA is absent (they run on the lent GPU machine)."""
+    """Mark slow the cases of a long parametrisation that its ``quick_cases`` mark leaves out; skip tests marked gpu
+    when CUDA is absent (they run on the lent GPU machine)."""
+    for item in items:
+        quick = item.get_closest_marker("quick_cases")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if quick is not None and not any(all(params.get(name) == value for name, value in case.items())
+                                         for case in quick.args):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA; run on the GPU machine")
@@ -35,6 +44,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device() -> torch.device:
     """The compute device: CUDA when available, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """SIGINT at Python's default (KeyboardInterrupt) during the test, as an interactive run has it, and as before
+    after it: offload() takes over only a signal left at its default, and pytest may start with SIGINT ignored
+    (under nohup, or a CI runner that ignores it), where a test's own Ctrl-C would reach no handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -48,7 +48,8 @@ def run_child(command: dict[str, Any], corpus: bytes) -> None:
           before_save=lambda step: emit(f"SAVING {step}"),
           after_save=lambda step, path: emit(f"SAVED {step}"),
           on_resume=lambda step: emit(f"RESUMED {step}"),
-          progress=(lambda what: time.sleep(delay)) if delay > 0 else None, save_threads=1)
+          progress=(lambda what: time.sleep(delay)) if delay > 0 else None,  # a slow disk: saves long enough to kill inside
+          save_threads=1)
     emit("DONE")
 
 

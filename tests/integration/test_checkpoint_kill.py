@@ -122,7 +122,7 @@ def run_child(server: Launcher, losses: dict[int, float], kill_at_save: int | No
             save_started = at
             if saves == kill_at_save:
                 assert rng is not None and server.child is not None
-                time.sleep(rng.uniform(0.0, kill_window_s))
+                time.sleep(rng.uniform(0.0, kill_window_s))  # the kill's random moment inside the save is the test
                 _kill(server.child)
                 seen["killed_during"] = int(words[1])
         elif kind == "SAVED":
@@ -134,6 +134,7 @@ def run_child(server: Launcher, losses: dict[int, float], kill_at_save: int | No
             return seen
 
 
+@pytest.mark.slow
 def test_sigkill_inside_saves_never_loses_a_checkpoint(launcher, tmp_path):
     rng = random.Random(20240611)
     ckpt = tmp_path / "ckpt"

@@ -62,6 +62,7 @@ def checkpoint(tmp_path: Path) -> Iterator[Path]:
 
 # ---- a load cut short ------------------------------------------------------------------------------
 @pytest.mark.parametrize("cut", ["hash", "exception", "sigint"])
+@pytest.mark.usefixtures("default_sigint")
 def test_a_load_cut_short_refuses_training_and_saves_until_a_load_completes(checkpoint, tmp_path, monkeypatch, cut):
     """The 4th tensor file fails its hash, raises KeyboardInterrupt, or is cut by a real SIGINT: the session then
     holds some of the checkpoint's tensors and some of its own, so forward, step, state reads and saves refuse
@@ -79,7 +80,7 @@ def test_a_load_cut_short_refuses_training_and_saves_until_a_load_completes(chec
             if cut == "exception":
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signal.SIGINT)  # the session's handler raises it here: loads are not deferred
-            time.sleep(5)
+            time.sleep(5)  # not reached: the handler raises before it; the sleep bounds a wait for a lost signal
         real_read(path, dst, entry)
 
     monkeypatch.setattr(checkpoint_module, "read_verified_into", read)

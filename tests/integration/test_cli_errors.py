@@ -38,6 +38,7 @@ def config_file(tmp_path: Path, swap: Path | None = None, steps: int = 3) -> Pat
     return path
 
 
+@pytest.mark.slow
 def test_a_corrupt_swap_file_read_by_the_optimizer_worker(tmp_path):
     # The 20th swap read (a few steps in, on the worker's thread) first flips one payload byte on disk.
     driver = textwrap.dedent("""
@@ -170,6 +171,7 @@ def test_a_profile_directory_whose_summary_is_no_profile_s_is_refused_naming_the
     assert f"{tmp_path / 'summary.json'} is not a profile's summary ({said}" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sigterm_during_bench_store_removes_its_swap_files(tmp_path):
     """SIGTERM (a scheduler, `timeout`) killed `tierstore bench store` without its cleanup: up to 1.1 GB of swap
     files left (found by a helper). It now ends like `tierstore train`: status 143, nothing left."""
@@ -184,7 +186,7 @@ def test_sigterm_during_bench_store_removes_its_swap_files(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not any(disk.rglob("*.tsw")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.05)  # polls the file: another process's write has no event this one can wait on
     assert any(disk.rglob("*.tsw")), "the bench never wrote a swap file (else this test proves nothing)"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

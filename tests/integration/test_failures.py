@@ -61,6 +61,7 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, armed: dict[str, boo
 
 @pytest.mark.parametrize("where,layer", [("forward", 0), ("forward", 2), ("backward", 0), ("backward", 1), ("backward", 2)])
 @pytest.mark.parametrize("mode", ["user_clip", "config_clip", "accumulation", "host_sums"])
+@pytest.mark.quick_cases({"where": "forward", "layer": 2, "mode": "accumulation"}, {"where": "backward", "layer": 1})
 def test_a_caught_failure_drops_the_step_exactly(tmp_path, where, layer, mode):
     accumulation = 2 if mode in ("accumulation", "host_sums") else 1
     clip = 0.05 if mode == "user_clip" else None

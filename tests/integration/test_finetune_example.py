@@ -25,6 +25,7 @@ def load_example():
     return module
 
 
+@pytest.mark.slow
 def test_trains_with_falling_loss_and_prints_each_step(tmp_path, capsys):
     example = load_example()
     code = example.main(SMALL + ["--global-batch", "4", "--micro-batch", "2", "--steps", "4", "--lr", "3e-3",
@@ -35,6 +36,7 @@ def test_trains_with_falling_loss_and_prints_each_step(tmp_path, capsys):
     assert err.count("model TFLOP/s") == 4 and "micro-batch 2/2" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("piece", [0, 40])
 def test_the_loss_taken_piecewise_trains_like_hf_s_own(tmp_path, capsys, piece):
     """--loss-piece 40: the head runs on 20 positions of 2 sequences at a time (4 pieces of 63), HF's loss not at
@@ -85,6 +87,7 @@ def test_the_piecewise_loss_and_its_gradients_equal_hf_s():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_under_a_tight_gpu_budget_the_gradients_are_summed_on_the_host(tmp_path, capsys):
     """The scenario's path on the CPU: a GPU budget four times smaller than the model's gradients makes
     accumulate_on: auto sum them on the host, the loss is taken piecewise, moments spill past the host budget;
@@ -101,6 +104,7 @@ def test_under_a_tight_gpu_budget_the_gradients_are_summed_on_the_host(tmp_path,
     assert "finite and falling" in err and err.count("host gradient sums:") == 4
 
 
+@pytest.mark.slow
 def test_a_long_setup_reports_its_progress(tmp_path, caplog, monkeypatch):
     """Setting up 8B takes about two minutes (pinning 100 GiB, initializing and writing blocks): the pinning and
     the blocks set up so far are logged as they go (here with the thresholds at zero)."""
@@ -208,6 +212,7 @@ def test_any_other_setting_reaches_the_config_through_set():
             example.tierstore_config(example.parse_args(["--set", key]), cuda=True)
 
 
+@pytest.mark.slow
 def test_trace_writes_a_profile_of_two_micro_batches(tmp_path, capsys):
     """--trace FILE: torch.profiler over micro-batches 2 and 3 of the last step (the CPU's ops here, the GPU's
     kernels and copies on a GPU), written as a Chrome trace, gzipped for a .gz name."""

@@ -73,6 +73,7 @@ def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "
 # weight decay 0.1: the Trainer's split (no decay on norm weights) as param_groups, the user guide's recipe
 @pytest.mark.parametrize("accumulation, activations, weight_decay",
                          [(1, "keep", 0.0), (2, "keep", 0.0), (1, "recompute", 0.0), (1, "keep", 0.1)])
+@pytest.mark.quick_cases({"accumulation": 2}, {"weight_decay": 0.1})
 def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumulation, activations, weight_decay):
     plain_logs, plain_weights, _ = train(tmp_path, offloaded=False, accumulation=accumulation, weight_decay=weight_decay)
     ours_logs, ours_weights, session = train(tmp_path, offloaded=True, accumulation=accumulation,

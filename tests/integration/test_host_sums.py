@@ -156,7 +156,7 @@ def test_a_backward_waiting_for_the_host_sums_is_reported_as_its_own_stall(monke
     session = optimizer.session
     sums = session.controller.sums
     slow = sums._sum
-    sums._sum = lambda pending: (time.sleep(0.3), slow(pending))  # a CPU that sums slower than any backward
+    sums._sum = lambda pending: (time.sleep(0.1), slow(pending))  # a CPU that sums slower than any backward
     stalls = []
     session.controller.stall_listeners.append(stalls.append)
     with session:
@@ -229,6 +229,7 @@ def test_a_dropped_step_gives_back_the_room_of_the_moments_read_early(tmpfs_dir)
         assert len(state["state"]) == sum(len(b.slots) for b in session.blocks)
 
 
+@pytest.mark.slow
 def test_a_script_that_ends_mid_accumulation_without_close_exits_cleanly():
     """The sums' thread and buffers go at interpreter exit (before the store they write into), with a
     micro-batch's gradient still on its way into the host sum and no close() called."""

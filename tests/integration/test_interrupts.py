@@ -47,6 +47,7 @@ class SignalAtCopy:
                                              ({"user_grad_clip": True, "accumulation_steps": 2}, None)],
                          ids=["user-clip", "tierstore-clip", "accumulation"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+@pytest.mark.usefixtures("default_sigint")
 def test_an_interrupt_inside_a_copy_reaches_the_loop_and_the_step_is_dropped_exactly(tmp_path, optimizer, clip, signum):
     previous = signal.getsignal(signal.SIGTERM)
     plain, plain_opt = plain_model()

@@ -131,6 +131,7 @@ def config_file(tmp_path: Path, swap: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_exit_without_close_leaves_nothing_and_the_next_start_reclaims_a_killed_runs_tmp_directory(children, tmp_path):
     # A run on the tmp swap path (RAM-backed /dev/shm), killed: nothing of it runs, its directory stays.
     killed = start(children, "-m", "tests.integration.lifecycle_child", "loop", "tmp")
@@ -153,6 +154,7 @@ def test_exit_without_close_leaves_nothing_and_the_next_start_reclaims_a_killed_
     assert not tmp_dir.exists()
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_script_cleanly(children, tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -165,6 +167,7 @@ def test_sigterm_ends_a_script_cleanly(children, tmp_path):
     assert swap_files(swap) == []
 
 
+@pytest.mark.slow
 def test_sigkill_then_a_restart_that_gets_sigterm_leaves_nothing_and_intact_checkpoints(children, tmp_path):
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
     train = ["-m", "runtime.cli.main", "train", "--config", str(config_file(tmp_path, swap)), "--checkpoint-dir", str(ckpt),
@@ -224,6 +227,7 @@ def test_exit_without_close_on_cuda_never_aborts(case):
         assert not swap.exists() or not list(swap.glob("*.tsw")), attempt
 
 
+@pytest.mark.slow
 def test_a_thread_still_training_when_the_script_returns_finishes_before_the_session_closes(children, tmp_path):
     """Python joins non-daemon threads after the threading exit hooks that close tierstore's objects: those hooks
     wait for the thread first (they had closed the session under it: a hang in wait_updated, or a KeyError)."""
@@ -236,6 +240,7 @@ def test_a_thread_still_training_when_the_script_returns_finishes_before_the_ses
     assert swap_files(swap) == []
 
 
+@pytest.mark.slow
 def test_a_process_pool_left_open_does_not_hold_the_exit(children, tmp_path):
     """The exit hooks wait only for the thread that drives the session, not for every non-daemon thread: a process
     pool's manager thread (non-daemon, stopped by its own exit hook, which runs after tierstore's) held the exit
@@ -248,6 +253,7 @@ def test_a_process_pool_left_open_does_not_hold_the_exit(children, tmp_path):
     assert swap_files(swap) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["daemon", "worker"])
 def test_a_session_driven_by_a_daemon_or_a_pool_s_thread_does_not_hold_the_exit(children, tmp_path, mode):
     """The exit hook waits for the driving thread only where Python would: not for a daemon thread (a serving loop),

@@ -384,6 +384,7 @@ def test_a_placement_adopted_over_host_gradient_sums_trains_like_the_plain_loop(
 
 @pytest.mark.parametrize("update, ask_all", [(0.2, False), (0.5, False), (0.1, True)],
                          ids=["some-stay", "all-back", "asked-beyond-the-room"])
+@pytest.mark.quick_cases({"update": 0.2}, {"update": 0.1})
 def test_a_placement_adopted_over_spilled_moments_brings_them_back_into_the_freed_room(tmpfs_dir, update, ask_all):
     """The 8B scenario's kind of plan (clipping, host sums, moments spilled past the host budget): adopting a
     placement that moves the first blocks to the device brings spilled moments back from NVMe into the pinned room
@@ -534,7 +535,7 @@ def test_the_time_a_placement_takes_at_a_commit_is_in_no_steps_time():
     ask, ref = _Asked(Placement(0.4, 0.0, 0, notes=("slow",))), weakref.ref(session)
 
     def slow_adopt(placement: Placement) -> None:
-        time.sleep(0.4)
+        time.sleep(0.4)  # a placement that takes measurable time: the profile must leave it out of the steps
         _adopt_placement(ref, placement)
 
     session.controller.step_listeners.append(FirstStepPlacement(

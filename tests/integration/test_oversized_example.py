@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 
 def _example():
     path = Path(__file__).resolve().parents[2] / "examples" / "train_oversized.py"
@@ -14,6 +16,7 @@ def _example():
     return module
 
 
+@pytest.mark.slow
 def test_small_run_trains_through_all_tiers(tmpfs_dir, capsys):
     rc = _example().main(["--hidden", "64", "--layers", "3", "--ffn", "128", "--vocab", "256", "--seq-len", "32",
                           "--batch-size", "2", "--steps", "6", "--lr", "3e-3", "--nvme-dir", str(tmpfs_dir),

@@ -42,6 +42,7 @@ def split_out_a_layer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 @pytest.mark.parametrize("regroup", [move_embedding, swap_lists, split_out_a_layer])
 @pytest.mark.parametrize("user_clip", [False, True], ids=["streaming", "updates_wait"])
+@pytest.mark.quick_cases({"regroup": split_out_a_layer})
 def test_offloaded_parameters_moved_between_groups_train_like_torch_adamw(
         tmp_path, regroup: Callable[[nn.Module, torch.optim.Optimizer], None], user_clip: bool):
     """The groups' lists edited between steps (a parameter moved, two lists swapped, a layer split into a group of

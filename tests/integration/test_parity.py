@@ -356,6 +356,7 @@ def test_a_backward_keeps_and_fetches_the_next_micro_batch_s_first_blocks_bit_id
 
 
 @pytest.mark.parametrize("clip,weights,ahead", [(None, "host", 1), (0.5, "host", 1), (None, "gpu", 1), (None, "host", 2), (0.5, "host", 2)])
+@pytest.mark.quick_cases({"clip": None, "weights": "host", "ahead": 1}, {"clip": 0.5, "weights": "host", "ahead": 2})
 def test_streamed_gpu_update_bit_identical(clip, weights, ahead):
     """optimizer.gpu_stream_fraction: the streamed blocks' master and moments stay home in host memory,
     are copied to the device each step, updated there and written back; training is unchanged (on the
@@ -562,7 +563,7 @@ def test_an_fp16_overflow_right_after_an_update_waits_for_its_write_back(tmpfs_d
     write = NVMeDirectory.write
 
     def slow_write(directory, swap, src, step=0, fsync=False):
-        time.sleep(0.02)
+        time.sleep(0.02)  # a slow disk: the write-back is still in flight when the overflow's skip comes
         return write(directory, swap, src, step, fsync)
 
     monkeypatch.setattr(NVMeDirectory, "write", slow_write)

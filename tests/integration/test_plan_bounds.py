@@ -14,6 +14,7 @@ from tierstore import TierName
 
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.quick_cases({"tie": True})
 def test_the_gpu_tier_holds_no_more_weights_than_the_plan_counts(tie, checkpointing):
     torch.manual_seed(0)
     shape = ModelShape(vocab_size=16384, hidden_size=256, num_layers=8, num_heads=4, ffn_size=688, max_seq_len=64,

@@ -166,6 +166,7 @@ def test_plot_auto_follows_matplotlib():
     assert plot_wanted(True) and not plot_wanted(False)
 
 
+@pytest.mark.slow
 def test_train_command_writes_a_profile(tmp_path, tmpfs_dir, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(textwrap.dedent(f"""\

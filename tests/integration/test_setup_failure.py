@@ -47,6 +47,7 @@ class Planted(KeyboardInterrupt):
 
 
 @pytest.mark.parametrize("fail_at", range(1, SWAP_FILES + 1))
+@pytest.mark.quick_cases({"fail_at": 1}, {"fail_at": 8}, {"fail_at": SWAP_FILES})
 def test_a_disk_filling_during_setup_gives_the_model_back(tmp_path, monkeypatch, fail_at):
     """ENOSPC at the n-th swap file's create, as posix_fallocate reports a disk filling: every parameter comes
     back and the error raised is that one (the give-back once fetched every NVMe master into the host tier and

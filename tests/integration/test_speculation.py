@@ -22,20 +22,25 @@ def early_jobs_run_before_their_verdict(session) -> None:
     started it. On this tiny model the backward can end before the worker thread gets the GIL, and a verdict on a
     job still queued withdraws it (the ordinary update runs instead: exact too, but then neither the publish nor
     the redo path is exercised; CI saw that on a loaded 2-core machine)."""
-    import time
+    import threading
 
     from runtime.update.worker import JobPhase
 
     worker = session.controller.worker
-    resolve = worker.resolve
+    resolve, run_job = worker.resolve, worker._run_job
+    started = threading.Condition()
+
+    def run_job_announced(job):  # the worker has marked the job running when it calls this
+        with started:
+            started.notify_all()
+        run_job(job)
 
     def resolve_once_started(job, holds, redo):
-        deadline = time.monotonic() + 5
-        while job.phase is JobPhase.QUEUED and time.monotonic() < deadline:
-            time.sleep(0.001)  # lets the worker thread take the GIL
+        with started:
+            started.wait_for(lambda: job.phase is not JobPhase.QUEUED, timeout=5)
         resolve(job, holds, redo)
 
-    worker.resolve = resolve_once_started
+    worker._run_job, worker.resolve = run_job_announced, resolve_once_started
 
 
 def test_clip_that_never_scales_publishes_every_early_update():
@@ -57,7 +62,7 @@ def test_an_early_updates_kernel_time_is_counted(monkeypatch):
     kernel = overlap.adamw_update_out_of_place
 
     def slow_kernel(*args, **kwargs):
-        time.sleep(0.02)
+        time.sleep(0.02)  # the kernel time the count must include
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(overlap, "adamw_update_out_of_place", slow_kernel)

@@ -232,6 +232,7 @@ def _run_with_failures(monkeypatch, force: bool, where: str, clip: float | None)
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("clip", [None, 1e-3])
+@pytest.mark.quick_cases({"clip": 1e-3})
 def test_a_caught_failure_mid_step_leaves_the_copy_at_the_last_commit(monkeypatch, where, clip):
     """An exception in a micro-batch's forward or backward, caught by the user's loop: the dropped step changes
     neither the master nor the copy (clip 1e-3: every early update would have been redone), so the run with the

@@ -10,12 +10,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tierstore.lifecycle import reclaim_abandoned
 from tierstore.nvme import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
 def test_close_at_exit_order_pools_and_failures():
     script = textwrap.dedent("""
         import gc, multiprocessing, sys

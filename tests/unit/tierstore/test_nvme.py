@@ -386,6 +386,7 @@ def test_forked_child_is_refused(nvme_dir: Path) -> None:
         first.close()
 
 
+@pytest.mark.slow
 def test_other_process_is_refused_until_close(tmpfs_dir: Path) -> None:
     """A separate interpreter is refused while this process holds the directory, and gets it after close."""
     script = textwrap.dedent(

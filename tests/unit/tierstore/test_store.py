@@ -487,7 +487,7 @@ def test_slow_listener_does_not_race_the_state(make_store, nvme_dir: Path) -> No
     """A listener that takes its time (a profiler writing a trace) delays completion on the IO thread; the
     caller's wait() must still see the settled states, the released copy and the freed bytes."""
     store = make_store(nvme_path=str(nvme_dir))
-    store.bus.subscribe(lambda event: time.sleep(0.005))
+    store.bus.subscribe(lambda event: time.sleep(0.005))  # the slow listener under test
     for i in range(8):
         key = f"k{i}"
         store.register(key, TensorMeta(torch.float32, 1000), "nvme", init=torch.full((1000,), float(i)))
@@ -515,16 +515,18 @@ def test_a_fetch_waiting_under_the_lock_for_queued_io_is_not_held_up_by_completi
     store.fetch("written", "host").wait()
     store.mark_dirty("written", "host")
     finish = Handle._finish
+    finishing = threading.Event()
 
     def slow_finish(handle: Handle) -> None:
         if handle.key == "written" and handle.dst_tier == "nvme":
-            time.sleep(0.3)  # the fetch below takes the lock meanwhile
+            finishing.set()
+            time.sleep(0.3)  # the slow completion under test: the fetch below takes the lock meanwhile
         finish(handle)
 
     monkeypatch.setattr(Handle, "_finish", slow_finish)
     written = store.evict("written", "host")  # its callbacks (settle, release) will want the lock
     queued = store.fetch("read", "host")  # queued behind the write on the one IO thread
-    time.sleep(0.05)  # the write has finished and its completion is sleeping
+    assert finishing.wait(20), "the write never finished"  # it has, and its completion is sleeping
     done = threading.Event()
 
     def fetch_to_gpu() -> None:
@@ -553,13 +555,16 @@ def test_wait_written_sees_the_eviction_s_release_so_a_copy_modified_after_it_is
     store.mark_dirty("k", "host", step=1)
     release = TierStore._release_after_evict
 
+    releasing = threading.Event()
+
     def slow_release(self, record, tier):
-        time.sleep(0.3)
+        releasing.set()
+        time.sleep(0.3)  # the slow release under test (another thread holding the lock)
         release(self, record, tier)
 
     monkeypatch.setattr(TierStore, "_release_after_evict", slow_release)
     written = store.evict("k", "host")
-    time.sleep(0.1)  # the write has landed; its completion is under way
+    assert releasing.wait(20), "the write never landed"  # it has; its completion is under way
     store.wait_written("k")
     assert store.state("k", "host") is S.ABSENT  # the release ran before wait_written returned
     store.fetch("k", "host").wait()  # what the optimizer does next: read it back, update it in place

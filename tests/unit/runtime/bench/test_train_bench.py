@@ -156,6 +156,7 @@ def test_nvme_row_reads_and_writes_its_moments(tmpfs_dir):
     assert result["moved_nbytes"]["read"] > 0 and result["moved_nbytes"]["write"] > 0
 
 
+@pytest.mark.slow
 def test_rows_in_their_own_processes_and_the_table(tmpfs_dir):
     args = argparse.Namespace(steps=3, nvme_dir=None, gpu_cap=None)
     results = run_rows(["torch", "host-clip", "nvme-auto"], TINY_HF, args)

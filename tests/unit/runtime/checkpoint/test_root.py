@@ -134,6 +134,7 @@ def test_path_saves_of_one_session_own_their_checkpoints_only(trained, tmp_path:
 
 
 # ---- one writer at a time; dead saves judged by the lock --------------------------------------------------------
+@pytest.mark.slow
 def test_two_runs_on_one_root_one_is_refused(tmp_path: Path):
     root = tmp_path / "ckpt"
     with CheckpointRoot(root):

@@ -220,10 +220,11 @@ def test_tensor_file_is_hashed_as_it_is_loaded(trained, saved, monkeypatch):
 
 @pytest.mark.parametrize("name, content, message", [
     ("manifest.json", b"[" * 200_000 + b"]" * 200_000, r"manifest\.json: unreadable \(nested too deeply\)"),
-    ("manifest.json", b"{\"format\": " + b" " * (65 << 20) + b"1}", r"manifest\.json: .* bytes, more than"),
+    pytest.param("manifest.json", b"{\"format\": " + b" " * (65 << 20) + b"1}", r"manifest\.json: .* bytes, more than",
+                 marks=pytest.mark.slow),  # 65 MiB written and read
     ("manifest.json", b"\xff\xfe{}", r"manifest\.json: unreadable"),
     ("latest", b"step-000002" + b" " * 1000, r"latest: .* bytes, more than"),
-])
+], ids=["nested-too-deeply", "manifest-over-64MiB", "not-utf8", "latest-too-long"])  # ids: the values run to 65 MiB
 def test_malformed_or_huge_json_is_a_checkpoint_error(saved, name, content, message):
     target = saved / name if name != "latest" else saved.parent / name
     target.write_bytes(content)

@@ -35,6 +35,7 @@ def _rest_nbytes(plan, tier: str) -> int:
     # under bf16 the host gradients and sum buffers are bf16 (optimizer.host_grad_dtype: auto)
     ({"weights": "host", "master": "host", "moments": "host"}, 0.0, True, "bf16"),
 ])
+@pytest.mark.quick_cases({"dtype": "bf16"}, {"fraction": 0.5}, {"placement": {"weights": "host", "master": "nvme", "moments": "nvme"}})
 def test_plan_matches_the_store_accounting(placement, fraction, host_sums, dtype, tmpfs_dir):
     torch.manual_seed(0)
     micro_batches = 2 if host_sums else 1

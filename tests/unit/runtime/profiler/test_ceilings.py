@@ -202,7 +202,7 @@ def test_measure_ceilings_waits_for_the_store_copies_in_flight(tmpfs_dir, monkey
     real_write = tierstore.nvme.NVMeDirectory.write
 
     def slow_write(self: Any, *args: Any, **kwargs: Any) -> int:
-        time.sleep(0.3)
+        time.sleep(0.3)  # a write-back still landing when the probe is asked for: the probe must wait for it
         return real_write(self, *args, **kwargs)
 
     seen: list[tuple[str, bool]] = []

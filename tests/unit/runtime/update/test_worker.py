@@ -502,7 +502,7 @@ def wait_phase(job_: UpdateJob, phase: JobPhase, timeout_s: float = 10.0) -> Non
     deadline = time.perf_counter() + timeout_s
     while job_.phase is not phase:
         assert time.perf_counter() < deadline, f"job stuck in {job_.phase}"
-        time.sleep(0.001)
+        time.sleep(0.001)  # polls: the worker signals its condition at DONE only, not at SPECULATED
 
 
 def speculative(s: Setup, worker: UpdateWorker, index: int, step: int, **kwargs) -> UpdateJob:
@@ -612,22 +612,31 @@ def test_a_published_speculative_update_keeps_the_state_of_parameters_without_a_
 def test_drain_waits_for_the_queued_and_running_updates_only() -> None:
     """discard_pending's wait: returns once every queued job has run, without waiting for steps never submitted."""
     import threading
-    import time as _time
 
     from runtime.update.worker import UpdateWorker
 
+    looked = threading.Event()
+
+    class Watched(threading.Condition):
+        """drain()'s condition: each wait follows a look at the queue, made holding the lock."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            looked.set()
+            return super().wait(timeout)
+
     worker = UpdateWorker.__new__(UpdateWorker)  # the queue machinery alone, no store
-    worker._cond = threading.Condition()
+    worker._cond = Watched()
     worker._jobs, worker._running, worker._error, worker._stopping, worker._writebacks = [], False, None, False, []
     worker._jobs.append(("queued",))
     finished = threading.Event()
 
     def run_it() -> None:
-        _time.sleep(0.2)
+        looked.wait(20)  # drain() saw the job queued (no assert here: a failed thread would leave drain() waiting)
         with worker._cond:
             worker._jobs.clear()
             worker._running = True
-        _time.sleep(0.2)
+            looked.clear()
+        looked.wait(20)  # and then saw it running, not the empty queue alone
         with worker._cond:
             finished.set()  # the job's work is done before it stops counting as running
             worker._running = False
