@@ -145,7 +145,7 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
         try:
             node[leaf] = yaml.safe_load(value)
         except yaml.YAMLError as error:
-            raise SystemExit(f"--set {setting!r}: the value is not YAML ({error}); quote strings, e.g. {path}='\"...\"'")
+            raise SystemExit(f"--set {setting!r}: the value is not YAML ({error}); quote strings, e.g. {path}='\"...\"'") from None
     return config
 
 
@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     logging.basicConfig(level=logging.WARNING)
     # setup's progress, the spill, the placement measured from the first step, the reserve hint
-    for name in ("runtime.session", "runtime.engine.controller", "runtime.planning.measured_placement", "runtime.planning.peak_hint", "runtime.engine.spill_return"):
+    for name in ("runtime.session", "runtime.engine.controller", "runtime.planning.measured_placement", "runtime.planning.peak_hint",
+                 "runtime.engine.spill_return"):
         logging.getLogger(name).setLevel(logging.INFO)
     if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 def plan_only(model: torch.nn.Module, config: dict) -> int:
     """Print the plan the config resolves to on this machine and whether it fits (1 when it does not)."""
     from runtime.config.loader import load_config
-    from runtime.session import plan_model, resolve_device
+    from runtime.planning.settings import resolve_device
+    from runtime.session import plan_model
 
     cfg = load_config(config)
     try:
@@ -348,7 +350,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                 optimizer.zero_grad()
                 losses.append(total.item() / accumulation)
                 seconds = time.perf_counter() - t0
-                summed = [after - b for after, b in zip(_sum_counters(session), summed)]
+                summed = [after - b for after, b in zip(_sum_counters(session), summed, strict=True)]
                 tokens_per_s = args.global_batch * args.seq / seconds
                 peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
                 peak_held = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0

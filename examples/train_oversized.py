@@ -59,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan_only:
         from runtime.config.loader import load_config
         from runtime.core.blocks import build_blocks
-        from runtime.session import resolve_device, resolve_plan
+        from runtime.planning.placement import resolve_plan
+        from runtime.planning.settings import resolve_device
+        from runtime.session import machine_rates
 
         cfg = load_config(config)
-        print(resolve_plan(build_blocks(model, cfg.blocks.min_block_size), cfg, resolve_device(cfg)).plan.table())
+        device = resolve_device(cfg)
+        print(resolve_plan(build_blocks(model, cfg.blocks.min_block_size), cfg, device,
+                           rates=machine_rates(cfg, device)).plan.table())
         return 0
     start = time.perf_counter()
     model, optimizer = offload(model, config, init=seeded_normal_init)

@@ -4,7 +4,7 @@
 # under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
 # train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
 # writes more than 8. Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|ab|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|ab|ab-bench|all]
 # Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
 # options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options).
@@ -32,21 +32,21 @@ if [[ $what == tests || $what == all ]]; then
   # -v: each test's name and outcome as it ends, so a run cut by a time limit still says which test failed
   # TIERSTORE_FAILURES_NOW: a failure's traceback as the test ends (tests/conftest.py), not only in the summary
   TIERSTORE_FAILURES_NOW=1 python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -60 || status=$(( status ? status : $? ))
-  [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli.main train 2>&1 | tee "$OUT/train_default.log" | tail -12
+  [[ -z ${NO_TRAIN:-} ]] && python3 -m runtime.cli train 2>&1 | tee "$OUT/train_default.log" | tail -12
 fi
 if [[ $what == store || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-bench
-  python3 -m runtime.cli.main bench store --nvme-dir /var/tmp/tierstore-bench --total 4GiB --json "$OUT/store_disk.json" 2>&1 | tee "$OUT/store_disk.log" | grep -v INFO
-  python3 -m runtime.cli.main bench store --nvme-dir /dev/shm --total 4GiB --json "$OUT/store_tmpfs.json" 2>&1 | tee "$OUT/store_tmpfs.log" | grep -v INFO
+  python3 -m runtime.cli bench store --nvme-dir /var/tmp/tierstore-bench --total 4GiB --json "$OUT/store_disk.json" 2>&1 | tee "$OUT/store_disk.log" | grep -v INFO
+  python3 -m runtime.cli bench store --nvme-dir /dev/shm --total 4GiB --json "$OUT/store_tmpfs.json" 2>&1 | tee "$OUT/store_tmpfs.log" | grep -v INFO
 fi
 if [[ $what == sweep ]]; then  # which IO shape the disk reads fastest (tiers.nvme.io_threads / block_size)
   mkdir -p /var/tmp/tierstore-bench
-  python3 -m runtime.cli.main bench store --nvme-dir /var/tmp/tierstore-bench --disk-sweep --total ${TOTAL:-2GiB} 2>&1 | tee "$OUT/disk_sweep.log" | grep -v INFO
+  python3 -m runtime.cli bench store --nvme-dir /var/tmp/tierstore-bench --disk-sweep --total ${TOTAL:-2GiB} 2>&1 | tee "$OUT/disk_sweep.log" | grep -v INFO
 fi
 if [[ $what == train || $what == all ]]; then
   mkdir -p /var/tmp/tierstore-train
   # BENCH_ARGS: another shape, e.g. "--model hf-llama --hidden 2048 --layers 28 --heads 16 --kv-heads 4 --tied --seq 2048"
-  python3 -m runtime.cli.main bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train${TAG:+_$TAG}.json" 2>&1 | tee "$OUT/train${TAG:+_$TAG}.log" | awk '!/INFO/ || /train_bench: row /'
+  python3 -m runtime.cli bench train --preset 1.35b ${BENCH_ARGS:-} --rows ${ROWS:-torch,host,host-f50,gpu-weights-f50,torch-accum8,host-accum8,host-accum8-f50,nvme} --steps ${STEPS:-6} --nvme-dir /var/tmp/tierstore-train --json "$OUT/train${TAG:+_$TAG}.json" 2>&1 | tee "$OUT/train${TAG:+_$TAG}.log" | awk '!/INFO/ || /train_bench: row /'
 fi
 if [[ $what == finetune || $what == compare ]]; then  # the 8B workstation scenario (issue 15): its plan, then two steps
   # compare: this, then DeepSpeed (the block below) in one call; give both the shape: FT_ARGS="--layers 16" DS_ARGS="--layers 16 ..."
@@ -69,6 +69,16 @@ if [[ $what == ab ]]; then  # the 8B command, STEPS steps (default 1), for each 
     (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-ab --steps ${STEPS:-1} ${FT_ARGS:-}) 2>&1 \
       | tr '\r' '\n' > "$OUT/ab_$name.log" || status=$(( status ? status : $? ))
     grep -E "^step [0-9]+/[0-9]+: loss|host gradient sums" "$OUT/ab_$name.log" | sed "s/^/$name: /"
+  done
+  rm -rf /var/tmp/ts-ab
+fi
+if [[ $what == ab-bench ]]; then  # tierstore bench train (ROWS, default its base rows) for each code tree in AB_TREES, one machine
+  for tree in ${AB_TREES:?set AB_TREES to the code trees to compare}; do
+    rm -rf /var/tmp/ts-ab && mkdir -p /var/tmp/ts-ab
+    name=$(basename "$tree")
+    (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 -m runtime.cli bench train ${BENCH_ARGS:-} ${ROWS:+--rows $ROWS} --steps ${STEPS:-6} \
+      --nvme-dir /var/tmp/ts-ab) > "$OUT/abbench_$name.log" 2>&1 || status=$(( status ? status : $? ))
+    grep -vE "INFO|WARNING" "$OUT/abbench_$name.log" | sed "s/^/$name: /" | tail -25
   done
   rm -rf /var/tmp/ts-ab
 fi

@@ -43,7 +43,7 @@ class RangeAllocator:
     def largest_free_nbytes(self) -> int:
         """The largest single range that could be allocated now."""
         with self._lock:
-            return max((e - s for s, e in zip(self._free_starts, self._free_ends)), default=0)
+            return max((e - s for s, e in zip(self._free_starts, self._free_ends, strict=True)), default=0)
 
     def reserved_size(self, nbytes: int) -> int:
         """How many bytes an allocation of nbytes reserves."""
@@ -83,7 +83,7 @@ class RangeAllocator:
         """Where first fit puts size bytes among these free ranges: (the range's position, the offset); at or above
         the floor when it has room there, else anywhere."""
         for floor in (self._floor, 0) if self._floor else (0,):
-            for i, (start, end) in enumerate(zip(starts, ends)):
+            for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
                 begin = max(start, floor)
                 if end - begin >= size:
                     return i, begin

@@ -14,7 +14,8 @@ closed).
 
 It holds a weak reference only: registering changes no object's lifetime, and a closed or collected object
 costs nothing at exit. A forked child (a DataLoader worker) inherits the hooks and runs them at its own exit;
-they do nothing there: the objects, and the files they would delete, belong to the parent. What it leaves out: signals (``runtime.core.signals``) and ``os._exit`` (nothing runs).
+they do nothing there: the objects, and the files they would delete, belong to the parent. What it leaves out:
+signals (``runtime.core.signals``) and ``os._exit`` (nothing runs).
 What no exit hook can clean (a process killed by SIGKILL), ``reclaim_abandoned`` removes at the next start.
 """
 

@@ -3,9 +3,10 @@
 Layout of one file: a 4096-byte header, then the payload padded to a multiple of 4096 so that every IO
 can be O_DIRECT. The header carries magic, version, key, dtype, numel, the payload's XXH3-64 checksum and
 the step that wrote it, plus a crc32 of the header itself. (XXH3 runs at ~9 GB/s a core, crc32 at ~2.5:
-on a two-core box crc32 alone held reads of a fast device to 78% of the raw ceiling.) Files are created mode 0600 and preallocated. One process
-holds the directory at a time (an flock on ``.tierstore.lock``). Where the file system refuses O_DIRECT
-(tmpfs), IO falls back to ordinary buffered pread/pwrite; the mode chosen is logged and exposed.
+on a two-core box crc32 alone held reads of a fast device to 78% of the raw ceiling.) Files are created mode 0600
+and preallocated. One process holds the directory at a time (an flock on ``.tierstore.lock``). Where the file
+system refuses O_DIRECT (tmpfs), IO falls back to ordinary buffered pread/pwrite; the mode chosen is logged and
+exposed.
 
 Safety: the directory must be ours and writable by nobody else (tierstore.files); it is opened once and
 every file in it is created relative to that descriptor with ``O_EXCL|O_NOFOLLOW``, so a link planted at a
@@ -38,6 +39,7 @@ from tierstore.keys import DTYPE_CODES, DTYPES_BY_CODE, TensorKey, TensorMeta
 log = logging.getLogger(__name__)
 
 HEADER_NBYTES = 4096
+"""Bytes of a swap file's header (magic, key, meta, step, payload checksum); the payload starts at this offset."""
 IO_ALIGNMENT = 4096
 MAGIC = b"TIERSWP1"
 FORMAT_VERSION = 2
@@ -276,11 +278,12 @@ class NVMeDirectory:
     def _transfer(self, swap: SwapFile, buf: torch.Tensor, nbytes: int, write: bool) -> int:
         """Move the payload in block-sized chunks; returns the XXH3-64 of the payload bytes, computed chunk by
         chunk while each chunk is hot in cache (one pass over memory for IO and checksum together)."""
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data  # buf is flat uint8 (_check_buffer): byte offsets index it
         padded = align_up(nbytes, IO_ALIGNMENT)
-        use_direct = swap.fd_direct is not None and buf.data_ptr() % IO_ALIGNMENT == 0 and buf.numel() >= padded
-        fd = swap.fd_direct if use_direct else swap.fd_buffered
-        end = padded if use_direct else nbytes
+        # O_DIRECT moves whole pages from page-aligned memory; anything else goes through the page cache.
+        direct = swap.fd_direct if buf.data_ptr() % IO_ALIGNMENT == 0 and buf.numel() >= padded else None
+        fd = direct if direct is not None else swap.fd_buffered
+        end = padded if direct is not None else nbytes
         hasher = xxhash.xxh3_64()
         pos = 0
         while pos < end:
@@ -337,14 +340,16 @@ def payload_hasher() -> xxhash.xxh3_64:
 
 def _check_buffer(buf: torch.Tensor, nbytes: int, swap: SwapFile) -> None:
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.device.type != "cpu":
-        raise TypeError(f"swap IO for {swap.key} needs a flat contiguous uint8 host tensor, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+        raise TypeError(f"swap IO for {swap.key} needs a flat contiguous uint8 host tensor, "
+                        f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
     if buf.numel() < nbytes:
         raise ValueError(f"buffer of {buf.numel():,} bytes is smaller than {swap.key}'s {nbytes:,}")
 
 
 def _encode_header(swap: SwapFile, crc: int, step: int) -> memoryview:
     key_bytes = swap.key.name.encode()
-    fields = _HEADER_STRUCT.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[swap.meta.dtype], swap.meta.numel, swap.meta.nbytes, crc, step, len(key_bytes))
+    fields = _HEADER_STRUCT.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[swap.meta.dtype], swap.meta.numel, swap.meta.nbytes, crc, step,
+                                 len(key_bytes))
     body = fields + key_bytes
     page = mmap.mmap(-1, HEADER_NBYTES)  # page-aligned, zero-filled
     page[: len(body)] = body
@@ -399,7 +404,8 @@ def os_write_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
             n = os.pwrite(fd, data[done:], offset + done)
         except OSError as exc:
             hint = " (disk full)" if exc.errno == errno.ENOSPC else ""
-            raise StoreIOError(exc.errno, f"write of {total - done:,} bytes failed: {exc.strerror}{hint}", str(path), offset + done) from exc
+            raise StoreIOError(exc.errno, f"write of {total - done:,} bytes failed: {exc.strerror}{hint}", str(path),
+                               offset + done) from exc
         if n <= 0:
             raise StoreIOError(None, f"write returned {n} with {total - done:,} bytes left", str(path), offset + done)
         done += n

@@ -50,7 +50,8 @@ class PinnedArena:
             if exc.errno != errno.ENOMEM:
                 raise
             raise HostMemoryError(capacity_nbytes, "map", f"{exc.strerror} (ENOMEM)") from None
-        self._buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=capacity_nbytes) if capacity_nbytes else torch.empty(0, dtype=torch.uint8)
+        self._buffer = (torch.frombuffer(self._mmap, dtype=torch.uint8, count=capacity_nbytes) if capacity_nbytes
+                        else torch.empty(0, dtype=torch.uint8))
         self.pinned = False
         self._closed = False
         self._lock = threading.Lock()

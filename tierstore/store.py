@@ -27,7 +27,7 @@ from tierstore.lifecycle import close_at_exit, reclaim_abandoned
 from tierstore.nvme import NVMeDirectory
 from tierstore.pinned import PinnedArena
 from tierstore.residency import CopyState, check_transition
-from tierstore.tiers import Allocation, GpuTier, HostTier, NvmeTier, Tier, TierName
+from tierstore.tiers import Allocation, GpuTier, HostTier, NvmeTier, TierName, Tiers
 from tierstore.transfer import Handle, TransferEngine, done_handle
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,12 @@ class Copy:
     handle: Handle | None = None  # the transfer filling this copy, while LOADING
     settle: Callable[[Handle], None] | None = None  # settles the state once handle completes (idempotent)
 
+    def held(self) -> Allocation:
+        """The allocation, which a copy that is current or loading always has."""
+        if self.allocation is None:
+            raise RuntimeError(f"a {self.state.value} copy holds no allocation")
+        return self.allocation
+
 
 @dataclass
 class Record:
@@ -88,11 +94,10 @@ class TierStore:
         # exception's traceback, so this cannot wait for its collection.
         with contextlib.ExitStack() as undo:
             undo.callback(self.engine.close)
-            self.tiers: dict[TierName, Tier] = {
-                TierName.GPU: GpuTier(self.device, config.gpu_budget_nbytes),
-                TierName.HOST: HostTier(PinnedArena(config.host_budget_nbytes, config.pin)),
-            }
-            undo.callback(self.tiers[TierName.HOST].close)
+            gpu = GpuTier(self.device, config.gpu_budget_nbytes)
+            host = HostTier(PinnedArena(config.host_budget_nbytes, config.pin))
+            undo.callback(host.close)
+            nvme: NvmeTier | None = None
             if config.nvme_path is not None:
                 path = config.nvme_path
                 if path == "tmp":
@@ -101,8 +106,8 @@ class TierStore:
                     self._nvme_tmpdir = tempfile.TemporaryDirectory(prefix=TMP_SWAP_PREFIX, dir=root)
                     undo.callback(self._nvme_tmpdir.cleanup)
                     path = self._nvme_tmpdir.name
-                directory = NVMeDirectory(path, config.nvme_budget_nbytes, config.direct_io, config.io_block_nbytes)
-                self.tiers[TierName.NVME] = NvmeTier(directory)
+                nvme = NvmeTier(NVMeDirectory(path, config.nvme_budget_nbytes, config.direct_io, config.io_block_nbytes))
+            self.tiers = Tiers(gpu, host, nvme)
             undo.pop_all()
         self._records: dict[TensorKey, Record] = {}
         self._lock = threading.RLock()
@@ -125,18 +130,18 @@ class TierStore:
                 raise KeyError(f"{key} is already registered")
             record = Record(key=key, meta=meta, home=home, step=step)
             home_copy = record.copies[home]
-            home_copy.allocation = self.tiers[home].allocate(key, meta)
+            home_copy.allocation = allocation = self.tiers[home].allocate(key, meta)
             self._records[key] = record
         try:
             if init is None:
                 if home is TierName.NVME:
                     self._write_zeros(record)
                 else:
-                    home_copy.allocation.tensor.zero_()
+                    allocation.require_tensor().zero_()
             elif home is TierName.NVME:
                 self._write_home_nvme(record, init.reshape(-1))
             else:
-                home_copy.allocation.tensor.copy_(init.reshape(-1))
+                allocation.require_tensor().copy_(init.reshape(-1))
         except BaseException:
             self.unregister(key)  # nothing half-registered: the home reservation (and its file) goes too
             raise
@@ -218,6 +223,8 @@ class TierStore:
             target = record.copies[to]
             self._settle(target)
             if target.state is CopyState.LOADING:
+                if target.handle is None:  # _copy sets both under the lock; settle clears both
+                    raise RuntimeError(f"{record.key} on {to.value} is loading with no transfer in flight")
                 return target.handle
             if target.state.is_current:
                 return done_handle(str(record.key), to.value)
@@ -301,8 +308,9 @@ class TierStore:
                 c.state.is_current for t, c in record.copies.items() if t is not tier
             ):
                 raise RuntimeError(f"{record.key} on {tier.value} is the only current copy; evict it instead of releasing")
+            allocation = copy.held()
             self._set_state(record, tier, CopyState.ABSENT)
-            self.tiers[tier].free(copy.allocation)
+            self.tiers[tier].free(allocation)
             copy.allocation = None
 
     def mark_dirty(self, key: TensorKey | str, tier: TierName | str, step: int | None = None) -> None:
@@ -361,17 +369,17 @@ class TierStore:
             target.allocation = self.tiers[to].allocate(record.key, record.meta)
         self._set_state(record, to, CopyState.LOADING)
         name = str(record.key)
-        src, dst = record.copies[frm].allocation, target.allocation
-        host = self.tiers[TierName.HOST]
+        src, dst = record.copies[frm].held(), target.allocation
+        host = self.tiers.host
         if (frm, to) == (TierName.HOST, TierName.GPU):
-            handle = self.engine.h2d(name, src.tensor, dst.tensor, after)
+            handle = self.engine.h2d(name, src.require_tensor(), dst.require_tensor(), after)
         elif (frm, to) == (TierName.GPU, TierName.HOST):
-            handle = self.engine.d2h(name, src.tensor, dst.tensor, after, paced=paced)
+            handle = self.engine.d2h(name, src.require_tensor(), dst.require_tensor(), after, paced=paced)
         elif (frm, to) == (TierName.NVME, TierName.HOST):
             # The file must hold the step the store last wrote there: a rolled-back file reads as corrupt.
-            handle = self.engine.read(name, self._nvme_dir, src.swap, host.io_buffer(dst), record.step)
+            handle = self.engine.read(name, self._nvme_dir, src.require_swap(), host.io_buffer(dst), record.step)
         elif (frm, to) == (TierName.HOST, TierName.NVME):
-            handle = self.engine.write(name, self._nvme_dir, dst.swap, host.io_buffer(src), record.step, after)
+            handle = self.engine.write(name, self._nvme_dir, dst.require_swap(), host.io_buffer(src), record.step, after)
         elif (frm, to) == (TierName.GPU, TierName.NVME):
             raise TierStoreError(f"{record.key}: GPU -> NVMe goes through host; evict to host first")
         else:
@@ -415,16 +423,16 @@ class TierStore:
                 copy.allocation = None
 
     def _settle(self, copy: Copy) -> None:
-        handle = copy.handle
-        if handle is not None and handle.done():  # done() runs the settle callback unless another thread is
-            copy.settle(handle)  # no-op when that callback already ran
+        handle, settle = copy.handle, copy.settle
+        if handle is not None and settle is not None and handle.done():  # done() runs settle unless another thread is
+            settle(handle)  # no-op when that callback already ran
 
     def _wait_settled(self, copy: Copy) -> None:
         """Wait for the transfer filling copy and settle its state here; for callers holding the lock."""
-        handle = copy.handle
-        if handle is not None:
+        handle, settle = copy.handle, copy.settle
+        if handle is not None and settle is not None:  # _copy sets both before anyone can see the handle
             handle._wait_complete(callbacks=False)  # the settle callback may be blocked on our lock
-            copy.settle(handle)
+            settle(handle)
 
     def _nearest_current(self, record: Record, below: TierName) -> TierName:
         for tier in TierName:
@@ -442,24 +450,24 @@ class TierStore:
 
     @property
     def _nvme_dir(self) -> NVMeDirectory:
-        tier = self.tiers.get(TierName.NVME)
-        if tier is None:
+        if self.tiers.nvme is None:
             raise TierStoreError("no NVMe tier is configured (set tiers.nvme.path)")
-        return tier.directory  # type: ignore[attr-defined]
+        return self.tiers.nvme.directory
 
     def _write_home_nvme(self, record: Record, data: torch.Tensor) -> None:
         """Write initial data to an NVMe home through a temporary host staging buffer."""
-        host = self.tiers[TierName.HOST]
+        host = self.tiers.host
         staging = host.allocate(record.key, record.meta)
         try:
-            staging.tensor.copy_(data)
-            self.engine.write(str(record.key), self._nvme_dir, record.copies[TierName.NVME].allocation.swap, host.io_buffer(staging), record.step).wait()
+            staging.require_tensor().copy_(data)
+            swap = record.copies[TierName.NVME].held().require_swap()
+            self.engine.write(str(record.key), self._nvme_dir, swap, host.io_buffer(staging), record.step).wait()
         finally:
             host.free(staging)
 
     def _write_zeros(self, record: Record) -> None:
         """A new NVMe home reads as zeros already (preallocated): only its header is written."""
-        self._nvme_dir.write_zeros(record.copies[TierName.NVME].allocation.swap, record.step)
+        self._nvme_dir.write_zeros(record.copies[TierName.NVME].held().require_swap(), record.step)
 
     # ---- accounting & lifetime -----------------------------------------------------------------------
     def usage(self) -> dict[str, dict[str, int]]:
@@ -469,8 +477,7 @@ class TierStore:
     @property
     def nvme_io_mode(self) -> str | None:
         """"direct" or "buffered" when an NVMe tier exists."""
-        tier = self.tiers.get(TierName.NVME)
-        return tier.directory.io_mode if tier is not None else None  # type: ignore[attr-defined]
+        return self.tiers.nvme.directory.io_mode if self.tiers.nvme is not None else None
 
     @property
     def closed(self) -> bool:

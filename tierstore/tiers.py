@@ -1,11 +1,20 @@
-"""The three tiers behind one small interface: allocate / free / tensor, with enforced byte budgets."""
+"""The three tiers behind one small interface: allocate / free / tensor, with enforced byte budgets.
+
+``Tier`` declares what every tier does (budget, allocate, free, close). What only one tier does stays on that
+tier's class: ``GpuTier.reserve`` / ``unreserve`` (device memory a caller allocates itself), ``HostTier.arena`` and
+``io_buffer``, ``NvmeTier.directory``. ``Tiers``, the store's tiers by name, gives each name its own class
+(``store.tiers[TierName.GPU]`` is a ``GpuTier``), so such a call type-checks where it is right and is refused by
+the type checker where it is not, rather than failing at run time on a tier that cannot do it.
+"""
 
 from __future__ import annotations
 
 import abc
 import enum
 import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -15,7 +24,7 @@ from tierstore.nvme import NVMeDirectory, SwapFile
 from tierstore.pinned import PinnedArena
 
 
-class TierName(str, enum.Enum):
+class TierName(enum.StrEnum):
     """The tiers, fastest first. Order matters: a lower index is closer to the compute."""
 
     GPU = "gpu"
@@ -38,6 +47,18 @@ class Allocation:
     tensor: torch.Tensor | None = None
     offset: int = -1
     swap: SwapFile | None = None
+
+    def require_tensor(self) -> torch.Tensor:
+        """``tensor``, which a live GPU or host allocation has (an NVMe one, or a freed one, has none)."""
+        if self.tensor is None:
+            raise RuntimeError(f"{self.key} has no tensor here: an NVMe allocation, or one already freed")
+        return self.tensor
+
+    def require_swap(self) -> SwapFile:
+        """``swap``, which a live NVMe allocation has."""
+        if self.swap is None:
+            raise RuntimeError(f"{self.key} has no swap file here: not an NVMe allocation, or one already freed")
+        return self.swap
 
 
 class Tier(abc.ABC):
@@ -68,7 +89,7 @@ class Tier(abc.ABC):
     def free(self, allocation: Allocation) -> None:
         """Return an allocation's bytes."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  # optional: the GPU tier holds nothing to release
         """Release the tier's resources."""
 
 
@@ -203,3 +224,35 @@ class NvmeTier(Tier):
 
     def close(self) -> None:
         self.directory.close()
+
+
+class Tiers(Mapping[TierName, Tier]):
+    """A store's tiers by name: the GPU and host tiers always, the NVMe tier when configured. Looked up by a
+    literal name, a tier has its own class (``tiers[TierName.HOST].arena`` type-checks); by any other name, ``Tier``.
+    Like a dict keyed by ``TierName``, it also takes the names' values (``tiers["host"]``)."""
+
+    def __init__(self, gpu: GpuTier, host: HostTier, nvme: NvmeTier | None = None):
+        self.gpu, self.host, self.nvme = gpu, host, nvme
+        self._by_name: dict[TierName, Tier] = {TierName.GPU: gpu, TierName.HOST: host}
+        if nvme is not None:
+            self._by_name[TierName.NVME] = nvme
+
+    @overload
+    def __getitem__(self, name: Literal[TierName.GPU]) -> GpuTier: ...
+    @overload
+    def __getitem__(self, name: Literal[TierName.HOST]) -> HostTier: ...
+    @overload
+    def __getitem__(self, name: Literal[TierName.NVME]) -> NvmeTier: ...
+    @overload
+    def __getitem__(self, name: TierName | str) -> Tier: ...
+    def __getitem__(self, name: TierName | str) -> Tier:
+        try:
+            return self._by_name[TierName(name)]
+        except ValueError:  # not a tier's name: a KeyError, as a dict says it (and Mapping's get / in expect)
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[TierName]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)

@@ -86,7 +86,7 @@ def measure_profiler_overhead(preset: str = "small", *, steps: int = 8, rounds: 
     config = config or bench_config(row, nvme_dir)
     accumulation = int(config.get("optimizer", {}).get("accumulation_steps", 1))
     model, optimizer = offload(build_model(spec), config)
-    session = optimizer.session
+    session = optimizer.session  # type: ignore[attr-defined]  # set by offload(), as in cli/train.py
     batch = make_batch(spec, session.store.device, 0)
 
     def run(num: int) -> list[float]:

@@ -83,7 +83,7 @@ def main() -> None:
     # would show no swap traffic at all.
     config = row_config(HEADLINE_ROW, None)
     model, optimizer = offload(ExampleLM(shape), config)
-    session = optimizer.session
+    session = optimizer.session  # type: ignore[attr-defined]  # set by offload(), as in cli/train.py
     device = session.store.device
     batch = make_batch(BenchModel.from_preset(args.preset), device, 0)
     results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}

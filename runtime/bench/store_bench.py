@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_of(repeats: int, run) -> float:  # type: ignore[no-untyped-def]
+def _best_of(repeats: int, run: Callable[[], float]) -> float:
     """The fastest of ``repeats`` timed runs (after the first, a warm-up): the ceiling each side can reach."""
     run()
     return min(run() for _ in range(repeats))
@@ -114,7 +115,7 @@ def bench_pcie(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
         _sync(device)
         start = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else _null():
-            for host, gpu in zip(hosts, gpus):
+            for host, gpu in zip(hosts, gpus, strict=True):
                 (gpu.copy_(host, non_blocking=True) if to_device else host.copy_(gpu, non_blocking=True))
         _sync(device)
         return time.perf_counter() - start
@@ -162,7 +163,7 @@ def bench_nvme(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
     write_s = _best_of(repeats, lambda: _time_writeback(store, keys, TierName.HOST, TierName.NVME))
     for key in keys:
         store.unregister(key)
-    directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+    directory = store.tiers[TierName.NVME].directory
     total = num_transfers * transfer_nbytes
     ceiling = measure_disk_ceiling(directory.path, ios_in_flight=ceiling_ios, total_nbytes=total,
                                    repeats=max(2, repeats), direct=directory.io_mode == "direct")
@@ -177,7 +178,7 @@ def bench_nvme(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
 def bench_single_stream(store: TierStore, num_transfers: int, transfer_nbytes: int, repeats: int) -> SingleStream:
     """dd, one stream, on the NVMe directory in the store's IO mode: the figure earlier tables used as the
     ceiling, kept for comparison."""
-    directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+    directory = store.tiers[TierName.NVME].directory
     direct = directory.io_mode == "direct"
     write_s, read_s, method = _dd_ceiling(directory.path, num_transfers, transfer_nbytes, direct, repeats)
     return SingleStream(num_transfers * transfer_nbytes, read_s, write_s, method + ", 1 stream")

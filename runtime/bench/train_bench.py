@@ -82,7 +82,7 @@ def _torch_row(spec: BenchModel, steps: int, accumulation: int, clip: bool) -> d
     device = _device()
     model = build_model(spec).to(device)
     num_params = count_params(model)
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     masters = [p.detach().clone().float().requires_grad_(True) for p in params]
     model.to(torch.bfloat16)
     opt = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, fused=True)
@@ -101,7 +101,8 @@ def _torch_row(spec: BenchModel, steps: int, accumulation: int, clip: bool) -> d
             tc = time.perf_counter()
             fwd_s.append(tb - ta)
             bwd_s.append(tc - tb)
-        for p, m in zip(params, masters):
+        for p, m in zip(params, masters, strict=True):
+            assert p.grad is not None  # every parameter of a bench model takes part in its loss
             m.grad = p.grad.float()
             p.grad = None
         if clip:
@@ -152,7 +153,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
     t_setup = time.perf_counter()
     model, opt = offload(model, config, record_intervals=True)
     setup_s = time.perf_counter() - t_setup
-    session = opt.session
+    session = opt.session  # type: ignore[attr-defined]  # set by offload(), as in cli/train.py
     session.controller.pace_writebacks = not nopace
     moved = {"h2d": 0, "d2h": 0, "read": 0, "write": 0}
 
@@ -211,7 +212,8 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
     # Warm-up: a third of the steps, and at least the steps auto placement measured before placing the state (two
     # with a recompute trial), all of them updated on the CPU; one step is always left to time.
     warm = min(max(1, steps // 3, measured), steps - 1)
-    return {"step_s": statistics.median(step_s[warm:]), "setup_s": setup_s, "warm_steps": warm, "loss_first": losses[0], "loss_last": losses[-1],
+    return {"step_s": statistics.median(step_s[warm:]), "setup_s": setup_s, "warm_steps": warm, "loss_first": losses[0],
+            "loss_last": losses[-1],
             "num_params": num_params, "grad_norms": norms[warm:], "placement": placement.as_dict(),
             "wait_update_s": statistics.median(wait_update[warm:]), "wait_fetch_s": statistics.median(wait_fetch[warm:]),
             "hit_rate": hit_rate, "adam_s_total": worker.adam_s, "kernel_s_total": worker.kernel_s, "jobs": worker.jobs,
@@ -370,7 +372,7 @@ def measure_rates(results: dict[str, Any], num_params: int, nvme_dir: str | None
     threads = sorted({p.cpu_threads or default_threads for p in placements if p.cpu_update_numel})
     log.info("measuring the bound's rates: CPU AdamW at %s threads, GPU AdamW, pinned copies, disk", threads)
     cpu = {t: measure_cpu_adam_s_per_param(num_params, t) for t in threads}
-    disk = (None, None)
+    disk: tuple[float | None, float | None] = (None, None)
     if nvme_dir and any(p.disk_state_nbytes for p in placements):
         disk = measure_disk_gbps(nvme_dir)
     cuda = torch.cuda.is_available()
@@ -393,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
     spec = BenchModel.from_args(args)
     num_params = spec_num_params(spec)
     results = run_rows(rows, spec, args)
-    from runtime.session import default_cpu_threads
+    from runtime.planning.settings import default_cpu_threads
 
     threads = default_cpu_threads()
     rates = measure_rates(results, num_params, args.nvme_dir, threads)

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from runtime.engine.schedule import joins_window
-from runtime.planning.rates import cpu_adam_seconds, pinned_copy_gbps
+from runtime.update.rates import cpu_adam_seconds, pinned_copy_gbps
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def measure_gpu_adam_s_per_param(num_params: int, device: torch.device) -> float
 
 
 def measure_pcie_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
-    """Raw pinned copy bandwidth (H2D, D2H) in GB/s, best of three (``runtime.planning.rates``, as the profiler's
+    """Raw pinned copy bandwidth (H2D, D2H) in GB/s, best of three (``runtime.update.rates``, as the profiler's
     ceilings and auto placement measure it)."""
     return pinned_copy_gbps(torch.device("cuda"), nbytes, 3)
 

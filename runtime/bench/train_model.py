@@ -67,7 +67,7 @@ class BenchModel:
             raise ValueError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
         shape = PRESETS[preset]
         heads = overrides.get("heads") or shape.num_heads
-        spec = {"kind": kind, "hidden": shape.hidden_size, "layers": shape.num_layers, "heads": heads, "kv_heads": heads,
+        spec: dict[str, Any] = {"kind": kind, "hidden": shape.hidden_size, "layers": shape.num_layers, "heads": heads, "kv_heads": heads,
                 "ffn": shape.ffn_size, "vocab": shape.vocab_size, "tied": shape.tie_embeddings}
         spec.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**spec)
@@ -117,7 +117,7 @@ def build_model(spec: BenchModel) -> nn.Module:
     config = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
                          num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                          max_position_embeddings=spec.seq, tie_word_embeddings=spec.tied, use_cache=False,
-                         attn_implementation="sdpa")
+                         attn_implementation="sdpa")  # type: ignore[call-arg]  # every config takes it; 5.x's typed __init__ omits it
     model = LlamaForCausalLM(config)
     if spec.checkpointing:
         with warnings.catch_warnings():  # newer transformers renamed it; this name works from 4.35 on

@@ -1,6 +1,6 @@
 """The bundled example model: a small Llama-shaped decoder (RMSNorm, rotary attention, SwiGLU).
 
-Built from sizes alone (no download); the same class, scaled up, is the benchmark model of DESIGN.md
+Built from sizes alone (no download); the same class, scaled up, is the benchmark model of docs/design.md
 (hidden 2048, 24 layers, ffn 5504, vocab 32000).
 """
 
@@ -109,7 +109,7 @@ class ExampleLM(nn.Module):
 
     def reset_parameters(self) -> None:
         """Small normal init (std 0.02), ones for norms."""
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from tierstore.files import create_new
+from tierstore import create_new
 
 log = logging.getLogger(__name__)
 
@@ -476,7 +476,7 @@ def verify_checkpoint(path: str | os.PathLike[str], threads: int = 4) -> dict[st
     files = check_listing(path)
     names = sorted(files)
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:  # hashlib releases the GIL
-        actual = dict(zip(names, pool.map(lambda n: hash_file(path / n), names)))
+        actual = dict(zip(names, pool.map(lambda n: hash_file(path / n), names), strict=True))
     for name in names:
         if actual[name] != files[name]:
             raise CheckpointError(f"{path / name}: sha256 {actual[name].sha256[:16]}... does not match the manifest's "

@@ -57,11 +57,15 @@ def _number(meta_path: Path, key: str, value: Any, low: float, high: float = mat
     return float(value)
 
 
-def _mapping(meta_path: Path, key: str, value: Any, *, nullable: bool = False) -> dict[str, Any] | None:
-    if value is None and nullable:
-        return None
+def _mapping(meta_path: Path, key: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _bad(meta_path, key, value, "a mapping" + (" or null" if nullable else ""))
+        raise _bad(meta_path, key, value, "a mapping")
+    return value
+
+
+def _optional_mapping(meta_path: Path, key: str, value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise _bad(meta_path, key, value, "a mapping or null")
     return value
 
 
@@ -85,11 +89,11 @@ def _check_values(meta: dict[str, Any], meta_path: Path) -> None:
     for key, entry in _mapping(meta_path, "tensors", meta.get("tensors")).items():
         entry = _mapping(meta_path, f"tensors.{key}", entry)
         _int(meta_path, f"tensors.{key}.numel", entry.get("numel"), 0, 1 << 48)
-    scaler = _mapping(meta_path, "scaler", meta.get("scaler"), nullable=True)
+    scaler = _optional_mapping(meta_path, "scaler", meta.get("scaler"))
     if scaler is not None:
         _number(meta_path, "scaler.scale", scaler.get("scale"), math.ulp(0.0))  # > 0
         _int(meta_path, "scaler.growth_tracker", scaler.get("growth_tracker"), 0, MAX_STEP)
-    data = _mapping(meta_path, "data", meta.get("data"), nullable=True)
+    data = _optional_mapping(meta_path, "data", meta.get("data"))
     if data is not None:
         _int(meta_path, "data.position", data.get("position"), 0, MAX_STEP)
     _check_rng(_mapping(meta_path, "rng", meta.get("rng")), meta_path)

@@ -48,7 +48,7 @@ from runtime.checkpoint.files import (
     remove_path,
     step_dir_name,
 )
-from tierstore.files import lock_file
+from tierstore import lock_file
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,8 @@ class CheckpointRoot:
         resumed = find_checkpoint(self.path)
         assert resumed is not None  # found is not empty, so the newest complete one at least
         resumed_step = parse_step_dir(resumed.name)
+        # A step-* directory: ``latest`` names only those, and a root that is itself a checkpoint is refused above.
+        assert resumed_step is not None
         lineage = _identity(resumed)[1]
         foreign = []
         for step, path in found:
@@ -193,7 +195,7 @@ class CheckpointRoot:
                 log.warning("deleting checkpoint %s: it is newer than latest (%s) and this run's own (an abandoned "
                             "attempt of its lineage, or taken over with --overwrite)", path.name, latest)
                 self._remove(path)
-        for step, path in older[: max(0, len(older) - (keep_last - 1))]:
+        for _, path in older[: max(0, len(older) - (keep_last - 1))]:
             log.debug("deleting old checkpoint %s (keep_last %d)", path.name, keep_last)
             self._remove(path)
 

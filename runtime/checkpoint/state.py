@@ -60,9 +60,7 @@ from runtime.core.signals import defers_interrupts
 from runtime.engine.step_phase import StepPhase
 from runtime.model.state_access import refresh_compute_weights
 from runtime.planning.memory_plan import STATE_KINDS, WeightSource
-from tierstore import CorruptFileError, TierName, TierStore
-from tierstore.nvme import HEADER_NBYTES, payload_hasher
-from tierstore.store import Record
+from tierstore import HEADER_NBYTES, CorruptFileError, Record, TierName, TierStore, payload_hasher
 
 if TYPE_CHECKING:
     from runtime.core.blocks import Block
@@ -174,10 +172,9 @@ def _require_between_steps(controller: Controller, what: str) -> None:
 
 def _refuse_swap_overlap(store: TierStore, root: Path) -> None:
     """Checkpoints must not live in (or contain) the swap directory: that is a disposable cache."""
-    tier = store.tiers.get(TierName.NVME)
-    if tier is None:
+    if store.tiers.nvme is None:
         return
-    swap = Path(os.path.realpath(tier.directory.path))  # type: ignore[attr-defined]
+    swap = Path(os.path.realpath(store.tiers.nvme.directory.path))
     ckpt = Path(os.path.realpath(root))
     if swap == ckpt or swap.is_relative_to(ckpt) or ckpt.is_relative_to(swap):
         raise CheckpointError(f"{root}: overlaps the NVMe swap directory {swap}; swap files are a cache that the "
@@ -205,7 +202,7 @@ def _tensor_writer(store: TierStore, record: Record) -> Callable[[Path], FileEnt
         gpu = store.tensor(key, TierName.GPU)  # one block at a time in host RAM, on the writer thread
         return lambda path: write_buffer(path, _bytes_of(gpu.to("cpu")))
     if TierName.NVME in store.tiers and store.state(key, TierName.NVME).is_current:
-        directory = store.tiers[TierName.NVME].directory  # type: ignore[attr-defined]
+        directory = store.tiers[TierName.NVME].directory
         swap = directory.get(key)
         expected = directory.read_payload_checksum(swap, record.step)  # a stale file must not become a checkpoint
 
@@ -228,7 +225,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def _scalar_state(session: OffloadSession, controller: Controller, tensors: dict[str, dict[str, Any]],
@@ -249,7 +246,7 @@ def _scalar_state(session: OffloadSession, controller: Controller, tensors: dict
             cuda_files.append(f"rng.cuda{i}.bin")
             pending.write_bytes(cuda_files[-1], _bytes_of(state))
     py_version, py_internal, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     data_meta = None
     if data is not None:
         pending.write_bytes("data.generator.bin", _bytes_of(data.generator.get_state()))
@@ -283,7 +280,7 @@ def _restore_optimizer_state(session: OffloadSession, meta: dict[str, Any], sche
     """The checkpoint's param_groups hyper-parameters and the scheduler's state (both checked by _check_compatible)."""
     groups = meta.get("param_groups")
     if groups is not None:
-        for group, saved in zip(session.optimizer.param_groups, groups):
+        for group, saved in zip(session.optimizer.param_groups, groups, strict=True):  # as many: _check_compatible
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
@@ -389,12 +386,12 @@ def _mark_cut_short(controller: Controller, path: Path, exc: BaseException, prog
 def _restore_counters(controller: Controller, blocks: list[Block], saved_blocks: list[dict[str, Any]], step: int) -> None:
     """Per-parameter AdamW step counters (into the worker's and, for device-updated blocks, the device's),
     the committed optimizer step, and every block's 'updated to' mark, so the next forward waits for nothing."""
-    for block, saved in zip(blocks, saved_blocks):
+    for block, saved in zip(blocks, saved_blocks, strict=True):  # as many, with a counter per slot: _check_compatible
         targets = [controller.worker.param_steps[block.index]]
         if block.index in controller.gpu_param_steps:
             targets.append(controller.gpu_param_steps[block.index])
         for counters in targets:
-            for counter, value in zip(counters, saved["param_steps"]):
+            for counter, value in zip(counters, saved["param_steps"], strict=True):
                 counter.fill_(float(value))
     controller.optimizer_step = step
     controller.worker.set_updated_step(step)
@@ -417,10 +414,10 @@ def _check_compatible(session: OffloadSession, *, meta: dict[str, Any], path: Pa
     ``scheduler`` restore, and every file it refers to is in the manifest with the size its dtype and numel
     imply. Runs before anything is restored: a refusal here leaves the session as it was."""
     meta_path = path / META_NAME
-    groups, ours = meta.get("param_groups"), len(session.optimizer.param_groups)
-    if groups is not None and len(groups) != ours:
+    groups, num_groups = meta.get("param_groups"), len(session.optimizer.param_groups)
+    if groups is not None and len(groups) != num_groups:
         raise CheckpointError(f"{meta_path}: pass the same param_groups to offload() as the saving run: it had "
-                              f"{len(groups)} parameter group(s), this optimizer has {ours}")
+                              f"{len(groups)} parameter group(s), this optimizer has {num_groups}")
     if scheduler is not None and meta.get("scheduler") is None:
         raise CheckpointError(f"{path} holds no LR scheduler state (it was saved without save_checkpoint(..., "
                               "scheduler=)): load it without scheduler= (the param_groups' lr is restored either way) "
@@ -429,14 +426,15 @@ def _check_compatible(session: OffloadSession, *, meta: dict[str, Any], path: Pa
     if len(saved_blocks) != len(session.blocks):
         raise CheckpointError(f"{meta_path}: {len(saved_blocks)} blocks, this model has {len(session.blocks)}; "
                               "resume needs the same model and blocks settings")
-    for block, saved in zip(session.blocks, saved_blocks):
+    for block, saved in zip(session.blocks, saved_blocks, strict=True):
         ours = (block.name, block.numel, [s.name for s in block.slots])
         theirs = (saved.get("name"), saved.get("numel"), saved.get("params"))
         if ours != theirs:
             raise CheckpointError(f"{meta_path}: block {block.index} is {theirs[0]} ({theirs[1]} elements) in the "
                                   f"checkpoint but {ours[0]} ({ours[1]} elements) here, or its parameters differ")
         if len(saved.get("param_steps", [])) != len(block.slots):
-            raise CheckpointError(f"{meta_path}: block {block.index} has {len(saved.get('param_steps', []))} step counters, expected {len(block.slots)}")
+            raise CheckpointError(f"{meta_path}: block {block.index} has {len(saved.get('param_steps', []))} step counters, "
+                                  f"expected {len(block.slots)}")
         for kind in STATE_KINDS:
             key = block.key(kind)
             entry = meta.get("tensors", {}).get(key)
@@ -568,7 +566,8 @@ def _restore_rng(rng: dict[str, Any], path: Path, small: dict[str, bytes]) -> No
         if len(cuda_files) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all([_raw_tensor(small, name) for name in cuda_files])
         else:
-            log.warning("%s: %d CUDA RNG states saved, %d devices here; CUDA RNG not restored", path, len(cuda_files), torch.cuda.device_count())
+            log.warning("%s: %d CUDA RNG states saved, %d devices here; CUDA RNG not restored", path, len(cuda_files),
+                        torch.cuda.device_count())
     elif cuda_files or torch.cuda.is_available():
         log.warning("%s: CUDA RNG state %s; not restored", path, "saved without CUDA here" if cuda_files else "not in the checkpoint")
     version, internal, gauss = rng["python"]
@@ -583,7 +582,8 @@ def _restore_data(data: ResumableData, saved: dict[str, Any] | None, path: Path,
         return
     for attr in ("batch_size", "seq_len"):
         if saved.get(attr) is not None and getattr(data, attr, saved[attr]) != saved[attr]:
-            log.warning("%s: data %s was %s, now %s; batches will differ from the original run", path, attr, saved[attr], getattr(data, attr))
+            log.warning("%s: data %s was %s, now %s; batches will differ from the original run", path, attr, saved[attr],
+                        getattr(data, attr))
     data.generator.set_state(_raw_tensor(small, saved["generator"]))
     data.position = int(saved["position"])
 

@@ -105,8 +105,8 @@ def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
                              "-clip and -ckpt on any row; tierstore rows also -fNN -sNN -aN -tNN -keep -auto -cap -noseg "
                              "-nopace -rc -norc "
                              "(runtime/bench/train_rows.py); default: every base row")
-    btrain.add_argument("--steps", type=int, default=6, help="optimizer steps per row; the first third is warm-up (at least the steps auto placement "
-                                                  "measured, two with a recompute trial)")
+    btrain.add_argument("--steps", type=int, default=6, help="optimizer steps per row; the first third is warm-up (at least the "
+                                                  "steps auto placement measured, two with a recompute trial)")
     btrain.add_argument("--nvme-dir", help="directory for the NVMe rows' swap files and the disk ceiling "
                                            "(default: a temporary one, and T_nvme is not measured)")
     btrain.add_argument("--json", type=_path, help="also write rows, rates and bounds as JSON here")
@@ -195,7 +195,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from runtime.cli.train import build_model
     from runtime.config.loader import load_config
-    from runtime.session import plan_model, resolve_device
+    from runtime.planning.settings import resolve_device
+    from runtime.session import plan_model
 
     cfg = load_config(args.config)
     with torch.device("meta"):

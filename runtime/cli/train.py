@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | None) -> int:
     """Build the model and the offloaded session, train (resuming from ``root`` when asked), report."""
-    model = build_model(cfg)
+    model: torch.nn.Module = build_model(cfg)
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of "
           f"{cfg.optimizer.accumulation_steps} x {batch} x {seq} tokens, dtype {cfg.dtype}", file=sys.stderr)
@@ -166,6 +166,7 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     begin = 0  # steps already done (by the run a checkpoint was taken from)
     try:
         if args.resume:
+            assert root is not None  # main() refuses --resume without a checkpoint directory
             begin = resume_training(session, root, data, scheduler=scheduler)
             if begin >= steps:  # a requeued job whose run already finished: nothing to do, and no error
                 print(f"tierstore train: the run in {cfg.train.checkpoint_dir} is already complete at step {begin} "
@@ -187,12 +188,13 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
             progress.update(step, last_loss, cfg.optimizer.accumulation_steps * batch * seq / elapsed)
             if root is not None and save_due(step, steps, cfg.train.save_every):
                 failed_saves += save_or_warn(session, root, data, step, cfg.train, scheduler) is None
-        optimizer.synchronize()  # type: ignore[attr-defined]
+        optimizer.synchronize()
         total_s = time.perf_counter() - start
     finally:
         session.close()
-    tokens = (steps - begin) * cfg.optimizer.accumulation_steps * batch * seq
-    print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({tokens / total_s / 1e3:.1f}k tok/s)", file=sys.stderr)
+    num_tokens = (steps - begin) * cfg.optimizer.accumulation_steps * batch * seq
+    print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({num_tokens / total_s / 1e3:.1f}k tok/s)",
+          file=sys.stderr)
     if failed_saves:
         latest = read_latest(root.path) if root is not None else None
         print(f"warning: {failed_saves} checkpoint save(s) failed (see above); latest checkpoint: {latest or 'none'}", file=sys.stderr)

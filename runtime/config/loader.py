@@ -43,7 +43,7 @@ from runtime.config.schema import (
     unknown_key_message,
 )
 from runtime.config.units import Spec, SpecError, describe_value, parse_size
-from tierstore.files import shared_directory_problem
+from tierstore import shared_directory_problem
 
 __all__ = [
     "BlocksConfig",

@@ -83,7 +83,8 @@ class GpuTierConfig:
         "beyond the plan, plus 5% of the budget, is the reserve auto placement then uses; the chosen state "
         "moves to the GPU before the second step (runtime.planning.measured_placement), and moments spilled to NVMe come "
         "back into the pinned memory it frees. Where that is not done (an accumulated bf16 or fp16 run whose "
-        "first step would fetch a weights copy, nothing spilled): three quarters of what the plan with nothing updated on the GPU leaves free of the budget. Set "
+        "first step would fetch a weights copy, nothing spilled): three quarters of what the plan with nothing "
+        "updated on the GPU leaves free of the budget. Set "
         "it when a run with `auto` placement runs out of GPU memory (the error says how much the step tried to "
         "use), or to hand the optimizer more of a card whose activations are small. Not used when none of the "
         "three is `auto`.", "24GiB")
@@ -242,8 +243,8 @@ class OptimizerConfig:
         "applies exactly, and `zero_grad()` before `step()` drops the step. Without it (and without `grad_clip` "
         "or fp16) updates start as gradients land, and a clip in the loop raises an error instead of being ignored.")
     accumulation_steps: int = _leaf(IntSpec(min=1), 1,
-                                    "Micro-batches whose gradients are summed per update (a `step()` after fewer updates with the gradients "
-                                    "summed so far, as plain PyTorch does).")
+                                    "Micro-batches whose gradients are summed per update (a `step()` after fewer updates with "
+                                    "the gradients summed so far, as plain PyTorch does).")
     accumulate_on: str = _leaf(
         ChoiceSpec(choices=("auto", "gpu", "host")), "auto",
         "Where the micro-batches' gradients of one step are summed (with `accumulation_steps` above 1). `gpu`: "
@@ -438,7 +439,7 @@ def clip_threshold(opt: OptimizerConfig) -> float | None:
     """The norm tierstore clips each step's gradients to (``optimizer.grad_clip`` with ``auto`` resolved), or None."""
     if opt.grad_clip == "auto":
         return None if opt.user_grad_clip else 1.0
-    return opt.grad_clip  # type: ignore[return-value]
+    return opt.grad_clip
 
 
 def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
@@ -468,15 +469,14 @@ def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
             "before 2026-11-28 holds grad_clip: 1.0, the default then: runs with it clipped each step twice, and "
             "without it a resumed run clips once.)", ("optimizer.user_grad_clip",)))
     # `auto` is resolved at offload time (runtime.planning.auto_placement), where these rules hold by construction.
-    explicit = isinstance(opt.gpu_update_fraction, float) and isinstance(opt.gpu_stream_fraction, float)
-    if explicit and opt.gpu_update_fraction + opt.gpu_stream_fraction > 1.0:
+    update_fraction, stream_fraction = opt.gpu_update_fraction, opt.gpu_stream_fraction
+    if isinstance(update_fraction, float) and isinstance(stream_fraction, float) and update_fraction + stream_fraction > 1.0:
         problems.append(Problem(
             "out_of_range", "optimizer.gpu_stream_fraction",
             f"optimizer.gpu_update_fraction ({opt.gpu_update_fraction}) and gpu_stream_fraction "
             f"({opt.gpu_stream_fraction}) add up to more than 1; lower one of them.",
             ("optimizer.gpu_update_fraction",)))
-    if opt.gpu_stream_fraction != "auto" and opt.gpu_stream_fraction > 0 \
-            and "nvme" in (cfg.placement.master, cfg.placement.moments):
+    if not isinstance(stream_fraction, str) and stream_fraction > 0 and "nvme" in (cfg.placement.master, cfg.placement.moments):
         problems.append(Problem(
             "bad_value", "optimizer.gpu_stream_fraction",
             "optimizer.gpu_stream_fraction streams master and moments from pinned host memory, but "

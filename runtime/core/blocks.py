@@ -73,16 +73,7 @@ def find_layer_container(model: nn.Module) -> tuple[str, list[tuple[str, nn.Modu
 def build_blocks(model: nn.Module, min_block_nbytes: int = 16 << 20, module_patterns: list[str] | None = None) -> list[Block]:
     """Group model's trainable parameters into blocks in forward order (as far as registration order tells)."""
     named_modules = dict(model.named_modules())
-    if module_patterns:
-        layer_modules = [(name, mod) for name, mod in named_modules.items() if name and any(fnmatch.fnmatchcase(name, pat) for pat in module_patterns)]
-        # A module matched inside another matched module is covered by its ancestor.
-        layer_modules = [(n, m) for n, m in layer_modules if not any(n.startswith(o + ".") for o, _ in layer_modules if o != n)]
-        if not layer_modules:
-            raise ValueError(f"blocks.modules {module_patterns} matched no module; module names look like {list(named_modules)[1:6]}")
-    else:
-        found = find_layer_container(model)
-        layer_modules = found[1] if found else []
-
+    layer_modules = _layer_modules(model, named_modules, module_patterns)
     param_index = {id(p): i for i, p in enumerate(model.parameters())}
     param_names = {id(p): n for n, p in model.named_parameters()}
     owner_block: dict[int, int] = {}
@@ -99,18 +90,6 @@ def build_blocks(model: nn.Module, min_block_nbytes: int = 16 << 20, module_patt
         blocks.append(block)
         return block
 
-    # Non-layer modules registered before the first layer (embeddings) get lower indices: forward order.
-    first_layer = layer_modules[0][0] if layer_modules else None
-    layer_names = {n for n, _ in layer_modules}
-    before, after = [], []
-    seen_first = False
-    for name, module in named_modules.items():
-        if name == first_layer:
-            seen_first = True
-        if name in layer_names or any(name.startswith(ln + ".") for ln in layer_names):
-            continue
-        (after if seen_first else before).append((name, module))
-
     def group_outer(modules: list[tuple[str, nn.Module]], rest_name: str) -> None:
         """Modules outside the layers: large ones become blocks; small ones share one block, placed where
         they run (before or after the layers) so that block indices follow the forward order."""
@@ -124,6 +103,7 @@ def build_blocks(model: nn.Module, min_block_nbytes: int = 16 << 20, module_patt
         if rest:
             add_block(rest_name, rest)
 
+    before, after = _outside_layers(named_modules, layer_modules)
     group_outer(before, "rest.before")
     for name, module in layer_modules:
         block = add_block(name, list(module.parameters()))
@@ -139,15 +119,53 @@ def build_blocks(model: nn.Module, min_block_nbytes: int = 16 << 20, module_patt
             block = blocks[owner_block[id(p)]]
             block.slots.append(ParamSlot(param_names[id(p)], p, block.numel, p.numel(), p.shape, param_index[id(p)], p.dtype,
                                              p.device))
+    _add_outside_users(blocks, named_modules, owner_block, layer_block_ids)
+    log.info("grouped %d parameters into %d blocks (%d layer blocks)", len(owner_block), len(blocks), len(layer_block_ids))
+    return blocks
 
-    # Every module that directly uses a block's parameter needs that block at forward time, unless it lies
-    # inside the layer that owns it (the layer's own hooks cover it): e.g. a head tied to a layer's weight.
-    inside_layer = {b: {id(m) for m in blocks[b].modules[0].modules()} for b in layer_block_ids}
+
+def _layer_modules(model: nn.Module, named_modules: dict[str, nn.Module],
+                   module_patterns: list[str] | None) -> list[tuple[str, nn.Module]]:
+    """The modules that become one block each: those ``blocks.modules`` names (outermost matches only), else the
+    largest container of like layers (``find_layer_container``), else none."""
+    if not module_patterns:
+        found = find_layer_container(model)
+        return found[1] if found else []
+    matched = [(name, mod) for name, mod in named_modules.items()
+               if name and any(fnmatch.fnmatchcase(name, pat) for pat in module_patterns)]
+    # A module matched inside another matched module is covered by its ancestor.
+    matched = [(n, m) for n, m in matched if not any(n.startswith(o + ".") for o, _ in matched if o != n)]
+    if not matched:
+        raise ValueError(f"blocks.modules {module_patterns} matched no module; module names look like {list(named_modules)[1:6]}")
+    return matched
+
+
+def _outside_layers(named_modules: dict[str, nn.Module], layer_modules: list[tuple[str, nn.Module]]
+                    ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """The modules outside the layers, split into those registered before the first layer (embeddings: lower block
+    indices, as in forward order) and those after."""
+    first_layer = layer_modules[0][0] if layer_modules else None
+    layer_names = {n for n, _ in layer_modules}
+    before: list[tuple[str, nn.Module]] = []
+    after: list[tuple[str, nn.Module]] = []
+    seen_first = False
     for name, module in named_modules.items():
+        if name == first_layer:
+            seen_first = True
+        if name in layer_names or any(name.startswith(ln + ".") for ln in layer_names):
+            continue
+        (after if seen_first else before).append((name, module))
+    return before, after
+
+
+def _add_outside_users(blocks: list[Block], named_modules: dict[str, nn.Module], owner_block: dict[int, int],
+                       layer_block_ids: set[int]) -> None:
+    """Every module that directly uses a block's parameter needs that block at forward time, unless it lies
+    inside the layer that owns it (the layer's own hooks cover it): e.g. a head tied to a layer's weight."""
+    inside_layer = {b: {id(m) for m in blocks[b].modules[0].modules()} for b in layer_block_ids}
+    for module in named_modules.values():
         for p in module.parameters(recurse=False):
             b = owner_block.get(id(p))
             if b is None or module in blocks[b].modules or id(module) in inside_layer.get(b, ()):
                 continue
             blocks[b].modules.append(module)
-    log.info("grouped %d parameters into %d blocks (%d layer blocks)", len(owner_block), len(blocks), len(layer_block_ids))
-    return blocks

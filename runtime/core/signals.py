@@ -101,7 +101,8 @@ class _SignalHandler:
             self.raise_for(signum)
 
 
-_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+_DEFAULTS: dict[int, Callable[[int, FrameType | None], Any] | signal.Handlers] = {
+    signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
 
 _MAIN_IDENT = threading.main_thread().ident

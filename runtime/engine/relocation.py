@@ -69,10 +69,10 @@ def register_state(store: TierStore, blocks: list[Block], table: BlockTable, opt
     arena's free room, where spilled moments come back (``runtime.engine.spill_return``)."""
     homes = {block.index: state_homes(block, options, table) for block in blocks}
     host = store.tiers[TierName.HOST]
-    pinned = sum(host.arena.reserved_size(meta.nbytes) for block_homes in homes.values()  # type: ignore[attr-defined]
+    pinned = sum(host.arena.reserved_size(meta.nbytes) for block_homes in homes.values()
                  for meta, home in block_homes.values() if home is TierName.HOST)
     start = reported = time.perf_counter()
-    with host.arena.packed_at_end(pinned):  # type: ignore[attr-defined]  # the host tier is a HostTier
+    with host.arena.packed_at_end(pinned):  # the host tier is a HostTier
         for position, block in enumerate(blocks):
             if time.perf_counter() - reported >= SETUP_PROGRESS_S:  # a large model takes minutes: show progress
                 reported = time.perf_counter()

@@ -1,6 +1,6 @@
 """Where the optimizer step in progress is, and the legal moves between phases. Pure logic, no torch.
 
-A step is a transaction (DESIGN.md): its micro-batches' backwards run, then ``optimizer.step()`` commits it, or
+A step is a transaction (docs/design.md): its micro-batches' backwards run, then ``optimizer.step()`` commits it, or
 ``zero_grad()`` / a caught exception drops it. The controller (``runtime.engine.controller``) holds one ``StepPhase``
 and changes it only through ``check_phase_transition``; everything outside reads ``Controller.step_pending``.
 

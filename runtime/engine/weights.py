@@ -14,7 +14,6 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Protocol, cast
 
 import torch
 
@@ -25,16 +24,6 @@ from tierstore import CapacityError, Handle, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
-
-
-class _ReservingTier(Protocol):
-    """What the weights use of the GPU tier: reserving bytes against its budget (the store's GPU tier does)."""
-
-    def reserve(self, nbytes: int, what: str) -> None:
-        """Count nbytes (for ``what``) against the tier's budget, or raise CapacityError."""
-
-    def unreserve(self, nbytes: int) -> None:
-        """Give back nbytes reserved earlier."""
 
 
 @dataclass
@@ -59,7 +48,7 @@ class WeightManager:
         self.device = store.device
         self.compute_dtype = compute_dtype
         self.source = source
-        self._gpu_tier = cast(_ReservingTier, store.tiers[TierName.GPU])
+        self._gpu_tier = store.tiers[TierName.GPU]
         self.states: list[BlockWeights] = []
         for block in blocks:
             flat = torch.empty(block.numel, dtype=compute_dtype, device=self.device)

@@ -14,18 +14,39 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from runtime.core.blocks import Block
-    from runtime.session import OffloadSession
+from runtime.core.blocks import Block
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
+
+
+class OffloadedWeights(Protocol):
+    """What ``save_sharded`` reads of an offloaded model (``runtime.session.OffloadSession`` is one): its blocks,
+    the module (for the parameters and buffers not offloaded, and an HF config), the compute dtype, and one
+    block's current weights at a time."""
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The offloaded blocks, in the model's order."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The offloaded module."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the weights are computed in (the shards' default)."""
+
+    def weights_of(self, block: Block, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The block's current weights by parameter name, CPU tensors in ``dtype``."""
 
 
 def plan_shards(blocks: list[Block], itemsize: int, max_shard_nbytes: int) -> list[list[Block]]:
@@ -45,7 +66,7 @@ def plan_shards(blocks: list[Block], itemsize: int, max_shard_nbytes: int) -> li
     return shards
 
 
-def save_sharded(session: OffloadSession, directory: str | os.PathLike[str], *,
+def save_sharded(session: OffloadedWeights, directory: str | os.PathLike[str], *,
                  max_shard_nbytes: int = 5 << 30, dtype: torch.dtype | None = None) -> Path:
     """Write the session's current weights (the fp32 masters cast to ``dtype``, default the compute dtype) and
     the model's other parameters and persistent buffers as HF-style safetensors shards; returns the index path."""
@@ -55,7 +76,7 @@ def save_sharded(session: OffloadSession, directory: str | os.PathLike[str], *,
         raise ImportError("save_sharded needs safetensors: pip install -e '.[hf]'") from exc
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = dtype or session.controller.options.compute_dtype
+    dtype = dtype or session.compute_dtype
     shards = plan_shards(session.blocks, torch.empty((), dtype=dtype).itemsize, max_shard_nbytes)
     rest = _other_tensors(session)
     total = len(shards) + (1 if rest else 0)
@@ -83,7 +104,7 @@ def save_sharded(session: OffloadSession, directory: str | os.PathLike[str], *,
     return index
 
 
-def _other_tensors(session: OffloadSession) -> dict[str, torch.Tensor]:
+def _other_tensors(session: OffloadedWeights) -> dict[str, torch.Tensor]:
     """Parameters tierstore does not offload (frozen ones) and persistent buffers, by state_dict name."""
     offloaded = {id(slot.param) for block in session.blocks for slot in block.slots}
     out: dict[str, torch.Tensor] = {}
@@ -98,7 +119,7 @@ def _other_tensors(session: OffloadSession) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write(save_file, tensors: dict[str, torch.Tensor], path: Path) -> int:  # type: ignore[no-untyped-def]
+def _write(save_file: Callable[..., None], tensors: dict[str, torch.Tensor], path: Path) -> int:
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)

@@ -4,7 +4,7 @@ the backward instead of keeping its activations, as ``torch.utils.checkpoint`` d
 Why a placement choice: under a GPU cap the activations of a whole forward compete with optimizer state for the
 same memory. On an H100 under DeepSpeed ZeRO-2's reservation (31.06 GiB, the 1.35B benchmark model, clipping)
 the first step peaked at 28.0 GiB (25.1 beyond the plan), so auto placement kept 2 of 27 blocks resident and
-streamed half the rest (0.400 s a step, call K1 in the README); with every layer recomputed the second measured
+streamed half the rest (0.400 s a step, call K1 in docs/measurements-history.md); with every layer recomputed the second measured
 step peaked at 7.29 GiB and every block was updated on the GPU (0.321 s: the recomputed forward costs less than
 the CPU's share of AdamW it removes; call K3). The gradients are the same: the recomputed forward is the same
 computation on the same weights; the random state is restored as ``torch.utils.checkpoint`` does, on every
@@ -264,8 +264,8 @@ class ForwardTimer:
     CUDA events on the device's current stream at each layer's forward pre-hook and forward hook, for every training
     forward that records a graph (a recomputation inside the backward is not counted), summed per layer over a
     step. Per layer, not from the first layer to the last: between layers the forward may wait for an update (in a
-    step whose updates run on the CPU, the second measured step, the wait is most of the span; call K2 in the
-    README chose to keep the activations on such a span), and the recomputation in the backward waits for none.
+    step whose updates run on the CPU, the second measured step, the wait is most of the span; call K2 in
+    docs/measurements-history.md chose to keep the activations on such a span), and the recomputation in the backward waits for none.
     The pre-hook runs after the runtime's own, which waits for the layer's weights, so a layer's span holds its
     compute, and the gaps between its kernels. Those gaps grow while the CPU's AdamW threads run beside the forward
     (they slow the launching thread): the second measured step's forward runs beside the first step's updates, and

@@ -1,10 +1,10 @@
 """The ``auto`` values of ``optimizer.gpu_update_fraction``, ``optimizer.gpu_stream_fraction`` and
 ``prefetch.keep_for_backward``: chosen from the GPU budget, the model's block sizes and measured speeds.
 
-What this module leaves out: it allocates nothing of the runtime's, registers nothing and knows no config
-file. :func:`choose_placement` is a pure function of its inputs (block sizes, budgets, a function giving the
-memory plan's GPU bytes, and rates); :func:`measure_rates` is the only code that times anything, once per
-process. ``runtime.session.resolve_plan`` puts the two together before the plan is made.
+What this module leaves out: it allocates nothing of the runtime's, registers nothing, times nothing and knows no
+config file. :func:`choose_placement` is a pure function of its inputs (block sizes, budgets, a function giving the
+memory plan's GPU bytes, and ``Rates``, which ``runtime.update.rates.measure_rates`` times once per process);
+``runtime.planning.placement.resolve_plan`` puts them together before the plan is made.
 
 The model, per optimizer step in steady state. ``N`` parameters in ``B`` blocks in forward order, prefix
 sums ``c_0 = 0 .. c_B = N``. The first ``k`` blocks are updated on the GPU from resident state
@@ -43,9 +43,9 @@ rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whol
   next forward: the terms count what shares that window, the streamed state each way, the next forward's
   weight fetches (or the resident weights' refresh) and the CPU-updated blocks' gradients (fp32 ones held on the
   device until the commit and scaled there, ``runtime.engine.held_grads``; bf16 ones leave in the backward, but their
-  updates still run after the commit), not the backward's fetches. On an H100 under DeepSpeed ZeRO-2's reservation with clipping (2026-11-27), counting them
-  chose a fifth of the streaming the best hand-set row had, at 0.61 s a step against its 0.45. This is the
-  case of steps that keep clipping; where the coefficient stays 1, host updates run early into second
+  updates still run after the commit), not the backward's fetches. On an H100 under DeepSpeed ZeRO-2's reservation
+  with clipping (2026-11-27), counting them chose a fifth of the streaming the best hand-set row had, at 0.61 s a
+  step against its 0.45. This is the case of steps that keep clipping; where the coefficient stays 1, host updates run early into second
   buffers during the backward (``runtime.update.speculation``) and the model overstates T_cpu, erring towards
   streaming more.
 - keep (auto): the bytes of the last blocks of the forward (not device-updated) that fit in what the
@@ -62,33 +62,20 @@ moments. On the CPU the device is the CPU: every ``auto`` is 0.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from runtime.config.units import approx_size
 from runtime.core.blocks import Block
-from runtime.planning.rates import cpu_adam_seconds, cpu_adam_seconds_beside_copies, pinned_copy_gbps
-from tierstore import HostMemoryError
 
 log = logging.getLogger(__name__)
 
 ACTIVATION_SHARE = 0.75  # of the GPU budget the plan with nothing device-updated leaves free (see the docstring)
 STATE_ITEMSIZE = 12  # fp32 master + two moments, bytes a parameter
 REFRESH_ITEMSIZE = 4  # a resident block's weights refreshed from its fp32 master
-ADAM_PROBE_NUMEL = 32 << 20  # parameters timed for the CPU AdamW rate (512 MiB of master, grad, moments)
-ADAM_PROBE_TENSORS = 16  # the probe's parameters, as views: the fused kernel sees a list, as in a block
-# Timed steps of each AdamW probe, the median kept. One step is ~7 ms on the H100 box, and beside copies the
-# rate varied by a fifth between two processes of one machine with three (call J3: 2.75 and 3.34 G params/s).
-ADAM_PROBE_REPEATS = 7
-COPY_PROBE_NBYTES = 256 << 20  # bytes timed for each copy direction
 
 Auto = Literal["auto"]
 
@@ -257,9 +244,12 @@ def choose_placement(inputs: PlacementInputs, rates: Rates | None, *, update: fl
         options = [0, *(j for j in range(1, len(numels) - updated + 1) if _fits(inputs, updated, j, limit))]
     candidates = [_candidate(inputs, rates, updated, j, limit, keep) for j in options]
     best = min(candidates, key=lambda c: (c.times.bound_s, c.streamed))
-    stream_fraction = stream
-    if stream == "auto":  # from the update fraction in force, so that the two end on the chosen block exactly
-        stream_fraction = prefix[updated + best.streamed] / prefix[-1] - update_fraction(updated) if best.streamed else 0.0
+    if stream != "auto":
+        stream_fraction = float(stream)
+    elif best.streamed:  # from the update fraction in force, so that the two end on the chosen block exactly
+        stream_fraction = prefix[updated + best.streamed] / prefix[-1] - update_fraction(updated)
+    else:
+        stream_fraction = 0.0
     placement = Placement(update_fraction(updated), stream_fraction, best.keep_nbytes if keep == "auto" else int(keep))
     _check_block_counts(numels, placement, updated, best.streamed)
     notes = _notes(inputs, rates, placement, update=update, stream=stream, keep=keep, updated=updated, best=best,
@@ -354,60 +344,6 @@ def _notes(inputs: PlacementInputs, rates: Rates, placement: Placement, *, updat
     timing = (f"  gpu_stream_fraction {placement.gpu_stream_fraction:.2f} ({why}{rates.describe()}: "
               f"{best.times.describe()} a step{at_zero})")
     return memory, timing
-
-
-def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -> Rates:
-    """Time CPU fused AdamW (``cpu_threads`` threads) and copies each way between host memory (pinned when ``pin``)
-    and ``device``, once per process for the same arguments, then AdamW again while copies run each way. Before
-    the beside-copies probe and the 7-step medians it took about half a second (H100 box, 14 threads: 0.32 s for
-    AdamW at 4.7 G params/s, 0.24 s for the copies at 55 GB/s each way, CUDA start included); each probe now adds
-    a few tens of milliseconds of timed steps (not re-timed on a GPU)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _measured(index, cpu_threads, pin)
-
-
-# Cached for the process (the one piece of module state here): the rates are the machine's, and a second
-# offload in the same process should neither pay for them again nor choose differently by timing noise.
-@functools.cache
-def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
-    started = time.perf_counter()
-    device = torch.device("cuda", device_index)
-    alone_s = cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS, repeats=ADAM_PROBE_REPEATS)
-    alone = ADAM_PROBE_NUMEL / statistics.median(alone_s)
-    rates = Rates(adam_params_per_s=_adam_rate_beside_copies(device, cpu_threads, pin, alone=alone),
-                  adam_alone_params_per_s=alone, **_copy_rates(device, pin))
-    log.info("measured for auto placement in %.2f s: %s", time.perf_counter() - started, rates.describe())
-    return rates
-
-
-def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float) -> float:
-    """Parameters a second of torch's fused CPU AdamW while copies run each way, the median of
-    ``ADAM_PROBE_REPEATS`` steps after a warm-up (the alone rate beside it is a median too): what the CPU's
-    updates get in a step, where the copies to and from the GPU share host memory's bandwidth with them (on the
-    H100 box the kernel alone was 1.4-1.8x faster; planned with the alone rate, auto placement streamed less
-    than the best hand-set rows, calls H5, H8 in docs/measurements-history.md and J1 in the README). At most
-    ``alone``, the kernel's rate with no copies (a faster figure is timing noise); ``alone`` itself where the
-    probe cannot run (no room for its buffers, pinning refused: the larger probe may not fit where the copy
-    probe after it does). Any other error (a dead CUDA context, a bug) surfaces."""
-    try:
-        times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
-                                                       repeats=ADAM_PROBE_REPEATS, copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
-    except (torch.OutOfMemoryError, HostMemoryError) as error:  # no room on the device, pinning refused
-        log.warning("auto placement could not time CPU AdamW beside copies (%s); it plans with the rate timed "
-                    "alone, %.2f G params/s, which overstates the CPU's speed in a step", error, alone / 1e9)
-        return alone
-    if not beside:
-        log.debug("CPU AdamW probe: no copy completed while the kernel ran; its rate beside copies is overstated")
-    return min(alone, ADAM_PROBE_NUMEL / statistics.median(times))
-
-
-def _copy_rates(device: torch.device, pin: bool) -> dict[str, float]:
-    """Bytes a second each way, best of three, over one buffer in host memory pinned as the host tier pins it."""
-    h2d, d2h = pinned_copy_gbps(device, COPY_PROBE_NBYTES, 3, warmups=0, pin=pin)
-    # The probe's device buffer must not stay in the allocator's cache: `tiers.gpu.budget: auto` is a share of
-    # the memory free after this.
-    torch.cuda.empty_cache()
-    return {"h2d_bytes_per_s": h2d * 1e9, "d2h_bytes_per_s": d2h * 1e9}
 
 
 def gpu_streamed_blocks(blocks: list[Block], update_fraction: float, stream_fraction: float) -> frozenset[int]:

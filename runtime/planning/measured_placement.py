@@ -3,7 +3,8 @@
 ``auto`` placement (``runtime.planning.auto_placement``) must leave room for activations it cannot see before a step runs.
 A share of the free budget is wrong both ways: under DeepSpeed ZeRO-2's reservation (31 GiB on an H100) the
 1.35B benchmark's first step reached 25.1 GiB beyond its plan (reserved bytes, weights resident; call Z3 in
-docs/measurements-history.md) and three quarters of the free budget left its first forward out of memory, while the 8B scenario under a 24 GiB cap used half of what was reserved. So when
+docs/measurements-history.md) and three quarters of the free budget left its first forward out of memory, while the
+8B scenario under a 24 GiB cap used half of what was reserved. So when
 ``optimizer.gpu_update_fraction`` and ``tiers.gpu.activation_reserve`` are both ``auto`` on a GPU, the session's
 first step runs with every update on the CPU, and nothing streamed or kept for backward where those are ``auto``
 (the plan's smallest GPU footprint, shown by ``tierstore plan``); at its commit the peak it reached is read, auto placement
@@ -13,8 +14,9 @@ the plan plus a margin), and the first blocks it chooses move their master and m
 
 The peak is the allocator's reserved bytes, not the allocated ones: a memory-fraction cap limits the former, and
 the difference is the fragmentation the step itself caused; but under expandable segments, whose cache the
-allocator unmaps and maps again wherever an allocation needs it, the allocated peak (``runtime.planning.peak_hint.cuda_step_peak``:
-at 8B the held peak was 16.1 GiB against 9.8 allocated, and only the latter put anything on the GPU). Under an 8 GiB cap (H100, 2026-11-27) a reserve
+allocator unmaps and maps again wherever an allocation needs it, the allocated peak
+(``runtime.planning.peak_hint.cuda_step_peak``: at 8B the held peak was 16.1 GiB against 9.8 allocated, and only the
+latter put anything on the GPU). Under an 8 GiB cap (H100, 2026-11-27) a reserve
 from the allocated peak left the second step 0.75 GiB short. With weights fetched from host the reserved peak
 was 2-3 GiB above the allocated one on the benchmark model under ZeRO-2's memory (calls Z2, Z3), enough that auto
 placement could not afford the hand-set row's keep_for_backward; the line also says what the allocator holds
@@ -36,7 +38,7 @@ the smaller CPU and copy terms, recomputation's, where those overlap the compute
 A first-step plan that sums micro-batch gradients in host memory or spills moments to NVMe (the 8B scenario's) is
 measured too: the blocks moved to the GPU sum their gradients on the device from then on (``HostGradSums.release``),
 and the pinned memory their master, moments and host gradient leave brings spilled moments back from NVMe, as
-many as the plan for the adopted placement fits in the pinned arena (``runtime.session._spilled_after``), the staging
+many as the plan for the adopted placement fits in the pinned arena (``runtime.planning.block_plan.spilled_after``), the staging
 room of the blocks left on NVMe kept free (``runtime.engine.spill_return``). Such a session streams nothing: a
 streamed block's moments must be in pinned memory.
 
@@ -57,12 +59,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from runtime.config.units import approx_size
 from runtime.core.events import StepEvent
-from runtime.model.recompute import BufferWatch, ForwardTimer, Recompute
 from runtime.planning.auto_placement import Placement
 from runtime.planning.peak_hint import StreamPools, supported_reserve
 from tierstore import CapacityError
@@ -78,6 +80,42 @@ TRIAL_NOTE = ("placement.activations auto: where the first step's state does not
               "faster placement of the two by the time model is adopted")
 
 
+class LayerRecompute(Protocol):
+    """The layers' recomputation as the trial switches it (``runtime.model.recompute.Recompute``)."""
+
+    def turn_on(self) -> None:
+        """Recompute the layers' forwards in the backward from the next forward on."""
+
+    def undo(self) -> None:
+        """Give every layer its own forward back."""
+
+
+class LayerTimer(Protocol):
+    """The layers' forwards timed over the measured steps (``runtime.model.recompute.ForwardTimer``)."""
+
+    def next_step(self) -> None:
+        """A measured step begins: its forwards are timed as a new step."""
+
+    def drop_step(self) -> None:
+        """The step under way was dropped: its timings are forgotten."""
+
+    def seconds(self) -> float:
+        """The layers' forward, each layer's least over the measured steps."""
+
+    def remove(self) -> None:
+        """Take the timer's hooks off the layers."""
+
+
+class LayerBuffers(Protocol):
+    """A watch on the layers' buffers (``runtime.model.recompute.BufferWatch``)."""
+
+    def mark(self) -> None:
+        """Remember the buffers as they are now."""
+
+    def changed(self) -> str | None:
+        """The first buffer changed since ``mark`` (None: none)."""
+
+
 @dataclass
 class RecomputeTrial:
     """What ``placement.activations: auto`` gives the first-step placement: the layers' recomputation to try in
@@ -85,10 +123,10 @@ class RecomputeTrial:
     its layers itself (seen recomputing, or flagged, perhaps since offload(): nothing to try), and a watch on the
     layers' buffers (a forward that changes them must not run twice)."""
 
-    recompute: Recompute
-    timer: ForwardTimer
+    recompute: LayerRecompute
+    timer: LayerTimer
     checkpoints_itself: Callable[[], bool]
-    buffers: BufferWatch
+    buffers: LayerBuffers
 
     def close(self, keep_on: bool) -> None:
         """The trial is over: the timer's hooks come off, recomputation stays on only when chosen."""

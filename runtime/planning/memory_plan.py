@@ -5,7 +5,7 @@ the host arena can be sized to the byte and a plan that cannot fit is refused wi
 suggested change before a single page is pinned. ``check_fits`` is that refusal: the config's budgets against
 the plan, and the plan against the RAM this process may use (``runtime.planning.hostmem``: cgroup limits; swap files
 on tmpfs count as RAM), the disk and the GPU budget. ``offload()`` and ``tierstore plan`` both reach it
-through ``runtime.session.plan_model``.
+through ``runtime.planning.placement.plan_blocks``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -23,8 +23,7 @@ from runtime.config.loader import TierstoreConfig
 from runtime.config.units import approx_size
 from runtime.planning.buffers import FETCH_PIECE_NUMEL, PIECE_NUMEL, STAGING_SLOTS, allocator_limit_nbytes
 from runtime.planning.hostmem import HostMemory, host_memory, ram_backed
-from tierstore import swap_tmp_root
-from tierstore.allocator import align_up
+from tierstore import align_up, swap_tmp_root
 
 log = logging.getLogger(__name__)
 
@@ -123,62 +122,92 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
         n = sum(gpu_updated_numels)
         plan.rows.append(("device-updated master + moments", "gpu", 3 * 4 * n))
         plan.rows.append(("device-updated weights", "gpu", n * compute_itemsize))
-
-    def host_bytes(numel: int, itemsize: int) -> int:
-        return align_up(max(numel * itemsize, 1), IO_ALIGNMENT)
-
     on_disk = set(spill_order(block_numels, streamed)[:spilled])
+    plan.rows.extend(_state_rows(block_numels, homes, on_disk, spilled, largest))
+    grad_name = "fp32" if grad_itemsize == 4 else "compute dtype"
+    plan.rows.append((f"gradients ({grad_name}, offloaded)", "host",
+                      sum(_host_nbytes(n, grad_itemsize) for n in block_numels[streamed:])))
+    if spares and all(homes[kind] == "host" for kind in STATE_KINDS):
+        speculating = [n for p, n in enumerate(block_numels) if p >= streamed and p not in on_disk]
+        plan.rows.append((PRE_COMMIT_BUFFERS, "host",
+                          len(STATE_KINDS) * sum(_host_nbytes(n, 4) for n in speculating)))
+    if streamed:
+        in_flight = min(streamed, STREAMED_IN_FLIGHT)
+        plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu", in_flight * 3 * 4 * max(block_numels[:streamed])))
+    plan.rows.extend(_weight_rows(block_numels, weight_source, compute_itemsize, prefetch_depth, largest))
+    plan.rows.append(("gradient assembly (fp32)", "gpu", largest * 4))
+    if accumulation_steps > 1 and host_sums:
+        plan.rows.extend(_host_sum_rows(block_numels, gpu_updated_numels, streamed, compute_itemsize, grad_itemsize))
+    elif accumulation_steps > 1:
+        plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))
+    return plan
+
+
+Row = tuple[str, str, int]  # (kind, tier, nbytes): one line of the plan
+
+
+def _host_nbytes(numel: int, itemsize: int) -> int:
+    """Bytes one host buffer of ``numel`` elements takes: aligned as the store aligns it (one byte at least)."""
+    return align_up(max(numel * itemsize, 1), IO_ALIGNMENT)
+
+
+def _state_rows(block_numels: list[int], homes: dict[str, str], on_disk: set[int], spilled: int, largest: int) -> list[Row]:
+    """The host-updated blocks' fp32 master and moments at their homes: host, NVMe with its staging room, or (the
+    moments of the ``spilled`` blocks at the positions ``on_disk``) spilled to NVMe from a host home."""
+    rows: list[Row] = []
     kept_numels = [n for p, n in enumerate(block_numels) if p not in on_disk]
     spilled_numels = [n for p, n in enumerate(block_numels) if p in on_disk]
     for kind in STATE_KINDS:
         tier = homes[kind]
         if tier == "host" and kind != "master" and spilled:
-            plan.rows.append((f"{kind} (fp32, {len(kept_numels)} blocks)", "host", sum(host_bytes(n, 4) for n in kept_numels)))
-            plan.rows.append((f"{kind} (fp32, {spilled} spilled blocks)", "nvme",
-                              sum(HEADER_NBYTES + host_bytes(n, 4) for n in spilled_numels)))
-            plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, spilled) * host_bytes(max(spilled_numels), 4)))
+            rows.append((f"{kind} (fp32, {len(kept_numels)} blocks)", "host", sum(_host_nbytes(n, 4) for n in kept_numels)))
+            rows.append((f"{kind} (fp32, {spilled} spilled blocks)", "nvme",
+                         sum(HEADER_NBYTES + _host_nbytes(n, 4) for n in spilled_numels)))
+            rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, spilled) * _host_nbytes(max(spilled_numels), 4)))
         elif tier == "host":
-            plan.rows.append((f"{kind} (fp32)", "host", sum(host_bytes(n, 4) for n in block_numels)))
+            rows.append((f"{kind} (fp32)", "host", sum(_host_nbytes(n, 4) for n in block_numels)))
         elif tier == "nvme":
-            plan.rows.append((f"{kind} (fp32)", "nvme", sum(HEADER_NBYTES + host_bytes(n, 4) for n in block_numels)))
-            plan.rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * host_bytes(largest, 4)))
-    grad_name = "fp32" if grad_itemsize == 4 else "compute dtype"
-    plan.rows.append((f"gradients ({grad_name}, offloaded)", "host",
-                      sum(host_bytes(n, grad_itemsize) for n in block_numels[streamed:])))
-    if spares and all(homes[kind] == "host" for kind in STATE_KINDS):
-        speculating = [n for p, n in enumerate(block_numels) if p >= streamed and p not in on_disk]
-        plan.rows.append((PRE_COMMIT_BUFFERS, "host",
-                          len(STATE_KINDS) * sum(host_bytes(n, 4) for n in speculating)))
-    if streamed:
-        in_flight = min(streamed, STREAMED_IN_FLIGHT)
-        plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu", in_flight * 3 * 4 * max(block_numels[:streamed])))
+            rows.append((f"{kind} (fp32)", "nvme", sum(HEADER_NBYTES + _host_nbytes(n, 4) for n in block_numels)))
+            rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * _host_nbytes(largest, 4)))
+    return rows
+
+
+def _weight_rows(block_numels: list[int], weight_source: str, compute_itemsize: int, prefetch_depth: int,
+                 largest: int) -> list[Row]:
+    """The compute weights: a host copy in the compute dtype, resident on the GPU with their refresh staging, or the
+    prefetch window on the GPU with the staging of fetches from the fp32 master."""
+    rows: list[Row] = []
     if weight_source == "weights":
-        plan.rows.append(("weights (compute dtype)", "host", sum(host_bytes(n, compute_itemsize) for n in block_numels)))
+        rows.append(("weights (compute dtype)", "host", sum(_host_nbytes(n, compute_itemsize) for n in block_numels)))
     if weight_source == "resident":
-        plan.rows.append(("weights (resident)", "gpu", sum(block_numels) * compute_itemsize))
-        plan.rows.append(("refresh staging (fp32)", "gpu", largest * 4))
-    else:
-        in_flight = min(len(block_numels), prefetch_depth + 2) if block_numels else 0
-        window = window_bound(block_numels, in_flight)
-        plan.rows.append((f"weights ({in_flight} blocks in flight)", "gpu", window * compute_itemsize))
-        if weight_source == "master" and compute_itemsize != 4:
-            # The fetches stage one piece at a time ([Note: fetch staging]): the window's fp32 is not held at once.
-            plan.rows.append(("fetch staging (fp32)", "gpu", min(largest, FETCH_PIECE_NUMEL) * 4))
-    plan.rows.append(("gradient assembly (fp32)", "gpu", largest * 4))
-    if accumulation_steps > 1 and host_sums:
-        on_device = sum(gpu_updated_numels) + sum(block_numels[:streamed])
-        if on_device:
-            plan.rows.append(("accumulated gradients (GPU-updated)", "gpu", on_device * compute_itemsize))
-        if block_numels[streamed:]:
-            piece = min(PIECE_NUMEL, max(block_numels[streamed:]))
-            plan.rows.append((f"gradient sum buffers ({STAGING_SLOTS})", "host",
-                              STAGING_SLOTS * host_bytes(piece, grad_itemsize)))
-            # The other micro-batches send their gradients out a piece at a time, up to one piece a staging buffer
-            # in flight (each kept until its copy runs); the last brings the host sum in a piece at a time.
-            plan.rows.append((f"gradient assembly: host sum ({grad_name})", "gpu", STAGING_SLOTS * piece * grad_itemsize))
-    elif accumulation_steps > 1:
-        plan.rows.append(("accumulated gradients", "gpu", plan.num_params * compute_itemsize))
-    return plan
+        rows.append(("weights (resident)", "gpu", sum(block_numels) * compute_itemsize))
+        rows.append(("refresh staging (fp32)", "gpu", largest * 4))
+        return rows
+    in_flight = min(len(block_numels), prefetch_depth + 2) if block_numels else 0
+    window = window_bound(block_numels, in_flight)
+    rows.append((f"weights ({in_flight} blocks in flight)", "gpu", window * compute_itemsize))
+    if weight_source == "master" and compute_itemsize != 4:
+        # The fetches stage one piece at a time ([Note: fetch staging]): the window's fp32 is not held at once.
+        rows.append(("fetch staging (fp32)", "gpu", min(largest, FETCH_PIECE_NUMEL) * 4))
+    return rows
+
+
+def _host_sum_rows(block_numels: list[int], gpu_updated_numels: list[int], streamed: int, compute_itemsize: int,
+                   grad_itemsize: int) -> list[Row]:
+    """Micro-batch gradients summed in host memory (``optimizer.accumulate_on: host``): the device-updated and
+    streamed blocks' sums on the GPU, the host-updated blocks' sum buffers and the pieces in flight to them."""
+    rows: list[Row] = []
+    grad_name = "fp32" if grad_itemsize == 4 else "compute dtype"
+    on_device = sum(gpu_updated_numels) + sum(block_numels[:streamed])
+    if on_device:
+        rows.append(("accumulated gradients (GPU-updated)", "gpu", on_device * compute_itemsize))
+    if block_numels[streamed:]:
+        piece = min(PIECE_NUMEL, max(block_numels[streamed:]))
+        rows.append((f"gradient sum buffers ({STAGING_SLOTS})", "host", STAGING_SLOTS * _host_nbytes(piece, grad_itemsize)))
+        # The other micro-batches send their gradients out a piece at a time, up to one piece a staging buffer
+        # in flight (each kept until its copy runs); the last brings the host sum in a piece at a time.
+        rows.append((f"gradient assembly: host sum ({grad_name})", "gpu", STAGING_SLOTS * piece * grad_itemsize))
+    return rows
 
 
 def spill_order(block_numels: Sequence[int], streamed: int = 0) -> list[int]:
@@ -316,7 +345,7 @@ def window_bound(sizes: list[int], count: int) -> int:
     return sum(sorted(sizes, reverse=True)[: max(0, count)])
 
 
-class WeightSource(str, Enum):
+class WeightSource(StrEnum):
     """Where a block's compute weights are fetched from."""
 
     MASTER = "master"  # the fp32 master on host: H2D fp32, cast on the GPU (no extra pass over host memory)

@@ -122,6 +122,17 @@ class PeakHint:
                  approx_size(self.config["activation_reserve_nbytes"]), probe["updated"] - probe["baseline_updated"])
 
 
+def cuda_peak_reset(device: torch.device) -> Callable[[], None]:
+    """Empty the allocator's cache and reset the peak statistics on ``device``, as a callable: the reserved peak then
+    counts what the steps hold, not blocks cached before them (a model built on the GPU, setup's staging)."""
+
+    def reset() -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    return reset
+
+
 def cuda_peak(device: torch.device) -> Callable[[], int]:
     """The process's peak allocated bytes on ``device`` (``torch.cuda.max_memory_allocated``), as a callable."""
     return lambda: int(torch.cuda.max_memory_allocated(device))

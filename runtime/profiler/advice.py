@@ -9,8 +9,9 @@ a change can at most remove the waiting it targets. The rules, by cause of the w
   the weights' source on host;
 - GPU budget full (a refused prefetch): more ``tiers.gpu.budget``;
 - Adam not done: take the worker's input waits away (moments from NVMe to host when RAM has room; more IO
-  threads while NVMe reads are below their ceiling), run the first blocks' update on the GPU (``optimizer.gpu_update_fraction``: those are the
-  updates the CPU cannot hide), and amortise Adam over more tokens (``optimizer.accumulation_steps``).
+  threads while NVMe reads are below their ceiling), run the first blocks' update on the GPU
+  (``optimizer.gpu_update_fraction``: those are the updates the CPU cannot hide), and amortise Adam over more
+  tokens (``optimizer.accumulation_steps``).
   On a GPU, the steps' measured peak bounds what may move there: with a hand-set fraction, the blocks whose
   device-side state fits the memory the peak left unused, less ``GPU_MARGIN`` of the budget; under ``auto``
   placement, the activation reserve the peak supports and what auto placement chooses with it

@@ -122,7 +122,7 @@ def _path_figures(counters: Counters, before: Counters | None, events: list[Tran
         prev_n = before.nbytes.get(kind, 0) if before else 0
         prev_c = before.count.get(kind, 0) if before else 0
         prev_s = before.seconds.get(kind, 0.0) if before else 0.0
-        mine = [(e, interval) for e, interval in zip(events, placed) if e.kind == kind]
+        mine = [(e, interval) for e, interval in zip(events, placed, strict=True) if e.kind == kind]
         recorded = sum(e.nbytes for e, _ in mine)
         busy_s = length(union(interval for _, interval in mine))
         rate = gbps(recorded, busy_s)

@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 from runtime.config.units import format_size
-from runtime.planning.rates import pinned_copy_gbps
-from tierstore import CopyState, TierName, TierStore
-from tierstore.files import create_new
+from runtime.update.rates import pinned_copy_gbps
+from tierstore import CopyState, TierStore, create_new
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +53,8 @@ IDLE_POLL_S = 0.01
 def ceilings_from_store_bench(results: str | os.PathLike[str] | Mapping[str, Any] | Iterable[Any]) -> dict[str, float]:
     """Raw ceilings (GB/s) from ``tierstore bench store`` results: a JSON file's path, its parsed content,
     or a list of ``PathResult``."""
-    if isinstance(results, (str, os.PathLike)):
-        results = json.loads(Path(results).read_text())
-    rows = results.get("results", []) if isinstance(results, Mapping) else list(results)
+    parsed = json.loads(Path(results).read_text()) if isinstance(results, (str, os.PathLike)) else results
+    rows = parsed.get("results", []) if isinstance(parsed, Mapping) else list(parsed)
     out: dict[str, float] = {}
     for row in rows:
         row = row if isinstance(row, Mapping) else row.as_dict()
@@ -76,10 +74,10 @@ def measure_ceilings(store: TierStore, nbytes: int = PCIE_PROBE_NBYTES, repeats:
     those two paths without a ceiling, so a profile still runs."""
     device = store.device
     wait_for_idle_store(store)
-    out = dict(zip(("h2d", "d2h"), pcie_ceilings_gbps(device, nbytes, repeats)))
-    nvme = store.tiers.get(TierName.NVME)
+    out = dict(zip(("h2d", "d2h"), pcie_ceilings_gbps(device, nbytes, repeats), strict=True))
+    nvme = store.tiers.nvme
     if nvme is not None:
-        directory = nvme.directory  # type: ignore[attr-defined]
+        directory = nvme.directory
         try:
             disk = measure_disk_ceiling(Path(directory.path), ios_in_flight=disk_ios_in_flight,
                                         total_nbytes=disk_nbytes, repeats=max(2, min(repeats, 3)),
@@ -112,7 +110,7 @@ def wait_for_idle_store(store: TierStore, timeout_s: float = IDLE_TIMEOUT_S) -> 
 # ---- PCIe -----------------------------------------------------------------------------------------------
 def pcie_ceilings_gbps(device: torch.device, nbytes: int = PCIE_PROBE_NBYTES, repeats: int = 5) -> tuple[float, float]:
     """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between pinned memory and ``device``, each the best of
-    ``repeats`` after ``WARMUP_COPIES`` (``runtime.planning.rates.pinned_copy_gbps``)."""
+    ``repeats`` after ``WARMUP_COPIES`` (``runtime.update.rates.pinned_copy_gbps``)."""
     return pinned_copy_gbps(device, nbytes, repeats, warmups=WARMUP_COPIES)
 
 
@@ -217,7 +215,7 @@ def _run_streams(fd: int, buffers: list[mmap.mmap], offsets: list[list[int]], wr
             errors.append(exc)
 
     threads = [threading.Thread(target=stream, args=(buf, mine), name=f"tierstore-ceiling-{i}", daemon=True)
-               for i, (buf, mine) in enumerate(zip(buffers, offsets))]
+               for i, (buf, mine) in enumerate(zip(buffers, offsets, strict=True))]
     for thread in threads:
         thread.start()
     for thread in threads:

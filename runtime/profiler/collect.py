@@ -114,9 +114,10 @@ class Profiler:
         self._unsubscribe()
         self._unsubscribe = None
         controller = self.session.controller
-        for listeners, listener in ((controller.stall_listeners, self._on_stall), (controller.step_listeners, self._on_step)):
-            if listener in listeners:
-                listeners.remove(listener)
+        if self._on_stall in controller.stall_listeners:
+            controller.stall_listeners.remove(self._on_stall)
+        if self._on_step in controller.step_listeners:
+            controller.step_listeners.remove(self._on_step)
         if self._restore_intervals:
             controller.worker.record_intervals = False
         self._adam_split_end = adam_split(controller.worker.stats)  # as the intervals, which stop being recorded

@@ -21,7 +21,7 @@ from runtime.core.events import StallEvent
 from runtime.profiler.analysis import PATH_NAMES, placed_intervals, summarize
 from runtime.profiler.records import RawProfile
 from runtime.profiler.report import CAUSE_NAMES, format_report
-from tierstore.files import create_new
+from tierstore import create_new
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def chrome_trace(raw: RawProfile) -> dict[str, Any]:
     names = {b["index"]: b["name"] for b in raw.meta.get("blocks", [])}
     # (track kind, start_s, end_s, name, args)
     slices: list[tuple[str, float, float, str, dict[str, Any]]] = []
-    for event, (start, end) in zip(raw.transfers, placed_intervals(raw.transfers)):
+    for event, (start, end) in zip(raw.transfers, placed_intervals(raw.transfers), strict=True):
         kind = event.kind if event.kind in TRACKS else "other"
         rate = event.nbytes / (end - start) / 1e9 if end > start else None
         slices.append((kind, start, end, f"{event.kind} {event.key}",
@@ -102,7 +102,7 @@ def chrome_trace(raw: RawProfile) -> dict[str, Any]:
             label = track_name if lane == 0 else f"{track_name} #{lane + 1}"
             events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": label}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
-        for (start, end, name, args), lane in zip(items, lanes):
+        for (start, end, name, args), lane in zip(items, lanes, strict=True):
             tid = base_tid if lane == 0 else base_tid * LANE_TID + lane
             events.append({"name": name, "cat": kind, "ph": "X", "pid": PID, "tid": tid, "ts": _us(max(0.0, start - t0)),
                            "dur": _us(max(0.0, end - start)), "args": args})
@@ -144,7 +144,7 @@ def write_plot(summary: dict[str, Any], path: Path) -> bool:
     for cause, name in CAUSE_NAMES.items():
         values = [s["stall_s"].get(cause, 0.0) + s["device_wait_s"].get(cause, 0.0) for s in steps]
         stalls.bar(x, values, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     stalls.plot(x, [s["step_s"] for s in steps], color="black", marker=".", label="step time")
     stalls.xaxis.set_major_locator(MaxNLocator(integer=True))
     stalls.set_xlabel("optimizer step")

@@ -31,14 +31,15 @@ def format_report(summary: dict[str, Any]) -> str:
 
 
 def _header(summary: dict[str, Any]) -> str:
-    cfg = summary.get("config") or {}
+    cfg: dict[str, Any] = summary.get("config") or {}
     totals = summary["totals"]
     homes = cfg.get("homes") or {}
+    source = cfg.get("weight_source")  # a WeightSource value; an older profile's may be missing or unknown
     lines = [f"tierstore profile: {totals['steps']} steps in {summary['duration_s']:.2f} s on {summary.get('device')}; "
              f"NVMe IO {summary.get('nvme_io_mode') or 'none'}",
              f"config: prefetch depth {cfg.get('prefetch_depth')}, budget {size_text(cfg.get('prefetch_budget_nbytes', 0))}; "
              f"nvme io_threads {cfg.get('io_threads')}; master on {homes.get('master')}, moments on {homes.get('exp_avg')}, "
-             f"weights from {WEIGHT_SOURCE_TEXT.get(cfg.get('weight_source'), cfg.get('weight_source'))}; "
+             f"weights from {WEIGHT_SOURCE_TEXT.get(str(source), source)}; "
              f"gpu_update_fraction {cfg.get('gpu_update_fraction')}; "
              f"accumulation {cfg.get('accumulation_steps')}"
              f"{'; activations recomputed' if cfg.get('activations_recomputed') else ''}"]
@@ -117,7 +118,8 @@ def _stalls_table(summary: dict[str, Any]) -> str:
         return ""
     device = any(v for s in steps for v in s["device_wait_s"].values())
     head = f"{'step':>5}" + "".join(f"{CAUSE_NAMES[c]:>15}" for c in CAUSE_NAMES) + f"{'total':>9}  blocks that waited most"
-    lines = ["training-thread stalls per step (host seconds by cause" + (" + estimated device waits of on-demand copies" if device else "") + ")",
+    lines = ["training-thread stalls per step (host seconds by cause"
+             + (" + estimated device waits of on-demand copies" if device else "") + ")",
              head]
     names = {b["index"]: b["name"] for b in summary.get("blocks") or []}
     for step in _rows(steps):

@@ -2,6 +2,7 @@
 
 Owns: AdamW over a block's flat fp32 buffers (``adam``), the worker that takes a block's gradients from pinned
 memory, runs the CPU update and publishes the new weights (``worker``), the GPU's share of the update
-(``device_updates``) and second buffers for updates that run before their step commits (``speculation``).
+(``device_updates``), second buffers for updates that run before their step commits (``speculation``), and how
+fast this machine runs the CPU's AdamW and the copies beside it (``rates``: the ``Rates`` planning is given).
 Leaves out: when a block's gradients are complete or a step commits (``engine`` decides and calls in).
 """

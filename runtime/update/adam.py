@@ -79,10 +79,9 @@ def adamw_update_grouped(
     for position, hyper in enumerate(hypers):
         groups.setdefault(hyper, []).append(position)
     for hyper, positions in groups.items():
-        def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [tensors[p] for p in positions]
-
-        adamw_update(pick(master), pick(grads), pick(exp_avg), pick(exp_avg_sq), pick(steps), hyper)
+        group_master, group_grads, group_exp_avg, group_exp_avg_sq, group_steps = (
+            [tensors[p] for p in positions] for tensors in (master, grads, exp_avg, exp_avg_sq, steps))
+        adamw_update(group_master, group_grads, group_exp_avg, group_exp_avg_sq, group_steps, hyper)
 
 
 # Elements per piece of an out-of-place update: a piece's state is copied, then updated while it is still in the
@@ -107,17 +106,16 @@ def adamw_update_out_of_place(
         return
     torch._foreach_add_(steps, 1)
     for piece in _pieces([g.numel() for g in grads], piece_numel):
-        for source, target in zip(old, new):
+        for source, target in zip(old, new, strict=True):
             torch._foreach_copy_([target[i][a:b] for i, a, b in piece], [source[i][a:b] for i, a, b in piece])
         groups: dict[AdamWHyper, list[tuple[int, int, int]]] = {}
         for part in piece:
             groups.setdefault(hypers[part[0]], []).append(part)
         for hyper, parts in groups.items():
-            def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [tensors[i][a:b] for i, a, b in parts]
-
+            master, grad, exp_avg, exp_avg_sq = (
+                [tensors[i][a:b] for i, a, b in parts] for tensors in (new[0], grads, new[1], new[2]))
             torch._fused_adamw_(
-                pick(new[0]), pick(grads), pick(new[1]), pick(new[2]), [], [steps[i] for i, _, _ in parts],
+                master, grad, exp_avg, exp_avg_sq, [], [steps[i] for i, _, _ in parts],
                 lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
                 amsgrad=False, maximize=False,
             )
@@ -147,7 +145,7 @@ def scale_slots(flat: torch.Tensor, block: Block, scales: list[torch.Tensor | No
     """Multiply a block's flat gradient by the user's per-parameter factors, then by tierstore's clip
     coefficient, in the order the plain loop applies them."""
     if scales is not None:
-        for slot, scale in zip(block.slots, scales):
+        for slot, scale in zip(block.slots, scales, strict=True):  # one factor (or None) per slot
             if scale is not None:
                 flat[slot.offset : slot.offset + slot.numel].mul_(scale.to(flat.device))
     if multiplier is not None:

@@ -53,7 +53,7 @@ class ReferenceTrainer:
             (loss * self.scale if self.loss_scale is not None else loss).backward()
         self.losses += losses
         if self.dtype != torch.float32:
-            for p, m in zip(self.params, self.masters):
+            for p, m in zip(self.params, self.masters, strict=True):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         grads = [m.grad for m in self.masters if m.grad is not None]
@@ -72,11 +72,11 @@ class ReferenceTrainer:
             torch._amp_update_scale_(self.scale, self.tracker, found_inf, 2.0, 0.5, self.growth_interval)
         if self.dtype != torch.float32:
             with torch.no_grad():
-                for p, m in zip(self.params, self.masters):
+                for p, m in zip(self.params, self.masters, strict=True):
                     p.copy_(m)
         return losses
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """fp32 weights by parameter name."""
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        return {n: m.detach().float().cpu() for n, m in zip(names, self.masters)}
+        return {n: m.detach().float().cpu() for n, m in zip(names, self.masters, strict=True)}

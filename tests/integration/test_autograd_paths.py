@@ -82,7 +82,7 @@ def test_gradients_assigned_to_grad_are_what_step_applies(tmp_path, optimizer, c
                 else:
                     torch.manual_seed(step)
                     grads = [torch.randn_like(p) for p in m.parameters()]
-                for p, g in zip(m.parameters(), grads):
+                for p, g in zip(m.parameters(), grads, strict=True):
                     p.grad = g
                 if clip is not None or (o is plain_opt and "grad_clip" in optimizer):
                     torch.nn.utils.clip_grad_norm_(m.parameters(), clip or optimizer["grad_clip"])
@@ -108,10 +108,10 @@ def test_assigned_gradients_and_saliency_through_recomputed_layers(tmp_path, che
     model, opt = offload(model, cfg)
     kept, plain_kept = embeddings_kept(model), embeddings_kept(plain)
     with opt.session:
-        for step, batch in enumerate(make_batches(3)):
+        for batch in make_batches(3):
             for m, o in ((plain, plain_opt), (model, opt)):
                 grads = torch.autograd.grad(m(*batch), list(m.parameters()))
-                for p, g in zip(m.parameters(), grads):
+                for p, g in zip(m.parameters(), grads, strict=True):
                     p.grad = g
                 o.step()
                 o.zero_grad()

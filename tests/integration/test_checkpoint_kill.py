@@ -171,7 +171,8 @@ def check_after_kill(ckpt: Path, seen: dict[str, object]) -> int:
     latest = find_checkpoint(ckpt)
     assert latest is not None and latest.parent == ckpt
     step = parse_step_dir(latest.name)
-    assert step in (previous, seen["killed_during"]), f"latest is {latest.name}; last completed save {previous}, killed in {seen['killed_during']}"
+    assert step in (previous, seen["killed_during"]), \
+        f"latest is {latest.name}; last completed save {previous}, killed in {seen['killed_during']}"
     assert (ckpt / "latest").read_text().strip() == latest.name
     verify_checkpoint(latest)
     for _, path in list_checkpoints(ckpt):

@@ -285,8 +285,7 @@ def test_the_cpu_adam_rate_auto_placement_uses_is_timed_while_copies_run_each_wa
     """Copies complete while the timed AdamW steps run (a thread keeps them queued until the kernel ends), and the
     rate auto placement plans with is that one; the kernel alone is timed too and is not slower than beside the
     copies by more than timing noise."""
-    from runtime.planning.auto_placement import ADAM_PROBE_NUMEL, measure_rates
-    from runtime.planning.rates import cpu_adam_seconds_beside_copies
+    from runtime.update.rates import ADAM_PROBE_NUMEL, cpu_adam_seconds_beside_copies, measure_rates
 
     times, beside = cpu_adam_seconds_beside_copies(torch.device("cuda"), ADAM_PROBE_NUMEL, 4, copy_nbytes=64 << 20)
     assert beside and len(times) == 3 and min(times) > 0, (beside, times)
@@ -501,7 +500,7 @@ def test_the_default_config_recomputes_the_layers_where_that_puts_the_update_on_
     session = optimizer.session
     caplog.set_level(logging.INFO, logger="runtime.planning.measured_placement")
     with session:
-        for step, ((x, y), reference_loss) in enumerate(zip(batches, reference_losses)):
+        for step, ((x, y), reference_loss) in enumerate(zip(batches, reference_losses, strict=True)):
             loss = model(x.cuda(), y.cuda())
             loss.backward()
             optimizer.step()
@@ -564,7 +563,8 @@ def test_auto_placement_measured_over_host_sums_and_spilled_moments_trains_like_
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
     from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.session import machine_rates
     from tierstore import TierName
 
     shape = ModelShape(vocab_size=256, hidden_size=512, num_layers=16, num_heads=4, ffn_size=1024)
@@ -575,11 +575,12 @@ def test_auto_placement_measured_over_host_sums_and_spilled_moments_trains_like_
     # The first step's plan (every update on the CPU) with room to spare, less its pre-commit buffers and weights copy
     # (given up before any moment spills) and three layers' moments: the measured first step spills.
     roomy = {**config, "optimizer": {**config["optimizer"], "gpu_update_fraction": 0.0, "gpu_stream_fraction": 0.0}}
-    plan = resolve_plan(blocks, load_config(roomy), torch.device("cuda", 0)).plan
+    cuda = torch.device("cuda", 0)
+    plan = resolve_plan(blocks, load_config(roomy), cuda, rates=machine_rates(load_config(roomy), cuda)).plan
     extra = sum(n for kind, _, n in plan.rows if kind == PRE_COMMIT_BUFFERS or kind.startswith("weights (compute dtype)"))
     layer_moments = 2 * 4 * sorted(b.numel for b in blocks)[len(blocks) // 2]
     config["tiers"]["host"] = {"budget": plan.host_nbytes - extra - 3 * layer_moments}
-    first = resolve_plan(blocks, load_config(config), torch.device("cuda", 0))
+    first = resolve_plan(blocks, load_config(config), cuda, rates=machine_rates(load_config(config), cuda))
     assert first.measured_first_step and first.spilled_blocks
     # A GPU budget that holds some blocks beside the measured reserve (256-512 MiB here), not all of them.
     config["tiers"]["gpu"]["budget"] = first.plan.gpu_nbytes + (712 << 20)
@@ -701,7 +702,7 @@ def test_other_backwards_and_assigned_gradients_on_gpu(placement, fraction, stre
                 loss = model(x.cuda(), y.cuda())
                 if assigned and step % 2:
                     params = [p for p in model.parameters() if p.requires_grad]
-                    for p, g in zip(params, torch.autograd.grad(loss, params)):
+                    for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
                         p.grad = g
                 else:
                     loss.backward()

@@ -46,7 +46,7 @@ def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "
     session = None
     if offloaded:
         (tmp_path / "swap").mkdir(exist_ok=True)
-        # The README's recipe: the Trainer's weight-decay split as parameter groups.
+        # The user guide's recipe (docs/user-guide.md): the Trainer's weight-decay split as parameter groups.
         decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
         names = [name for name, _ in model.named_parameters()]
         groups = [{"params": [n for n in names if n in decay], "weight_decay": args.weight_decay},
@@ -70,7 +70,7 @@ def train(tmp_path, offloaded: bool, accumulation: int = 1, activations: str = "
 
 # accumulation 2: the micro-batches' gradients summed in host memory; recompute: the decoder layers' forwards run
 # again in the backward (placement.activations)
-# weight decay 0.1: the Trainer's split (no decay on norm weights) as param_groups, the README's recipe
+# weight decay 0.1: the Trainer's split (no decay on norm weights) as param_groups, the user guide's recipe
 @pytest.mark.parametrize("accumulation, activations, weight_decay",
                          [(1, "keep", 0.0), (2, "keep", 0.0), (1, "recompute", 0.0), (1, "keep", 0.1)])
 def test_unchanged_trainer_matches_the_plain_trainer_and_saves(tmp_path, accumulation, activations, weight_decay):
@@ -153,7 +153,7 @@ def test_unchanged_trainer_on_the_gpu_trains_like_the_plain_bf16_trainer_and_sav
 
     plain, ours = run(False), run(True)
     assert len(ours) == len(plain) == STEPS
-    for (loss, norm), (ref_loss, ref_norm) in zip(ours, plain):
+    for (loss, norm), (ref_loss, ref_norm) in zip(ours, plain, strict=True):
         assert loss == pytest.approx(ref_loss, rel=2e-2)
         assert norm == pytest.approx(ref_norm, rel=2e-2)
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved-gpu-True"))

@@ -1,7 +1,8 @@
 """Gradient accumulation summed in host memory (``optimizer.accumulate_on: host``) equals a plain loop's, bit for
-bit in fp32 on the CPU (and under bf16 the plain bf16 loop's, whose ``.grad`` sums in bf16 as the host sums do): without clipping, with a clip coefficient below 1 and of exactly 1 (early updates), with
-activation checkpointing, tied embeddings and fp16 overflow steps. The gradients of the micro-batches that do not
-end a step really leave the device (bytes counted) and the parameters hold no gradient between micro-batches."""
+bit in fp32 on the CPU (and under bf16 the plain bf16 loop's, whose ``.grad`` sums in bf16 as the host sums do):
+without clipping, with a clip coefficient below 1 and of exactly 1 (early updates), with activation checkpointing,
+tied embeddings and fp16 overflow steps. The gradients of the micro-batches that do not end a step really leave the
+device (bytes counted) and the parameters hold no gradient between micro-batches."""
 
 from __future__ import annotations
 
@@ -202,7 +203,8 @@ def test_a_dropped_step_gives_back_the_room_of_the_moments_read_early(tmpfs_dir)
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
     from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}}

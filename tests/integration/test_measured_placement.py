@@ -334,7 +334,8 @@ def _spilling_session_config(nvme_dir, short_by_layers: int, vocab_size: int = 2
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
     from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     shape = ModelShape(vocab_size=vocab_size, hidden_size=32, num_layers=10, num_heads=4, ffn_size=64, max_seq_len=64)
     config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(nvme_dir)}}, "placement": {"moments": "auto"},

@@ -25,10 +25,10 @@ def make_batches(num: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tens
 def force_weights_copy(monkeypatch) -> None:
     """Make resolve_plan consider (and so take, when it fits) the compute-dtype weights copy on the CPU, as it does
     on a GPU under accumulation."""
-    import runtime.session as api
+    import runtime.planning.placement as placement
     from runtime.planning.memory_plan import WeightSource
 
-    monkeypatch.setattr(api, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
+    monkeypatch.setattr(placement, "copy_fetch_may_pay", lambda cfg, device, source: source is WeightSource.MASTER
                         and cfg.optimizer.accumulation_steps > 1)
 
 
@@ -282,7 +282,8 @@ def test_moments_spilled_past_the_host_budget_bit_identical(tmpfs_dir):
     torch.manual_seed(0)
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": None}}  # with clipping, the pre-commit buffers would be given up first
@@ -435,7 +436,7 @@ def test_streaming_ahead_stays_within_the_planned_gpu_budget():
     the blocks the plan counts are brought in early, and training is unchanged either way."""
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     shape = ModelShape(vocab_size=256, hidden_size=32, num_layers=8, num_heads=4, ffn_size=64, max_seq_len=64, tie_embeddings=False)
     config = {"dtype": "fp32", "optimizer": {"gpu_stream_fraction": 0.8, "gpu_stream_ahead": 8, "grad_clip": None}}
@@ -466,7 +467,8 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
     from runtime.planning.memory_plan import PRE_COMMIT_BUFFERS
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}}
@@ -534,7 +536,8 @@ def test_master_on_nvme_with_spilled_moments_and_clipping_bit_identical(tmpfs_di
     masters, so the spilled moments are not read early (they filled that room and the worker gave up)."""
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmpfs_dir)}},
             "placement": {"moments": "auto", "master": "nvme"}, "optimizer": {"grad_clip": 0.05}}

@@ -49,12 +49,13 @@ def test_the_gpu_tier_holds_no_more_weights_than_the_plan_counts(tie, checkpoint
 def test_auto_placement_can_be_asked_again_at_another_reserve():
     """The profiler's advice asks auto placement what it would choose at a lower activation reserve: the session's
     config with that reserve and the store's GPU budget. On the CPU every auto is 0 (the device is the CPU)."""
-    from runtime.session import placement_asker, placement_at_reserve
+    from runtime.planning.placement import placement_at_reserve
+    from runtime.session import in_force, placement_asker
 
     model, optimizer = offload(ExampleLM(ModelShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                                                     ffn_size=128, max_seq_len=32)), {"dtype": "fp32"})
     with optimizer.session as session:
-        placement = placement_at_reserve(session, 1 << 30)
+        placement = placement_at_reserve(session.blocks, session.config, session.store.device, in_force(session), 1 << 30)
         ask = placement_asker(session)
         assert ask(1 << 30) == placement
     assert ask(1 << 30) is None  # a closed session (a profile saved after close()) is asked nothing
@@ -67,11 +68,12 @@ def test_a_lower_reserve_puts_no_fewer_blocks_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA; run on the GPU machine")
     from runtime.planning.auto_placement import gpu_updated_blocks
-    from runtime.session import placement_at_reserve
+    from runtime.session import placement_asker
 
     model, optimizer = offload(ExampleLM(ModelShape(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8,
                                                     ffn_size=2816)), {"dtype": "bf16", "tiers": {"gpu": {"budget": "3GiB"}}})
     with optimizer.session as session:
-        counts = [len(gpu_updated_blocks(session.blocks, placement_at_reserve(session, reserve << 20).gpu_update_fraction))
+        ask = placement_asker(session)
+        counts = [len(gpu_updated_blocks(session.blocks, ask(reserve << 20).gpu_update_fraction))
                   for reserve in (2048, 1024, 256)]
         assert counts == sorted(counts) and counts[-1] > len(session.controller.gpu_updated), counts

@@ -117,7 +117,8 @@ def _plan_of(config: Path) -> MemoryPlan:
     from runtime.cli.train import build_model
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     cfg = load_config(config)
     with torch.device("meta"):

@@ -1029,7 +1029,7 @@ def test_between_steps_p_grad_is_there_where_plain_pytorch_holds_one_so_model_ze
         for m in (plain, model):  # Module._apply carries each .grad along: a no-op here (it crashed on the stand-in)
             m.to("cpu").cpu()
         if clear != "nothing":
-            for m, opt in ((plain, plain_opt), (model, optimizer)):
+            for opt in (plain_opt, optimizer):
                 opt.step()  # no backward: nothing (cleared), or zero gradients (zeroed)
             assert_same(model.state_dict(), plain.state_dict())
         model(*batches[1]).backward()

@@ -179,7 +179,7 @@ def test_an_explicit_host_budget_that_holds_the_copy_takes_it_with_swap_on_tmpfs
     from runtime.core.blocks import build_blocks
     from runtime.planning.hostmem import ram_backed
     from runtime.planning.memory_plan import check_fits
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
     from tests.unit.runtime.planning.test_auto_placement import REFERENCE
     from tierstore import swap_tmp_root
 

@@ -16,14 +16,14 @@ UNIT = 64  # a small alignment keeps the model (one cell per unit) cheap
 
 
 def _free_ranges(alloc: RangeAllocator) -> list[tuple[int, int]]:
-    return list(zip(alloc._free_starts, alloc._free_ends))
+    return list(zip(alloc._free_starts, alloc._free_ends, strict=True))
 
 
 def _check_tiling(alloc: RangeAllocator) -> None:
     """Allocated and free ranges are aligned, disjoint, sorted, non-adjacent (free) and tile [0, usable)."""
     usable = alloc.capacity_nbytes - alloc.capacity_nbytes % alloc.alignment
     free = _free_ranges(alloc)
-    for (s0, e0), (s1, e1) in zip(free, free[1:]):
+    for (_, e0), (s1, _) in zip(free, free[1:], strict=False):  # each range and the next
         assert e0 < s1, f"free ranges {free} overlap, touch (not coalesced) or are unsorted"
     pieces = sorted([(s, e, "free") for s, e in free] + [(o, o + n, "used") for o, n in alloc._allocated.items()])
     pos = 0

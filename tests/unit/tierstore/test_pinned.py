@@ -13,8 +13,8 @@ def test_allocations_are_aligned_disjoint_and_share_the_arena() -> None:
     with PinnedArena(64 * 1024, pin=False) as arena:
         sizes = [1, 4097, 4096, 0, 10_000]
         offsets = [arena.allocate(n) for n in sizes]
-        views = [arena.view(off, max(n, 1)) for off, n in zip(offsets, sizes)]
-        for i, (off, view) in enumerate(zip(offsets, views)):
+        views = [arena.view(off, max(n, 1)) for off, n in zip(offsets, sizes, strict=True)]
+        for i, (off, view) in enumerate(zip(offsets, views, strict=True)):
             assert off % IO_ALIGNMENT == 0 and view.data_ptr() % IO_ALIGNMENT == 0
             view.fill_(i + 1)
         for i, view in enumerate(views):  # no buffer was overwritten by another's fill

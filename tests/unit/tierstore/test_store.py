@@ -15,7 +15,10 @@ from tierstore import (
     CapacityError,
     CopyState,
     DirectoryLockedError,
+    GpuTier,
+    HostTier,
     NVMeDirectory,
+    NvmeTier,
     StoreConfig,
     TensorKey,
     TensorMeta,
@@ -305,6 +308,29 @@ def test_init_mismatch_reserves_nothing(make_store) -> None:
     with pytest.raises(ValueError):
         store.register("k", TensorMeta(torch.float32, 10), "host", init=torch.zeros(10, dtype=torch.float64))
     assert _usage(store)["host"] == 0 and store.keys() == []
+
+
+def test_tiers_by_name_each_of_its_own_class(make_store, tmpfs_dir: Path) -> None:
+    """store.tiers is looked up like a dict keyed by TierName (the name's value too), and each tier is its own class:
+    what only one tier does (the GPU's reserve, the host's arena, the NVMe tier's directory) is reached by its name."""
+    store = make_store()
+    assert list(store.tiers) == [TierName.GPU, TierName.HOST] and len(store.tiers) == 2
+    assert store.tiers["host"] is store.tiers[TierName.HOST] is store.tiers.host
+    assert isinstance(store.tiers[TierName.GPU], GpuTier) and isinstance(store.tiers[TierName.HOST], HostTier)
+    assert TierName.NVME not in store.tiers and "tape" not in store.tiers and store.tiers.nvme is None
+    assert store.tiers.get(TierName.NVME) is None
+    with pytest.raises(KeyError):
+        store.tiers[TierName.NVME]
+    with pytest.raises(KeyError):
+        store.tiers["tape"]
+    store.tiers[TierName.GPU].reserve(4096, "a caller's own buffer")
+    assert store.usage()["gpu"]["used_nbytes"] == 4096
+    store.tiers[TierName.GPU].unreserve(4096)
+    with_nvme = make_store(nvme_path=str(tmpfs_dir))
+    assert isinstance(with_nvme.tiers[TierName.NVME], NvmeTier) and with_nvme.tiers["nvme"] is with_nvme.tiers.nvme
+    assert with_nvme.tiers[TierName.NVME].directory.path == tmpfs_dir and TierName.NVME in with_nvme.tiers
+    assert {name: tier.capacity_nbytes for name, tier in with_nvme.tiers.items()} == {
+        TierName(name): figures["capacity_nbytes"] for name, figures in with_nvme.usage().items()}
 
 
 # ---- residency rules --------------------------------------------------------------------------------------

@@ -367,7 +367,7 @@ def test_a_device_to_host_copy_does_not_wait_for_queued_paced_write_backs() -> N
         sources = [torch.full((piece_numel,), float(i), device=device) for i in range(pieces)]
         targets = [arena.view(arena.allocate(piece_numel * 4), piece_numel * 4, torch.float32) for _ in range(pieces)]
         torch.cuda.synchronize()
-        handles = [engine.d2h(f"state{i}", src, dst, paced=True) for i, (src, dst) in enumerate(zip(sources, targets))]
+        handles = [engine.d2h(f"state{i}", src, dst, paced=True) for i, (src, dst) in enumerate(zip(sources, targets, strict=True))]
         loss = torch.ones((), device=device) * 3
         assert loss.item() == 3.0  # a device->host copy on the compute stream, after the write-backs were queued
         assert not handles[-1].done(), "the small copy waited for the whole paced write-back"
@@ -390,9 +390,11 @@ def test_a_failed_pacer_fails_its_queued_copies_and_issues_later_ones_at_once() 
         for handle in queued:
             pacer.submit(handle, lambda handle=handle: handle._set_issued())  # type: ignore[misc]
     for handle in queued:
-        with pytest.raises(Exception):
-            handle.wait()  # never hangs: the failure reaches every queued copy
+        handle._wait_complete()  # never hangs: the failure reaches every queued copy
         assert handle.error is not None
+        with pytest.raises(type(handle.error)) as raised:  # what the device raises (RuntimeError, or a CPU build's)
+            handle.wait()
+        assert raised.value is handle.error
     late = Handle("d2h", "late", "gpu", "host", 8, None)
     pacer.submit(late, lambda: late._set_issued())
     assert late._issued.is_set() and late.error is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.bench import session_bench
-from tests.unit.runtime.checkpoint.test_state import trained  # noqa: F401  (a fixture)
 
 
 def test_checkpoint_figures_remove_only_what_they_created(trained, tmp_path: Path, monkeypatch):

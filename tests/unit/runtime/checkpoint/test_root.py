@@ -19,7 +19,7 @@ from runtime.bundled.data import ByteBatches
 from runtime.checkpoint.files import LATEST_NAME, list_checkpoints, read_latest, verify_checkpoint, write_latest
 from runtime.checkpoint.root import LOCK_NAME
 from tests.integration.checkpoint_training import tiny_cli_config
-from tests.unit.runtime.checkpoint.test_state import CORPUS, make_session, step, trained  # noqa: F401  (trained: a fixture)
+from tests.unit.runtime.checkpoint.sessions import CORPUS, make_session, step
 from tierstore import DirectoryLockedError
 
 REPO = Path(__file__).resolve().parents[4]

@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,42 +21,8 @@ from runtime.bundled.example_model import ExampleLM, ModelShape
 from runtime.checkpoint.files import find_checkpoint, read_latest, verify_checkpoint
 from runtime.checkpoint.root import LOCK_NAME
 from runtime.checkpoint.state import save_due
-from runtime.session import OffloadSession
-from tierstore import CopyState, CorruptFileError, TierName
-from tierstore.nvme import HEADER_NBYTES
-
-SHAPE = ModelShape(vocab_size=256, hidden_size=16, num_layers=2, num_heads=2, ffn_size=32, max_seq_len=32)
-CORPUS = bytes(range(256)) * 64
-
-
-def make_session(swap: Path | None, shape: ModelShape = SHAPE, **placement: object) -> tuple[torch.nn.Module, object, OffloadSession]:
-    torch.manual_seed(0)
-    config: dict = {"dtype": "fp32", "device": "cpu", "optimizer": {"grad_clip": None},
-                    "placement": {"master": placement.pop("master", "host"), "moments": placement.pop("moments", "host")}}
-    if swap is not None:
-        config["tiers"] = {"nvme": {"path": str(swap)}}
-    config["optimizer"].update(placement)
-    model, optimizer = offload(ExampleLM(shape), config)
-    return model, optimizer, optimizer.session
-
-
-def step(model, optimizer, data: ByteBatches, n: int = 1) -> None:
-    for _ in range(n):
-        x, y = data.next()
-        model(x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-@pytest.fixture
-def trained(tmp_path: Path) -> Iterator[tuple[torch.nn.Module, object, OffloadSession, ByteBatches]]:
-    """A session two steps in, moments in swap files, master in host memory."""
-    (tmp_path / "swap").mkdir()
-    model, optimizer, session = make_session(tmp_path / "swap", moments="nvme")
-    data = ByteBatches(CORPUS, 2, 16, seed=0)
-    step(model, optimizer, data, 2)
-    yield model, optimizer, session, data
-    session.close()
+from tests.unit.runtime.checkpoint.sessions import CORPUS, SHAPE, make_session, step
+from tierstore import HEADER_NBYTES, CopyState, CorruptFileError, TierName
 
 
 @pytest.fixture
@@ -243,7 +208,8 @@ def test_tensor_file_is_hashed_as_it_is_loaded(trained, saved, monkeypatch):
     monkeypatch.setattr(checkpoint_module, "check_listing", check_then_swap)
     reads = []
     real_read = checkpoint_module.read_verified_into
-    monkeypatch.setattr(checkpoint_module, "read_verified_into", lambda path, dst, entry: (reads.append(path.name), real_read(path, dst, entry)))
+    monkeypatch.setattr(checkpoint_module, "read_verified_into",
+                        lambda path, dst, entry: (reads.append(path.name), real_read(path, dst, entry)))
     with pytest.raises(CheckpointError, match=r"block1\.exp_avg\.bin: sha256 .* does not match .*holds a mix of its own state"):
         load_checkpoint(session, saved, data)
     assert "a checkpoint load was cut short" in session.controller.interrupted

@@ -1,4 +1,5 @@
-"""HostGradSums on its own (runtime.engine.host_sums): sums in micro-batch order piece by piece, reports which parameters got a gradient, starts afresh after finish / reset, and surfaces a failed sum."""
+"""HostGradSums on its own (runtime.engine.host_sums): sums in micro-batch order piece by piece, reports which parameters
+got a gradient, starts afresh after finish / reset, and surfaces a failed sum."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def _forward(writebacks: DeviceWritebacks, memory: FakeMemory, sizes: list[int],
     """One training forward over blocks 0.. (or ``order``) with the given activation sizes."""
     writebacks.forward_begin()
     memory.forward = base
-    for index, size in zip(order or range(len(sizes)), sizes):
+    for index, size in zip(order or range(len(sizes)), sizes, strict=True):
         writebacks.before_forward(index)
         memory.forward += size
     writebacks.forward_end()

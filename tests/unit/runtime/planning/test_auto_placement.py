@@ -249,7 +249,7 @@ def test_explicit_fraction_rules_apply_to_explicit_values_only():
     load_config({"placement": {"master": "nvme"}, "tiers": {"nvme": {"path": "tmp"}}})  # auto: 0 there
 
 
-# --- resolution in runtime.session ------------------------------------------------------------------------------
+# --- resolution in runtime.planning.placement ------------------------------------------------------------------------------
 
 def test_offload_on_the_cpu_resolves_auto_to_zero_and_says_so(caplog):
     from runtime import offload
@@ -266,7 +266,7 @@ def test_offload_on_the_cpu_resolves_auto_to_zero_and_says_so(caplog):
 
 
 def test_an_explicit_config_plans_exactly_as_before():
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     cfg = load_config({"dtype": "fp32", "optimizer": {"gpu_update_fraction": 0.3, "gpu_stream_fraction": 0.4, "grad_clip": None},
                        "prefetch": {"keep_for_backward": "1MiB"}})
@@ -285,7 +285,7 @@ def test_an_explicit_config_plans_exactly_as_before():
 
 def test_on_a_gpu_the_plan_resolves_auto_with_given_rates():
     """The CUDA path of resolve_plan, planned without CUDA: an explicit GPU budget and given rates."""
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
     total = sum(b.numel for b in blocks)
@@ -312,21 +312,25 @@ def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step()
     nothing streamed or kept), and says so, also where it sums gradients in host memory; a plan that may fetch a bf16
     copy of the weights under accumulation keeps choosing now."""
     from runtime.planning.measured_placement import FIRST_STEP_NOTE, TRIAL_NOTE
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
     total = sum(b.numel for b in blocks)
     rates = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
     resolved = resolve_plan(blocks, load_config({"tiers": {"gpu": {"budget": 36 * total}}}), torch.device("cuda", 0),
-                            rates=rates)
+                            rates=rates, recomputable=True)
     placement = resolved.placement
     assert resolved.measured_first_step
     assert (placement.gpu_update_fraction, placement.gpu_stream_fraction, placement.keep_for_backward_nbytes) == (0, 0, 0)
     assert placement.rates == rates and resolved.plan.notes[0] == FIRST_STEP_NOTE
     assert resolved.plan.notes[1] == TRIAL_NOTE  # placement.activations auto, the default
     kept = resolve_plan(blocks, load_config({"tiers": {"gpu": {"budget": 36 * total}}, "placement": {"activations": "keep"}}),
-                        torch.device("cuda", 0), rates=rates)
+                        torch.device("cuda", 0), rates=rates, recomputable=True)
     assert TRIAL_NOTE not in kept.plan.notes
+    # Layers that cannot be recomputed (runtime.model.recompute.recompute_refusal, which the caller asks) try nothing.
+    fixed = resolve_plan(blocks, load_config({"tiers": {"gpu": {"budget": 36 * total}}}), torch.device("cuda", 0),
+                         rates=rates, recomputable=False)
+    assert fixed.measured_first_step and TRIAL_NOTE not in fixed.plan.notes
     summed = load_config({"dtype": "fp32", "tiers": {"gpu": {"budget": 36 * total}},
                           "optimizer": {"accumulation_steps": 4, "accumulate_on": "host"}})
     measured = resolve_plan(blocks, summed, torch.device("cuda", 0), rates=rates)  # host sums: measured too
@@ -342,8 +346,10 @@ def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step()
 def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
     """bf16 under accumulation with host sums and a host budget that spills moments (the 8B scenario's shape of
     plan): the first step is measured (a spilling plan never takes the weights copy), its moments spilled."""
+    from runtime.planning.block_plan import plan_for
     from runtime.planning.memory_plan import WeightSource
-    from runtime.session import plan_for, resolve_homes, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_homes
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
     total = sum(b.numel for b in blocks)
@@ -355,8 +361,8 @@ def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
     # The first step updates every block on the CPU (nothing streamed) fetching the fp32 master: its pinned memory,
     # the most any placement needs, with the last block's moments on disk.
     cfg = load_config(config)
-    homes, _ = resolve_homes(cfg, torch.device("cuda", 0))
-    unspilled = plan_for(blocks, cfg, homes, WeightSource.MASTER, torch.bfloat16,
+    homes, _ = resolve_homes(cfg)
+    unspilled = plan_for(blocks, cfg, homes, WeightSource.MASTER,
                          placement=Placement(0.0, 0.0, 0, host_sums=True)).host_nbytes
     last_moments = 2 * 4 * blocks[-1].numel
     config["tiers"]["host"] = {"budget": unspilled - last_moments // 2}
@@ -403,7 +409,7 @@ def test_under_accumulation_the_plan_fetches_a_compute_dtype_copy_when_it_costs_
     """Master in pinned memory, 16 micro-batches a step: a bf16 copy of the weights (2 bytes a parameter of pinned
     memory) halves every fetch. The plan takes it when the host budget holds it beside the rest, and says so."""
     from runtime.planning.memory_plan import WeightSource
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     blocks, config = _copy_case()
     cuda = torch.device("cuda", 0)
@@ -427,7 +433,7 @@ def test_without_accumulation_or_on_the_cpu_the_master_is_fetched():
     """One micro-batch a step fetches each block once or twice: the copy's CPU cast and pinned bytes buy little.
     On the CPU nothing crosses PCIe. Neither plan considers the copy (no note)."""
     from runtime.planning.memory_plan import WeightSource
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     blocks, config = _copy_case(accumulation_steps=1)
     once = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=REFERENCE)
@@ -441,7 +447,7 @@ def test_the_copy_never_costs_streaming():
     """A slow CPU makes auto placement stream updates to the GPU; a streamed block's update refreshes no host copy,
     so with streaming chosen the plan keeps fetching the master."""
     from runtime.planning.memory_plan import WeightSource
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     blocks, config = _copy_case()
     for knob in ("gpu_update_fraction", "gpu_stream_fraction"):
@@ -477,32 +483,32 @@ def test_the_rate_beside_copies_falls_back_to_the_rate_alone_and_never_exceeds_i
     that says so; a rate beside copies above the one alone (timing noise) is capped at it."""
     import logging
 
-    import runtime.planning.auto_placement as autoplace
+    import runtime.update.rates as probe
     from tierstore import HostMemoryError
 
     for refusal in (torch.OutOfMemoryError("CUDA out of memory"), HostMemoryError(1 << 29, "page-lock", "cudaHostRegister refused")):
         def refuse(*args, refusal=refusal, **kwargs):
             raise refusal
 
-        monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies", refuse)
+        monkeypatch.setattr(probe, "cpu_adam_seconds_beside_copies", refuse)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="runtime.planning.auto_placement"):
-            assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9
+        with caplog.at_level(logging.WARNING, logger="runtime.update.rates"):
+            assert probe._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9
         assert "could not time CPU AdamW beside copies" in caplog.text and "4.00 G params/s" in caplog.text
 
     def broken(*args, **kwargs):  # anything else is a bug or a dead CUDA context: it surfaces
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies", broken)
+    monkeypatch.setattr(probe, "cpu_adam_seconds_beside_copies", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9)
-    numel = autoplace.ADAM_PROBE_NUMEL
-    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies",
+        probe._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9)
+    numel = probe.ADAM_PROBE_NUMEL
+    monkeypatch.setattr(probe, "cpu_adam_seconds_beside_copies",
                         lambda *args, **kwargs: ([numel / 5e9, numel / 3e9, numel / 6e9], True))
-    assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9  # median 5e9, capped
-    monkeypatch.setattr(autoplace, "cpu_adam_seconds_beside_copies",
+    assert probe._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == 4e9  # median 5e9, capped
+    monkeypatch.setattr(probe, "cpu_adam_seconds_beside_copies",
                         lambda *args, **kwargs: ([numel / 3e9, numel / 2e9, numel / 2.5e9], True))
-    assert autoplace._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == pytest.approx(2.5e9)
+    assert probe._adam_rate_beside_copies(torch.device("cpu"), 2, True, alone=4e9) == pytest.approx(2.5e9)
 
 
 def test_a_steps_modelled_time_follows_the_compute_or_overlaps_it():

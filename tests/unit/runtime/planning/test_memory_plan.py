@@ -138,7 +138,7 @@ def test_streamed_blocks_never_spill_their_moments(tmp_path):
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
     from runtime.planning.auto_placement import gpu_streamed_blocks
-    from runtime.session import resolve_plan
+    from runtime.planning.placement import resolve_plan
 
     cfg = load_config({"dtype": "fp32", "device": "cpu", "placement": {"moments": "auto"},
                        "optimizer": {"gpu_stream_fraction": 0.4},
@@ -229,7 +229,8 @@ def test_updates_waiting_for_the_commit_get_second_buffers_when_the_host_has_roo
 def test_pre_commit_buffers_are_given_up_before_any_moment_spills(tmp_path):
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     base = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path)}}, "placement": {"moments": "auto"},
             "optimizer": {"grad_clip": 1.0}}
@@ -248,7 +249,8 @@ def test_a_plan_without_pre_commit_buffers_gets_none_at_run_time(tmp_path):
     # anyway out of the room the plan keeps for staging the spilled moments.
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
-    from runtime.session import resolve_device, resolve_plan
+    from runtime.planning.placement import resolve_plan
+    from runtime.planning.settings import resolve_device
 
     config = {"dtype": "fp32", "tiers": {"nvme": {"path": str(tmp_path)}}, "placement": {"moments": "auto"},
               "optimizer": {"grad_clip": 1e6}}
@@ -290,7 +292,7 @@ def test_host_sums_leave_device_updated_blocks_summing_on_the_device():
 def test_accumulate_on_resolves_from_the_gpu_budget(budget_grads, accumulate_on, steps, expected):
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
-    from runtime.session import sums_on_host
+    from runtime.planning.settings import sums_on_host
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
     grads_nbytes = 2 * sum(block.numel for block in blocks)  # bf16

@@ -51,7 +51,8 @@ def test_activation_reserve_set_in_the_config_reaches_auto_placement():
     from runtime.config.loader import load_config
     from runtime.core.blocks import build_blocks
     from runtime.planning.auto_placement import Rates
-    from runtime.session import resolve_homes, resolve_placement
+    from runtime.planning.placement import resolve_placement
+    from runtime.planning.settings import resolve_homes
 
     model = ExampleLM(SHAPE)
     blocks = build_blocks(model, 1, None)
@@ -59,7 +60,7 @@ def test_activation_reserve_set_in_the_config_reaches_auto_placement():
     chosen = {}
     for reserve in ("auto", "1GiB", "1TiB"):
         cfg = load_config({"tiers": {"gpu": {"budget": "2GiB", "activation_reserve": reserve}}})
-        homes, source = resolve_homes(cfg, torch.device("cuda"))
+        homes, source = resolve_homes(cfg)
         chosen[reserve] = resolve_placement(blocks, cfg, torch.device("cuda"), homes, source, rates=rates)
     assert chosen["1GiB"].activation_reserve_nbytes == GiB
     assert "activation reserve 1.00 GiB (set)" in chosen["1GiB"].notes[0]

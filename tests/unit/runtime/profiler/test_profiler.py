@@ -42,9 +42,10 @@ class FakeSession:
     """Just what the profiler reads of a session: bus, usage, controller hooks and stats, placement."""
 
     def __init__(self) -> None:
-        self.store = SimpleNamespace(bus=EventBus(), device=torch.device("cpu"), usage=lambda: {"gpu": {"used_nbytes": 1, "capacity_nbytes": 9},
-                                                                     "host": {"used_nbytes": 2, "capacity_nbytes": 9},
-                                                                     "nvme": {"used_nbytes": 3, "capacity_nbytes": 9}})
+        self.store = SimpleNamespace(bus=EventBus(), device=torch.device("cpu"),
+                                     usage=lambda: {"gpu": {"used_nbytes": 1, "capacity_nbytes": 9},
+                                                    "host": {"used_nbytes": 2, "capacity_nbytes": 9},
+                                                    "nvme": {"used_nbytes": 3, "capacity_nbytes": 9}})
         self.controller = SimpleNamespace(
             stall_listeners=[], step_listeners=[], stats=StepStats(), schedule=SimpleNamespace(stats=ScheduleStats()),
             worker=SimpleNamespace(stats=WorkerStats(), record_intervals=False))
@@ -118,7 +119,8 @@ def test_counters_add_up_exactly(fake):
     assert steps[0]["paths"]["read"]["nbytes"] == 2 * GB and steps[0]["paths"]["read"]["count"] == 2
     assert steps[0]["paths"]["write"]["nbytes"] == 0 and steps[1]["paths"]["write"]["nbytes"] == 4 * GB
     totals = summary["totals"]["paths"]
-    assert {k: totals[k]["nbytes"] for k in ("h2d", "d2h", "read", "write")} == {"h2d": 3 * GB, "d2h": 3 * GB, "read": 2 * GB, "write": 9 * GB}
+    assert {k: totals[k]["nbytes"] for k in ("h2d", "d2h", "read", "write")} == {"h2d": 3 * GB, "d2h": 3 * GB, "read": 2 * GB,
+                                                                                "write": 9 * GB}
     for kind in ("h2d", "d2h", "read"):  # no tail traffic on these paths: the steps hold everything
         assert sum(s["paths"][kind]["nbytes"] for s in steps) == totals[kind]["nbytes"]
         assert sum(s["paths"][kind]["count"] for s in steps) == totals[kind]["count"]
@@ -446,7 +448,7 @@ def _llama8b_meta(*, embedding_on_gpu: bool, reserve_gib: float, plan_gib: float
     numels = [525_336_576] + [218_112_000] * 32 + [525_336_576]
     blocks = [{"index": i, "name": name, "numel": n, "weight_nbytes": 2 * n, "source_key": f"b{i}.master",
                "gpu_updated": embedding_on_gpu and i == 0}
-              for i, (n, name) in enumerate(zip(numels, ["embed"] + [f"layers.{i}" for i in range(32)] + ["head"]))]
+              for i, (n, name) in enumerate(zip(numels, ["embed"] + [f"layers.{i}" for i in range(32)] + ["head"], strict=True))]
     config = {**META["config"], "homes": {**META["config"]["homes"], "exp_avg": "host+nvme", "exp_avg_sq": "host+nvme"},
               "gpu_update_fraction": 0.0654 if embedding_on_gpu else 0.0, "gpu_update_fraction_auto": fraction_auto,
               "gpu_budget_nbytes": 24 * gib, "activation_reserve_nbytes": int(reserve_gib * gib),

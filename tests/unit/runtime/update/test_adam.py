@@ -49,7 +49,7 @@ def test_bit_identical_to_fused_torch_adamw_over_several_steps(hyper, lr):
     for step in range(1, 6):
         g = torch.randn(total) * (10.0 ** (step - 3))  # different magnitudes from step to step
         grad.copy_(g)
-        for p, gv in zip(ref_params, split_views(g, SIZES)):
+        for p, gv in zip(ref_params, split_views(g, SIZES), strict=True):
             p.grad = gv.clone()
         ref.step()
         adamw_update(split_views(master, SIZES), split_views(grad, SIZES), split_views(exp_avg, SIZES),
@@ -82,7 +82,7 @@ def test_own_step_counters_per_parameter():
         ref.step()
         grad.copy_(g)
         keep = [True, both]
-        pick = lambda views: [x for x, k in zip(views, keep) if k]  # noqa: E731
+        pick = lambda views, keep=keep: [x for x, k in zip(views, keep, strict=True) if k]  # noqa: E731
         adamw_update(pick(split_views(master, sizes)), pick(split_views(grad, sizes)), pick(split_views(m, sizes)),
                      pick(split_views(v, sizes)), pick(steps), hyper)
     assert [float(s) for s in steps] == [4.0, 2.0]
@@ -126,7 +126,7 @@ def test_out_of_place_update_is_bit_identical_and_leaves_the_old_state(piece):
     steps = [torch.tensor(3.0) for _ in sizes]
     adamw_update_out_of_place(tuple(old), tuple(new), grads, steps, hypers, piece_numel=piece)
     for kind in range(3):
-        for got, want, before, kept in zip(new[kind], in_place[kind], state[kind], old[kind]):
+        for got, want, before, kept in zip(new[kind], in_place[kind], state[kind], old[kind], strict=True):
             assert torch.equal(got, want)
             assert torch.equal(kept, before)
     assert [float(s) for s in steps] == [4.0] * len(sizes)

@@ -67,7 +67,7 @@ class Reference:
                 p.grad = None
         for index, flat in grads.items():
             keep = (masks or {}).get(index) or [True] * len(self.params[index])
-            for p, g, k in zip(self.params[index], split_views(flat, sizes(self.s.blocks[index])), keep):
+            for p, g, k in zip(self.params[index], split_views(flat, sizes(self.s.blocks[index])), keep, strict=True):
                 p.grad = g.clone() if k else None
         self.opt.step()
 
@@ -448,7 +448,7 @@ def hold_on_block_4_then_queue(s: Setup, worker: UpdateWorker, indices: tuple[in
     first, gates = GatedHandle(), [GatedHandle() for _ in indices]
     worker.submit(job(s, 4, 1, grad_handle=first))
     assert first.entered.wait(10)
-    for index, gate in zip(indices, gates):
+    for index, gate in zip(indices, gates, strict=True):
         worker.submit(job(s, index, 1, grad_handle=gate))
     return first, gates
 

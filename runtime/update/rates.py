@@ -1,15 +1,19 @@
-"""What this machine's paths and optimizer run at: the one copy probe and the one CPU AdamW timing.
+"""What this machine's paths and optimizer run at: the one copy probe, the one CPU AdamW timing, and the ``Rates``
+auto placement plans with (``measure_rates``, once per process).
 
-``auto`` placement (``runtime.planning.auto_placement``), the profiler's ceilings (``runtime.profiler.ceilings``) and the
-training benchmark's bound (``runtime.bench.train_bound``) all measure the same two things; they differ only
-in sizes, repeats and which statistic they keep. Auto placement also times the AdamW kernel while copies run
-each way (what the CPU's updates get in a step); the bound keeps the kernel alone (a lower bound on the step).
-Pure measurement: nothing here decides anything.
+``auto`` placement (``runtime.planning.auto_placement``, which receives the ``Rates`` and times nothing), the
+profiler's ceilings (``runtime.profiler.ceilings``) and the training benchmark's bound (``runtime.bench.train_bound``)
+all measure the same two things; they differ only in sizes, repeats and which statistic they keep. Auto placement
+also times the AdamW kernel while copies run each way (what the CPU's updates get in a step); the bound keeps the
+kernel alone (a lower bound on the step). Here beside the kernel it times, above the planning that reads the
+figures. Pure measurement: nothing here decides anything.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,12 +22,19 @@ from contextlib import contextmanager
 import torch
 
 from runtime.config.units import format_size
+from runtime.planning.auto_placement import Rates
 from runtime.update.adam import AdamWHyper, adamw_update, split_views
-from tierstore import PinnedArena
+from tierstore import HostMemoryError, PinnedArena
 
 log = logging.getLogger(__name__)
 
 PCIE_MIN_NBYTES = 32 << 20  # the copy probe halves its buffer down to this when the GPU has no room for it
+ADAM_PROBE_NUMEL = 32 << 20  # parameters timed for the CPU AdamW rate (512 MiB of master, grad, moments)
+ADAM_PROBE_TENSORS = 16  # the probe's parameters, as views: the fused kernel sees a list, as in a block
+# Timed steps of each AdamW probe, the median kept. One step is ~7 ms on the H100 box, and beside copies the
+# rate varied by a fifth between two processes of one machine with three (call J3: 2.75 and 3.34 G params/s).
+ADAM_PROBE_REPEATS = 7
+COPY_PROBE_NBYTES = 256 << 20  # bytes timed for each copy direction
 
 
 def best_s(repeats: int, run: Callable[[], float], warmups: int = 1) -> float:
@@ -175,3 +186,57 @@ def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int
         return times
     finally:
         torch.set_num_threads(previous)
+
+
+def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -> Rates:
+    """Time CPU fused AdamW (``cpu_threads`` threads) and copies each way between host memory (pinned when ``pin``)
+    and ``device``, once per process for the same arguments, then AdamW again while copies run each way. Before
+    the beside-copies probe and the 7-step medians it took about half a second (H100 box, 14 threads: 0.32 s for
+    AdamW at 4.7 G params/s, 0.24 s for the copies at 55 GB/s each way, CUDA start included); each probe now adds
+    a few tens of milliseconds of timed steps (not re-timed on a GPU)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _measured(index, cpu_threads, pin)
+
+
+# Cached for the process (the one piece of module state here): the rates are the machine's, and a second
+# offload in the same process should neither pay for them again nor choose differently by timing noise.
+@functools.cache
+def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
+    started = time.perf_counter()
+    device = torch.device("cuda", device_index)
+    alone_s = cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS, repeats=ADAM_PROBE_REPEATS)
+    alone = ADAM_PROBE_NUMEL / statistics.median(alone_s)
+    rates = Rates(adam_params_per_s=_adam_rate_beside_copies(device, cpu_threads, pin, alone=alone),
+                  adam_alone_params_per_s=alone, **_copy_rates(device, pin))
+    log.info("measured for auto placement in %.2f s: %s", time.perf_counter() - started, rates.describe())
+    return rates
+
+
+def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float) -> float:
+    """Parameters a second of torch's fused CPU AdamW while copies run each way, the median of
+    ``ADAM_PROBE_REPEATS`` steps after a warm-up (the alone rate beside it is a median too): what the CPU's
+    updates get in a step, where the copies to and from the GPU share host memory's bandwidth with them (on the
+    H100 box the kernel alone was 1.4-1.8x faster; planned with the alone rate, auto placement streamed less
+    than the best hand-set rows, calls H5, H8 and J1 in docs/measurements-history.md). At most
+    ``alone``, the kernel's rate with no copies (a faster figure is timing noise); ``alone`` itself where the
+    probe cannot run (no room for its buffers, pinning refused: the larger probe may not fit where the copy
+    probe after it does). Any other error (a dead CUDA context, a bug) surfaces."""
+    try:
+        times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
+                                                       repeats=ADAM_PROBE_REPEATS, copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
+    except (torch.OutOfMemoryError, HostMemoryError) as error:  # no room on the device, pinning refused
+        log.warning("auto placement could not time CPU AdamW beside copies (%s); it plans with the rate timed "
+                    "alone, %.2f G params/s, which overstates the CPU's speed in a step", error, alone / 1e9)
+        return alone
+    if not beside:
+        log.debug("CPU AdamW probe: no copy completed while the kernel ran; its rate beside copies is overstated")
+    return min(alone, ADAM_PROBE_NUMEL / statistics.median(times))
+
+
+def _copy_rates(device: torch.device, pin: bool) -> dict[str, float]:
+    """Bytes a second each way, best of three, over one buffer in host memory pinned as the host tier pins it."""
+    h2d, d2h = pinned_copy_gbps(device, COPY_PROBE_NBYTES, 3, warmups=0, pin=pin)
+    # The probe's device buffer must not stay in the allocator's cache: `tiers.gpu.budget: auto` is a share of
+    # the memory free after this.
+    torch.cuda.empty_cache()
+    return {"h2d_bytes_per_s": h2d * 1e9, "d2h_bytes_per_s": d2h * 1e9}
