@@ -22,7 +22,7 @@ from runtime.core.signals import defers_interrupts, handle_signals
 from runtime.engine.controller import Controller, RuntimeOptions
 from runtime.integrations.safetensors_export import save_sharded  # needs safetensors only when called
 from runtime.model.hooks import HookSet, StateDictHooks
-from runtime.model.materialize import ParamInit, initialize, materialize_meta_parameters
+from runtime.model.materialize import ParamInit, block_filler, initialize, materialize_meta_parameters
 from runtime.model.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.model.param_guard import ParamGuard, is_offloaded
 from runtime.model.recompute import BufferWatch, ForwardTimer, Recompute, already_checkpointed, recompute_refusal
@@ -463,12 +463,13 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
                                       nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
                                       io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
         options = _options(cfg, dtype, resolved, record_intervals)
-        controller = Controller(model, blocks, store, options, init=init, uninitialized=uninitialized)
+        controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)
-        access = StateAccess(controller)
+        access = StateAccess(controller, blocks, store, controller.weights, controller.worker, controller.writebacks,
+                             controller.fetch.release)
         hooks = HookSet(model, blocks, controller)
         undo.append(hooks.remove)
-        guard = ParamGuard(blocks, access, controller.clipper)
+        guard = ParamGuard(blocks, access, controller.clipper, controller, controller.param_block)
         undo.append(guard.remove)
         guard.install()
         state_dict_hooks = StateDictHooks(model, blocks, lambda block: cast(OffloadSession, session).weights_of(block),

@@ -18,29 +18,28 @@ What it leaves out: when updates are submitted (``runtime.engine.controller``), 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 
 from runtime.core.blocks import Block
+from runtime.engine.kept_grads import KeptGrads
 from runtime.engine.step_phase import StepPhase
-from runtime.model.param_guard import moves_nowhere
-
-if TYPE_CHECKING:
-    from runtime.engine.controller import Controller
+from runtime.engine.step_view import HostSumAccess, StepView
+from runtime.engine.torch_calls import DATA_GET, DATA_SET, GRAD_FN_GET, GRAD_GET, moves_nowhere, tensor_getter
 
 log = logging.getLogger(__name__)
 
 _NORM_CALLS = frozenset({torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm})
 _SCALE_CALLS = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
 # What stands for the same gradient (``p.grad.data.norm(2)``, a logging idiom): the stand-in itself, served as p.grad is.
-_SAME_GRAD = frozenset({torch.Tensor.data.__get__, torch.Tensor.detach})
+_SAME_GRAD = frozenset({DATA_GET, torch.Tensor.detach})
 # What a gradient summed in host memory serves between micro-batches (GradClipper._host_sum_call): norms and scaling.
 _HOST_SUM_SERVED = _NORM_CALLS | _SCALE_CALLS | {torch._foreach_norm, torch._foreach_mul_}
-_GRAD_METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-                            torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.ndim.__get__,
-                            torch.Tensor.is_cuda.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
-                            torch.Tensor.requires_grad_, torch.Tensor.is_sparse.__get__, torch.Tensor.is_floating_point,
+_GRAD_METADATA = frozenset({*(tensor_getter(name) for name in ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad",
+                                                                 "layout", "is_sparse")),
+                            torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+                            torch.Tensor.requires_grad_, torch.Tensor.is_floating_point,
                             torch.Tensor.element_size, torch.Tensor.__len__})
 
 
@@ -86,7 +85,7 @@ def _module_apply_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             return True, args[0]
         if func is torch._has_compatible_shallow_copy_type:
             return True, func(*args, **kwargs)
-    if func == torch.Tensor.data.__set__ and isinstance(args[1], OffloadedGrad) and args[1].slot == grad.slot:
+    if func == DATA_SET and isinstance(args[1], OffloadedGrad) and args[1].slot == grad.slot:
         return True, None  # grad.data = the stand-in it already is
     return False, None
 
@@ -95,7 +94,7 @@ def real_grad(param: torch.Tensor) -> torch.Tensor | None:
     """``param.grad`` as torch holds it, not what the parameter guard shows the user (a stand-in of a gradient that
     left the device, or of one plain PyTorch would still hold between steps)."""
     with torch._C.DisableTorchFunctionSubclass():
-        return torch.Tensor.grad.__get__(param)
+        return GRAD_GET(param)
 
 
 class OffloadedGrad(torch.Tensor):
@@ -111,7 +110,7 @@ class OffloadedGrad(torch.Tensor):
         grad = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
         grad.clipper = clipper
         grad.slot = slot
-        grad.step = clipper.controller.optimizer_step
+        grad.step = clipper.view.optimizer_step
         grad.spent = False  # True: made between steps, for a gradient its step's update used (GradClipper.grad_of)
         return grad
 
@@ -122,7 +121,8 @@ class OffloadedGrad(torch.Tensor):
         return grads[0].clipper.grad_call(func, args, kwargs, grads)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),  # type: ignore[override]
+                           kwargs: dict[str, Any] | None = None) -> Any:
         raise RuntimeError(f"{func} reached an offloaded gradient's storage, which lives off the device")
 
 
@@ -136,8 +136,13 @@ def _flat(args: tuple[Any, ...]) -> list[Any]:
 class GradClipper:
     """Per-parameter gradient norms and user scale factors of the step in progress."""
 
-    def __init__(self, controller: Controller):
-        self.controller = controller
+    def __init__(self, view: StepView, blocks: list[Block], param_slot: dict[int, tuple[int, int]], kept_grads: KeptGrads,
+                 sums: HostSumAccess):
+        self.view = view
+        self.blocks = blocks
+        self.param_slot = param_slot  # id(parameter) -> (block index, position)
+        self.kept_grads = kept_grads  # which parameters plain PyTorch would hold a .grad for (runtime.engine.kept_grads)
+        self.sums = sums  # gradients summed in host memory between micro-batches
         self._norms: dict[tuple[int, int], torch.Tensor] = {}  # slot -> its gradient's 2-norm (device, fp32)
         self._scales: dict[tuple[int, int], torch.Tensor] = {}  # slot -> product of the user's scale factors
         self._proxies: dict[tuple[int, int], OffloadedGrad | None] = {}  # slots whose gradient left the device
@@ -162,10 +167,10 @@ class GradClipper:
     # ---- the user's side ------------------------------------------------------------------------------
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param.grad`` as the user sees it: the real one, or the stand-in of one that left the device."""
-        slot = self.controller.param_slot.get(id(param))
+        slot = self.param_slot.get(id(param))
         if slot is None or slot not in self._proxies:
-            grad = torch.Tensor.grad.__get__(param)
-            if grad is None and slot is not None and self.controller.host_sum_holds(slot):
+            grad = GRAD_GET(param)
+            if grad is None and slot is not None and self.sums.host_sum_holds(slot):
                 return OffloadedGrad(param, self, slot)  # between micro-batches, summed in host memory
             if grad is None and slot is not None and self._spent_held(slot):
                 spent = OffloadedGrad(param, self, slot)  # between steps, what plain PyTorch's .grad still holds
@@ -188,16 +193,16 @@ class GradClipper:
             raise RuntimeError(f"p.grad = the gradient stand-in of {self._name(value)}: it holds no values to assign "
                                "(model.to() does this under torch.__future__.set_overwrite_module_params_on_conversion"
                                "(True): call zero_grad() first)")
-        slot = self.controller.param_slot.get(id(param))
+        slot = self.param_slot.get(id(param))
         if slot is not None and value is None:  # plain PyTorch holds no .grad tensor for it now (runtime.engine.kept_grads)
-            self.controller.kept_grads.drop(*slot)
+            self.kept_grads.drop(*slot)
         if slot is not None and slot not in self._proxies:
             # Between micro-batches: what the step summed on the host so far goes, as the plain .grad would.
-            self.controller.drop_host_sum(slot)
-        ready = self.controller.phase is StepPhase.READY
+            self.sums.drop_host_sum(slot)
+        ready = self.view.phase is StepPhase.READY
         if slot is None or (slot not in self._proxies and not (ready and value is not None)):
             return
-        name = self.controller.blocks[slot[0]].slots[slot[1]].name
+        name = self.blocks[slot[0]].slots[slot[1]].name
         if value is not None and slot not in self._proxies:
             # No gradient in the step's last backward: its block's update was decided without one, so a gradient
             # assigned now would silently never be applied.
@@ -236,7 +241,7 @@ class GradClipper:
         carried, value = _module_apply_call(func, args, kwargs, grads[0])
         if carried:
             return value
-        spent = [g for g in grads if g.spent or (g.slot not in self._proxies and not self.controller.host_sum_holds(g.slot))]
+        spent = [g for g in grads if g.spent or (g.slot not in self._proxies and not self.sums.host_sum_holds(g.slot))]
         if spent:  # between steps: a gradient its step's update used (or a stand-in of one, kept since)
             return self._spent_call(func, name, args, spent[0])
         if grads[0].slot not in self._proxies:  # between micro-batches: the gradient is a sum in host memory
@@ -268,20 +273,20 @@ class GradClipper:
     def _spent_held(self, slot: tuple[int, int]) -> bool:
         """Between steps, plain PyTorch's ``.grad`` of this parameter would still hold a tensor: the last step's
         gradient (used by its update, no copy kept) or zeros (``zero_grad(set_to_none=False)``)."""
-        return self.controller.phase is StepPhase.IDLE and self.controller.kept_grads.holds(*slot)
+        return self.view.phase is StepPhase.IDLE and self.kept_grads.holds(*slot)
 
     def _spent_call(self, func: Any, name: str, args: tuple[Any, ...], grad: OffloadedGrad) -> Any:
         """A call on ``p.grad`` between steps, where plain PyTorch still holds a tensor: what ``model.zero_grad()``
         does to it (``p.grad = None`` reaches ``on_grad_set``; with ``set_to_none=False``: ``grad_fn``,
         ``detach_``, ``zero_``, which keeps it as a zero gradient) is served; reading its values is refused, saying
         where they went. A stand-in kept from a step that has ended since is refused too."""
-        if func == torch.Tensor.grad_fn.__get__:
+        if func == GRAD_FN_GET:
             return None
         if func == torch.Tensor.detach_:
             return args[0]
-        current = self._spent_held(grad.slot) and grad.step == self.controller.optimizer_step
+        current = self._spent_held(grad.slot) and grad.step == self.view.optimizer_step
         if func == torch.Tensor.zero_ and current:
-            self.controller.kept_grads.zero_slot(*grad.slot)
+            self.kept_grads.zero_slot(*grad.slot)
             return args[0]
         if not current:
             raise RuntimeError(f"{name} on a p.grad of {self._name(grad)} kept from a step that has ended: read p.grad "
@@ -300,20 +305,20 @@ class GradClipper:
         (``clip_grad_norm_`` before ``optimizer.step()`` ends a step early: the HF Trainer's last step of an
         epoch the accumulation does not divide); in a list, the gradients still on the device (blocks updated
         there) are served as they are. Anything else raises."""
-        if func == torch.Tensor.grad_fn.__get__:
+        if func == GRAD_FN_GET:
             return None
         if func == torch.Tensor.detach_:
             return args[0]
         if func == torch.Tensor.zero_ or func in _HOST_SUM_SERVED:
             stale = [g for g in _flat(args) if isinstance(g, OffloadedGrad)
-                     and (g.step != self.controller.optimizer_step or not self.controller.host_sum_holds(g.slot))]
+                     and (g.step != self.view.optimizer_step or not self.sums.host_sum_holds(g.slot))]
             if stale:  # kept from a step that has ended: the host buffer is another step's now
                 raise RuntimeError(f"{name} on a p.grad of {self._name(stale[0])} kept from a step that has ended: "
                                    "read p.grad again")
         if func == torch.Tensor.zero_:
-            self.controller.drop_host_sum(grad.slot)
+            self.sums.drop_host_sum(grad.slot)
             return args[0]
-        if func in _HOST_SUM_SERVED and self.controller.scaler is not None:
+        if func in _HOST_SUM_SERVED and self.view.options.loss_scale is not None:
             raise RuntimeError(f"{name} on the gradient of {self._name(grad)} between micro-batches: under fp16 loss "
                                "scaling its sum in host memory is still multiplied by the loss scale. Clip after the "
                                "step's last micro-batch, or let tierstore clip (optimizer.grad_clip)")
@@ -333,7 +338,7 @@ class GradClipper:
             with torch._C.DisableTorchFunctionSubclass():
                 for g in (args[0] if func is torch._foreach_mul_ else [args[0]]):
                     if isinstance(g, OffloadedGrad):
-                        summed = self.controller.host_sum_of(g.slot)
+                        summed = self.sums.host_sum_of(g.slot)
                         summed.mul_(factor.to(summed.device) if isinstance(factor, torch.Tensor) else factor)
                     else:
                         g.mul_(factor)
@@ -348,7 +353,7 @@ class GradClipper:
         """The 2-norm of a gradient summed in host memory so far, computed there (as ``torch._foreach_norm``
         computes a ``.grad``'s), in the gradient's dtype on its device."""
         with torch._C.DisableTorchFunctionSubclass():
-            norm = torch._foreach_norm([self.controller.host_sum_of(grad.slot)])[0]
+            norm = torch._foreach_norm([self.sums.host_sum_of(grad.slot)])[0]
             return norm.to(device=grad.device, dtype=grad.dtype)
 
     def _norm(self, grad: OffloadedGrad) -> torch.Tensor:
@@ -360,7 +365,7 @@ class GradClipper:
         """The loop multiplies a gradient (its clip, or by hand) while tierstore clips too (``optimizer.grad_clip``):
         a loop's clip would clip each step twice, which plain PyTorch does not do (tierstore's 1.0 where the loop
         clipped at 5.0), so any multiply is refused there."""
-        threshold = self.controller.options.grad_clip
+        threshold = self.view.options.grad_clip
         if threshold is not None:
             raise RuntimeError(
                 f"{call} on the gradient of {self._name(grad)}: your loop multiplies gradients after backward (as "
@@ -368,7 +373,7 @@ class GradClipper:
                 "clip in your loop the step would be clipped twice, unlike plain PyTorch, so a multiply is refused "
                 "there. "
                 + ("Set optimizer.grad_clip: null (or leave it out) to multiply or clip in your loop only"
-                   if self.controller.options.hold_updates else
+                   if self.view.options.hold_updates else
                    "Set optimizer.user_grad_clip: true (tierstore's own clip is then off) to multiply or clip in your "
                    "loop")
                 + ", or drop the loop's multiply and keep optimizer.grad_clip")
@@ -387,8 +392,12 @@ class GradClipper:
         previous = self._scales.get(grad.slot)
         self._scales[grad.slot] = factor.detach() if previous is None else previous * factor.to(previous.device)
 
+    def _proxy(self, block_index: int, position: int) -> OffloadedGrad:
+        """The stand-in of a parameter whose gradient left the device (``grad_of`` makes it at the first read)."""
+        return cast(OffloadedGrad, self.grad_of(self.blocks[block_index].slots[position].param))
+
     def _name(self, grad: OffloadedGrad) -> str:
-        return self.controller.blocks[grad.slot[0]].slots[grad.slot[1]].name
+        return self.blocks[grad.slot[0]].slots[grad.slot[1]].name
 
     def _streaming_message(self, grad: OffloadedGrad) -> str:
         return (f"the gradient of {self._name(grad)} left the device and its update has already started (updates "
@@ -433,20 +442,19 @@ class GradClipper:
         """``optimizer.clip_grad_norm_``: scale every pending gradient as torch.nn.utils.clip_grad_norm_ would;
         returns the total norm before clipping. Between micro-batches (a step about to end early: the gradients
         summed so far) it is torch's clip over the offloaded parameters, served from the sums."""
-        if self.controller.phase is StepPhase.ACCUMULATING:
-            params = [slot.param for block in self.controller.blocks for slot in block.slots]
+        if self.view.phase is StepPhase.ACCUMULATING:
+            params = [slot.param for block in self.blocks for slot in block.slots]
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         if not self._norms:
             if self._proxies:
                 block_index, position = next(iter(self._proxies))
-                raise RuntimeError(self._streaming_message(self.grad_of(self.controller.blocks[block_index].slots[position].param)))
+                raise RuntimeError(self._streaming_message(self._proxy(block_index, position)))
             raise RuntimeError("optimizer.clip_grad_norm_ needs a backward first: no gradient of this step left the device yet")
         total = self.total_norm()
         assert total is not None  # _norms is not empty
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for block_index, position in list(self._norms):
-            self._scale(self.grad_of(self.controller.blocks[block_index].slots[position].param), coef,
-                        "optimizer.clip_grad_norm_")
+            self._scale(self._proxy(block_index, position), coef, "optimizer.clip_grad_norm_")
         return total
 
 

@@ -23,7 +23,8 @@ Between micro-batches the parameter's ``.grad`` is an ``OffloadedGrad`` standing
 reading its values raises. The copies off the device go through a
 few pinned staging buffers (``STAGING_SLOTS`` of ``PIECE_NUMEL`` elements; a block's gradient travels in
 pieces, each made from the parameters' gradients once a buffer is free for it, so the GPU never holds a second
-copy of a block's gradient: 2 GiB of fp32 for the 8B scenario's head): the backward waits for a free one only when the CPU sums fall behind, which bounds the pinned memory
+copy of a block's gradient: 2 GiB of fp32 for the 8B scenario's head): the backward waits for a free one only
+when the CPU sums fall behind, which bounds the pinned memory
 (1 GiB of fp32 sums, 512 MiB of bf16 ones, not a multiple of a 128k-vocabulary embedding) and paces the backward to the host's summing rate.
 A piece holds its buffer from the moment the backward queues its copy, while the GPU may still be computing
 it, so the backward's wait for a buffer is the training thread running ahead of the GPU as much as the GPU
@@ -133,7 +134,7 @@ class HostGradSums:
         self._raise_if_failed()
         index = block.index
         previous = self._had_grad.get(index)
-        self._had_grad[index] = has_grad if previous is None else [a or b for a, b in zip(previous, has_grad)]
+        self._had_grad[index] = has_grad if previous is None else [a or b for a, b in zip(previous, has_grad, strict=False)]
         first = self._sent[index] == 0
         waited = 0.0
         for begin in range(0, block.numel, self.piece_numel):

@@ -7,7 +7,7 @@ backwards did not reach is updated with a zero gradient (its momentum decays, we
 moves), and a ``step()`` with no backward at all updates each of them so. tierstore takes a block's gradient off the
 parameters for its update, so it keeps, per block and parameter, whether plain PyTorch would hold a tensor there
 (one gradient in any step since the last ``zero_grad(set_to_none=True)``), and while the last ``zero_grad`` kept
-zeros, a step counts those parameters as having a zero gradient (``Controller._offload_grads``).
+zeros, a step counts those parameters as having a zero gradient (``Gradients.offload`` in ``runtime.engine.gradients``).
 
 ``p.grad = None`` drops the parameter's tensor (``GradClipper.on_grad_set`` says so), as in plain PyTorch.
 
@@ -38,8 +38,8 @@ class KeptGrads:
         updates (those, and while zeros are kept, every one plain PyTorch holds a zeroed ``.grad`` for), and records
         them as holding a ``.grad`` from now on."""
         held, zeroed = self._held[index], self._zeroed[index]
-        has_grad = [a or (b and (self.zeros_kept or z)) for a, b, z in zip(has_grad, held, zeroed)]
-        self._held[index] = [a or b for a, b in zip(has_grad, held)]
+        has_grad = [a or (b and (self.zeros_kept or z)) for a, b, z in zip(has_grad, held, zeroed, strict=False)]
+        self._held[index] = [a or b for a, b in zip(has_grad, held, strict=False)]
         return has_grad
 
     def zero_grad(self, set_to_none: bool, present: Iterable[tuple[int, int]] = ()) -> None:

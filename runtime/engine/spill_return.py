@@ -38,7 +38,7 @@ def bring_moments_home(store: TierStore, blocks: Sequence[Block], indices: list[
     whose moments stay on NVMe in any case. Stops at the first block that does not fit or cannot be read (its
     moments stay on NVMe; the log says so): it never raises. Between steps only (no copy of a moment in use).
     Returns the blocks whose moments stay on NVMe."""
-    arena = store.tiers[TierName.HOST].arena  # type: ignore[attr-defined]  # the host tier is a HostTier
+    arena = store.tiers[TierName.HOST].arena  # the host tier is a HostTier
     still = set(staying) | set(indices)
     brought: list[int] = []
     # Largest first: while a large block waits its turn, every check counts staging room of its size.

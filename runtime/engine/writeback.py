@@ -133,7 +133,7 @@ class DeviceWritebacks:
             self._marks = []
             return
         end = self._allocated() - self.held_nbytes()
-        for position, ((index, at), (_, following)) in enumerate(zip(self._marks, self._marks[1:] + [(-1, end)])):
+        for position, ((index, at), (_, following)) in enumerate(zip(self._marks, self._marks[1:] + [(-1, end)], strict=False)):
             self._growth[(position, index)] = max(0, following - at)
         self._marks = []
         if self.handles:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from runtime.core.blocks import Block
 from runtime.core.signals import defers_interrupts
 from runtime.engine.controller import Controller
+from runtime.engine.torch_calls import GRAD_SET
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _will_accumulate(param: torch.Tensor) -> bool:
         if not param.requires_grad:
             return False
         with torch.enable_grad():
-            accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # the live one, the graph's
+            accumulator = cast(Any, param.view_as(param).grad_fn).next_functions[0][0]  # the live one, the graph's
     try:
         return torch._C._will_engine_execute_node(accumulator)
     except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()": captured
@@ -126,7 +127,7 @@ class HookSet:
                     needed[module] = indices
         return needed
 
-    def _make_root_pre_forward(self, root: nn.Module):  # type: ignore[no-untyped-def]
+    def _make_root_pre_forward(self, root: nn.Module):
         def root_pre_forward(module: nn.Module, args: Any) -> None:
             if module is root and not in_backward():
                 # No backward runs now: an end-of-backward callback still marked queued belonged to a backward
@@ -136,14 +137,14 @@ class HookSet:
 
         return root_pre_forward
 
-    def _make_root_post_forward(self, root: nn.Module):  # type: ignore[no-untyped-def]
+    def _make_root_post_forward(self, root: nn.Module):
         def root_post_forward(module: nn.Module, args: Any, output: Any) -> None:
             if module is root and not in_backward():
                 self.controller.on_forward_end()
 
         return root_post_forward
 
-    def _make_pre_forward(self, indices: list[int], hooked: nn.Module):  # type: ignore[no-untyped-def]
+    def _make_pre_forward(self, indices: list[int], hooked: nn.Module):
         def pre_forward(module: nn.Module, args: Any) -> None:
             if module is not hooked:
                 return
@@ -157,7 +158,7 @@ class HookSet:
 
         return pre_forward
 
-    def _make_post_forward(self, indices: list[int], hooked: nn.Module):  # type: ignore[no-untyped-def]
+    def _make_post_forward(self, indices: list[int], hooked: nn.Module):
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             if module is not hooked:
                 return
@@ -183,7 +184,7 @@ class HookSet:
     def _param_grad(self, param: torch.Tensor) -> None:
         if torch.is_grad_enabled():  # backward(create_graph=True): .grad holds a graph that reads the weights
             with torch._C.DisableTorchFunctionSubclass():  # not through the parameter guard: nothing to drop there
-                torch.Tensor.grad.__set__(param, None)
+                GRAD_SET(param, None)
             refuse_create_graph()
         self._queue_end_of_backward()
         self.controller.on_param_grad(param)  # type: ignore[arg-type]

@@ -10,10 +10,12 @@ into the store, then frees it. Peak host memory for the model itself is then one
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from runtime.core.blocks import Block
 
 ParamInit = Callable[[str, torch.Tensor], None]
 """Fills one parameter in place: ``init(name, tensor)`` with the name from ``model.named_parameters()``."""
@@ -40,11 +42,25 @@ def materialize_meta_parameters(model: nn.Module) -> set[int]:
     return {id(p) for p in replaced.values()}
 
 
-def initialize(named: list[tuple[str, torch.Tensor]], init: ParamInit) -> None:
+def initialize(named: Sequence[tuple[str, torch.Tensor]], init: ParamInit) -> None:
     """Run ``init`` on each (name, parameter) without recording autograd history."""
     with torch.no_grad():
         for name, param in named:
             init(name, param.data)
+
+
+def block_filler(init: ParamInit | None, uninitialized: set[int]) -> Callable[[Block], None] | None:
+    """What the engine calls on each block just before copying it into the store: ``init`` run on the block's
+    parameters that ``materialize_meta_parameters`` left uninitialised (None: nothing to fill)."""
+    if init is None or not uninitialized:
+        return None
+
+    def fill(block: Block) -> None:
+        fresh = [(slot.name, slot.param) for slot in block.slots if id(slot.param) in uninitialized]
+        if fresh:
+            initialize(fresh, init)
+
+    return fill
 
 
 def seeded_normal_init(name: str, tensor: torch.Tensor, std: float = 0.02) -> None:

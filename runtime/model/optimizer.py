@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.core.signals import defers_interrupts
 from runtime.engine.clipping import real_grad
-from runtime.engine.controller import Controller, refuse_unfrozen
+from runtime.engine.controller import Controller
+from runtime.engine.refusals import refuse_unfrozen
 from runtime.engine.step_phase import StepPhase
+from runtime.engine.torch_calls import GRAD_SET
+from runtime.model.state_access import StateAccess
 from runtime.update.adam import AdamWHyper
-
-if TYPE_CHECKING:
-    from runtime.model.state_access import StateAccess
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.access = access
         self._warned_regrouping = False
         self._bind_groups()
-        controller.hyper_source = self._hypers
+        controller.hypers.source = self._hypers
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, while the constructor lays out the groups; afterwards refused. The offloaded parameters, their
@@ -66,7 +66,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _bind_groups(self) -> None:
         """Tell the controller which group each offloaded parameter is in."""
         group_of = check_param_groups(self.param_groups, self.controller.blocks, after_offload=True)
-        self.controller.slot_groups = [[group_of[id(slot.param)] for slot in block.slots] for block in self.controller.blocks]
+        self.controller.hypers.slot_groups = [[group_of[id(slot.param)] for slot in block.slots] for block in self.controller.blocks]
         self._membership = _membership(self.param_groups)
 
     def _follow_regrouping(self) -> None:
@@ -96,7 +96,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Commit the update started by the last micro-batch's backward."""
         self.controller.check_open()
         self._follow_regrouping()  # refused before anything of the pending step changes
@@ -131,7 +131,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 grad = real_grad(p)  # the real one, not a stand-in
                 if grad is not None:
                     if set_to_none:
-                        torch.Tensor.grad.__set__(p, None)
+                        GRAD_SET(p, None)
                     else:
                         grad.zero_()
 
@@ -202,7 +202,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         hyper-parameters, and each parameter's moments and step counter, written into the tiers."""
         self._follow_regrouping()
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, self.param_groups)):
+        if len(groups) != len(self.param_groups) \
+                or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, self.param_groups, strict=False)):
             raise ValueError("the optimizer state_dict's param_groups do not match this optimizer's (number of groups "
                              "or parameters per group); load the state of an optimizer built over the same parameters")
         for number, saved in enumerate(groups):
@@ -217,7 +218,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                                      f"the parameter {tuple(slot.shape)}")
             per_block.setdefault(block.index, []).append((position, slot, entry))
         self.access.settle()
-        for group, saved in zip(self.param_groups, groups):
+        for group, saved in zip(self.param_groups, groups, strict=False):
             group.update({key: value for key, value in saved.items() if key != "params" and key not in IMPLEMENTATION_FLAGS})
         for block_index, entries in per_block.items():
             for position, _slot, entry in entries:

@@ -32,16 +32,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, cast
 
 import torch
 
 from runtime.core.blocks import Block
 from runtime.core.signals import defers_interrupts
-
-if TYPE_CHECKING:
-    from runtime.engine.clipping import GradClipper
-    from runtime.model.state_access import StateAccess
+from runtime.engine.clipping import GradClipper
+from runtime.engine.torch_calls import CUDA, DATA_SET, GRAD_GET, GRAD_SET, TO, no_op_cuda, no_op_to
+from runtime.model.state_access import StateAccess
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +77,12 @@ METADATA_CALLS = frozenset(
 # Calls whose result aliases the whole parameter: made from metadata alone, so nothing is fetched (other
 # views check their bounds against the storage and are made after a fetch, like any read).
 ALIAS_CALLS = frozenset(_getters("data") | _methods("detach"))
-GRAD_GET = torch.Tensor.grad.__get__
-GRAD_SET = torch.Tensor.grad.__set__
-DATA_SET = torch.Tensor.data.__set__
-TO = torch.Tensor.to
 IN_PLACE_DUNDERS = frozenset(_methods("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                                       "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
                                       "__irshift__"))
 # Calls that hand the bytes to something torch does not track (numpy, DLPack, pickling): given a copy, so nothing
 # outside can hold the block's memory when it is released.
 COPY_CALLS = frozenset(_methods("numpy", "__array__", "__dlpack__", "__reduce_ex__"))
-CUDA = torch.Tensor.cuda
 DEEPCOPY = torch.Tensor.__deepcopy__
 
 
@@ -98,21 +92,6 @@ def _tensors_in(args: Iterable[Any]) -> Iterable[torch.Tensor]:
             yield arg
         elif isinstance(arg, (list, tuple)):
             yield from (a for a in arg if isinstance(a, torch.Tensor))
-
-
-def moves_nowhere(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """``t.to(...)``, ``t.cuda()`` or ``t.cpu()`` that returns ``t`` itself: what ``model.to(device)`` calls on the
-    tensors already there."""
-    if func == TO:
-        return ParamGuard._no_op_to(args, kwargs)
-    if func == CUDA:
-        return ParamGuard._no_op_cuda(args, kwargs)
-    return func == torch.Tensor.cpu and args[0].device.type == "cpu"
-
-
-def _same_device(wanted: torch.device, tensor: torch.Tensor) -> bool:
-    """``wanted`` names the device tensor is on (an index left out matches any)."""
-    return wanted.type == tensor.device.type and wanted.index in (None, tensor.device.index)
 
 
 def _is_in_place(func: Callable[..., Any], kwargs: dict[str, Any] | None = None) -> bool:
@@ -125,7 +104,7 @@ def _is_in_place(func: Callable[..., Any], kwargs: dict[str, Any] | None = None)
     if isinstance(func, torch._ops.OpOverload):
         arguments = func._schema.arguments
         return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
-    return bool(kwargs) and kwargs.get("inplace") is True
+    return kwargs is not None and kwargs.get("inplace") is True
 
 
 def _op_name(func: Callable[..., Any]) -> str:
@@ -163,14 +142,27 @@ def _target_positional(func: Callable[..., Any], args: tuple[Any, ...],
     return (rest.pop("tensor"),), rest
 
 
+class PassState(Protocol):
+    """Whether a forward or backward of the model runs now, and the blocks a pass that raised left held."""
+
+    @property
+    def pass_running(self) -> bool:
+        """A forward or a backward of the model is under way now."""
+
+    def drop_raised_forward_holds(self) -> bool:
+        """Release the blocks a forward that raised left held; returns whether there were any."""
+
+
 class ParamGuard:
     """Routes torch calls on one session's offloaded parameters, their views and their offloaded gradients."""
 
-    def __init__(self, blocks: list[Block], access: StateAccess, clipper: GradClipper):
+    def __init__(self, blocks: list[Block], access: StateAccess, clipper: GradClipper, passes: PassState,
+                 param_block: dict[int, int]):
         self.blocks = blocks
         self.access = access
         self.clipper = clipper
-        self.param_block = access.controller.param_block  # id(parameter) -> block index
+        self.passes = passes  # the engine's forward / backward in progress
+        self.param_block = param_block  # id(parameter) -> block index
         self._storage_block: dict[int, int] = {}
         self._original_classes: dict[int, type] = {}
         guard = self
@@ -253,9 +245,9 @@ class ParamGuard:
             writes = bool(indices) and self._writes_guarded(func, args, kwargs)
             # A write while a pass runs is refused below; one after a pass that raised (its blocks still held
             # until the next forward) is a write between steps, to the master.
-            stale_write = writes and not self.access.controller.pass_running
+            stale_write = writes and not self.passes.pass_running
             if stale_write:
-                self.access.controller.drop_raised_forward_holds()  # their fetched copies would keep the old values
+                self.passes.drop_raised_forward_holds()  # their fetched copies would keep the old values
             if not stale_write and all(self.access.in_pass(i) for i in indices):
                 if writes:
                     raise RuntimeError(
@@ -269,24 +261,31 @@ class ParamGuard:
                 if isinstance(result, torch.Tensor) and result._is_view():
                     return self._guard_views(result)
                 return result
-            if writes:
-                return self._write(func, args, kwargs, guarded)
-            if (func == TO and self._no_op_to(args, kwargs)) or (func == CUDA and self._no_op_cuda(args, kwargs)):
-                return args[0]
-            if func in ALIAS_CALLS:  # same sizes as the parameter: valid over the released storage
-                return self._guard_views(func(*args, **kwargs))
-            for index in sorted(indices):
-                self.access.prepare_read(index)
-            if func in COPY_CALLS:
-                return func(args[0].clone(), *args[1:], **kwargs)
-            if func == DEEPCOPY:  # copy.deepcopy(model): a plain parameter holding the current weights
-                source = args[0]
-                base = self._original_classes.get(id(source))
-                value = func(source.detach(), args[1]) if base is None else \
-                    base(source.detach().clone(), requires_grad=source.requires_grad)
-                args[1][id(source)] = value
-                return value
+            return self._outside_pass(func, args, kwargs, guarded, indices, writes)
+
+    def _outside_pass(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      guarded: list[tuple[torch.Tensor, int | None]], indices: set[int], writes: bool) -> Any:
+        """``dispatch`` of a call on blocks no pass holds now (between steps): a write goes to the master, a no-op
+        move or an alias is made from metadata, anything else reads the blocks' current weights first. Called with
+        torch functions disabled."""
+        if writes:
+            return self._write(func, args, kwargs, guarded)
+        if (func == TO and no_op_to(args, kwargs)) or (func == CUDA and no_op_cuda(args, kwargs)):
+            return args[0]
+        if func in ALIAS_CALLS:  # same sizes as the parameter: valid over the released storage
             return self._guard_views(func(*args, **kwargs))
+        for index in sorted(indices):
+            self.access.prepare_read(index)
+        if func in COPY_CALLS:
+            return func(args[0].clone(), *args[1:], **kwargs)
+        if func == DEEPCOPY:  # copy.deepcopy(model): a plain parameter holding the current weights
+            source = args[0]
+            base = self._original_classes.get(id(source))
+            value = func(source.detach(), args[1]) if base is None else \
+                base(source.detach().clone(), requires_grad=source.requires_grad)
+            args[1][id(source)] = value
+            return value
+        return self._guard_views(func(*args, **kwargs))
 
     def _writes_guarded(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """The call writes into a guarded tensor: in place on its first argument, or through ``out=``."""
@@ -295,18 +294,6 @@ class ParamGuard:
 
     def _is_guarded(self, tensor: Any) -> bool:
         return isinstance(tensor, torch.Tensor) and self.block_of(tensor) is not None
-
-    @staticmethod
-    def _no_op_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """``t.cuda()`` of a tensor already on that device (``model.cuda()`` after offload)."""
-        tensor = args[0]
-        device = kwargs.get("device", args[1] if len(args) > 1 else None)
-        if not tensor.is_cuda:
-            return False
-        if device is None:
-            return True
-        wanted = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        return wanted.type == "cuda" and _same_device(wanted, tensor)
 
     def _check_rebind(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """``param.data = value``: only a no-op rebind (what ``model.to(device)`` does) keeps the parameter a view
@@ -320,17 +307,6 @@ class ParamGuard:
                 "replacing an offloaded parameter's data (param.data = ..., model.to(dtype), model.half()) would cut "
                 "it off from tierstore's tiers: convert or move the model before offload (the compute dtype is the "
                 "config's `dtype`), or write values with param.copy_(...) / load_state_dict")
-
-    @staticmethod
-    def _no_op_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """``t.to(...)`` that returns t itself (same device and dtype, no copy), as ``model.to(device)`` calls it."""
-        tensor = args[0]
-        try:
-            device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
-        except (TypeError, RuntimeError):
-            return False
-        return (device is None or _same_device(device, tensor)) and dtype in (None, tensor.dtype) \
-            and not kwargs.get("copy", False)
 
     def _guard_views(self, result: Any) -> Any:
         """Results that alias an offloaded block's storage are returned guarded."""
@@ -373,7 +349,7 @@ class ParamGuard:
             if method is not None:
                 method(tensor, *rest, **extra)
             else:
-                tensor.copy_(function(tensor, *rest, **extra))
+                tensor.copy_(cast(Callable[..., torch.Tensor], function)(tensor, *rest, **extra))
         return list(tensors)
 
     def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -381,7 +357,7 @@ class ParamGuard:
         """An in-place write outside forward/backward: applied to the fp32 master at the same place."""
         target = args[0] if args else None
         index = self.block_of(target) if isinstance(target, torch.Tensor) else None
-        if index is None or "out" in kwargs:
+        if index is None or "out" in kwargs or not isinstance(target, torch.Tensor):
             raise RuntimeError(
                 f"{getattr(func, '__name__', func)} writes into an offloaded parameter through an output argument "
                 "or a list; write parameters with model.load_state_dict(...) or param.copy_(value)")

@@ -42,7 +42,7 @@ import copyreg
 import inspect
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -120,12 +120,12 @@ def _recomputing_class(cls: type) -> type:
             # rebuilt by the standard library's object reconstructor where the reduction would name this class
             # (pickle refuses another class through copyreg.__newobj__), so a pickle does not need tierstore.
             recomputing = _RECOMPUTED[cls]
-            func, args, *rest = cls.__reduce_ex__(self, protocol)
+            func, args, *rest = cast(Any, cls).__reduce_ex__(self, protocol)
             if func is recomputing:
                 func = cls
             if args and args[0] is recomputing:
-                if func is copyreg.__newobj__:
-                    func, args = copyreg._reconstructor, (cls, object, None)
+                if func is copyreg.__newobj__:  # type: ignore[attr-defined]
+                    func, args = copyreg._reconstructor, (cls, object, None)  # type: ignore[attr-defined]
                 else:
                     args = (cls, *args[1:])
             return (func, args, *rest)

@@ -14,29 +14,46 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from runtime.core.blocks import Block
 from runtime.engine.step_phase import StepPhase
+from runtime.engine.step_view import StepView
+from runtime.engine.weights import WeightManager
+from runtime.engine.writeback import DeviceWritebacks
 from runtime.planning.hostmem import host_memory
 from runtime.planning.memory_plan import WeightSource
-from tierstore import CapacityError, CopyState, TierName
-
-if TYPE_CHECKING:
-    from runtime.engine.controller import Controller
+from runtime.update.worker import UpdateWorker
+from tierstore import CapacityError, CopyState, TierName, TierStore
 
 log = logging.getLogger(__name__)
 
 
-def refresh_compute_weights(controller: Controller, block: Block, master: torch.Tensor, step: int) -> None:
+class StateHolder(Protocol):
+    """What a refresh of compute weights reads: the weights, the store and which blocks update on the device."""
+
+    @property
+    def weights(self) -> WeightManager:
+        """The blocks' compute weights."""
+
+    @property
+    def store(self) -> TierStore:
+        """The store holding each block's state."""
+
+    @property
+    def gpu_updated(self) -> frozenset[int]:
+        """Blocks whose master lives on the device (their weights are always resident)."""
+
+
+def refresh_compute_weights(holder: StateHolder, block: Block, master: torch.Tensor, step: int) -> None:
     """Bring block's kept compute weights in line with a newly written fp32 master (after a load or a user's
     write), the way the update worker does: resident weights are recast from it, a host copy in the compute
     dtype is rewritten (and written back when its home is NVMe). Fetched-on-demand weights need nothing: they
     are read from the master at their next fetch."""
-    weights, store = controller.weights, controller.store
-    if block.index in controller.gpu_updated or weights.source is WeightSource.RESIDENT:
+    weights, store = holder.weights, holder.store
+    if block.index in holder.gpu_updated or weights.source is WeightSource.RESIDENT:
         weights.load_resident(block.index, master)
     elif weights.source is WeightSource.WEIGHTS:
         key = block.key("weights")
@@ -53,11 +70,15 @@ def refresh_compute_weights(controller: Controller, block: Block, master: torch.
 class StateAccess:
     """Between-step reads and writes of blocks' weights, masters and moments."""
 
-    def __init__(self, controller: Controller):
-        self.controller = controller
-        self.store = controller.store
-        self.weights = controller.weights
-        self.blocks = controller.blocks
+    def __init__(self, view: StepView, blocks: list[Block], store: TierStore, weights: WeightManager, worker: UpdateWorker,
+                 writebacks: DeviceWritebacks, release_block: Callable[[int], None]):
+        self.view = view
+        self.blocks = blocks
+        self.store = store
+        self.weights = weights
+        self.worker = worker
+        self.writebacks = writebacks  # streamed state on its way home: a read waits for it
+        self.release_block = release_block  # frees a block's fetched compute weights (the engine's fetch side)
         # While a load_state_dict() runs, master writes of one block are gathered: staged once, written back and
         # their compute weights refreshed once, when the load ends (or before anything reads them).
         self._batch: set[int] | None = None
@@ -79,10 +100,15 @@ class StateAccess:
                 self.store.evict(key, TierName.HOST).wait()  # written back home, then the staging copy released
             self._refresh_compute(block)
 
+    @property
+    def gpu_updated(self) -> frozenset[int]:
+        """Blocks whose master lives on the device (``StateHolder``, for ``refresh_compute_weights``)."""
+        return self.view.gpu_updated
+
     # ---- compute weights -------------------------------------------------------------------------------
     def in_pass(self, index: int) -> bool:
         """True while block index is acquired by a forward or backward (its weights are current on the device)."""
-        return self.weights.states[index].users > 0 or self.controller.in_backward_use(index)
+        return self.weights.states[index].users > 0 or self.view.in_backward_use(index)
 
     def prepare_read(self, index: int) -> None:
         """Make block index's compute weights current on the device for a read outside forward/backward.
@@ -90,17 +116,17 @@ class StateAccess:
         A fetched block stays until the next forward begins (views the user took stay valid until then);
         when the GPU budget is full, blocks fetched for earlier reads are released first (views of them
         are guarded too and fetch again when read)."""
-        controller = self.controller
+        view = self.view
         self.end_batch()  # a read sees every write before it
         self._check_one_step()
-        if controller.update_under_way(index):
+        if view.update_under_way(index):
             raise RuntimeError(
                 f"block {self.blocks[index].name} is being updated: its gradient landed and, with streaming updates, "
                 "its update started before optimizer.step(). Read parameters after optimizer.step() (or set "
                 "optimizer.user_grad_clip: true, so that updates wait for the step and reads before it see the "
                 "pre-step weights, as in plain PyTorch)")
-        controller.wait_block_current(index)
-        if self.weights.source is WeightSource.RESIDENT or index in controller.gpu_updated:
+        self.worker.wait_updated(index, view.optimizer_step)
+        if self.weights.source is WeightSource.RESIDENT or index in view.gpu_updated:
             self.weights.wait_refresh(index)
             return
         try:
@@ -108,7 +134,7 @@ class StateAccess:
         except CapacityError:
             for other, state in enumerate(self.weights.states):
                 if other != index and state.users == 0 and not self.in_pass(other):
-                    controller.release_block(other)
+                    self.release_block(other)
             self.weights.wait(index)
 
     # ---- fp32 state --------------------------------------------------------------------------------------
@@ -117,12 +143,12 @@ class StateAccess:
         write of a batch), finish the batched writes first. ``read_only``: a read, which may also come between
         micro-batches (a state_dict saved at an epoch's end with micro-batches left over, after an evaluation
         mid-window): no block changes before the step's last backward, so it reads the last step's state."""
-        controller = self.controller
-        controller.check_open()
-        if not writing or controller.step_pending:
+        view = self.view
+        view.check_open()
+        if not writing or view.step_pending:
             self.end_batch()
-        if controller.step_pending and not (read_only and controller.phase is StepPhase.ACCUMULATING):
-            if controller.phase is StepPhase.ACCUMULATING:  # a write: reads are served here
+        if view.step_pending and not (read_only and view.phase is StepPhase.ACCUMULATING):
+            if view.phase is StepPhase.ACCUMULATING:  # a write: reads are served here
                 raise RuntimeError(
                     "writing parameters or optimizer state between the micro-batches of a step (a backward ran since "
                     "the last optimizer.step()) is refused: write them between steps (after optimizer.step(), or after "
@@ -131,11 +157,11 @@ class StateAccess:
                 "the training state is being updated: a backward ran since the last optimizer.step(). Read or "
                 "write parameters and optimizer state between steps (after optimizer.step(), or after "
                 "optimizer.zero_grad() to drop the pending step)")
-        controller.synchronize()
-        controller.wait_device_writebacks()
+        self.worker.synchronize(view.optimizer_step)
+        self.writebacks.wait_all()
         self.weights.release_refreshes()
-        if controller.device.type == "cuda":
-            torch.cuda.synchronize(controller.device)
+        if self.store.device.type == "cuda":
+            torch.cuda.synchronize(self.store.device)
 
     def read_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None]) -> None:
         """Call ``use`` with block's flat fp32 tensor of one kind (master, exp_avg, exp_avg_sq) where it can be
@@ -148,7 +174,7 @@ class StateAccess:
         """Reads hand out one step's values: refused (with the way back) while an abandoned streaming step left
         the blocks at different steps, where a state_dict, a save or a parameter read would silently mix the
         updated blocks with the others. ``close()`` reads anyway, under ``mixed_steps_allowed``, and says so."""
-        why = self.controller.interrupted
+        why = self.view.interrupted
         if why is not None and not self.mixed_steps_allowed:
             raise RuntimeError(f"reading parameters or optimizer state now would mix two steps: {why}")
 
@@ -184,15 +210,15 @@ class StateAccess:
     def _refresh_compute(self, block: Block) -> None:
         """Bring block's compute weights in line with its master after a write."""
         index = block.index
-        if self.weights.source is not WeightSource.MASTER or index in self.controller.gpu_updated:
+        if self.weights.source is not WeightSource.MASTER or index in self.view.gpu_updated:
             step = self.store.record(block.key("master")).step
             # Not read_state: this follows a write (also one made while an abandoned step left blocks at two
             # steps, which reads refuse), and the compute copy must follow the master whatever the phase.
-            self._with_state(block, "master", lambda master: refresh_compute_weights(self.controller, block, master, step),
+            self._with_state(block, "master", lambda master: refresh_compute_weights(self, block, master, step),
                              write=False)
         # A fetched copy holds the old values: drop it (views of it fetch again when read).
         if self.weights.states[index].users == 0:
-            self.controller.release_block(index)
+            self.release_block(index)
 
     # ---- whole-model reads -----------------------------------------------------------------------------
     def slot_values(self, kind: str, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
@@ -221,13 +247,13 @@ class StateAccess:
         did not finish is read as its last finished update left it: an NVMe home's file, not a copy in host memory
         that the failed update may have changed half-way; a master in host memory has no other copy, so it is given
         as it is and named (the failed update may have changed part of it)."""
-        controller, store = self.controller, self.store
-        committed = controller.optimizer_step
-        controller.worker.drain()  # the write-backs still in flight land (or fail) first
+        store, worker = self.store, self.worker
+        committed = self.view.optimizer_step
+        worker.drain()  # the write-backs still in flight land (or fail) first
         values: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}
         for block in self.blocks:
-            key, done = block.key("master"), controller.worker.updated_step(block.index)
+            key, done = block.key("master"), worker.updated_step(block.index)
             record = store.record(key)
             doubt = None
             if done < committed and record.step <= done:  # its update to the committed step did not get to its commit

@@ -12,34 +12,62 @@ next blocks' state comes in while each block updates, and the update itself brin
 the budget refused it earlier; afterwards the state is written back ([Note: paced write-back] in
 ``runtime.engine.writeback``) and the block's compute weights are recast from the updated master on the device.
 
-What it leaves out: which blocks are device-updated or streamed (the controller's placement), the gradients
-(assembled, fp16-unscaled and their norms taken by the controller; the clip factors are applied here, at the
-commit), the write-backs' pacing (``runtime.engine.writeback``) and when the commit runs (``runtime.engine.controller``).
+What it leaves out: which blocks are device-updated or streamed (the engine's placement, handed in and renewed by
+``placement_changed``), the gradients (assembled, fp16-unscaled and their norms taken by ``runtime.engine.gradients``;
+the clip factors are applied here, at the commit), the write-backs' pacing (``runtime.engine.writeback``) and when
+the commit runs (``runtime.engine.commit``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from runtime.core.blocks import Block
 from runtime.planning.memory_plan import WeightSource, window_bound
-from runtime.update.adam import adamw_update_grouped, scale_slots, split_views
-from runtime.update.worker import STATE_KINDS
-from tierstore import CapacityError, CopyState, TierName
+from runtime.update.adam import AdamWHyper, adamw_update_grouped, scale_slots, split_views
+from runtime.update.collaborators import ClipFactors, ComputeWeights, WritebackQueue
+from runtime.update.worker import STATE_KINDS, UpdateWorker
+from tierstore import CapacityError, CopyState, TierName, TierStore
 
-if TYPE_CHECKING:
-    from runtime.engine.controller import Controller
+
+@dataclass(frozen=True)
+class DeviceUpdateSettings:
+    """The session's settings the device updates act on (fixed for the session but the placement, which
+    ``DeviceUpdates.placement_changed`` replaces)."""
+
+    weight_source: WeightSource
+    prefetch_depth: int  # the weights' prefetch window, kept free of streamed state
+    gpu_stream_ahead: int  # streamed blocks whose state may come in ahead of the block in backward
+    deferred: bool  # updates wait for the step's commit (clipping, fp16 loss scaling, the user's clip)
+    gpu_updated: frozenset[int]  # blocks whose master and moments live on the device
+    gpu_streamed: frozenset[int]  # blocks updated on the device over state streamed in from host memory
 
 
 class DeviceUpdates:
-    """The device-updated and streamed blocks' updates of one controller: their pending list (updates that
-    wait for the commit), the streamed state's way in, and the update itself."""
+    """The device-updated and streamed blocks' updates of one step's engine: their pending list (updates that
+    wait for the commit), the streamed state's way in, and the update itself. Written against the narrow
+    surfaces of ``runtime.update.collaborators`` (``update/`` sits below the engine); writes only the store, the
+    weights' device copies, the write-backs and the worker's marks."""
 
-    def __init__(self, controller: Controller):
-        self.controller = controller
+    def __init__(self, settings: DeviceUpdateSettings, blocks: list[Block], store: TierStore, weights: ComputeWeights,
+                 worker: UpdateWorker, writebacks: WritebackQueue, clipper: ClipFactors,
+                 param_steps: dict[int, list[torch.Tensor]], hypers: Callable[[Block], list[AdamWHyper]]):
+        self.settings = settings
+        self.gpu_updated = settings.gpu_updated  # this placement's (placement_changed gives the next)
+        self.gpu_streamed = settings.gpu_streamed
+        self.hypers = hypers  # each of a block's parameters' AdamW hyper-parameters, as the step reads them
+        self.blocks = blocks
+        self.store = store
+        self.device = store.device
+        self.weights = weights
+        self.worker = worker
+        self.writebacks = writebacks  # streamed state on its way home ([Note: paced write-back])
+        self.clipper = clipper  # the user's clip factors and dropped gradients, applied at the commit
+        self.param_steps = param_steps  # block index -> its parameters' AdamW step counters, on the device
+        self.pace_writebacks = True  # False queues each write-back at once (the bench's -nopace rows compare)
         self.pending: list[tuple[Block, torch.Tensor | None, list[bool], int]] = []  # waiting for the commit
         self.stream_ceiling: int | None = None  # device bytes allocated when the streaming backward began
         # Streamed blocks whose new compute weights were cast on the device from the updated master: the next
@@ -48,22 +76,22 @@ class DeviceUpdates:
         # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
         self.weights_window_nbytes = self._weights_window()
 
-    def placement_changed(self) -> None:
-        """The device's share grew (``Controller.adopt_placement``): fewer weights are fetched."""
+    def placement_changed(self, gpu_updated: frozenset[int], gpu_streamed: frozenset[int]) -> None:
+        """The device's share grew (``runtime.engine.relocation``): fewer weights are fetched."""
+        self.gpu_updated, self.gpu_streamed = gpu_updated, gpu_streamed
         self.weights_window_nbytes = self._weights_window()
 
     def _weights_window(self) -> int:
         """GPU-tier bytes the prefetch window of fetched (not resident) weights may take."""
-        ctl = self.controller
-        if ctl.options.weight_source is WeightSource.RESIDENT:
+        if self.settings.weight_source is WeightSource.RESIDENT:
             return 0
-        return window_bound([ctl.weights.nbytes(b.index) for b in ctl.blocks if b.index not in ctl.gpu_updated],
-                            ctl.options.prefetch_depth + 2)
+        return window_bound([self.weights.nbytes(b.index) for b in self.blocks if b.index not in self.gpu_updated],
+                            self.settings.prefetch_depth + 2)
 
     def submit(self, block: Block, grad: torch.Tensor | None, has_grad: list[bool], step: int) -> None:
         """Block's gradient is final (None: no parameter of it has one): update it now, or at the commit when
         updates wait for it."""
-        if self.controller.deferred:
+        if self.settings.deferred:
             self.pending.append((block, grad, has_grad, step))
         else:  # without a gradient nothing is updated, and a streamed block's state brought in for it is dropped
             self.update(block, grad, has_grad, step, skip=grad is None)
@@ -73,34 +101,33 @@ class DeviceUpdates:
         (state streamed ahead may use what the backward frees below it), and, when the state streams during
         the backward, hold resident-weight refreshes until every streamed block's state is on its way (they
         are needed only by the next forward)."""
-        ctl = self.controller
-        self.stream_ceiling = torch.cuda.memory_allocated(ctl.device) if ctl.device.type == "cuda" else None
-        if ctl.options.weight_source is WeightSource.RESIDENT and not ctl.deferred:
-            ctl.weights.hold_refreshes()
+        device = self.device
+        self.stream_ceiling = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        if self.settings.weight_source is WeightSource.RESIDENT and not self.settings.deferred:
+            self.weights.hold_refreshes()
 
     def stream_in_order(self, indices: Iterable[int], always: int = 2) -> None:
         """Bring in the state of these blocks, nearest first: the first ``always`` at once, the rest while memory
         in use stays below the ceiling (see begin_streaming) and the GPU budget keeps room for weight fetches.
         A refusal stops the rest, so a block further ahead never holds room a nearer update needs."""
-        streamed = self.controller.gpu_streamed
+        streamed = self.gpu_streamed
         for position, index in enumerate(indices):
             if position >= always and not self._room_to_stream(index):
                 return
             if not self.stream_in(index):
                 return
             if index == min(streamed):
-                self.controller.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
+                self.weights.release_refreshes()  # every streamed copy is queued: the refreshes go after them
 
     def _room_to_stream(self, index: int) -> bool:
-        ctl = self.controller
-        if index not in ctl.gpu_streamed:
+        if index not in self.gpu_streamed:
             return True
-        block = ctl.blocks[index]
-        missing = sum(ctl.store.record(block.key(kind)).meta.nbytes for kind in STATE_KINDS
-                      if ctl.store.state(block.key(kind), TierName.GPU) is CopyState.ABSENT)
-        if ctl.store.tiers[TierName.GPU].free_nbytes - missing < self.weights_window_nbytes:
+        block, store = self.blocks[index], self.store
+        missing = sum(store.record(block.key(kind)).meta.nbytes for kind in STATE_KINDS
+                      if store.state(block.key(kind), TierName.GPU) is CopyState.ABSENT)
+        if store.tiers[TierName.GPU].free_nbytes - missing < self.weights_window_nbytes:
             return False
-        return self.stream_ceiling is None or torch.cuda.memory_allocated(ctl.device) + missing <= self.stream_ceiling
+        return self.stream_ceiling is None or torch.cuda.memory_allocated(self.device) + missing <= self.stream_ceiling
 
     def stream_in(self, index: int, required: bool = False) -> bool:
         """Start copying a streamed block's master and moments to the device (no-op for other blocks and for
@@ -111,12 +138,11 @@ class DeviceUpdates:
         queued there so far: the state takes memory the backward has just freed, and no bytes are parked in
         the copy stream's own allocator pool, which compute can't reuse. (Under a capped GPU memory
         fraction such a side pool makes the allocator release its cache, synchronizing the device.)"""
-        ctl = self.controller
-        if index not in ctl.gpu_streamed:
+        if index not in self.gpu_streamed:
             return True
         for kind in STATE_KINDS:
             try:
-                ctl.store.fetch(ctl.blocks[index].key(kind), TierName.GPU)
+                self.store.fetch(self.blocks[index].key(kind), TierName.GPU)
             except (CapacityError, torch.OutOfMemoryError):  # an early copy is optional: the update fetches later
                 if required:
                     raise
@@ -126,21 +152,20 @@ class DeviceUpdates:
     def run(self, coef: torch.Tensor | None, skip: bool) -> None:
         """At the commit: the pending updates, in forward order, each streamed block's state brought in ahead
         of its update, each gradient scaled by its clip factors first."""
-        ctl = self.controller
         pending = sorted(self.pending, key=lambda item: item[0].index)
         updating = [block.index for block, flat, _, _ in pending if not skip and flat is not None]
         for position, (block, flat, has_grad, step) in enumerate(pending):
-            has_grad = ctl.clipper.kept(block, has_grad)  # p.grad = None after backward drops a parameter
+            has_grad = self.clipper.kept(block, has_grad)  # p.grad = None after backward drops a parameter
             if not any(has_grad):
                 flat = None
             pending[position] = (block, flat, has_grad, step)
         for block, flat, has_grad, step in pending:
-            if ctl.gpu_streamed:  # bring the next blocks' state in while this one updates
-                ctl.writebacks.settle()  # landed write-backs free the memory the next blocks' state comes into
+            if self.gpu_streamed:  # bring the next blocks' state in while this one updates
+                self.writebacks.settle()  # landed write-backs free the memory the next blocks' state comes into
                 later = updating[updating.index(block.index):] if block.index in updating else []
-                self.stream_in_order(later[: ctl.options.gpu_stream_ahead + 1])
+                self.stream_in_order(later[: self.settings.gpu_stream_ahead + 1])
             if flat is not None and not skip:
-                scale_slots(flat, block, ctl.clipper.user_scales(block), coef)
+                scale_slots(flat, block, self.clipper.user_scales(block), coef)
             self.update(block, flat, has_grad, step, skip=skip or flat is None)
         self.pending = []
 
@@ -148,9 +173,8 @@ class DeviceUpdates:
         """AdamW on the device, stream-ordered on the current stream (the gradient already scaled). A block whose
         state lives there gets its compute weights recast (the next forward needs no host-side wait); a streamed
         block's state is written back to pinned host memory, and the next forward's fetch waits for that copy."""
-        ctl = self.controller
-        store = ctl.store
-        streamed = block.index in ctl.gpu_streamed
+        store, weights = self.store, self.weights
+        streamed = block.index in self.gpu_streamed
         if streamed and (skip or grad is None):
             for kind in STATE_KINDS:  # brought in for nothing: drop the clean device copies
                 key = block.key(kind)
@@ -161,20 +185,20 @@ class DeviceUpdates:
             sizes = [slot.numel for slot in block.slots]
 
             def views(flat: torch.Tensor) -> list[torch.Tensor]:
-                return [v for v, keep in zip(split_views(flat, sizes), has_grad) if keep]
+                return [v for v, keep in zip(split_views(flat, sizes), has_grad, strict=False) if keep]
 
             if streamed:
                 self.stream_in(block.index, required=True)  # on demand when the budget refused it earlier
             state = {kind: store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
             adamw_update_grouped(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
-                                 [s for s, keep in zip(ctl.gpu_param_steps[block.index], has_grad) if keep],
-                                 [h for h, keep in zip(ctl.block_hypers(block), has_grad) if keep])
-            if not streamed or ctl.options.weight_source is WeightSource.RESIDENT:
-                ctl.weights.load_resident(block.index, state["master"])  # recast from the device master
-            elif ctl.weights.fill_from_device(block.index, state["master"]):
+                                 [s for s, keep in zip(self.param_steps[block.index], has_grad, strict=False) if keep],
+                                 [h for h, keep in zip(self.hypers(block), has_grad, strict=False) if keep])
+            if not streamed or self.settings.weight_source is WeightSource.RESIDENT:
+                weights.load_resident(block.index, state["master"])  # recast from the device master
+            elif weights.fill_from_device(block.index, state["master"]):
                 self.fresh.add(block.index)  # the next forward needs it first: no fetch after the write-back
             if streamed:
                 for kind in STATE_KINDS:  # written back after the update (the copy waits for this stream)
                     store.mark_dirty(block.key(kind), TierName.GPU, step=step)
-                    ctl.writebacks.add(store.evict(block.key(kind), TierName.GPU, background=ctl.pace_writebacks))
-        ctl.worker.mark_updated(block.index, step)
+                    self.writebacks.add(store.evict(block.key(kind), TierName.GPU, background=self.pace_writebacks))
+        self.worker.mark_updated(block.index, step)

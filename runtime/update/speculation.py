@@ -23,7 +23,7 @@ A step runs early only when the step before kept (or would have kept) every earl
 above the clip every step, early runs would all be redone, and they take cores and memory bandwidth that the
 backward's copies and the redo need (``StepStats.speculation_paused`` counts the steps that waited).
 
-What it leaves out: deciding the verdict (``runtime.engine.controller``), running jobs (``runtime.update.worker``).
+What it leaves out: deciding the verdict (``runtime.engine.commit``), running jobs (``runtime.update.worker``).
 """
 
 from __future__ import annotations

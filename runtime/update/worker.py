@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.core.blocks import Block
-from runtime.engine.weights import WeightManager
 from runtime.planning.memory_plan import STATE_KINDS, WeightSource
 from runtime.update.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, scale_slots, split_views
+from runtime.update.collaborators import ComputeWeights
 from runtime.update.speculation import SpareBuffers
 from tierstore import CapacityError, CopyState, Handle, TierName, TierStore, close_at_exit
 
@@ -92,7 +92,7 @@ class WorkerStats:
 class UpdateWorker:
     """Runs block updates on one thread (AdamW itself uses torch's intra-op thread pool)."""
 
-    def __init__(self, blocks: list[Block], store: TierStore, hyper: AdamWHyper, weights: WeightManager,
+    def __init__(self, blocks: list[Block], store: TierStore, hyper: AdamWHyper, weights: ComputeWeights,
                  lookahead: int = 2, record_intervals: bool = False):
         self.blocks = blocks
         self.store = store
@@ -372,7 +372,7 @@ class UpdateWorker:
         keep = job.mask or [True] * len(sizes)
 
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
-            return [v for v, k in zip(split_views(flat, sizes), keep) if k]
+            return [v for v, k in zip(split_views(flat, sizes), keep, strict=False) if k]
 
         kernel_start = time.perf_counter()
         adamw_update_grouped(
@@ -380,8 +380,8 @@ class UpdateWorker:
             views(grad),
             views(host["exp_avg"]),
             views(host["exp_avg_sq"]),
-            [s for s, k in zip(self.param_steps[index], keep) if k],
-            [h for h, k in zip(job.hypers, keep) if k],
+            [s for s, k in zip(self.param_steps[index], keep, strict=False) if k],
+            [h for h, k in zip(job.hypers, keep, strict=False) if k],
         )
         self.stats.kernel_s += time.perf_counter() - kernel_start
         for kind in STATE_KINDS:
@@ -432,7 +432,7 @@ class UpdateWorker:
         keep = job.mask or [True] * len(sizes)
 
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
-            return [v for v, k in zip(split_views(flat, sizes), keep) if k]
+            return [v for v, k in zip(split_views(flat, sizes), keep, strict=False) if k]
 
         targets = self.spares.targets(block)
         job.spec_steps = [s.clone() for s in self.param_steps[block.index]]
@@ -441,13 +441,13 @@ class UpdateWorker:
             tuple(views(host[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
             tuple(views(targets[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
             views(grad),
-            [s for s, k in zip(job.spec_steps, keep) if k],
-            [h for h, k in zip(job.hypers, keep) if k],
+            [s for s, k in zip(job.spec_steps, keep, strict=False) if k],
+            [h for h, k in zip(job.hypers, keep, strict=False) if k],
         )
         self.stats.kernel_s += time.perf_counter() - kernel_start  # an early update's kernel is the kernel too
         if not all(keep):  # the spares replace whole buffers: parameters without a gradient keep their values
             for kind in STATE_KINDS:
-                for source, target, k in zip(split_views(host[kind], sizes), split_views(targets[kind], sizes), keep):
+                for source, target, k in zip(split_views(host[kind], sizes), split_views(targets[kind], sizes), keep, strict=False):
                     if not k:
                         target.copy_(source)
         with self._cond:
@@ -460,7 +460,7 @@ class UpdateWorker:
         """The commit kept a speculative result: the spares become the block's state, then as after any update."""
         block, start = job.block, time.perf_counter()
         self.spares.publish(block, job.step)
-        for counter, value in zip(self.param_steps[block.index], job.spec_steps or []):
+        for counter, value in zip(self.param_steps[block.index], job.spec_steps or [], strict=False):
             counter.copy_(value)
         self._refresh_weights(block, self.store.tensor(block.key("master"), TierName.HOST), job.step)
         self.stats.published += 1

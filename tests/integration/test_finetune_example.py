@@ -110,7 +110,7 @@ def test_a_long_setup_reports_its_progress(tmp_path, caplog, monkeypatch):
     the blocks set up so far are logged as they go (here with the thresholds at zero)."""
     import logging
 
-    monkeypatch.setattr("runtime.engine.controller.SETUP_PROGRESS_S", 0.0)
+    monkeypatch.setattr("runtime.engine.relocation.SETUP_PROGRESS_S", 0.0)
     monkeypatch.setattr("runtime.session.LONG_SETUP_NBYTES", 0)
     caplog.set_level(logging.INFO, logger="runtime")
     example = load_example()

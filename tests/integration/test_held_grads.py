@@ -300,15 +300,15 @@ def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_loa
         step(batches[:accumulation])
         save_checkpoint(session, tmp_path / "ckpt")
         model(*batches[accumulation]).backward()  # the dropped step's first micro-batch
-        wait = controller.wait_device_writebacks
+        wait = controller.writebacks.wait_all
 
         def failing_wait():
             raise RuntimeError("a write-back failed")
 
-        controller.wait_device_writebacks = failing_wait
+        controller.writebacks.wait_all = failing_wait
         with pytest.raises(RuntimeError, match="a write-back failed"):
             optimizer.zero_grad()
-        controller.wait_device_writebacks = wait
+        controller.writebacks.wait_all = wait
         with pytest.raises(RuntimeError, match="dropping a step failed part-way.*load_checkpoint"):
             model(*batches[2 * accumulation]).backward()
         load_checkpoint(session, tmp_path / "ckpt")

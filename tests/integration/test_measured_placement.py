@@ -415,7 +415,7 @@ def test_a_placement_adopted_over_spilled_moments_brings_them_back_into_the_free
         after["updated"] = controller.gpu_updated
         after["homes"] = {i: {session.store.record(b.key(kind)).home for kind in ("exp_avg", "exp_avg_sq")}
                           for i, b in enumerate(session.blocks)}
-        after["early"] = controller._spilled_in_update_order
+        after["early"] = controller.table.spilled_in_update_order if controller._reads_early else []
 
     prepare = adopt_asking_for_all if ask_all else _adopt_after_first_step(
         Placement(update, 0.0, 0, notes=("test",), host_sums=True), seen)
@@ -443,7 +443,7 @@ def test_every_spilled_block_the_plan_asks_back_finds_ranges_in_the_room_the_fir
     the room is there by bytes, and by ranges too because the blocks' pinned state is packed at the arena's end
     (``PinnedArena.packed_at_end``): the embedding's ranges join the arena's free room when it leaves (laid out from
     the arena's start, they were holes apart from it and only four of the ten came back). Training stays exact."""
-    import runtime.engine.controller as controller_module
+    import runtime.engine.relocation as relocation_module
     from tests.integration.test_parity import nbytes_moved, run_both
 
     config, shape, spilled = _spilling_session_config(tmpfs_dir, short_by_layers=5, vocab_size=512)
@@ -454,7 +454,7 @@ def test_every_spilled_block_the_plan_asks_back_finds_ranges_in_the_room_the_fir
         returns.append((list(indices), staying, still))
         return still
 
-    monkeypatch.setattr(controller_module, "bring_moments_home", recording)
+    monkeypatch.setattr(relocation_module, "bring_moments_home", recording)
     seen: dict = {}
     after: dict = {}
 

@@ -338,7 +338,7 @@ def test_a_backward_keeps_and_fetches_the_next_micro_batch_s_first_blocks_bit_id
                 sum(ctl.weights.is_fetched(i) for i in range(len(ctl.blocks)) if i not in ctl.gpu_updated)))
 
         if not wrap:
-            monkeypatch.setattr("runtime.engine.controller.Controller._wraps", lambda self: False)
+            monkeypatch.setattr("runtime.engine.fetch.Fetcher.wraps", lambda self: False)
         config = {"dtype": "fp32", "prefetch": {"depth": depth, "keep_for_backward": 0},
                   "optimizer": {"grad_clip": clip, "accumulation_steps": accumulation, "gpu_update_fraction": on_gpu}}
         ours, theirs, weights, reference, events, _ = run_both(config, prepare=watch)
@@ -484,17 +484,17 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
 
     def record_update_order(session) -> None:
         controller = session.controller
-        submit_jobs, updated = controller._submit_host_jobs, controller.worker.on_updated
+        submit_jobs, updated = controller.commit._submit_host_jobs, controller.worker.on_updated
 
         def submit_host_jobs(*args, **kwargs):
             # The blocks whose moments were read whole and have landed: the worker prefers those (a read still in
             # flight, or half refused for room, does not count).
-            for index in controller._read_early:
+            for index in controller.table.read_early():
                 for kind in ("exp_avg", "exp_avg_sq"):
                     handle = session.store.record(controller.blocks[index].key(kind)).copies[TierName.HOST].handle
                     if handle is not None:
                         handle.wait()
-            landed = {index for index in controller._read_early
+            landed = {index for index in controller.table.read_early()
                       if controller.worker._disk_state_landed(controller.blocks[index])}
             commits.append((landed, []))
             return submit_jobs(*args, **kwargs)
@@ -504,7 +504,7 @@ def test_spilled_moments_read_during_the_micro_batches_bit_identical(tmpfs_dir):
                 commits[-1][1].append(index)
             updated(index)
 
-        controller._submit_host_jobs, controller.worker.on_updated = submit_host_jobs, on_updated
+        controller.commit._submit_host_jobs, controller.worker.on_updated = submit_host_jobs, on_updated
 
     ours, theirs, weights, reference, events, (stats, _, _) = run_both(base, shape=shape, prepare=record_update_order)
     assert ours == theirs

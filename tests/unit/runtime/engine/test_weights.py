@@ -65,7 +65,7 @@ class Setup:
 def register_state(blocks: list[Block], store: TierStore, homes: dict[str, TierName], compute_dtype: torch.dtype,
                    source: WeightSource, gpu_updated: frozenset[int] = frozenset(),
                    weights_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """What Controller._register_state does: master from the model, zero moments and gradient, and the
+    """What runtime.engine.relocation.register_state does: master from the model, zero moments and gradient, and the
     compute-dtype weights copy when that is the source."""
     masters = []
     for block in blocks:
