@@ -156,7 +156,7 @@ def _kept_numel(fetched_numels: list[int], keep_nbytes: int, elem_nbytes: int) -
 
 def _carried_numel(fetched_numels: list[int], depth: int, budget_nbytes: int, elem_nbytes: int) -> int:
     """Weights (of the fetched blocks, in forward order) a backward leaves on the GPU for the next micro-batch's
-    forward ([Note: prefetch across micro-batches] in runtime.engine.controller): the first ``depth`` blocks, within the
+    forward ([Note: prefetch across micro-batches] in runtime.engine.fetch): the first ``depth`` blocks, within the
     prefetch byte budget (the first block always). It assumes the usual hook order, each block's gradients done
     before the next block's backward begins; a block whose gradients finish only at the backward's end (a
     parameter without one in that micro-batch) is kept too, one block more than counted here."""

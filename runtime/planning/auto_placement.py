@@ -10,7 +10,7 @@ The model, per optimizer step in steady state. ``N`` parameters in ``B`` blocks 
 sums ``c_0 = 0 .. c_B = N``. The first ``k`` blocks are updated on the GPU from resident state
 (``gpu_update_fraction = c_k / N``), the next ``j`` are streamed (``S = c_{k+j} - c_k`` parameters), the
 rest, ``H = N - c_{k+j}``, are updated by the CPU. Fractions are applied on whole blocks
-(``runtime.engine.controller.gpu_updated_blocks``), so only block boundaries are candidates.
+(``runtime.planning.auto_placement.gpu_updated_blocks``), so only block boundaries are candidates.
 
 - GPU memory. ``plan(k, j)``: the memory plan's GPU bytes (weight prefetch window, gradient assembly,
   streamed state in flight, resident weights and device-updated state). The activations are unknown until
@@ -157,7 +157,7 @@ class Placement:
 
 
 def blocks_within(block_numels: Sequence[int], fraction: float) -> int:
-    """How many first blocks hold at most ``fraction`` of the parameters (``runtime.engine.controller.gpu_updated_blocks``
+    """How many first blocks hold at most ``fraction`` of the parameters (``runtime.planning.auto_placement.gpu_updated_blocks``
     selects them)."""
     if fraction <= 0:
         return 0

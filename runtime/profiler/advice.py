@@ -208,7 +208,7 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
         covered = sum(by_block.get(b["index"], 0.0) for b in prefix)
     total_numel = sum(b["numel"] for b in blocks)
     # Without a peak, a round figure; with one, the prefix's own share (rounded up at the fourth digit, so that
-    # runtime.engine.controller.gpu_updated_blocks selects the prefix and not a block that does not fit).
+    # runtime.planning.auto_placement.gpu_updated_blocks selects the prefix and not a block that does not fit).
     digits = 20 if room is None else 10_000
     fraction = math.ceil(sum(b["numel"] for b in prefix) / total_numel * digits) / digits
     current = float(cfg.get("gpu_update_fraction", 0.0))

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.update import rates
 from runtime.profiler import ceilings
 from runtime.profiler.ceilings import IO_ALIGNMENT, disk_ceiling_gbps, measure_ceilings, measure_disk_ceiling, pcie_ceilings_gbps
+from runtime.update import rates
 from tierstore import StoreConfig, TensorMeta, TierStore
 
 BLOCK = 64 << 10
