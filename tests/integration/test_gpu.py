@@ -25,9 +25,11 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", mar
 # each tensor's move in training must be MOVED_FACTOR tolerances at least, and one left untrained, or trained a
 # step short, fails. On the CPU (this model, five steps, clipped or not, one to four micro-batches) each tensor
 # moved 12.6 to 63 times its spread, and ours equals the bf16 plain loop bit for bit; on the GPU the factor 2 is
-# room for the kernels' run-to-run noise (attention's backward adds atomically).
+# room for the kernels' run-to-run noise (attention's backward adds atomically). MOVED_FACTOR 2: a tensor left at its
+# initial value is then at least two tolerances from the expected one, so it fails; on the H200 a norm weight of
+# the compute-stream-pool test moved 3.6 tolerances in its two steps (4 refused a correct run).
 SPREAD_FACTOR = 2.0
-MOVED_FACTOR = 4.0
+MOVED_FACTOR = 2.0
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
