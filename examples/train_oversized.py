@@ -59,14 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan_only:
         from runtime.config.loader import load_config
         from runtime.core.blocks import build_blocks
+        from runtime.model.recompute import recompute_refusal
         from runtime.planning.placement import resolve_plan
         from runtime.planning.settings import resolve_device
         from runtime.session import machine_rates
 
         cfg = load_config(config)
         device = resolve_device(cfg)
-        print(resolve_plan(build_blocks(model, cfg.blocks.min_block_size), cfg, device,
-                           rates=machine_rates(cfg, device)).plan.table())
+        blocks = build_blocks(model, cfg.blocks.min_block_size)
+        print(resolve_plan(blocks, cfg, device, rates=machine_rates(cfg, device),
+                           recomputable=recompute_refusal(blocks) is None).plan.table())
         return 0
     start = time.perf_counter()
     model, optimizer = offload(model, config, init=seeded_normal_init)

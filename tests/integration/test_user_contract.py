@@ -982,7 +982,7 @@ def test_a_second_step_with_no_backward_is_said_where_plain_pytorch_would_apply_
     import logging
 
     model, optimizer = offload(fresh_model(), config(tmp_path))
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine"):
         for batch in make_batches(2):
             model(*batch).backward()
             optimizer.step()
@@ -1009,7 +1009,7 @@ def test_between_steps_p_grad_is_there_where_plain_pytorch_holds_one_so_model_ze
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
     batches = make_batches(3)
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine"):
         for m, opt in ((plain, plain_opt), (model, optimizer)):
             m(*batches[0]).backward()
             opt.step()
@@ -1047,7 +1047,7 @@ def test_zeroing_part_of_the_gradients_between_steps_zeroes_those_and_says_the_r
 
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path))
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine"):
         for m, opt in ((plain, plain_opt), (model, optimizer)):
             m(*make_batches(1)[0]).backward()
             opt.step()
@@ -1159,7 +1159,7 @@ def test_an_lr_change_between_backward_and_step_is_said_when_it_applies_a_step_l
     plain, plain_opt = plain_model()
     model, optimizer = offload(fresh_model(), config(tmp_path, user_grad_clip=user_clip))
     batches = make_batches(3)
-    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine.controller"):
+    with optimizer.session, caplog.at_level(logging.WARNING, logger="runtime.engine"):
         for number, batch in enumerate(batches):
             for net, opt in ((model, optimizer), (plain, plain_opt)):
                 net(*batch).backward()
