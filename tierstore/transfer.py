@@ -180,6 +180,13 @@ class TransferEngine:
         self._unobserved: collections.deque[Handle] = collections.deque()
         self._unobserved_lock = threading.Lock()
         self._closed = False
+        self._close_lock = threading.Lock()
+        self._close_done = threading.Event()  # set when the first close() has stopped every IO and copy
+        # Work queued or running on the two pools: close() waits for it on this condition, not by joining the
+        # pools' threads (a join cut by an interrupt marks its thread stopped in Python 3.11, so a second join
+        # returns at once while the thread still runs).
+        self._busy = 0
+        self._idle = threading.Condition()
         self._pacer = _Pacer(device, PACED_IN_FLIGHT_NBYTES)
         close_at_exit(self, TransferEngine.close)  # queued writes land and the pool stops before Python's own exit
 
@@ -303,9 +310,39 @@ class TransferEngine:
             self._complete_io(handle)
 
         try:
-            handle._future = self._io_pool.submit(run)
+            handle._future = self._submit(self._io_pool, run)
         except RuntimeError:  # close(), or the interpreter's exit, shut the pool after the check above
             handle._fail(_closed_error(handle))
+
+    def _submit(self, pool: ThreadPoolExecutor, work: Callable[[], None]) -> Future[None]:
+        """Queue ``work`` on ``pool``, counted until it has run (close() waits for the count to reach zero)."""
+        with self._idle:
+            self._busy += 1
+
+        def counted() -> None:
+            try:
+                work()
+            finally:
+                self._one_done()
+
+        try:
+            return pool.submit(counted)
+        except BaseException:
+            self._one_done()
+            raise
+
+    def _one_done(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            if not self._busy:
+                self._idle.notify_all()
+
+    def _wait_idle(self) -> None:
+        """Until no work is queued or running on the pools (an IO's completion is queued before the IO counts
+        as done, so the count never touches zero between the two)."""
+        with self._idle:
+            while self._busy:
+                self._idle.wait()
 
     def _complete_io(self, handle: Handle) -> None:
         """Run a finished file transfer's completion callbacks off the IO thread that moved its bytes.
@@ -316,7 +353,7 @@ class TransferEngine:
         threads only move bytes; a waiter holding the lock (``_wait_complete(callbacks=False)``) runs the callbacks
         itself when it gets there first."""
         try:
-            self._done_pool.submit(handle._finish)
+            self._submit(self._done_pool, handle._finish)
         except RuntimeError:
             # The interpreter's exit shut the pool, or no thread could start (a pids limit): complete here, as before
             # the done pool, when the rare wait above is possible again. (A submit whose thread failed to start may
@@ -348,14 +385,46 @@ class TransferEngine:
         self.poll()
 
     def close(self) -> None:
-        """Finish queued IO and stop the workers."""
-        if self._closed:
+        """Finish queued IO and stop the workers; on return (or raise) no IO or copy touches host memory any more.
+
+        Why it waits even when interrupted: the store frees the pinned arena and the swap files as soon as this
+        returns or raises, and an IO thread still writing from the arena then reads unmapped memory (a segfault:
+        SIGTERM's exception arriving while the main thread waited here). So an interrupt during the wait is held
+        until the IO is done, then raised; and a second caller (another thread: an exit hook, a signal's cleanup)
+        waits for the first one's close instead of returning at once into the same free."""
+        with self._close_lock:
+            first = not self._closed
+            self._closed = True
+        if not first:
+            if not threading.current_thread().name.startswith(("tierstore-io", "tierstore-done")):
+                _wait_uninterrupted(self._close_done.wait)  # the engine's own threads are what that close waits for
             return
-        self._closed = True
-        self._pacer.close()  # every paced copy is issued before the streams are synchronized
-        self._io_pool.shutdown(wait=True)
-        self._done_pool.shutdown(wait=True)  # after the IO: every finished transfer queued its callbacks here
-        self.synchronize()
+        try:
+            _wait_uninterrupted(self._pacer.close)  # every paced copy is issued before the streams are synchronized
+            _wait_uninterrupted(self._wait_idle)  # every IO and every completion queued behind it has run
+            _wait_uninterrupted(lambda: self._io_pool.shutdown(wait=True))
+            _wait_uninterrupted(lambda: self._done_pool.shutdown(wait=True))
+            _wait_uninterrupted(self.synchronize)  # device copies from pinned memory have ended
+        finally:
+            self._close_done.set()
+
+
+def _wait_uninterrupted(wait: Callable[[], object]) -> None:
+    """Run ``wait`` to its end: an interrupt raised into this thread meanwhile (KeyboardInterrupt, SystemExit,
+    runtime's SIGTERM exception: the BaseExceptions that are no Exception) is held, the wait taken up again, and
+    the first interrupt raised once it returned. An error of the wait itself propagates at once."""
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            wait()
+            break
+        except Exception:
+            raise
+        except BaseException as error:  # held and re-raised below: the wait must end first
+            if interrupt is None:
+                interrupt = error
+    if interrupt is not None:
+        raise interrupt
 
 
 PACED_IN_FLIGHT_NBYTES = 64 << 20  # paced copies on the copy stream at once (at least one, whatever its size)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -466,3 +468,67 @@ def test_paced_copies_without_cuda_are_plain_synchronous_copies() -> None:
         assert engine._pacer._thread is None  # nothing to pace: no thread was started
     finally:
         engine.close()
+
+
+@pytest.fixture
+def gated_write(device: torch.device, nvme_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """An engine with one file write in flight that lasts until the test opens ``gate``."""
+    gate, writing, real_write = threading.Event(), threading.Event(), NVMeDirectory.write
+
+    def held_write(self, *args, **kwargs):
+        writing.set()
+        gate.wait(10)  # the write under test is still reading its source until the test lets it go
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(NVMeDirectory, "write", held_write)
+    eng = TransferEngine(device, io_threads=1)
+    directory = NVMeDirectory(nvme_dir, 1 << 20)
+    swap = directory.create(TensorKey("w"), TensorMeta(torch.uint8, 4096))
+    write = eng.write("w", directory, swap, torch.zeros(4096, dtype=torch.uint8))
+    assert writing.wait(10)
+    try:
+        yield eng, gate, write
+    finally:
+        gate.set()
+        eng.close()
+        directory.close()
+
+
+def test_a_second_close_waits_for_the_io_the_first_one_waits_for(gated_write) -> None:
+    """Two threads closing one engine (an exit hook beside a signal's cleanup): the second returned at once while
+    the first still waited for the IO, and its store then freed the arena the IO was writing from."""
+    eng, gate, write = gated_write
+    first = threading.Thread(target=eng.close)
+    first.start()
+    while not eng._closed:  # the first close has begun (it waits on the write from here on)
+        time.sleep(0.001)
+    second_returned = threading.Event()
+    second = threading.Thread(target=lambda: (eng.close(), second_returned.set()))
+    second.start()
+    assert not second_returned.wait(0.3), "the second close() returned while the write was still running"
+    gate.set()
+    second.join(10)
+    first.join(10)
+    assert second_returned.is_set() and write.done()
+
+
+def test_an_interrupt_during_close_waits_for_the_io_before_it_is_raised(gated_write) -> None:
+    """SIGTERM's exception (here a KeyboardInterrupt from a timer signal) arriving while close() waits for the IO:
+    close() raised at once, and the store freed the arena under the IO thread (a segfault in bench store)."""
+    eng, gate, write = gated_write
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    opener = threading.Timer(0.5, gate.set)  # the write ends well after the interrupt
+    opener.start()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            eng.close()
+        assert write.done(), "close() raised the interrupt while the write was still running"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        opener.cancel()
