@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from runtime.core.blocks import Block
+from tierstore import create_new
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
+EXPORT_MODE = 0o644  # exported weights are read by others (from_pretrained in another account, a model hub upload)
 
 
 class OffloadedWeights(Protocol):
@@ -95,9 +97,10 @@ def save_sharded(session: OffloadedWeights, directory: str | os.PathLike[str], *
         total_nbytes += _write(save_file, rest, out / name)
         weight_map.update(dict.fromkeys(rest, name))
     index = out / INDEX_NAME
-    tmp = index.with_name(index.name + ".tmp")
-    tmp.write_text(json.dumps({"metadata": {"total_size": total_nbytes}, "weight_map": weight_map}, indent=2))
-    os.replace(tmp, index)
+    tmp = _fresh_tmp(index)
+    with open(tmp, "w") as file:  # our own regular file, just created: nothing planted is followed
+        file.write(json.dumps({"metadata": {"total_size": total_nbytes}, "weight_map": weight_map}, indent=2))
+    os.replace(tmp, index)  # a rename replaces whatever is at the final name, a link too, and never follows it
     config = getattr(session.model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(str(out))
@@ -119,8 +122,16 @@ def _other_tensors(session: OffloadedWeights) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write(save_file: Callable[..., None], tensors: dict[str, torch.Tensor], path: Path) -> int:
+def _fresh_tmp(path: Path) -> Path:
+    """``path`` + ``.tmp``, created new as a regular file of ours (mode 0644, as exported weights are shared): a
+    leftover of a killed save or a link planted at that name is unlinked first, never written through."""
     tmp = path.with_name(path.name + ".tmp")
+    os.close(create_new(tmp, flags=os.O_WRONLY, mode=EXPORT_MODE, replace_stale=True))
+    return tmp
+
+
+def _write(save_file: Callable[..., None], tensors: dict[str, torch.Tensor], path: Path) -> int:
+    tmp = _fresh_tmp(path)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     return sum(t.numel() * t.element_size() for t in tensors.values())

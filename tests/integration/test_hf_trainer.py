@@ -159,3 +159,28 @@ def test_unchanged_trainer_on_the_gpu_trains_like_the_plain_bf16_trainer_and_sav
         assert norm == pytest.approx(ref_norm, rel=2e-2)
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved-gpu-True"))
     assert all(torch.isfinite(p).all() for p in loaded.parameters())
+
+
+def test_sharded_save_never_writes_through_a_link_planted_at_its_temporary_names(tmp_path):
+    """save_pretrained wrote ``model.safetensors.index.json.tmp`` (and each shard's ``.tmp``) by path: a link planted
+    at that name had its target overwritten, and the index then was a link to the victim."""
+    model = transformers.LlamaForCausalLM(llama_config())
+    model, optimizer = offload(model, {"device": "cpu", "dtype": "fp32", "optimizer": {"grad_clip": None}})
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = {name: tmp_path / f"victim-{i}" for i, name in
+               enumerate(["model.safetensors.index.json.tmp", "model-00001-of-00001.safetensors.tmp"])}
+    for name, victim in victims.items():
+        victim.write_text("precious")
+        (out / name).symlink_to(victim)
+    with optimizer.session as session:
+        session.save_pretrained(out)
+    index = out / "model.safetensors.index.json"
+    assert all(victim.read_text() == "precious" for victim in victims.values())
+    files = list(out.iterdir())
+    assert not any(path.is_symlink() for path in files), files
+    assert not any(path.name.endswith(".tmp") for path in files), files
+    assert json.loads(index.read_text())["weight_map"]
+    assert oct(index.stat().st_mode & 0o777) == oct(0o644)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(out))
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.detach())
