@@ -48,7 +48,7 @@ from runtime.checkpoint.files import (
     remove_path,
     step_dir_name,
 )
-from tierstore import lock_file
+from tierstore import lock_file, shared_directory_problem
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,11 @@ class CheckpointRoot:
         except (FileNotFoundError, NotADirectoryError) as exc:  # permissions and read-only ones: runtime.core.user_errors
             raise CheckpointError(f"checkpoint directory {self.path} cannot be made ({exc.strerror or exc}): give "
                                   "--checkpoint-dir (train.checkpoint_dir) a directory this user can create") from exc
+        problem = shared_directory_problem(os.stat(self.path))  # as for swap directories: a sticky bit stops no link
+        if problem is not None:
+            raise CheckpointError(f"checkpoint directory {self.path} {problem}, so another user could plant links or "
+                                  "replace checkpoint files there. Give --checkpoint-dir (train.checkpoint_dir) a private "
+                                  f"directory: a new subdirectory (tierstore makes it 0700), e.g. {self.path / 'mine'}")
         self._lock_fd = lock_file(self.path / LOCK_NAME, f"checkpoint directory {self.path}",
                                   "Give each run its own --checkpoint-dir (train.checkpoint_dir).")
         try:

@@ -237,3 +237,18 @@ def rewrite(checkpoint: Path, name: str, text: str) -> None:
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     manifest["files"][name] = {"nbytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770], ids=["world-writable", "sticky-world-writable", "group-writable"])
+def test_a_checkpoint_root_others_can_write_to_is_refused_as_a_swap_directory_is(tmp_path: Path, mode: int):
+    """A world- or group-writable root was accepted (the same modes are refused for swap directories): another user
+    could plant links or replace checkpoint files there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    with pytest.raises(CheckpointError, match=r"writable by .*(--checkpoint-dir|checkpoint_dir)"):
+        CheckpointRoot(shared)
+    assert list(shared.iterdir()) == []  # refused before its lock file was made
+    private = shared / "mine"
+    CheckpointRoot(private).close()  # the subdirectory the message suggests is made private, and accepted
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
