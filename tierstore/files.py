@@ -48,6 +48,19 @@ def create_new(name: str | os.PathLike[str], *, dir_fd: int | None = None, flags
     return fd
 
 
+def unlink_lock_file(name: str | os.PathLike[str], fd: int, *, dir_fd: int | None = None) -> None:
+    """Let go of a lock taken with :func:`lock_file` and remove its file, so the directory is left as found: the
+    file is unlinked while the lock is still held (a run opening it meanwhile fails to lock it, and one that
+    locks it after finds it unlinked: :func:`lock_file`'s check), then the lock is released."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass  # removed by hand: nothing to leave behind
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def lock_file(name: str | os.PathLike[str], what: str, hint: str, *, dir_fd: int | None = None) -> int:
     """Open (creating, mode 0600) the lock file ``name`` and take an exclusive flock on it without waiting.
 
@@ -78,6 +91,12 @@ def lock_file(name: str | os.PathLike[str], what: str, hint: str, *, dir_fd: int
                     f"{what} is held by an object of this same process (pid {holder}) that was never closed: close "
                     f"it first (a training session: `optimizer.session.close()`), or restart the interpreter. {hint}") from None
             raise DirectoryLockedError(f"{what} is in use by another run (pid {holder}). {hint}") from None
+        # The holder unlinks the file as it lets go (unlink_lock_file): a lock taken on a file already unlinked
+        # from that name would let a second run lock the new file beside us, so the locked file must be the one
+        # the name points to now.
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise DirectoryLockedError(f"{what} was being released by another run as this one took it; try again. {hint}")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}".encode(), 0)
     except BaseException:

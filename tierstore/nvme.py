@@ -33,7 +33,7 @@ import xxhash
 
 from tierstore.allocator import align_up
 from tierstore.errors import CapacityError, CorruptFileError, StoreIOError, UnsafeDirectoryError
-from tierstore.files import create_new, lock_file, shared_directory_problem
+from tierstore.files import create_new, lock_file, shared_directory_problem, unlink_lock_file
 from tierstore.keys import DTYPE_CODES, DTYPES_BY_CODE, TensorKey, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -132,9 +132,10 @@ class NVMeDirectory:
 
     # ---- locking -------------------------------------------------------------------------------------
     def _release_lock(self) -> None:
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        os.close(self._lock_fd)
-        os.close(self._dir_fd)
+        try:
+            unlink_lock_file(LOCK_NAME, self._lock_fd, dir_fd=self._dir_fd)  # the user's directory is left as found
+        finally:
+            os.close(self._dir_fd)
 
     # ---- accounting ----------------------------------------------------------------------------------
     @property

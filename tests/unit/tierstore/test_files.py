@@ -3,6 +3,7 @@ write to, a rolled-back swap file, and the helpers in tierstore.files."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import stat
@@ -154,3 +155,29 @@ def test_lock_file_is_exclusive_and_names_the_holder(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     os.close(lock_file(tmp_path / "lock", "the thing", "Use another one."))  # released with its descriptor
+
+
+def test_a_closed_swap_directory_keeps_no_lock_file(nvme_dir: Path) -> None:
+    """The user's directory is left as found: the lock file stayed behind after every session."""
+    directory = NVMeDirectory(nvme_dir, 1 << 20)
+    assert (nvme_dir / LOCK_NAME).exists()
+    directory.close()
+    assert not (nvme_dir / LOCK_NAME).exists()
+    NVMeDirectory(nvme_dir, 1 << 20).close()  # and the next run takes it as before
+
+
+def test_a_lock_taken_on_a_file_its_holder_just_unlinked_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between our open and our flock the holder unlinks the file and lets go (unlink_lock_file): the lock we then
+    get is on a file no longer at that name, and a third run would lock the new one beside us."""
+    name = tmp_path / "dir.lock"
+    real_flock = fcntl.flock
+
+    def holder_lets_go_first(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_EX and name.exists():
+            name.unlink()  # the holder's release
+            name.write_text("")  # a third run creates the name anew (and would lock it)
+        real_flock(fd, operation)
+
+    monkeypatch.setattr("tierstore.files.fcntl.flock", holder_lets_go_first)
+    with pytest.raises(DirectoryLockedError, match="being released"):
+        lock_file(name, "the directory", "")
