@@ -224,6 +224,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Plan (and with --plan-only stop), then train; 0 when the plan fits and the loss stayed finite and fell."""
     args = parse_args(argv)
+    if args.nvme_dir != "tmp":  # the README's command names a directory a fresh machine does not have yet: made private
+        os.makedirs(args.nvme_dir, mode=0o700, exist_ok=True)
     # Under a hard cap the allocator's reserved memory is what counts: without expandable segments the 8B step
     # held 0.8-1.6 GiB reserved but unallocated when it ran out of memory (calls L7, L8). Read when CUDA's
     # allocator starts, so before anything touches CUDA; a value the user set wins. (It stays in the process's
@@ -232,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     logging.basicConfig(level=logging.WARNING)
     # setup's progress, the spill, the placement measured from the first step, the reserve hint
-    for name in ("runtime.session", "runtime.engine.controller", "runtime.planning.measured_placement", "runtime.planning.peak_hint",
-                 "runtime.engine.spill_return"):
+    for name in ("runtime.session", "runtime.engine", "runtime.planning.measured_placement", "runtime.planning.peak_hint"):
         logging.getLogger(name).setLevel(logging.INFO)
     if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))

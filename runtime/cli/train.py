@@ -23,6 +23,7 @@ from runtime.bundled.example_model import ExampleLM, ModelShape
 from runtime.checkpoint.files import read_latest
 from runtime.checkpoint.state import CheckpointError, CheckpointRoot, resume_training, save_checkpoint, save_due
 from runtime.config.loader import TierstoreConfig, TrainConfig, load_config
+from runtime.core.text import counted
 from runtime.profiler import Profiler, measure_ceilings
 from runtime.profiler.outputs import check_profile_dir
 from runtime.profiler.traffic import TrafficCounter
@@ -147,7 +148,7 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     """Build the model and the offloaded session, train (resuming from ``root`` when asked), report."""
     model: torch.nn.Module = build_model(cfg)
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
-    print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of "
+    print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {counted(steps, 'step')} of "
           f"{cfg.optimizer.accumulation_steps} x {batch} x {seq} tokens, dtype {cfg.dtype}", file=sys.stderr)
     model, optimizer = offload(model, cfg)
     session = optimizer.session  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
+from runtime.core.text import counted
 from runtime.planning.memory_plan import WEIGHT_SOURCE_TEXT
 from runtime.profiler.advice import size_text
 from runtime.profiler.analysis import PATH_NAMES, PATHS
@@ -35,7 +36,7 @@ def _header(summary: dict[str, Any]) -> str:
     totals = summary["totals"]
     homes = cfg.get("homes") or {}
     source = cfg.get("weight_source")  # a WeightSource value; an older profile's may be missing or unknown
-    lines = [f"tierstore profile: {totals['steps']} steps in {summary['duration_s']:.2f} s on {summary.get('device')}; "
+    lines = [f"tierstore profile: {counted(totals['steps'], 'step')} in {summary['duration_s']:.2f} s on {summary.get('device')}; "
              f"NVMe IO {summary.get('nvme_io_mode') or 'none'}",
              f"config: prefetch depth {cfg.get('prefetch_depth')}, budget {size_text(cfg.get('prefetch_budget_nbytes', 0))}; "
              f"nvme io_threads {cfg.get('io_threads')}; master on {homes.get('master')}, moments on {homes.get('exp_avg')}, "

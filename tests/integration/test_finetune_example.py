@@ -58,6 +58,15 @@ def test_plan_only_shows_the_spill_and_whether_it_fits(tmp_path, capsys):
     assert "fits this machine" in out and "nvme" in out and "exp_avg" in out
 
 
+def test_a_swap_directory_that_does_not_exist_yet_is_made_private(tmp_path, capsys):
+    """The README's command names /var/tmp/ts-8b, which a fresh machine does not have: it stopped with a traceback."""
+    example = load_example()
+    swap = tmp_path / "not" / "yet"
+    code = example.main(SMALL + ["--plan-only", "--nvme-dir", str(swap), "--host-budget", "3MiB"])
+    assert code == 0, capsys.readouterr().out
+    assert swap.is_dir() and (swap.stat().st_mode & 0o777) == 0o700
+
+
 def test_plan_only_refuses_what_this_machine_cannot_hold(tmp_path, capsys):
     example = load_example()
     code = example.main(SMALL + ["--plan-only", "--nvme-dir", str(tmp_path), "--host-budget", "100TiB"])
