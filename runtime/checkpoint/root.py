@@ -123,8 +123,10 @@ class CheckpointRoot:
         return writer or uuid.uuid4().hex
 
     def _claim_lineage(self, found: list[tuple[int, Path]], refuse_foreign: bool) -> str:
-        """Resume: own the checkpoint resumed from, those before it, and newer ones of its lineage; a newer
-        one of another lineage is refused when ``refuse_foreign``. Returns the lineage resumed."""
+        """Resume: own the checkpoint resumed from and the others of its lineage, before or after it; a newer
+        one of another lineage is refused when ``refuse_foreign``, an older one is left alone (never pruned: it
+        was copied in from another run). Checkpoints that record no lineage are the resumed one's when it records
+        none either and they are not newer. Returns the lineage resumed."""
         if not found:
             return uuid.uuid4().hex
         resumed = find_checkpoint(self.path)
@@ -135,10 +137,14 @@ class CheckpointRoot:
         lineage = _identity(resumed)[1]
         foreign = []
         for step, path in found:
-            if step <= resumed_step or (lineage is not None and _identity(path)[1] == lineage):
+            theirs = _identity(path)[1]
+            if path.name == resumed.name or (theirs == lineage and (lineage is not None or step <= resumed_step)):
                 self._owned.add(path.name)
-            else:
+            elif step > resumed_step:
                 foreign.append(path.name)
+            else:
+                log.info("checkpoint directory %s: %s is of another run; this run keeps it (keep_last prunes only "
+                         "its own)", self.path, path.name)
         if foreign and refuse_foreign:
             raise CheckpointError(f"checkpoint directory {self.path}: {', '.join(foreign)} is newer than the checkpoint "
                                   f"to resume ({resumed.name}) and was not written by its run; resuming would replace "

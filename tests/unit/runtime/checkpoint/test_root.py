@@ -252,3 +252,21 @@ def test_a_checkpoint_root_others_can_write_to_is_refused_as_a_swap_directory_is
     private = shared / "mine"
     CheckpointRoot(private).close()  # the subdirectory the message suggests is made private, and accepted
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
+
+
+def test_resume_never_prunes_an_older_checkpoint_of_another_run(earlier_run: Path, tmp_path: Path, trained):
+    """A checkpoint copied in from another run, older than the one resumed, was owned (every older one was) and
+    deleted by keep_last, although checkpoints of another run are never deleted."""
+    model, optimizer, session, data = trained
+    meta = earlier_run / "step-000002" / "meta.json"
+    text = meta.read_text()
+    lineage = text.split('"lineage": "')[1].split('"')[0]
+    rewrite(earlier_run / "step-000002", "meta.json", text.replace(lineage, "f" * 32))  # another run's step 2
+    copied = tree_digest(earlier_run / "step-000002")
+    with CheckpointRoot(earlier_run, resume=True) as root:
+        assert root.owns("step-000004") and not root.owns("step-000002")
+        step(model, optimizer, data, 2)
+        save_checkpoint(session, root, data, keep_last=1)  # prunes this run's own older ones only
+    names = sorted(p.name for _, p in list_checkpoints(earlier_run))
+    assert "step-000002" in names and "step-000004" not in names, names
+    assert tree_digest(earlier_run / "step-000002") == copied
