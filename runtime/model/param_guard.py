@@ -361,7 +361,9 @@ class ParamGuard:
             raise RuntimeError(
                 f"{getattr(func, '__name__', func)} writes into an offloaded parameter through an output argument "
                 "or a list; write parameters with model.load_state_dict(...) or param.copy_(value)")
-        if torch.is_grad_enabled() and target.requires_grad:
+        # As plain torch: a leaf's in-place write with grad on is refused, except torch.nn.init's functions, which
+        # write under a no_grad of their own that this call reaches before they enter it.
+        if torch.is_grad_enabled() and target.requires_grad and getattr(func, "__module__", None) != "torch.nn.init":
             raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
         for other, other_index in guarded:
             if other is not target and other_index is not None:

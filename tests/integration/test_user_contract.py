@@ -609,6 +609,27 @@ def test_nn_init_and_reset_parameters_after_offload_reach_the_master(tmp_path):
         edit_then_train_both(reinit, (plain, plain_opt), (model, optimizer))
 
 
+def test_nn_init_without_no_grad_initialises_an_offloaded_parameter_as_in_plain_pytorch(tmp_path):
+    """torch.nn.init's functions run their write under their own no_grad, so plain PyTorch accepts them outside one:
+    on an offloaded parameter they were refused ("a leaf Variable that requires grad is being used in an in-place
+    operation": the guard saw the call before nn.init's no_grad). Bit for bit against the plain loop, through a step;
+    a bare p.mul_() with grad on is still refused, as plain PyTorch refuses it."""
+    plain, plain_opt = plain_model()
+    model, optimizer = offload(fresh_model(), config(tmp_path))
+
+    def reinit(net: nn.Module) -> None:
+        torch.manual_seed(5)
+        nn.init.normal_(net.layers[2].down.weight, std=0.02)
+        nn.init.uniform_(net.layers[0].down.weight, -0.1, 0.1)
+        nn.init.constant_(net.norm.weight, 0.5)
+        net.layers[1].gate_up.reset_parameters()  # kaiming_uniform_ through nn.init
+
+    with optimizer.session:
+        edit_then_train_both(reinit, (plain, plain_opt), (model, optimizer))
+        with pytest.raises(RuntimeError, match="in-place"):
+            model.norm.weight.mul_(2.0)
+
+
 def test_foreach_aten_and_inplace_keyword_writes_between_steps_reach_the_master(tmp_path):
     """Writes between steps that name no single parameter as the method's target: ``torch._foreach_*_`` over a list
     of parameters, an ATen overload (``torch.ops.aten.mul_.Tensor``), a functional call with ``inplace=True``. Each
