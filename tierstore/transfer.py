@@ -392,12 +392,17 @@ class TransferEngine:
         SIGTERM's exception arriving while the main thread waited here). So an interrupt during the wait is held
         until the IO is done, then raised; and a second caller (another thread: an exit hook, a signal's cleanup)
         waits for the first one's close instead of returning at once into the same free."""
+        # The engine's own threads are what a close waits for: on one of them, waiting would never end.
+        if threading.current_thread().name.startswith(("tierstore-io", "tierstore-done")):
+            if self._closed:
+                return
+            raise RuntimeError("the transfer engine was closed from one of its own IO threads (a completion callback "
+                               "closing the store): close it from another thread")
         with self._close_lock:
             first = not self._closed
             self._closed = True
         if not first:
-            if not threading.current_thread().name.startswith(("tierstore-io", "tierstore-done")):
-                _wait_uninterrupted(self._close_done.wait)  # the engine's own threads are what that close waits for
+            _wait_uninterrupted(self._close_done.wait)
             return
         try:
             _wait_uninterrupted(self._pacer.close)  # every paced copy is issued before the streams are synchronized

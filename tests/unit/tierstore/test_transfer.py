@@ -532,3 +532,23 @@ def test_an_interrupt_during_close_waits_for_the_io_before_it_is_raised(gated_wr
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         opener.cancel()
+
+
+def test_a_close_from_a_completion_callback_is_refused_and_the_engine_still_closes(gated_write) -> None:
+    """A close on one of the engine's own threads would wait for itself: refused there, and the engine is closed
+    as usual from the main thread after."""
+    eng, gate, write = gated_write
+    errors: list[BaseException] = []
+
+    def close_from_callback(handle: Handle) -> None:
+        try:
+            eng.close()
+        except RuntimeError as error:
+            errors.append(error)
+
+    write.add_done_callback(close_from_callback)
+    gate.set()
+    write.wait()
+    assert len(errors) == 1 and "own IO threads" in str(errors[0])
+    eng.close()  # not hung, and the pools are shut
+    assert eng._io_pool._shutdown and eng._done_pool._shutdown
