@@ -534,21 +534,23 @@ def test_an_interrupt_during_close_waits_for_the_io_before_it_is_raised(gated_wr
         opener.cancel()
 
 
-def test_a_close_from_a_completion_callback_is_refused_and_the_engine_still_closes(gated_write) -> None:
-    """A close on one of the engine's own threads would wait for itself: refused there, and the engine is closed
-    as usual from the main thread after."""
+def test_a_close_on_one_of_the_engine_s_threads_is_refused_and_the_engine_still_closes(gated_write) -> None:
+    """A close on one of the engine's own threads (a completion callback closing the store) would wait for itself:
+    refused there, and the engine is closed as usual from another thread after."""
     eng, gate, write = gated_write
     errors: list[BaseException] = []
 
-    def close_from_callback(handle: Handle) -> None:
+    def close_here() -> None:
         try:
             eng.close()
         except RuntimeError as error:
             errors.append(error)
 
-    write.add_done_callback(close_from_callback)
+    own = threading.Thread(target=close_here, name="tierstore-done_0")  # named as the engine's completion threads
+    own.start()
+    own.join(10)
+    assert not own.is_alive() and len(errors) == 1 and "own IO threads" in str(errors[0])
     gate.set()
     write.wait()
-    assert len(errors) == 1 and "own IO threads" in str(errors[0])
     eng.close()  # not hung, and the pools are shut
     assert eng._io_pool._shutdown and eng._done_pool._shutdown
