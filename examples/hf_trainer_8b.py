@@ -102,6 +102,7 @@ def step_lines(args: argparse.Namespace, num_params: int) -> Any:
         def __init__(self) -> None:
             self.losses: list[float] = []
             self._start = self._seconds = 0.0
+            self.clip_s = 0.0  # the Trainer's clip_grad_norm_ in the step (timed by timed_clip)
 
         def on_step_begin(self, *unused: Any, **kwargs: Any) -> None:
             if not self._start:  # the first micro-batch of the step (later ones are not announced in every version)
@@ -115,7 +116,22 @@ def step_lines(args: argparse.Namespace, num_params: int) -> Any:
         def on_log(self, training_args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
             if logs and "loss" in logs:
                 self.losses.append(float(logs["loss"]))
-                print(step_line(args, state.global_step, self.losses[-1], self._seconds, num_params), file=sys.stderr)
+                print(f"{step_line(args, state.global_step, self.losses[-1], self._seconds, num_params)}, the Trainer's "
+                      f"clip_grad_norm_ {self.clip_s:.3f} s", file=sys.stderr)
+                self.clip_s = 0.0
+
+        def timed_clip(self, clip: Any) -> Any:
+            """``clip`` (the Trainer's accelerator.clip_grad_norm_, called as it was) with its seconds counted: what
+            the Trainer's clip, which needs user_grad_clip, costs beside tierstore's own at the commit."""
+            def timed(*call_args: Any, **call_kwargs: Any) -> Any:
+                start = time.perf_counter()
+                norm = clip(*call_args, **call_kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.clip_s += time.perf_counter() - start
+                return norm
+
+            return timed
 
     return StepLines()
 
@@ -149,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             save_strategy="no", report_to=[], seed=0, disable_tqdm=True)
         trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset(args),
                                        optimizers=(optimizer, None), callbacks=[lines])
+        trainer.accelerator.clip_grad_norm_ = lines.timed_clip(trainer.accelerator.clip_grad_norm_)
         trainer.train()
     losses = lines.losses
     ok = bool(losses) and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
