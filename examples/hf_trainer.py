@@ -4,8 +4,9 @@
 
 Builds a small LlamaForCausalLM from a config (nothing downloaded), its loss tierstore's chunked one
 (``use_chunked_loss``), trains it on the Python standard library's source with the stock ``Trainer`` (default
-``max_grad_norm=1.0``: the Trainer clips in its own loop, so the config sets ``optimizer.user_grad_clip: true``), saves it with ``trainer.save_model`` and loads it back
-with ``from_pretrained``. On a GPU the weights are fetched block by block and AdamW runs on the CPU.
+``max_grad_norm=1.0``: the Trainer clips in its own loop, so the config sets ``optimizer.user_grad_clip: true``),
+saves it with ``trainer.save_model`` and loads it back with ``from_pretrained``. On a GPU the weights are fetched
+block by block and AdamW runs on the CPU.
 """
 
 from __future__ import annotations
