@@ -63,6 +63,7 @@ def train(tmp_path: Path, chunked: bool):
         optimizers = (optimizer, None)
         session = optimizer.session
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(), optimizers=optimizers)
+    assert trainer.model_accepts_loss_kwargs  # so it passes num_items_in_batch to the forward, chunked or not
     trainer.train()
     logs = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
