@@ -37,38 +37,26 @@ import yaml
 from runtime import offload
 from runtime.bundled.data import ByteBatches, stdlib_text_bytes
 from runtime.config.units import approx_size, parse_size
+from runtime.integrations.hf_loss import use_chunked_loss
 from runtime.model.materialize import seeded_normal_init
 from runtime.planning.memory_plan import PlanError
 from runtime.profiler import Profiler, measure_ceilings
 
 
 class PiecewiseLossLM(torch.nn.Module):
-    """The causal LM with its loss taken a piece of the sequence at a time: the logits of a 128k vocabulary for a
-    whole micro-batch never exist at once (4 sequences of 4096 tokens: 8.4 GB in fp32, as much again for their
-    gradient, more than the rest of a step under a 24 GiB cap). Each piece's logits are recomputed in backward
-    (activation checkpointing), so the head runs once per piece in each pass. The mean over tokens is the same
-    sum HF's loss takes, added piece by piece."""
+    """The causal LM called on tokens alone, its loss taken a piece of the sequence at a time by tierstore's chunked
+    loss (``runtime.integrations.hf_loss.use_chunked_loss``): the logits of a 128k vocabulary for a whole micro-batch
+    never exist at once (4 sequences of 4096 tokens: 8.4 GB in fp32, as much again for their gradient, more than the
+    rest of a step under a 24 GiB cap). Each piece's logits are recomputed in backward, so the head runs once per
+    piece in each pass. The loss is HF's: the mean over the shifted labels. (A module of its own so that the
+    DeepSpeed baseline's engine, which calls it on tokens, takes the same loss.)"""
 
     def __init__(self, lm: torch.nn.Module, piece_tokens: int):
         super().__init__()
-        self.lm = lm
-        self.piece_tokens = piece_tokens
+        self.lm = use_chunked_loss(lm, piece_tokens)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        hidden = self.lm.model(input_ids=input_ids).last_hidden_state[:, :-1]
-        labels = input_ids[:, 1:]
-        positions = max(1, self.piece_tokens // input_ids.shape[0])
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, labels.shape[1], positions):
-            piece = slice(start, start + positions)
-            total = total + checkpoint(self._piece_loss, hidden[:, piece], labels[:, piece], use_reentrant=False)
-        return total / labels.numel()
-
-    def _piece_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.lm.lm_head(hidden).float()
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+        return self.lm(input_ids=input_ids, labels=input_ids).loss
 
 
 LLAMA3_8B = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
@@ -187,10 +175,9 @@ def check_scenario_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     args.gpu_cap = parse_size(args.gpu_cap)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line; the shape defaults to Llama-3-8B's."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_scenario_args(parser)
+def add_tier_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the tiers (the GPU's activation reserve, the pinned budget, the swap files) and ``--set``: what
+    ``tierstore_config`` reads beside the scenario's flags, shared with examples/hf_trainer_8b.py."""
     parser.add_argument("--activation-reserve", default="auto",
                         help="GPU memory left for activations (tiers.gpu.activation_reserve; default auto: measured "
                              "from the first step, whose updates all run on the CPU; the first blocks then move to the "
@@ -203,6 +190,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="swap files read and written at once (tiers.nvme.io_threads; default 8). `tierstore bench "
                              "store --nvme-dir DIR --disk-sweep` shows which count and --io-block the disk serves fastest")
     parser.add_argument("--io-block", default="64MiB", help="largest single read or write (tiers.nvme.block_size)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other config setting, as a dotted path and a YAML value (repeatable), e.g. "
+                             "--set optimizer.gpu_stream_fraction=0 --set prefetch.keep_for_backward=0; those the "
+                             "flags above set (dtype, lr, accumulation, the tiers' budgets and paths) are refused")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; the shape defaults to Llama-3-8B's."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_scenario_args(parser)
+    add_tier_args(parser)
     parser.add_argument("--plan-only", action="store_true", help="print the memory plan and whether it fits, then exit")
     parser.add_argument("--compute-bound", action="store_true",
                         help="no offload: time the same micro-batches with the whole model in bf16 on the GPU, uncapped "
@@ -211,19 +209,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace", metavar="FILE",
                         help="profile micro-batches 2 and 3 of the last step with torch.profiler (the GPU's kernels and copies) and "
                              "write the Chrome trace to FILE (gzip if it ends in .gz)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other config setting, as a dotted path and a YAML value (repeatable), e.g. "
-                             "--set optimizer.gpu_stream_fraction=0 --set prefetch.keep_for_backward=0; those the "
-                             "flags above set (dtype, lr, accumulation, the tiers' budgets and paths) are refused")
     args = parser.parse_args(argv)
     check_scenario_args(parser, args)
     args.host_budget = parse_size(args.host_budget)
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Plan (and with --plan-only stop), then train; 0 when the plan fits and the loss stayed finite and fell."""
-    args = parse_args(argv)
+def prepare_process(args: argparse.Namespace) -> bool:
+    """Before anything touches CUDA: the swap directory made, the allocator set, the process's GPU memory capped,
+    tierstore's progress logged. Returns whether a GPU is there."""
     if args.nvme_dir != "tmp":  # the README's command names a directory a fresh machine does not have yet: made private
         os.makedirs(args.nvme_dir, mode=0o700, exist_ok=True)
     # Under a hard cap the allocator's reserved memory is what counts: without expandable segments the 8B step
@@ -236,8 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     # setup's progress, the spill, the placement measured from the first step, the reserve hint
     for name in ("runtime.session", "runtime.engine", "runtime.planning.measured_placement", "runtime.planning.peak_hint"):
         logging.getLogger(name).setLevel(logging.INFO)
-    if cuda and not args.compute_bound:  # the cap holds for everything the process allocates: tierstore's tiers and the activations
+    # the cap holds for everything the process allocates: tierstore's tiers and the activations
+    if cuda and not getattr(args, "compute_bound", False):
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
+    return cuda
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plan (and with --plan-only stop), then train; 0 when the plan fits and the loss stayed finite and fell."""
+    args = parse_args(argv)
+    cuda = prepare_process(args)
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())
     config = tierstore_config(args, cuda)
@@ -352,14 +354,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                 losses.append(total.item() / accumulation)
                 seconds = time.perf_counter() - t0
                 summed = [after - b for after, b in zip(_sum_counters(session), summed, strict=True)]
-                tokens_per_s = args.global_batch * args.seq / seconds
-                peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-                peak_held = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else 0.0
-                retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if device.type == "cuda" else 0
-                print(f"\rstep {step}/{args.steps}: loss {losses[-1]:.4f}, {seconds:.1f} s, {tokens_per_s:,.0f} tokens/s, "
-                      f"{6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s, peak GPU {peak_gpu:.1f} GiB ({peak_held:.1f} "
-                      f"held by the allocator, {retries} allocation retries so far), peak RSS "
-                      f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, NVMe "
+                print(f"\r{step_line(args, step, losses[-1], seconds, num_params)}, NVMe "
                       f"{(disk['read'] - before['read']) / 1e9:.1f} GB read / {(disk['write'] - before['write']) / 1e9:.1f} GB "
                       "written", file=sys.stderr)
                 if session.controller.sums is not None:
@@ -372,6 +367,20 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
     finally:
         session.close()
     return losses
+
+
+def step_line(args: argparse.Namespace, step: int, loss: float, seconds: float, num_params: int) -> str:
+    """An optimizer step's line: loss, seconds, tokens/s, model TFLOP/s (6 x parameters x tokens/s), peak GPU memory
+    and RSS; examples/hf_trainer_8b.py prints the same, so the two rows compare."""
+    cuda = torch.cuda.is_available()
+    tokens_per_s = args.global_batch * args.seq / seconds
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    peak_held = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    return (f"step {step}/{args.steps}: loss {loss:.4f}, {seconds:.1f} s, {tokens_per_s:,.0f} tokens/s, "
+            f"{6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s, peak GPU {peak_gpu:.1f} GiB ({peak_held:.1f} "
+            f"held by the allocator, {retries} allocation retries so far), peak RSS "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
 
 def _trace(running, path: str):  # type: ignore[no-untyped-def]

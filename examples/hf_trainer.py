@@ -2,10 +2,11 @@
 
     pip install -e '.[hf]' && python examples/hf_trainer.py [--steps N] [--out DIR]
 
-Builds a small LlamaForCausalLM from a config (nothing downloaded), trains it on the Python standard
-library's source with the stock ``Trainer`` (default ``max_grad_norm=1.0``: the Trainer clips in its own loop,
-so the config sets ``optimizer.user_grad_clip: true``), saves it with ``trainer.save_model`` and loads it back
-with ``from_pretrained``. On a GPU the weights are fetched block by block and AdamW runs on the CPU.
+Builds a small LlamaForCausalLM from a config (nothing downloaded), its loss tierstore's chunked one
+(``use_chunked_loss``), trains it on the Python standard library's source with the stock ``Trainer`` (default
+``max_grad_norm=1.0``: the Trainer clips in its own loop, so the config sets ``optimizer.user_grad_clip: true``),
+saves it with ``trainer.save_model`` and loads it back with ``from_pretrained``. On a GPU the weights are fetched
+block by block and AdamW runs on the CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import transformers
 
 from runtime import offload
 from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+from runtime.integrations.hf_loss import use_chunked_loss
 
 
 def main() -> None:
@@ -32,7 +34,9 @@ def main() -> None:
 
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(config)
+    # HF's loss, its logits a piece of 1024 tokens at a time: with a real vocabulary (128k) the logits of a whole
+    # micro-batch are what limit its size under a GPU budget. The Trainer sees the same .loss.
+    model = use_chunked_loss(transformers.LlamaForCausalLM(config), piece_tokens=1024)
     training = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=args.steps,
                                               learning_rate=3e-4, logging_steps=5, save_strategy="no", report_to=[],
                                               bf16=cuda, use_cpu=not cuda)
