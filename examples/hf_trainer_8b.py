@@ -105,13 +105,16 @@ def step_lines(args: argparse.Namespace, num_params: int) -> Any:
             self.clip_s = 0.0  # the Trainer's clip_grad_norm_ in the step (timed by timed_clip)
 
         def on_step_begin(self, *unused: Any, **kwargs: Any) -> None:
-            if not self._start:  # the first micro-batch of the step (later ones are not announced in every version)
+            if not self._start:  # the first step's first micro-batch; later steps are timed from the previous end
                 self._start = time.perf_counter()
 
         def on_step_end(self, *unused: Any, **kwargs: Any) -> None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self._seconds, self._start = time.perf_counter() - self._start, 0.0
+            # From the end of the previous step, not from this step's on_step_begin: the Trainer's own work between
+            # steps (its data loader, logging) is part of what a user waits for, as finetune_8b.py's step times it.
+            now = time.perf_counter()
+            self._seconds, self._start = now - self._start, now
 
         def on_log(self, training_args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
             if logs and "loss" in logs:

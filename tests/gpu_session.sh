@@ -4,10 +4,11 @@
 # under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
 # train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
 # writes more than 8. Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|ab|ab-bench|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|ab|ab-bench|all]
 # Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
-# options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options).
+# options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options), LOSSES (trainer: the
+# hf_trainer_8b.py --loss values to run after finetune_8b.py, default "liger chunked").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -58,6 +59,15 @@ fi
 if [[ $what == deepspeed || $what == compare ]]; then  # DeepSpeed ZeRO-3 offload on the same scenario (DS_ARGS: e.g. "--layers 16 --offload nvme")
   mkdir -p /var/tmp/ds-8b
   python3 examples/finetune_8b_deepspeed.py --steps ${STEPS:-2} ${DS_ARGS:-} 2>&1 | tee "$OUT/deepspeed.log" | tr '\r' '\n' | grep -v "^step .*micro-batch" | tail -40 || status=$(( status ? status : $? ))
+fi
+if [[ $what == trainer ]]; then  # the 8B scenario: finetune_8b.py, then an unchanged HF Trainer per loss (issue 41), one call
+  mkdir -p /var/tmp/ts-8b
+  python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} ${FT_ARGS:-} 2>&1 | tr '\r' '\n' > "$OUT/trainer_example.log" || status=$(( status ? status : $? ))
+  grep -E "^step [0-9]+/[0-9]+: loss|falling|Error" "$OUT/trainer_example.log" | sed "s/^/example: /"
+  for loss in ${LOSSES:-liger chunked}; do
+    python3 examples/hf_trainer_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} --loss $loss ${FT_ARGS:-} 2>&1 | tr '\r' '\n' > "$OUT/trainer_$loss.log" || status=$(( status ? status : $? ))
+    grep -E "^step [0-9]+/[0-9]+: loss|clip_grad_norm_|falling|Error|error" "$OUT/trainer_$loss.log" | sed "s/^/trainer-$loss: /"
+  done
 fi
 if [[ $what == ab ]]; then  # the 8B command, STEPS steps (default 1), for each code tree in AB_TREES, on one machine
   # AB_TREES: folders holding runtime/, tierstore/ and examples/ of one commit each, made before the call with e.g.
