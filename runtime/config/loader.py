@@ -453,6 +453,16 @@ def _apply_overrides(raw: dict[str, object], overrides: Mapping[str, object],
     return result
 
 
+def _written(raw: object, dotted: str) -> bool:
+    """Whether the config as given (file and overrides) sets the dotted path ``dotted``."""
+    node = raw
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | None = None, *,
                 overrides: Mapping[str, object] | None = None) -> TierstoreConfig:
     """Load and validate a tierstore config.
@@ -489,7 +499,7 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | None = None
                             f"{describe_value(raw)}")
         raw = _apply_overrides(dict(raw), overrides, ctx)
     cfg: TierstoreConfig = _build_section(TierstoreConfig, raw, "", ctx)
-    problems = consistency_problems(cfg)
+    problems = consistency_problems(cfg, written=lambda dotted: _written(raw, dotted))
     if problems:
         first = problems[0]
         raise ctx.error(first.kind, first.path, first.message, line_paths=first.line_paths)

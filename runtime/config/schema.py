@@ -24,6 +24,7 @@ from runtime.config.units import (
     SizeSpec,
     Spec,
     describe_value,
+    format_size,
 )
 
 __all__ = [
@@ -442,8 +443,25 @@ def clip_threshold(opt: OptimizerConfig) -> float | None:
     return opt.grad_clip
 
 
-def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
-    """Return the contradictions between settings of ``cfg``, in a fixed order (empty: none)."""
+def _block_over_budget(nvme: NvmeTierConfig, written: Callable[[str], bool] | None) -> Problem:
+    """``tiers.nvme.block_size`` above ``tiers.nvme.budget``: reported at the budget when the user wrote it and left
+    the block size at its default (``budget: 1MiB`` under the 64MiB default block), else at the block size."""
+    budget, block = format_size(nvme.budget), format_size(nvme.block_size)
+    if written is not None and written("tiers.nvme.budget") and not written("tiers.nvme.block_size"):
+        return Problem("bad_value", "tiers.nvme.budget",
+                       f"{budget} is below one block of {block} (tiers.nvme.block_size, the default); raise "
+                       f"tiers.nvme.budget to at least {block} or lower tiers.nvme.block_size.")
+    default = "" if written is None or written("tiers.nvme.budget") else ", the default"
+    return Problem("bad_value", "tiers.nvme.block_size",
+                   f"{block} is above the NVMe budget of {budget} (tiers.nvme.budget{default}); lower "
+                   f"tiers.nvme.block_size or raise tiers.nvme.budget to at least {block}.", ("tiers.nvme.budget",))
+
+
+def consistency_problems(cfg: TierstoreConfig, written: Callable[[str], bool] | None = None) -> list[Problem]:
+    """Return the contradictions between settings of ``cfg``, in a fixed order (empty: none).
+
+    ``written``: whether the user wrote a dotted path (``runtime.config.loader`` knows; None: unknown), so that a
+    problem between a written key and a default is reported at the key the user wrote."""
     problems = []
     nvme = cfg.tiers.nvme
     for kind in ("weights", "master", "moments"):
@@ -454,11 +472,7 @@ def consistency_problems(cfg: TierstoreConfig) -> list[Problem]:
                 "NVMe tier). Set `path:` under tiers.nvme to a directory (or `tmp` for a "
                 f"temporary one), or place {kind} on `host`.", (f"placement.{kind}",)))
     if nvme.block_size > nvme.budget:
-        problems.append(Problem(
-            "bad_value", "tiers.nvme.block_size",
-            f"block_size ({nvme.block_size} bytes) is larger than the NVMe budget "
-            f"({nvme.budget} bytes); lower block_size or raise tiers.nvme.budget.",
-            ("tiers.nvme.budget",)))
+        problems.append(_block_over_budget(nvme, written))
     opt = cfg.optimizer
     if opt.user_grad_clip and isinstance(opt.grad_clip, float):
         problems.append(Problem(

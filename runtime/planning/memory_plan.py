@@ -58,6 +58,9 @@ class MemoryPlan:
     weight_source: str  # master | weights | resident
     rows: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, tier, nbytes)
     notes: tuple[str, ...] = ()  # lines printed under the header: what `auto` placement chose and why
+    # The compute device's type ("cuda", "cpu"), recorded by ``check_fits``: on a CPU the "gpu" tier is the CPU's
+    # memory outside the host arena, and the table calls it what it is (issue 41: no "gpu" rows on a CPU run).
+    device_type: str = "cuda"
 
     @property
     def pre_commit_buffers(self) -> bool:
@@ -83,17 +86,32 @@ class MemoryPlan:
         """GPU bytes of weights and gradients (activations come on top)."""
         return self.tier_nbytes("gpu")
 
+    def tier_name(self, tier: str) -> str:
+        """A tier as the table names it: the "gpu" tier is "device" where the device is the CPU."""
+        return "device" if tier == "gpu" and self.device_type != "cuda" else tier
+
     def table(self) -> str:
         """A table for a person: one row per kind and tier, then totals."""
         source = WEIGHT_SOURCE_TEXT.get(self.weight_source, self.weight_source)
         width = max([32, *(len(kind) + 2 for kind, _, _ in self.rows)])  # a long label never runs into its tier
+        cpu = [CPU_DEVICE_NOTE] if self.device_type != "cuda" else []
         lines = [f"memory plan: {self.num_params:,} parameters; weights fetched from {source}",
-                 *(f"  {note}" for note in self.notes), f"  {'state':<{width}}{'tier':<6}{'bytes':>14}"]
+                 *(f"  {note}" for note in [*cpu, *self.notes]), f"  {'state':<{width}}{'tier':<6}{'bytes':>14}"]
         for kind, tier, nbytes in self.rows:
-            lines.append(f"  {kind:<{width}}{tier:<6}{approx_size(nbytes):>14}")
+            lines.append(f"  {_device_text(kind, self.device_type):<{width}}{self.tier_name(tier):<6}{approx_size(nbytes):>14}")
         for tier in ("gpu", "host", "nvme"):
-            lines.append(f"  {'total':<{width}}{tier:<6}{approx_size(self.tier_nbytes(tier)):>14}")
+            lines.append(f"  {'total':<{width}}{self.tier_name(tier):<6}{approx_size(self.tier_nbytes(tier)):>14}")
         return "\n".join(lines)
+
+
+# The plan's line on a CPU: what its "device" rows are.
+CPU_DEVICE_NOTE = ("the device is the CPU (no CUDA): 'device' rows are its memory outside the host arena "
+                   "(tiers.gpu.budget bounds them)")
+
+
+def _device_text(kind: str, device_type: str) -> str:
+    """A row's label with "GPU" said as "device" where the device is the CPU."""
+    return kind if device_type == "cuda" else kind.replace("GPU", "device")
 
 
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
@@ -262,6 +280,7 @@ def check_fits(plan: MemoryPlan, cfg: TierstoreConfig, device: torch.device, *, 
     budgets against the plan, and the plan against this machine. Returns the budgets the store must use;
     raises PlanError naming every problem with its numbers. ``memory``: the host RAM to plan against
     (default: this process's now, cgroup limits included)."""
+    plan.device_type = device.type  # the table names the "gpu" tier as what the device is
     budget = cfg.tiers.host.budget
     budgets = Budgets(gpu_nbytes=gpu_budget_nbytes(cfg, device),
                       host_nbytes=plan.host_nbytes if budget == "auto" else int(budget))
@@ -294,7 +313,7 @@ def check_plan(plan: MemoryPlan, *, host_budget_nbytes: int | None, gpu_budget_n
             problems.append(f"host: the plan pins {approx_size(arena)} ({arena:,} bytes){on_swap} but this process has "
                             f"{memory.describe()}; {_host_hint(plan, in_ram)}")
     if plan.gpu_nbytes > gpu_budget_nbytes:
-        problems.append(f"gpu: weights and gradients need {approx_size(plan.gpu_nbytes)} but tiers.gpu.budget is "
+        problems.append(f"{plan.tier_name('gpu')}: weights and gradients need {approx_size(plan.gpu_nbytes)} but tiers.gpu.budget is "
                         f"{approx_size(gpu_budget_nbytes)}; raise it, lower prefetch.depth or keep weights on host "
                         "(placement.weights: host)")
     if plan.nvme_nbytes:

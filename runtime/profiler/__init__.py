@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runtime.profiler.advice import advise
 from runtime.profiler.ceilings import ceilings_from_store_bench, measure_ceilings
 from runtime.profiler.collect import Profiler
-from runtime.profiler.outputs import SavedProfile, chrome_trace, save_profile, write_plot
+from runtime.profiler.outputs import PLOT_INSTALL, PLOT_NAME, SavedProfile, chrome_trace, plot_state, save_profile, write_plot
 from runtime.profiler.records import RawProfile, StepMark
 from runtime.profiler.report import format_report
 
@@ -43,13 +44,23 @@ def load_summary(directory: str | Path) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tierstore profile DIR``: print the report (tables and advice) of the profile saved in DIR."""
-    summary = load_summary(args.dir)
+    """``tierstore profile DIR``: print the report (tables and advice) of the profile saved in DIR, with ``--plot``
+    draw DIR/plot.png first. The report's line on the plot says what DIR holds now (``plot_state``), not what was
+    skipped when the profile was saved; 2 when ``--plot`` could not draw (matplotlib missing)."""
+    directory = Path(args.dir)
+    summary = load_summary(directory)
+    # The advice is a function of the summary alone: given again, a profile saved by an older version reads as
+    # this one's advice would (its device named as it is, the micro-batch said where it limits the run).
+    if "steady" in summary:  # what the advice is computed from
+        summary["advice"] = advise(summary)
+    drawn = bool(getattr(args, "plot", False)) and write_plot(summary, directory / PLOT_NAME)
+    plot, why = plot_state(summary, directory)  # a plot there already: no line says it was not written
+    skipped = {role: reason for role, reason in (summary.get("skipped") or {}).items() if role != "plot"}
+    summary["skipped"] = skipped if why is None else {**skipped, "plot": why}
     print(format_report(summary), end="")
-    if getattr(args, "plot", False):
-        path = Path(args.dir) / "plot.png"
-        if not write_plot(summary, path):
-            print("tierstore profile: --plot needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
-            return 2
-        print(f"plot written to {path}")
+    if getattr(args, "plot", False) and not drawn:
+        print(f"tierstore profile: --plot needs matplotlib, which is not installed ({PLOT_INSTALL})", file=sys.stderr)
+        return 2
+    if drawn:
+        print(f"plot written to {plot}")
     return 0

@@ -12,6 +12,9 @@ a change can at most remove the waiting it targets. The rules, by cause of the w
   threads while NVMe reads are below their ceiling), run the first blocks' update on the GPU
   (``optimizer.gpu_update_fraction``: those are the updates the CPU cannot hide), and amortise Adam over more
   tokens (``optimizer.accumulation_steps``).
+- the micro-batch (``micro_batch_advice``): where every micro-batch fetches the weights again and that traffic
+  holds the step, more tokens per micro-batch divide it; the item names what lets a micro-batch grow (activation
+  checkpointing, a chunked loss for a large vocabulary) and, on a GPU whose peak is known, whether it must first.
   On a GPU, the steps' measured peak bounds what may move there: with a hand-set fraction, the blocks whose
   device-side state fits the memory the peak left unused, less ``GPU_MARGIN`` of the budget; under ``auto``
   placement, the activation reserve the peak supports and what auto placement chooses with it
@@ -26,12 +29,18 @@ from typing import Any
 from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
 from runtime.planning.auto_placement import STATE_ITEMSIZE
 from runtime.planning.peak_hint import GPU_MARGIN, beyond_plan
+from runtime.profiler.names import device_word, on_gpu
 from runtime.profiler.shares import share_text
 
 MIN_STALL_S = 1e-3  # waits below this per step are noise
 MIN_STALL_SHARE = 0.02  # ... and so are waits below this share of the step
 RAM_MARGIN = 1.25  # moving state to pinned memory wants this much more free RAM than it takes
 READ_SATURATED = 0.8  # NVMe reads at this share of the ceiling gain nothing from more threads
+# The weights' copies to the device busy for at least this share of the step: their traffic is what the step is
+# made of, and fewer micro-batches (each fetching every weight) take it away.
+FETCH_BOUND_SHARE = 0.5
+CHUNKED_LOSS = ("a chunked loss for a large vocabulary, whose logits hold the micro-batch down (HF Trainer: "
+                "TrainingArguments(use_liger_kernel=True); without Liger: runtime.integrations.hf_loss.use_chunked_loss)")
 WEIGHTS_COPY_ITEMSIZE = 2  # with a compute-dtype copy of its weights (weight source "weights"), that copy
 
 
@@ -86,11 +95,13 @@ def advise(summary: dict[str, Any]) -> list[dict[str, Any]]:
         need = largest * max(1, cfg.get("prefetch_depth", 1))
         add(f"raise tiers.gpu.budget from {size_text(budget)} to {size_text(budget + need)} (or lower prefetch.depth "
             "so prefetches fit)", waits[STALL_CAPACITY], waits[STALL_CAPACITY],
-            f"{waits[STALL_CAPACITY]:.3f} s/step waited on fetches whose prefetch the full GPU budget refused")
+            f"{waits[STALL_CAPACITY]:.3f} s/step waited on fetches whose prefetch the full "
+            f"{device_word(summary.get('device_type'))} budget refused")
     if waits.get(STALL_UPDATE, 0.0) >= threshold:
         _update_advice(summary, cfg, waits[STALL_UPDATE], steady, threshold, add)
     if waits.get(STALL_GRAD_SUM, 0.0) >= threshold:
         _grad_sum_advice(summary, cfg, waits[STALL_GRAD_SUM], add)
+    micro_batch_advice(summary, cfg, waits, steady, threshold, add)
     if not items:
         share = total / step_s if step_s > 0 else 0.0
         return [{"change": "none", "saves_s": 0.0, "measured_s": total, "why": "stalls are small",
@@ -110,9 +121,10 @@ def _grad_sum_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, 
     peak's bytes beyond the plan (``runtime.planning.peak_hint.beyond_plan``: its activations) once more, and where the peak
     left less room than that the item says so and promises nothing (the 8B scenario: 4.8 GiB of activations, 2 GiB
     left under the 24 GiB cap) instead of naming a change that runs out of memory."""
-    why = (f"{wait:.3f} s/step the backward waited for the host gradient sums (optimizer.accumulate_on: host) to free "
-           "a buffer; host time: the GPU may still be working through what was queued, so the step gains less when "
-           "the sums are not what holds it")
+    why = f"{wait:.3f} s/step the backward waited for the host gradient sums (optimizer.accumulate_on: host) to free a buffer"
+    if on_gpu(summary.get("device_type")):  # on a CPU the host time is the device's: nothing is queued behind it
+        why += ("; host time: the GPU may still be working through what was queued, so the step gains less when the "
+                "sums are not what holds it")
     room, peak = _room(summary, cfg), (summary.get("memory") or {}).get("gpu_peak_nbytes")
     if room is not None and peak and cfg.get("gpu_plan_nbytes"):
         activations = beyond_plan(cfg, int(peak))
@@ -123,6 +135,44 @@ def _grad_sum_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, 
             return
     add("raise the micro-batch size and lower optimizer.accumulation_steps to match (each micro-batch's gradient "
         "is summed on the host once, whatever its tokens)", wait, wait, why)
+
+
+def micro_batch_advice(summary: dict[str, Any], cfg: dict[str, Any], waits: dict[str, float], steady: dict[str, Any],
+                       threshold: float, add: Any) -> None:
+    """The micro-batch limits the run: with ``accumulation_steps`` micro-batches a step, each fetches every
+    streamed weight again (forward and backward), and where those copies keep the link busy for
+    ``FETCH_BOUND_SHARE`` of the step and the training thread waits on fetches, twice the tokens per micro-batch
+    (half as many micro-batches) halve that traffic. It removes at most the fetch waits, and at most half the link's
+    busy time. What lets a micro-batch grow is named: activation checkpointing where it is off, a chunked loss; on a
+    GPU whose peak is known, whether twice the activations fit what the peak left (``_room``) or that room comes
+    first. Nothing with resident weights (never fetched) or one micro-batch a step (the step's tokens would grow)."""
+    accumulation = int(cfg.get("accumulation_steps", 1))
+    fetch_wait = sum(waits.get(c, 0.0) for c in (STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_CAPACITY))
+    h2d = (steady.get("paths") or {}).get("h2d") or {}
+    busy_s, step_s = float(h2d.get("busy_s") or 0.0), float(steady.get("step_s") or 0.0)
+    if (accumulation < 2 or cfg.get("weight_source") == "resident" or fetch_wait < threshold
+            or busy_s < FETCH_BOUND_SHARE * step_s):
+        return
+    device_type = summary.get("device_type")
+    why = (f"each of the {accumulation} micro-batches fetches the weights again: {size_text(h2d.get('nbytes', 0))} a step "
+           f"to the {device_word(device_type)}, which kept the copies busy {busy_s:.3f} s of the {step_s:.3f} s step, and "
+           f"the training thread waited {fetch_wait:.3f} s/step on fetches; more tokens per micro-batch divide that "
+           "traffic")
+    grow = [] if cfg.get("activations_recomputed") else ["activation checkpointing (placement.activations: recompute)"]
+    grow.append(CHUNKED_LOSS)
+    room, peak = _room(summary, cfg), (summary.get("memory") or {}).get("gpu_peak_nbytes")
+    if room is not None and peak and cfg.get("gpu_plan_nbytes"):
+        activations = beyond_plan(cfg, int(peak))
+        if activations > room:
+            why += (f"; twice the micro-batch needs about {size_text(activations)} more for its activations and the "
+                    f"step's peak left {size_text(room)} free beside a {GPU_MARGIN:.0%} margin: make room first with "
+                    + " or ".join(grow))
+        else:
+            why += f"; twice its activations (about {size_text(activations)} more) fit what the step's peak left"
+    else:
+        why += "; where a larger micro-batch does not fit, it grows with " + " or ".join(grow)
+    add(f"double the micro-batch and lower optimizer.accumulation_steps from {accumulation} to {max(1, accumulation // 2)} "
+        "(the micro-batch limits this run)", min(fetch_wait, busy_s / 2), fetch_wait, why)
 
 
 def _prefetch_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, steady: dict[str, Any], add: Any) -> None:
@@ -216,11 +266,12 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
         return
     extra = sum(_device_nbytes(b) for b in prefix if not b.get("gpu_updated"))
     saves = min(wait, covered + _spill_saved(summary, steady, prefix))
-    note = "; on this CPU-only run the 'GPU' update also runs on the CPU" if summary.get("device_type") == "cpu" else ""
+    device_type = summary.get("device_type")
+    note = "" if on_gpu(device_type) else "; on this CPU-only run the device update runs on the CPU too, beside the worker"
     left = f"; the step's peak left {size_text(room)} free beside a {GPU_MARGIN:.0%} margin" if room is not None else ""
     shown = (lambda x: f"{x:.2f}") if room is None else (lambda x: f"{x:.4f}")
     add(f"raise optimizer.gpu_update_fraction from {shown(current)} to {shown(fraction)} (needs about {size_text(extra)} "
-        f"more GPU memory{left})", saves, wait,
+        f"more {device_word(device_type)} memory{left})", saves, wait,
         f"blocks 0..{last} waited {covered:.3f} s/step for their CPU update: the first blocks' updates finish last and "
         f"are needed first{note}")
 

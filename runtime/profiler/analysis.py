@@ -12,13 +12,12 @@ from typing import Any
 
 from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE, StallEvent
 from runtime.profiler.advice import advise
+from runtime.profiler.names import PATHS
 from runtime.profiler.records import Counters, RawProfile, StepMark
 from runtime.profiler.shares import ceiling_share, over_ceiling
 from tierstore import TransferEvent
 
 SUMMARY_VERSION = 1
-PATHS = ("h2d", "d2h", "read", "write")
-PATH_NAMES = {"h2d": "pinned -> GPU", "d2h": "GPU -> pinned", "read": "NVMe -> pinned", "write": "pinned -> NVMe"}
 CAUSES = (STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE, STALL_CAPACITY, STALL_GRAD_SUM)
 FETCH_CAUSES = (STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_CAPACITY)
 TOP_BLOCKS_PER_STEP = 3

@@ -2,7 +2,15 @@
 
 - :func:`measure_ceilings` for the profiler: PCIe each way (a pinned copy of ``PCIE_PROBE_NBYTES``, timed by CUDA
   events after a warm-up, best of several), and the disk of the store's NVMe directory through
-  :func:`disk_ceiling_gbps`.
+  :func:`disk_ceiling_gbps`. On a CPU-only machine the "device" copies are memory copies, whose speed depends on
+  their size: a copy of a block that fits the CPU's caches runs several times faster than one of 256 MiB through
+  DRAM (issue 41: a CPU run's GPU -> pinned path read 6.93 GB/s against a 1.66 GB/s ceiling, the store copying
+  3 MiB blocks and the probe 256 MiB on a busy 2-core machine). And a copy torch splits over the cores waits for
+  the slowest of them: on that machine, with other processes running, a 3 MiB copy on two threads took 20 ms
+  (0.2 GB/s) where one thread copied it at 58 GB/s. There the probe copies as much as the store's largest entry
+  (:func:`copy_probe_nbytes`, what one store copy moves at most), on one thread and on torch's threads (the
+  store's copies run on the latter), and keeps the best of ``CPU_PROBE_REPEATS`` copies of either
+  (:func:`cpu_copy_ceilings_gbps`).
 - :func:`disk_ceiling_gbps`: the disk as fio with a queue depth measures it -- several aligned IOs in flight
   at once, not one stream as ``dd`` runs. A drive (or a virtio disk) serves parallel IOs faster than one, and
   the store keeps ``io_threads`` of them in flight; a single-stream ceiling let the store's rate read above
@@ -48,6 +56,7 @@ IO_ALIGNMENT = 4096  # O_DIRECT wants buffers, offsets and sizes aligned to the 
 PROBE_FILE = "probe"
 IDLE_TIMEOUT_S = 120.0  # a step's NVMe write-backs of a large model take tens of seconds on a slow disk
 IDLE_POLL_S = 0.01
+CPU_PROBE_REPEATS = 20  # copies of a block on the CPU: microseconds each, so many repeats cost nothing
 
 
 def ceilings_from_store_bench(results: str | os.PathLike[str] | Mapping[str, Any] | Iterable[Any]) -> dict[str, float]:
@@ -64,17 +73,22 @@ def ceilings_from_store_bench(results: str | os.PathLike[str] | Mapping[str, Any
     return out
 
 
-def measure_ceilings(store: TierStore, nbytes: int = PCIE_PROBE_NBYTES, repeats: int = 5, *,
+def measure_ceilings(store: TierStore, nbytes: int | None = None, repeats: int = 5, *,
                      disk_nbytes: int = 1 << 30, disk_ios_in_flight: int = 8) -> dict[str, float]:
     """The ceiling of each path the profiler reports: "h2d" / "d2h" (a copy of ``nbytes`` between pinned
-    memory and the device; a host copy without CUDA) and, when the store has an NVMe tier, "read" / "write"
-    (:func:`measure_disk_ceiling` on its directory, ``disk_ios_in_flight`` IOs in flight, the store's IO mode
-    preferred). Moves nothing through the store, and first waits for the store's copies in flight
-    (:func:`wait_for_idle_store`). A disk probe that fails (a full disk) is logged and leaves
-    those two paths without a ceiling, so a profile still runs."""
+    memory and the device; None: ``PCIE_PROBE_NBYTES`` on a GPU, on the CPU a host copy of
+    :func:`copy_probe_nbytes`, the best of at least ``CPU_PROBE_REPEATS``: see the module doc) and, when the
+    store has an NVMe tier, "read" / "write" (:func:`measure_disk_ceiling` on its directory,
+    ``disk_ios_in_flight`` IOs in flight, the store's IO mode preferred). Moves nothing through the store, and
+    first waits for the store's copies in flight (:func:`wait_for_idle_store`). A disk probe that fails (a full
+    disk) is logged and leaves those two paths without a ceiling, so a profile still runs."""
     device = store.device
     wait_for_idle_store(store)
-    out = dict(zip(("h2d", "d2h"), pcie_ceilings_gbps(device, nbytes, repeats), strict=True))
+    if nbytes is None and device.type != "cuda":
+        nbytes, repeats = copy_probe_nbytes(store), max(repeats, CPU_PROBE_REPEATS)
+    nbytes = nbytes or PCIE_PROBE_NBYTES
+    probe = pcie_ceilings_gbps if device.type == "cuda" else cpu_copy_ceilings_gbps
+    out = dict(zip(("h2d", "d2h"), probe(device, nbytes, repeats), strict=True))
     nvme = store.tiers.nvme
     if nvme is not None:
         directory = nvme.directory
@@ -86,8 +100,17 @@ def measure_ceilings(store: TierStore, nbytes: int = PCIE_PROBE_NBYTES, repeats:
             log.warning("disk ceiling of %s not measured (%s): the NVMe paths are reported without one", directory.path, exc)
         else:
             out["read"], out["write"] = disk.read_gbps, disk.write_gbps
-    log.info("bandwidth ceilings (GB/s): %s", ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+    log.info("bandwidth ceilings (GB/s; device copies of %s, best of %d): %s", format_size(nbytes), repeats,
+             ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return out
+
+
+def copy_probe_nbytes(store: TierStore) -> int:
+    """Bytes of the CPU's copy probe: the store's largest entry (a block's fp32 state: one copy to or from the
+    device moves at most that, a fetch from the master at most ``PCIE_PROBE_NBYTES`` a piece), at least a page
+    and at most ``PCIE_PROBE_NBYTES``; that cap for a store holding nothing yet."""
+    largest = max((store.record(key).meta.nbytes for key in store.keys()), default=PCIE_PROBE_NBYTES)
+    return min(PCIE_PROBE_NBYTES, max(IO_ALIGNMENT, largest))
 
 
 def wait_for_idle_store(store: TierStore, timeout_s: float = IDLE_TIMEOUT_S) -> bool:
@@ -112,6 +135,22 @@ def pcie_ceilings_gbps(device: torch.device, nbytes: int = PCIE_PROBE_NBYTES, re
     """(H2D, D2H) GB/s of one plain copy of ``nbytes`` between pinned memory and ``device``, each the best of
     ``repeats`` after ``WARMUP_COPIES`` (``runtime.update.rates.pinned_copy_gbps``)."""
     return pinned_copy_gbps(device, nbytes, repeats, warmups=WARMUP_COPIES)
+
+
+def cpu_copy_ceilings_gbps(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(to the device, from it) GB/s of a memory copy of ``nbytes`` on a CPU-only machine: each the best of
+    :func:`pcie_ceilings_gbps` on torch's intra-op threads and on one thread (see the module doc; the thread count
+    is restored after, and the store is idle while the profiler probes)."""
+    threads = torch.get_num_threads()
+    best = pcie_ceilings_gbps(device, nbytes, repeats)
+    if threads > 1:
+        torch.set_num_threads(1)
+        try:
+            single = pcie_ceilings_gbps(device, nbytes, repeats)
+        finally:
+            torch.set_num_threads(threads)
+        best = (max(best[0], single[0]), max(best[1], single[1]))
+    return best
 
 
 # ---- disk -----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ on one thread.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
@@ -18,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from runtime.core.events import StallEvent
-from runtime.profiler.analysis import PATH_NAMES, placed_intervals, summarize
+from runtime.profiler.analysis import placed_intervals, summarize
+from runtime.profiler.names import cause_names, path_names
 from runtime.profiler.records import RawProfile
-from runtime.profiler.report import CAUSE_NAMES, format_report
+from runtime.profiler.report import format_report
 from tierstore import create_new
 
 log = logging.getLogger(__name__)
 
 PID = 1
-# kind -> (tid, track name); the order is the display order.
+# kind -> (tid, track name) of a GPU run (``tracks`` names a run's own); the order is the display order.
 TRACKS: dict[str, tuple[int, str]] = {
     "h2d": (1, "h2d: pinned -> GPU"),
     "d2h": (2, "d2h: GPU -> pinned"),
@@ -39,6 +41,10 @@ TRACKS: dict[str, tuple[int, str]] = {
 OTHER_TID = 8
 LANE_TID = 100  # lane n > 0 of track t is tid t * LANE_TID + n
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOT_NAME = "plot.png"
+PLOT_INSTALL = "install the plot extra: pip install -e '.[plot]'"
+NO_MATPLOTLIB = f"matplotlib is not installed ({PLOT_INSTALL})"
+PLOT_DISABLED = "disabled (profile.plot: false)"
 
 
 @dataclass
@@ -70,14 +76,22 @@ def _assign_lanes(intervals: list[tuple[float, float]]) -> list[int]:
     return lanes
 
 
+def tracks(device_type: str | None) -> dict[str, tuple[int, str]]:
+    """``TRACKS`` with the device's copy tracks named as the run's device is (``runtime.profiler.names``)."""
+    paths = path_names(device_type)
+    return {**TRACKS, "h2d": (TRACKS["h2d"][0], f"h2d: {paths['h2d']}"), "d2h": (TRACKS["d2h"][0], f"d2h: {paths['d2h']}")}
+
+
 def chrome_trace(raw: RawProfile) -> dict[str, Any]:
     """The profile as a Chrome Trace Event document (``{"traceEvents": [...]}``)."""
     t0 = raw.t0_s
     names = {b["index"]: b["name"] for b in raw.meta.get("blocks", [])}
+    device_type = raw.meta.get("device_type")
+    track_names = tracks(device_type)
     # (track kind, start_s, end_s, name, args)
     slices: list[tuple[str, float, float, str, dict[str, Any]]] = []
     for event, (start, end) in zip(raw.transfers, placed_intervals(raw.transfers), strict=True):
-        kind = event.kind if event.kind in TRACKS else "other"
+        kind = event.kind if event.kind in track_names else "other"
         rate = event.nbytes / (end - start) / 1e9 if end > start else None
         slices.append((kind, start, end, f"{event.kind} {event.key}",
                        {"key": event.key, "nbytes": event.nbytes, "gbps": rate, "thread": event.thread,
@@ -85,7 +99,7 @@ def chrome_trace(raw: RawProfile) -> dict[str, Any]:
     for block, step, start, end in raw.adam:
         slices.append(("adam", start, end, f"Adam {names.get(block, block)} -> step {step}", {"block": block, "step": step}))
     for stall in raw.stalls:
-        slices.append(("stall", stall.start_s, stall.start_s + stall.seconds, _stall_name(stall, names),
+        slices.append(("stall", stall.start_s, stall.start_s + stall.seconds, _stall_name(stall, names, device_type),
                        {"block": stall.block, "cause": stall.cause, "step": stall.step + 1}))
     for mark in raw.marks:
         slices.append(("step", mark.begin_s, mark.backward_end_s, f"step {mark.step}", {"step": mark.step}))
@@ -94,7 +108,7 @@ def chrome_trace(raw: RawProfile) -> dict[str, Any]:
         by_track.setdefault(kind, []).append((start, end, name, args))
     events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": "tierstore"}}]
     for kind, items in by_track.items():
-        base_tid, track_name = TRACKS.get(kind, (OTHER_TID, "other transfers"))
+        base_tid, track_name = track_names.get(kind, (OTHER_TID, "other transfers"))
         items.sort(key=lambda item: item[0])
         lanes = _assign_lanes([(s, e) for s, e, _, _ in items])
         for lane in range(max(lanes, default=0) + 1):
@@ -110,8 +124,8 @@ def chrome_trace(raw: RawProfile) -> dict[str, Any]:
             "otherData": {"producer": "tierstore profiler", "device": raw.meta.get("device")}}
 
 
-def _stall_name(stall: StallEvent, names: dict[int, str]) -> str:
-    return f"{CAUSE_NAMES.get(stall.cause, stall.cause)}: {names.get(stall.block, stall.block)}"
+def _stall_name(stall: StallEvent, names: dict[int, str], device_type: str | None) -> str:
+    return f"{cause_names(device_type).get(stall.cause, stall.cause)}: {names.get(stall.block, stall.block)}"
 
 
 def write_plot(summary: dict[str, Any], path: Path) -> bool:
@@ -121,7 +135,7 @@ def write_plot(summary: dict[str, Any], path: Path) -> bool:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        log.warning("plot skipped: matplotlib is not installed (pip install 'tierstore[plot]')")
+        log.warning("plot skipped: %s", NO_MATPLOTLIB)
         return False
     steps = summary["steps"]
     x = [s["step"] for s in steps]
@@ -129,7 +143,7 @@ def write_plot(summary: dict[str, Any], path: Path) -> bool:
     figure = Figure(figsize=(10, 7), tight_layout=True)
     FigureCanvasAgg(figure)
     bandwidth, stalls = figure.subplots(2, 1, sharex=True)
-    for kind, name in PATH_NAMES.items():
+    for kind, name in path_names(summary.get("device_type")).items():
         values = [s["paths"].get(kind, {}).get("gbps") for s in steps]
         if any(v is not None for v in values):
             line = bandwidth.plot(x, [v if v is not None else float("nan") for v in values], marker="o", label=name)[0]
@@ -141,7 +155,7 @@ def write_plot(summary: dict[str, Any], path: Path) -> bool:
     if bandwidth.lines:
         bandwidth.legend(loc="best", fontsize="small")
     bottom = [0.0] * len(steps)
-    for cause, name in CAUSE_NAMES.items():
+    for cause, name in cause_names(summary.get("device_type")).items():
         values = [s["stall_s"].get(cause, 0.0) + s["device_wait_s"].get(cause, 0.0) for s in steps]
         stalls.bar(x, values, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
@@ -165,6 +179,20 @@ def write_new(path: Path, data: bytes) -> None:
         out.write(data)
 
 
+def plot_state(summary: dict[str, Any], directory: Path) -> tuple[Path | None, str | None]:
+    """What a saved profile's directory holds of its plot now, for ``tierstore profile DIR``: (the plot's path, None)
+    when plot.png is there, whatever the summary says was skipped when it was saved (``--plot`` draws it later);
+    else (None, why not): that matplotlib is missing where it is (what a save without it says, and what a run of
+    ``profile.plot: auto`` without it may have saved as "disabled"), or the saved reason and how to draw it."""
+    path = directory / PLOT_NAME
+    if path.is_file():
+        return path, None
+    if importlib.util.find_spec("matplotlib") is None:
+        return None, NO_MATPLOTLIB
+    saved = (summary.get("skipped") or {}).get("plot") or "not drawn"
+    return None, f"{saved}; tierstore profile {directory} --plot draws it"
+
+
 def check_profile_dir(directory: str | Path) -> Path:
     """The profile directory, made if missing, refused (ValueError, naming it and what to change) when it is not a
     directory we can write: checked before a run trains, so a run does not end in an error after all its steps."""
@@ -184,7 +212,9 @@ def check_profile_dir(directory: str | Path) -> Path:
 
 def save_profile(raw: RawProfile, directory: str | Path, trace: bool = True, plot: bool = True) -> SavedProfile:
     """Write a raw profile's outputs under directory (created if needed), each file created new: a link planted at
-    one of their names is removed, never followed (``write_new``)."""
+    one of their names is removed, never followed (``write_new``). ``plot``: draw plot.png where matplotlib can be
+    imported (``profile.plot: auto`` and ``true``; a skip says that matplotlib is missing), False: not at all
+    (``profile.plot: false``)."""
     directory = check_profile_dir(directory)
     saved = SavedProfile(directory)
     summary = summarize(raw)
@@ -194,13 +224,13 @@ def save_profile(raw: RawProfile, directory: str | Path, trace: bool = True, plo
     else:
         saved.skipped["trace"] = "disabled (profile.trace: false)"
     if plot:
-        path = directory / "plot.png"
+        path = directory / PLOT_NAME
         if write_plot(summary, path):
             saved.files["plot"] = path
         else:
-            saved.skipped["plot"] = "matplotlib is not installed (pip install 'tierstore[plot]')"
+            saved.skipped["plot"] = NO_MATPLOTLIB
     else:
-        saved.skipped["plot"] = "disabled (profile.plot: false)"
+        saved.skipped["plot"] = PLOT_DISABLED
     saved.files["report"] = directory / "report.txt"
     saved.files["summary"] = directory / "summary.json"
     summary["outputs"] = {role: path.name for role, path in saved.files.items()}

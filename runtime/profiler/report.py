@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
 from runtime.core.text import counted
 from runtime.planning.memory_plan import WEIGHT_SOURCE_TEXT
 from runtime.profiler.advice import size_text
-from runtime.profiler.analysis import PATH_NAMES, PATHS
+from runtime.profiler.names import CPU_DEVICE_NOTE, GPU_CAUSE_NAMES, PATHS, cause_names, on_gpu, path_names
 from runtime.profiler.shares import OVER_CEILING_NOTE, over_ceiling, share_text
 
-CAUSE_NAMES = {STALL_FETCH_HOST: "fetch host", STALL_FETCH_NVME: "fetch NVMe", STALL_UPDATE: "Adam not done",
-               STALL_CAPACITY: "GPU full", STALL_GRAD_SUM: "sum buffer"}
+CAUSE_NAMES = GPU_CAUSE_NAMES  # a GPU run's names (runtime.profiler.names.cause_names gives a run's own)
 MAX_STEP_ROWS = 40  # longer runs show the first and last steps
 MIB = 2**20
 PLACING_SHOWN_S = 0.05  # a placement adopted at a commit that took longer is said in the header
@@ -36,6 +34,7 @@ def _header(summary: dict[str, Any]) -> str:
     totals = summary["totals"]
     homes = cfg.get("homes") or {}
     source = cfg.get("weight_source")  # a WeightSource value; an older profile's may be missing or unknown
+    device_type = summary.get("device_type")
     lines = [f"tierstore profile: {counted(totals['steps'], 'step')} in {summary['duration_s']:.2f} s on {summary.get('device')}; "
              f"NVMe IO {summary.get('nvme_io_mode') or 'none'}",
              f"config: prefetch depth {cfg.get('prefetch_depth')}, budget {size_text(cfg.get('prefetch_budget_nbytes', 0))}; "
@@ -43,11 +42,14 @@ def _header(summary: dict[str, Any]) -> str:
              f"weights from {WEIGHT_SOURCE_TEXT.get(str(source), source)}; "
              f"gpu_update_fraction {cfg.get('gpu_update_fraction')}; "
              f"accumulation {cfg.get('accumulation_steps')}"
-             f"{'; activations recomputed' if cfg.get('activations_recomputed') else ''}"]
+             f"{'; activations recomputed' if cfg.get('activations_recomputed') else ''}",
+             *(() if on_gpu(device_type) else (CPU_DEVICE_NOTE,))]
     hits, misses = totals["hits"], totals["misses"]
     adam, hidden = totals["adam_s"], totals["adam_hidden_s"]
+    work = "GPU" if on_gpu(device_type) else "forward/backward"
     lines.append(f"prefetch: {hits} hits, {misses} misses; CPU Adam {adam:.3f} s, {hidden:.3f} s of it "
-                 f"({hidden / adam if adam else 0:.0%}) overlapped GPU work; Adam waited {totals['adam_wait_inputs_s']:.3f} s for inputs")
+                 f"({hidden / adam if adam else 0:.0%}) overlapped {work} work; Adam waited {totals['adam_wait_inputs_s']:.3f} s "
+                 "for inputs")
     split = totals.get("adam_split_s") or {}  # absent from summaries saved before it was recorded
     if any(split.values()):
         lines.append(f"CPU Adam's parts: AdamW kernel {split.get('kernel_s', 0.0):.3f} s, widening + clip factors "
@@ -72,8 +74,9 @@ def paths_table(summary: dict[str, Any]) -> str:
     lines = ["traffic per path (all steps; GB/s while busy)",
              f"{'path':<16}{'MiB':>11}{'transfers':>11}{'busy s':>9}{'GB/s':>8}{'ceiling':>9}{'of ceil':>9}"]
     flagged = False
+    names = path_names(summary.get("device_type"))
     for kind, figures in summary["totals"]["paths"].items():
-        name = PATH_NAMES.get(kind, kind)
+        name = names.get(kind, kind)
         flagged = flagged or over_ceiling(figures["of_ceiling"])
         lines.append(f"{name:<16}{figures['nbytes'] / MIB:>11.1f}{figures['count']:>11d}{figures['busy_s']:>9.3f}"
                      f"{_num(figures['gbps']):>8}{_num(figures['ceiling_gbps']):>9}{share_text(figures['of_ceiling']):>9}")
@@ -118,7 +121,8 @@ def _stalls_table(summary: dict[str, Any]) -> str:
     if not steps:
         return ""
     device = any(v for s in steps for v in s["device_wait_s"].values())
-    head = f"{'step':>5}" + "".join(f"{CAUSE_NAMES[c]:>15}" for c in CAUSE_NAMES) + f"{'total':>9}  blocks that waited most"
+    causes = cause_names(summary.get("device_type"))
+    head = f"{'step':>5}" + "".join(f"{causes[c]:>15}" for c in causes) + f"{'total':>9}  blocks that waited most"
     lines = ["training-thread stalls per step (host seconds by cause"
              + (" + estimated device waits of on-demand copies" if device else "") + ")",
              head]
@@ -127,13 +131,13 @@ def _stalls_table(summary: dict[str, Any]) -> str:
         if step is None:
             lines.append(f"{'...':>5}")
             continue
-        waits = {c: step["stall_s"].get(c, 0.0) + step["device_wait_s"].get(c, 0.0) for c in CAUSE_NAMES}
-        top = ", ".join(f"{names.get(b, b)} ({CAUSE_NAMES.get(c, c)} {s:.3f})" for b, c, s in step["top_blocks"])
-        lines.append(f"{step['step']:>5}" + "".join(f"{waits[c]:>15.3f}" for c in CAUSE_NAMES) + f"{sum(waits.values()):>9.3f}  {top}")
+        waits = {c: step["stall_s"].get(c, 0.0) + step["device_wait_s"].get(c, 0.0) for c in causes}
+        top = ", ".join(f"{names.get(b, b)} ({causes.get(c, c)} {s:.3f})" for b, c, s in step["top_blocks"])
+        lines.append(f"{step['step']:>5}" + "".join(f"{waits[c]:>15.3f}" for c in causes) + f"{sum(waits.values()):>9.3f}  {top}")
     steady = summary.get("steady") or {}
     if steady.get("steps"):
-        waits = {c: steady["stall_s"].get(c, 0.0) + steady["device_wait_s"].get(c, 0.0) for c in CAUSE_NAMES}
-        lines.append(f"{'mean':>5}" + "".join(f"{waits[c]:>15.3f}" for c in CAUSE_NAMES) + f"{sum(waits.values()):>9.3f}"
+        waits = {c: steady["stall_s"].get(c, 0.0) + steady["device_wait_s"].get(c, 0.0) for c in causes}
+        lines.append(f"{'mean':>5}" + "".join(f"{waits[c]:>15.3f}" for c in causes) + f"{sum(waits.values()):>9.3f}"
                      f"  (steps {steady['first_step']}.., of {steady['step_s']:.3f} s/step)")
     return "\n".join(lines)
 
@@ -143,8 +147,9 @@ def _blocks_table(summary: dict[str, Any]) -> str:
     if not top:
         return "blocks that stalled: none"
     lines = ["blocks that stalled most (seconds over the whole profile)"]
+    names = cause_names(summary.get("device_type"))
     for entry in top:
-        causes = ", ".join(f"{CAUSE_NAMES.get(c, c)} {s:.3f}" for c, s in sorted(entry["by_cause"].items(), key=lambda i: -i[1]))
+        causes = ", ".join(f"{names.get(c, c)} {s:.3f}" for c, s in sorted(entry["by_cause"].items(), key=lambda i: -i[1]))
         lines.append(f"  {entry['name']:<28}{entry['seconds']:>9.3f}  {causes}")
     return "\n".join(lines)
 

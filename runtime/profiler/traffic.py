@@ -5,15 +5,16 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from runtime.profiler.names import path_names
 from tierstore import TransferEvent
-
-PATH_NAMES = {"h2d": "pinned -> GPU", "d2h": "GPU -> pinned", "read": "NVMe -> pinned", "write": "pinned -> NVMe"}
 
 
 class TrafficCounter:
-    """Bytes, transfer count and busy seconds per kind of transfer."""
+    """Bytes, transfer count and busy seconds per kind of transfer; paths named as ``device_type``'s are
+    (``runtime.profiler.names``: no GPU on a CPU-only run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type
         self.nbytes: dict[str, int] = defaultdict(int)
         self.count: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
@@ -28,7 +29,7 @@ class TrafficCounter:
     def summary(self) -> str:
         """One line per path: total bytes, transfers, and the bandwidth while busy."""
         lines = ["swap traffic:"]
-        for kind, name in PATH_NAMES.items():
+        for kind, name in path_names(self.device_type).items():
             nbytes = self.nbytes.get(kind, 0)
             busy = self.seconds.get(kind, 0.0)
             rate = f"{nbytes / busy / 1e9:6.2f} GB/s while busy" if busy > 0 else "-"

@@ -18,7 +18,7 @@ from runtime.profiler import Profiler, ceilings_from_store_bench, chrome_trace, 
 from runtime.profiler import collect as collect_module
 from runtime.profiler.advice import advise
 from runtime.profiler.analysis import intersect, length, placed_intervals, subtract, union
-from runtime.profiler.outputs import PNG_SIGNATURE, TRACKS, save_profile
+from runtime.profiler.outputs import PNG_SIGNATURE, TRACKS, save_profile, tracks
 from runtime.profiler.shares import CEILING_NOISE, OVER_CEILING_MARK, OVER_CEILING_NOTE, share_text
 from runtime.update.worker import WorkerStats
 from tierstore import EventBus, StoreConfig, TierStore, TransferEvent
@@ -208,8 +208,8 @@ def test_report_flags_a_share_above_the_ceiling_instead_of_printing_it(fake):
     assert paths["d2h"]["of_ceiling"] == pytest.approx(50 / 25.5) and paths["d2h"]["over_ceiling"]  # kept as measured
     assert paths["h2d"]["of_ceiling"] == pytest.approx(50 / 49.5) and not paths["h2d"]["over_ceiling"]
     report = format_report(summary)
-    d2h_line = next(line for line in report.splitlines() if line.startswith("GPU -> pinned"))
-    h2d_line = next(line for line in report.splitlines() if line.startswith("pinned -> GPU"))
+    d2h_line = next(line for line in report.splitlines() if line.startswith("device -> pinned"))  # META: a CPU run
+    h2d_line = next(line for line in report.splitlines() if line.startswith("pinned -> device"))
     assert d2h_line.endswith(OVER_CEILING_MARK) and "196%" not in report
     assert h2d_line.endswith(" 100%")
     assert OVER_CEILING_NOTE in report
@@ -290,8 +290,10 @@ def test_trace_event_format(fake):
     trace = json.loads(json.dumps(chrome_trace(profiler.raw())))
     events = trace["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    for _, track in TRACKS.values():
+    for _, track in tracks("cpu").values():  # META: a CPU run
         assert track in names
+    assert not any("GPU" in name for name in names)
+    assert {track for _, track in TRACKS.values()} - {track for _, track in tracks("cuda").values()} == set()
     assert "NVMe read #2" in names  # the overlapping reads go to two lanes
     complete = [e for e in events if e["ph"] == "X"]
     for e in complete:
