@@ -17,7 +17,8 @@ from runtime.bundled.example_model import ExampleLM, ModelShape
 from runtime.cli.main import main as cli_main
 from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_UPDATE
 from runtime.profiler import Profiler, format_report
-from runtime.profiler.outputs import PNG_SIGNATURE, TRACKS
+from runtime.profiler.outputs import PNG_SIGNATURE
+from runtime.profiler.outputs import tracks as named_tracks
 from tierstore import TierName, TransferEvent
 
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
@@ -112,7 +113,8 @@ def test_outputs_are_written_and_valid(profiled):
     events = trace["traceEvents"]
     assert isinstance(events, list)
     tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    for _, name in TRACKS.values():
+    device_type = json.loads((out / "summary.json").read_text())["device_type"]
+    for _, name in named_tracks(device_type).values():  # a CPU run's tracks say "device", not "GPU"
         assert name in tracks
     complete = [e for e in events if e["ph"] == "X"]
     assert all({"name", "ts", "dur", "pid", "tid"} <= e.keys() and e["ts"] >= 0 and e["dur"] >= 0 for e in complete)
