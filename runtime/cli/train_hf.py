@@ -146,6 +146,9 @@ def load_model(directory: Path) -> tuple[Any, SafetensorsInit | None]:
     files = weight_files(directory)
     with init_empty_weights(include_buffers=False):  # rotary tables are buffers computed in __init__: keep them real
         model = transformers.AutoModelForCausalLM.from_config(config)
+    # init_empty_weights wraps each parameter as it is set, so a tie made inside (lm_head.weight = the embedding's)
+    # came out as two parameters; tied again here, they are one (and the file holds it once).
+    model.tie_weights()
     names = match_names(model, set(files))
     init: SafetensorsInit | None = None
     if names is None:
