@@ -25,32 +25,36 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TEXT_FIELDS = ("text", "content")  # a JSONL record's document: the first of these it has
 TEXT_CHUNK_NBYTES = 1 << 20  # a plain text file is tokenized a piece of about this size at a time
 
-Encode = Callable[[str], list[int]]
+ENCODE_BATCH = 256  # documents given to the tokenizer at once
+
+EncodeBatch = Callable[[list[str]], list[list[int]]]
 
 
-def read_documents(path: Path) -> Iterator[str]:
-    """FILE's documents, in order: a ``.jsonl`` / ``.ndjson`` file holds one JSON object a line whose ``text`` (or
-    ``content``) field is a document (blank lines skipped); any other file is plain UTF-8 text, one document.
+def read_documents(path: Path) -> Iterator[tuple[str, bool]]:
+    """FILE's documents in order, as (text, whether a document ends there): a ``.jsonl`` / ``.ndjson`` file holds
+    one JSON object a line whose ``text`` (or ``content``) field is a document (blank lines skipped); any other file
+    is plain UTF-8 text, one document.
 
     A plain text file comes in pieces of about ``TEXT_CHUNK_NBYTES`` cut after a newline, so a large file is never
-    tokenized in one call; it stays one document (no end-of-sequence token between its pieces)."""
+    tokenized in one call; it stays one document (only its last piece ends it)."""
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file; give a local text file or a JSONL file "
                                 f"(one object a line with a {' or '.join(map(repr, TEXT_FIELDS))} field)")
     if path.suffix.lower() in JSONL_SUFFIXES:
-        yield from _jsonl_documents(path)
+        yield from ((document, True) for document in _jsonl_documents(path))
         return
     with open(path, encoding="utf-8", errors="replace") as file:
         piece: list[str] = []
         size = 0
+        started = False
         for line in file:
             piece.append(line)
             size += len(line)
             if size >= TEXT_CHUNK_NBYTES:
-                yield "".join(piece)
-                piece, size = [], 0
-        if piece:
-            yield "".join(piece)
+                yield "".join(piece), False
+                piece, size, started = [], 0, True
+        if piece or started:  # an empty file holds no document
+            yield "".join(piece), True
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
@@ -71,14 +75,26 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
             yield record[field]
 
 
-def pack_tokens(documents: Iterator[str], encode: Encode, eos_id: int | None) -> torch.Tensor:
-    """The documents' tokens end to end, ``eos_id`` after each one (None: nothing between them), as int64."""
-    ids: list[int] = []
+def pack_tokens(documents: Iterator[tuple[str, bool]], encode: EncodeBatch, eos_id: int | None) -> torch.Tensor:
+    """The documents' tokens end to end, ``eos_id`` after each one (None: nothing between them), as int32 (half the
+    memory of int64 for a large corpus; ``PackedTokens`` hands out int64). ``encode`` takes documents
+    ``ENCODE_BATCH`` at a time: a fast tokenizer encodes a list in parallel."""
+    pieces: list[torch.Tensor] = []
+    batch: list[tuple[str, bool]] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        for ids, (_, ends) in zip(encode([text for text, _ in batch]), batch, strict=True):
+            pieces.append(torch.tensor(ids + ([eos_id] if ends and eos_id is not None else []), dtype=torch.int32))
+        batch.clear()
+
     for document in documents:
-        ids += encode(document)
-        if eos_id is not None:
-            ids.append(eos_id)
-    return torch.tensor(ids, dtype=torch.long)
+        batch.append(document)
+        if len(batch) >= ENCODE_BATCH:
+            flush()
+    flush()
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
 
 
 class PackedTokens:
@@ -115,7 +131,7 @@ class PackedTokens:
             if offset == self.num_sequences - 1:  # the epoch is over: the next one is drawn from the state after it
                 self.generator.set_state(self._after())
         self.position += 1
-        return torch.stack(rows)
+        return torch.stack(rows).long()
 
     def _epoch_order(self) -> torch.Tensor:
         # Read from the generator's state, not cached by epoch: a checkpoint's load sets the state from outside.

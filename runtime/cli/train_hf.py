@@ -181,8 +181,8 @@ def tokenize(data: Path, tokenizer: Any, vocab_size: int) -> torch.Tensor:
     if eos is None:
         log.warning("the tokenizer has no eos_token: documents are joined with nothing between them")
 
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
 
     tokens = pack_tokens(read_documents(data), encode, eos)
     if tokens.numel() == 0:

@@ -8,22 +8,38 @@ import json
 import pytest
 import torch
 
+from runtime.cli import text_data
 from runtime.cli.text_data import PackedTokens, pack_tokens, read_documents
 
 
 def test_a_text_file_is_one_document_and_a_jsonl_file_one_a_line(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("first line\nsecond line\n")
-    assert list(read_documents(text)) == ["first line\nsecond line\n"]
+    assert list(read_documents(text)) == [("first line\nsecond line\n", True)]
     jsonl = tmp_path / "a.jsonl"
     jsonl.write_text(json.dumps({"text": "one", "id": 1}) + "\n\n" + json.dumps({"content": "two"}) + "\n")
-    assert list(read_documents(jsonl)) == ["one", "two"]
+    assert list(read_documents(jsonl)) == [("one", True), ("two", True)]
+
+
+def test_a_large_text_file_comes_in_pieces_cut_after_a_newline_and_stays_one_document(tmp_path, monkeypatch):
+    monkeypatch.setattr(text_data, "TEXT_CHUNK_NBYTES", 10)
+    text = tmp_path / "a.txt"
+    text.write_text("0123456\n0123456\nend")
+    assert list(read_documents(text)) == [("0123456\n0123456\n", False), ("end", True)]
+    tokens = pack_tokens(read_documents(text), lambda texts: [[len(t)] for t in texts], eos_id=0)
+    assert tokens.tolist() == [16, 3, 0]  # one end-of-sequence token: after the file
 
 
 def test_documents_are_joined_with_the_eos_token():
-    tokens = pack_tokens(iter(["ab", "c"]), lambda text: [ord(ch) for ch in text], eos_id=0)
+    def encode(texts):
+        return [[ord(ch) for ch in text] for text in texts]
+
+    tokens = pack_tokens(iter([("ab", True), ("c", True)]), encode, eos_id=0)
     assert tokens.tolist() == [97, 98, 0, 99, 0]
-    assert pack_tokens(iter(["ab"]), lambda text: [1, 2], eos_id=None).tolist() == [1, 2]
+    assert pack_tokens(iter([("ab", True)]), encode, eos_id=None).tolist() == [97, 98]
+    many = [str(i % 10) for i in range(1000)]  # more documents than one call to the tokenizer takes
+    assert pack_tokens(((d, True) for d in many), encode, eos_id=0).tolist() == [x for d in many for x in (ord(d), 0)]
+    assert pack_tokens(iter([]), encode, eos_id=0).numel() == 0
 
 
 def test_every_sequence_comes_once_an_epoch_in_a_new_order_each_epoch():
