@@ -59,19 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the bundled example model, or a local HF model (--model DIR --data FILE), "
                                          "with offload")
-    train.add_argument("--config", type=_path,
+    train.add_argument("--config", type=_path, metavar="FILE",
                        help="YAML config laid over the documented defaults (docs/config.md); default: those defaults "
                             "with all three tiers in use (the bundled example), or alone (--model)")
     train.add_argument("--model", type=_path, metavar="DIR",
                        help="fine-tune the HF causal LM in DIR (config.json, safetensors weights and the tokenizer, as "
-                            "save_pretrained writes them; nothing is downloaded; needs pip install -e '.[hf]')")
+                            "save_pretrained writes them; nothing is downloaded; needs pip install -e '.[hf]'), with "
+                            "gradient checkpointing on and HF's own loss")
     train.add_argument("--data", type=_path, metavar="FILE",
                        help="with --model: the text to train on, a plain text file or JSONL (.jsonl: one object a line "
                             "with a 'text' or 'content' field), tokenized with DIR's tokenizer and packed to --seq")
     train.add_argument("--output", type=_path, metavar="DIR",
                        help="with --model: save the trained model and tokenizer to DIR at the end (from_pretrained "
                             "loads it)")
-    train.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
+    train.add_argument("--steps", type=int, metavar="N", help="optimizer steps (overrides train.steps)")
     train.add_argument("--seq", type=_at_least_one, metavar="N", help="tokens per sequence (overrides train.seq_len)")
     train.add_argument("--micro-batch", type=_at_least_one, metavar="N",
                        help="sequences per micro-batch (overrides train.batch_size)")

@@ -30,6 +30,13 @@ ENCODE_BATCH = 256  # documents given to the tokenizer at once
 EncodeBatch = Callable[[list[str]], list[list[int]]]
 
 
+def check_data_file(path: Path) -> None:
+    """Refuse a ``--data`` path that is no file, saying what to give."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file; give a local text file or a JSONL file "
+                                f"(one object a line with a {' or '.join(map(repr, TEXT_FIELDS))} field)")
+
+
 def read_documents(path: Path) -> Iterator[tuple[str, bool]]:
     """FILE's documents in order, as (text, whether a document ends there): a ``.jsonl`` / ``.ndjson`` file holds
     one JSON object a line whose ``text`` (or ``content``) field is a document (blank lines skipped); any other file
@@ -37,9 +44,7 @@ def read_documents(path: Path) -> Iterator[tuple[str, bool]]:
 
     A plain text file comes in pieces of about ``TEXT_CHUNK_NBYTES`` cut after a newline, so a large file is never
     tokenized in one call; it stays one document (only its last piece ends it)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file; give a local text file or a JSONL file "
-                                f"(one object a line with a {' or '.join(map(repr, TEXT_FIELDS))} field)")
+    check_data_file(path)
     if path.suffix.lower() in JSONL_SUFFIXES:
         yield from ((document, True) for document in _jsonl_documents(path))
         return

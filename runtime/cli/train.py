@@ -184,17 +184,15 @@ def main(args: argparse.Namespace) -> int:
         check_profile_dir(cfg.profile.dir)
     print(f"tierstore train: config: {config_source(args)}", file=sys.stderr)
     if model_dir is not None:
-        from runtime.cli.train_hf import hf_job
+        from runtime.cli.train_hf import check_hf_inputs, hf_job
 
-        job = hf_job(args, cfg)  # before the checkpoint root is opened: a wrong DIR or FILE is said first
-    else:
-        job = bundled_job(cfg)
-    # Opened first, so a used or busy checkpoint root is refused before anything is allocated; held (locked)
-    # for the whole run.
+        check_hf_inputs(args)  # a wrong DIR, FILE or --output is said before anything is made
+    # Opened before the model is built, so a used or busy checkpoint root is refused before anything is allocated
+    # (or a large --data file tokenized); held (locked) for the whole run.
     root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
             if cfg.train.checkpoint_dir is not None else None)
     try:
-        return _run(cfg, args, root, job)
+        return _run(cfg, args, root, hf_job(args, cfg) if model_dir is not None else bundled_job(cfg))
     finally:
         if root is not None:
             root.close()
@@ -272,8 +270,8 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
           file=sys.stderr)
     if failed_saves:
         latest = read_latest(root.path) if root is not None else None
-        print(f"warning: {counted(failed_saves, 'checkpoint save')} failed (see above); latest checkpoint: "
-              f"{latest or 'none'}", file=sys.stderr)
+        print(f"warning: {failed_saves} checkpoint save(s) failed (see above); latest checkpoint: {latest or 'none'}",
+              file=sys.stderr)
     print(traffic.summary(), file=sys.stderr)
     stats = session.controller.schedule.stats
     print(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from runtime.cli.job import TrainJob
-from runtime.cli.text_data import PackedTokens, pack_tokens, read_documents
+from runtime.cli.text_data import PackedTokens, check_data_file, pack_tokens, read_documents
 from runtime.config.loader import TierstoreConfig
 from runtime.core.text import counted
 
@@ -216,16 +216,21 @@ def clear_weights(output: Path) -> None:
                 path.unlink()
 
 
-def hf_job(args: Any, cfg: TierstoreConfig) -> TrainJob:
-    """The run ``tierstore train --model DIR --data FILE`` asks for: FILE tokenized and packed to
-    ``train.seq_len``, DIR's model ready to offload, and ``--output`` written at the end."""
+def check_hf_inputs(args: Any) -> None:
+    """The quick checks of ``--model``, ``--data`` and ``--output``, made before anything is built or written."""
     require_transformers()
-    directory: Path = args.model
-    check_model_dir(directory)
+    check_model_dir(args.model)
     if args.data is None:
         raise ValueError("tierstore train --model DIR needs --data FILE (a local text or JSONL file to train on)")
+    check_data_file(args.data)
     if args.output is not None:
-        check_output(args.output, directory, args.overwrite)
+        check_output(args.output, args.model, args.overwrite)
+
+
+def hf_job(args: Any, cfg: TierstoreConfig) -> TrainJob:
+    """The run ``tierstore train --model DIR --data FILE`` asks for (``check_hf_inputs`` passed): FILE tokenized and
+    packed to ``train.seq_len``, DIR's model ready to offload, and ``--output`` written at the end."""
+    directory: Path = args.model
     tokenizer = load_tokenizer(directory)
     model, init = load_model(directory)
     vocab_size = model.get_input_embeddings().num_embeddings

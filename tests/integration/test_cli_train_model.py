@@ -109,10 +109,14 @@ def test_a_stopped_run_resumed_from_its_checkpoint_equals_the_run_never_stopped(
     assert cli_main([*base, "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume",
                      "--output", str(tmp_path / "resumed")]) == 0
     assert len(expected) == 4 and parts.losses == expected  # floats compared exactly
-    resumed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "resumed", local_files_only=True)
+    # A requeued job of the finished run trains nothing and still writes --output, from the checkpoint.
+    assert cli_main([*base, "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume",
+                     "--output", str(tmp_path / "again")]) == 0
     reference = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole").named_parameters())
-    for name, param in resumed.named_parameters():
-        assert torch.equal(param, reference[name]), name
+    for output in ("resumed", "again"):
+        resumed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / output, local_files_only=True)
+        for name, param in resumed.named_parameters():
+            assert torch.equal(param, reference[name]), (output, name)
 
 
 def test_an_output_directory_holding_a_model_is_refused_without_overwrite(tmp_path, model_dir, fp32, capsys):
