@@ -69,7 +69,11 @@ def weight_files(directory: Path) -> dict[str, Path]:
     """Each tensor name in DIR's safetensors weights and the file holding it (empty: none there)."""
     index = directory / WEIGHTS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index (its weight_map unreadable: {exc!r}); save the model "
+                             "again with save_pretrained(DIR)") from None
         return {name: directory / file for name, file in weight_map.items()}
     single = directory / SINGLE_WEIGHTS
     if not single.is_file():
@@ -90,7 +94,7 @@ class SafetensorsInit:
         self._open: dict[Path, Any] = {}
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
-        """Fill ``tensor``, the parameter called ``name``, from the file."""
+        """Fill ``tensor``, the parameter (or buffer) called ``name``, from the file."""
         key = self.name_in_file[name]
         value = self._file(self.files[key]).get_tensor(key)
         if value.shape != tensor.shape:
@@ -157,7 +161,7 @@ def load_model(directory: Path) -> tuple[Any, SafetensorsInit | None]:
         init = SafetensorsInit(files, names)
         with torch.no_grad():
             for name in _persistent_buffers(model):  # small, and not offloaded: read now
-                model.get_buffer(name).copy_(init._file(files[names[name]]).get_tensor(names[name]))
+                init(name, model.get_buffer(name))
     model = model.float()  # fp32 parameters: the masters start from the file's values exactly
     with warnings.catch_warnings():  # newer transformers renamed it; this name works from 4.35 on
         warnings.simplefilter("ignore", FutureWarning)

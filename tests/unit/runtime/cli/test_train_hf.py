@@ -64,3 +64,19 @@ def test_weights_that_disagree_with_config_json_are_refused_naming_both(tmp_path
     with pytest.raises(ValueError, match=r"model.norm.weight has shape \(32,\), the model built from config.json "
                                          r"wants \(16,\)"):
         init("model.norm.weight", torch.empty(16))
+
+
+def test_sharded_weights_are_read_through_their_index(tmp_path):
+    directory = make_model_dir(tmp_path / "m")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    (directory / "model.safetensors").unlink()
+    saved.save_pretrained(directory, max_shard_size="20KB")
+    assert (directory / train_hf.WEIGHTS_INDEX).is_file() and len(list(directory.glob("*.safetensors"))) > 1
+    model, init = train_hf.load_model(directory)
+    assert init is not None
+    values = _filled(model, init)
+    for name, param in saved.named_parameters():
+        assert torch.equal(values[name], param), name
+    (directory / train_hf.WEIGHTS_INDEX).write_text("{not json")
+    with pytest.raises(ValueError, match=r"not a safetensors index .* save the model again with save_pretrained"):
+        train_hf.weight_files(directory)
