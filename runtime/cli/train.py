@@ -31,6 +31,7 @@ from runtime.checkpoint.state import (
     save_due,
 )
 from runtime.cli.job import TrainJob
+from runtime.cli.train_hf import check_hf_inputs, hf_job
 from runtime.config.loader import TierstoreConfig, TrainConfig, load_config
 from runtime.core.text import counted
 from runtime.profiler import Profiler, measure_ceilings
@@ -184,8 +185,6 @@ def main(args: argparse.Namespace) -> int:
         check_profile_dir(cfg.profile.dir)
     print(f"tierstore train: config: {config_source(args)}", file=sys.stderr)
     if model_dir is not None:
-        from runtime.cli.train_hf import check_hf_inputs, hf_job
-
         check_hf_inputs(args)  # a wrong DIR, FILE or --output is said before anything is made
     # Opened before the model is built, so a used or busy checkpoint root is refused before anything is allocated
     # (or a large --data file tokenized); held (locked) for the whole run.
