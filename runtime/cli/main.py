@@ -57,16 +57,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train the bundled example model with offload (embedded default config)")
-    train.add_argument("--config", type=_path, help="YAML config (default: the embedded one, through all three tiers)")
-    train.add_argument("--steps", type=int, help="optimizer steps (overrides train.steps)")
+    train = sub.add_parser("train", help="train the bundled example model, or a local HF model (--model DIR --data FILE), "
+                                         "with offload")
+    train.add_argument("--config", type=_path, metavar="FILE",
+                       help="YAML config laid over the documented defaults (docs/config.md); default: those defaults "
+                            "with all three tiers in use (the bundled example), or alone (--model)")
+    train.add_argument("--model", type=_path, metavar="DIR",
+                       help="fine-tune the HF causal LM in DIR (config.json, safetensors weights and the tokenizer, as "
+                            "save_pretrained writes them; nothing is downloaded; needs pip install -e '.[hf]'), with "
+                            "gradient checkpointing on and HF's own loss")
+    train.add_argument("--data", type=_path, metavar="FILE",
+                       help="with --model: the text to train on, a plain text file or JSONL (.jsonl: one object a line "
+                            "with a 'text' or 'content' field), tokenized with DIR's tokenizer and packed to --seq")
+    train.add_argument("--output", type=_path, metavar="DIR",
+                       help="with --model: save the trained model and tokenizer to DIR at the end (from_pretrained "
+                            "loads it)")
+    train.add_argument("--steps", type=int, metavar="N", help="optimizer steps (overrides train.steps)")
+    train.add_argument("--seq", type=_at_least_one, metavar="N", help="tokens per sequence (overrides train.seq_len)")
+    train.add_argument("--micro-batch", type=_at_least_one, metavar="N",
+                       help="sequences per micro-batch (overrides train.batch_size)")
+    train.add_argument("--accumulation", type=_at_least_one, metavar="N",
+                       help="micro-batches per optimizer step (overrides optimizer.accumulation_steps)")
+    train.add_argument("--lr", type=float, help="learning rate (overrides optimizer.lr)")
     train.add_argument("--profile", type=_path, metavar="DIR", help="write a swap-traffic profile to DIR")
     train.add_argument("--checkpoint-dir", type=_path, metavar="DIR", help="save checkpoints under DIR")
     train.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N steps")
     train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --checkpoint-dir")
     train.add_argument("--overwrite", action="store_true",
                        help="let this run replace and prune checkpoints already in --checkpoint-dir (without it, "
-                            "a directory holding another run's checkpoints is refused)")
+                            "a directory holding another run's checkpoints is refused), and replace a model already "
+                            "in --output")
 
     plan = sub.add_parser("plan", help="show the memory plan of a config; refuses one that does not fit")
     plan.add_argument("--config", type=_path, required=True)

@@ -1,4 +1,4 @@
-"""``tierstore train``: train the bundled example model with offload, on the GPU when there is one.
+"""``tierstore train``: train the bundled example model (or, with ``--model``, a local HF model) with offload.
 
 With no arguments it runs an embedded default: the small example decoder on the Python standard library's
 source (bytes), fp32 master on pinned host memory, Adam moments on NVMe swap files in a temporary directory,
@@ -8,6 +8,7 @@ weights fetched to the GPU block by block -- every tier in use.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import logging
 import math
@@ -21,7 +22,16 @@ import torch
 from runtime.bundled.data import ByteBatches, stdlib_text_bytes
 from runtime.bundled.example_model import ExampleLM, ModelShape
 from runtime.checkpoint.files import read_latest
-from runtime.checkpoint.state import CheckpointError, CheckpointRoot, resume_training, save_checkpoint, save_due
+from runtime.checkpoint.state import (
+    CheckpointError,
+    CheckpointRoot,
+    ResumableData,
+    resume_training,
+    save_checkpoint,
+    save_due,
+)
+from runtime.cli.job import TrainJob
+from runtime.cli.train_hf import check_hf_inputs, hf_job
 from runtime.config.loader import TierstoreConfig, TrainConfig, load_config
 from runtime.core.text import counted
 from runtime.profiler import Profiler, measure_ceilings
@@ -33,17 +43,41 @@ from tierstore import TierStoreError
 log = logging.getLogger(__name__)
 
 
+# tierstore train's defaults. A config file given with --config is laid over the documented defaults (the
+# schema's, docs/config.md), nothing else: a two-line file changes two settings. Without --config, `tierstore
+# train` shows the three tiers at work: the documented defaults with only DEMONSTRATION laid over them (and
+# printed at the start of the run), so the quick start, a --config file and the docs agree on dtype, sequence
+# length, steps and the rest. `--model DIR` without --config trains on the documented defaults alone (auto
+# placement): a real model, not a demonstration.
+DEMONSTRATION: dict[str, Any] = {
+    "tiers": {"nvme": {"path": "tmp", "budget": "4GiB"}},
+    "placement": {"weights": "host", "master": "host", "moments": "nvme"},
+    # An `auto` fraction would put this small model's state on the GPU, and the tiers would not be shown.
+    "optimizer": {"gpu_update_fraction": 0.0},
+}
+
+
 def default_config() -> dict[str, Any]:
-    """The embedded config: all three tiers; bf16 on a GPU, fp32 on the CPU."""
-    cuda = torch.cuda.is_available()
-    return {
-        "dtype": "bf16" if cuda else "fp32",
-        "tiers": {"nvme": {"path": "tmp", "budget": "4GiB"}},
-        "placement": {"weights": "host", "master": "host", "moments": "nvme"},
-        # The demonstration of the three tiers: an `auto` fraction would put this small model's state on the GPU.
-        "optimizer": {"gpu_update_fraction": 0.0},
-        "train": {"steps": 30, "batch_size": 8, "seq_len": 128, "log_every": 10},
-    }
+    """The embedded config of ``tierstore train`` without ``--config``: the documented defaults with
+    ``DEMONSTRATION`` over them (all three tiers in use); why, in the comment above ``DEMONSTRATION``."""
+    return copy.deepcopy(DEMONSTRATION)
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key.path: value`` for each leaf of a nested dict."""
+    out = []
+    for key, value in tree.items():
+        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}: {value}"]
+    return out
+
+
+def config_source(args: argparse.Namespace) -> str:
+    """Where this run's settings come from, as the run's first lines say it."""
+    if args.config is not None:
+        return f"{args.config} over the documented defaults (docs/config.md)"
+    if getattr(args, "model", None) is not None:
+        return "the documented defaults (docs/config.md; --config FILE to change them)"
+    return f"the documented defaults (docs/config.md) with {', '.join(_flat(DEMONSTRATION))}"
 
 
 def build_model(cfg: TierstoreConfig) -> ExampleLM:
@@ -93,7 +127,7 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatches, step: int, train: TrainConfig,
+def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ResumableData, step: int, train: TrainConfig,
                  scheduler: Any = None) -> Path | None:
     """Save a checkpoint after ``step``; returns its directory, or None when the save failed.
 
@@ -117,40 +151,73 @@ def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ByteBatche
         return None
 
 
+def settings(args: argparse.Namespace) -> TierstoreConfig:
+    """The run's config: ``--config`` (or the embedded one) with the command line's flags over it."""
+    flags = {"checkpoint_dir": "train.checkpoint_dir", "save_every": "train.save_every", "steps": "train.steps",
+             "seq": "train.seq_len", "micro_batch": "train.batch_size", "accumulation": "optimizer.accumulation_steps",
+             "lr": "optimizer.lr", "profile": "profile.dir"}
+    overrides: dict[str, object] = {}
+    for flag, key in flags.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[key] = str(value) if isinstance(value, Path) else value
+    if args.config is not None:
+        source: Any = args.config
+    elif getattr(args, "model", None) is not None:
+        source = None  # the documented defaults
+    else:
+        source = default_config()
+    return load_config(source, overrides=overrides or None)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the training job the CLI asked for."""
-    overrides: dict[str, object] = {}
-    if args.checkpoint_dir is not None:
-        overrides["train.checkpoint_dir"] = str(args.checkpoint_dir)
-    if args.save_every is not None:
-        overrides["train.save_every"] = args.save_every
-    if args.steps is not None:
-        overrides["train.steps"] = args.steps
-    if args.profile is not None:
-        overrides["profile.dir"] = str(args.profile)
-    cfg = load_config(args.config if args.config else default_config(), overrides=overrides or None)
+    model_dir = getattr(args, "model", None)
+    if model_dir is None:
+        for flag in ("data", "output"):
+            if getattr(args, flag, None) is not None:
+                raise ValueError(f"--{flag} goes with --model DIR (a local HF model directory); without --model, "
+                                 "tierstore train trains the bundled example model on its own data")
+    cfg = settings(args)
     if args.resume and cfg.train.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
     if cfg.profile.dir:  # refused now, not after the run's steps
         check_profile_dir(cfg.profile.dir)
-    # Opened first, so a used or busy checkpoint root is refused before anything is allocated; held (locked)
-    # for the whole run.
+    print(f"tierstore train: config: {config_source(args)}", file=sys.stderr)
+    if model_dir is not None:
+        check_hf_inputs(args)  # a wrong DIR, FILE or --output is said before anything is made
+    # Opened before the model is built, so a used or busy checkpoint root is refused before anything is allocated
+    # (or a large --data file tokenized); held (locked) for the whole run.
     root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
             if cfg.train.checkpoint_dir is not None else None)
     try:
-        return _run(cfg, args, root)
+        return _run(cfg, args, root, hf_job(args, cfg) if model_dir is not None else bundled_job(cfg))
     finally:
         if root is not None:
             root.close()
 
 
-def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | None) -> int:
-    """Build the model and the offloaded session, train (resuming from ``root`` when asked), report."""
-    model: torch.nn.Module = build_model(cfg)
+def bundled_job(cfg: TierstoreConfig) -> TrainJob:
+    """The bundled example model (``train.model``) on the standard library's source, read as bytes."""
+
+    def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> torch.Tensor:
+        tokens, targets = batch
+        return model(tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+
+    model = build_model(cfg)
+    return TrainJob(model, ByteBatches(stdlib_text_bytes(), cfg.train.batch_size, cfg.train.seq_len, seed=cfg.seed),
+                    loss)
+
+
+def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | None, job: TrainJob) -> int:
+    """Offload the job's model, train (resuming from ``root`` when asked), report."""
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
-    print(f"tierstore train: {sum(p.numel() for p in model.parameters()):,} parameters, {counted(steps, 'step')} of "
-          f"{cfg.optimizer.accumulation_steps} x {batch} x {seq} tokens, dtype {cfg.dtype}", file=sys.stderr)
-    model, optimizer = offload(model, cfg)
+    accumulation = cfg.optimizer.accumulation_steps
+    print(f"tierstore train: {sum(p.numel() for p in job.model.parameters()):,} parameters, {counted(steps, 'step')} "
+          f"of {accumulation} x {batch} x {seq} tokens, dtype {cfg.dtype}", file=sys.stderr)
+    model, optimizer = offload(job.model, cfg, init=job.init)
+    if job.after_offload is not None:
+        job.after_offload()
     session = optimizer.session  # type: ignore[attr-defined]
     device = session.store.device
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no CUDA found)'}; "
@@ -159,12 +226,13 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     session.store.bus.subscribe(traffic)
     # --profile DIR: ceilings measured now (see runtime.profiler.ceilings), then listen until the session is closed.
     profiler = Profiler(session, measure_ceilings(session.store)).start() if cfg.profile.dir else None
-    data = ByteBatches(stdlib_text_bytes(), batch, seq, seed=cfg.seed)
+    data = job.data
     progress = Progress(steps, cfg.train.log_every)
     scheduler = lr_scheduler(optimizer, cfg.train)
     first_loss = last_loss = float("nan")
     failed_saves = 0
     begin = 0  # steps already done (by the run a checkpoint was taken from)
+    total_s = 0.0
     try:
         if args.resume:
             assert root is not None  # main() refuses --resume without a checkpoint directory
@@ -172,33 +240,37 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
             if begin >= steps:  # a requeued job whose run already finished: nothing to do, and no error
                 print(f"tierstore train: the run in {cfg.train.checkpoint_dir} is already complete at step {begin} "
                       f"(train.steps is {steps}); nothing to train. Raise --steps to train further", file=sys.stderr)
+                if job.finish is not None:
+                    job.finish(session)
                 return 0
         start = time.perf_counter()
         for step in range(begin + 1, steps + 1):
             step_start = time.perf_counter()
-            for _ in range(cfg.optimizer.accumulation_steps):
-                tokens, targets = data.next()
-                loss = model(tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True))
-                optimizer.scale_loss(loss / cfg.optimizer.accumulation_steps).backward()
+            for _ in range(accumulation):
+                loss = job.loss(model, data.next(), device)
+                optimizer.scale_loss(loss / accumulation).backward()
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
             last_loss = loss.item()
             first_loss = last_loss if step == begin + 1 else first_loss
             elapsed = time.perf_counter() - step_start
-            progress.update(step, last_loss, cfg.optimizer.accumulation_steps * batch * seq / elapsed)
+            progress.update(step, last_loss, accumulation * batch * seq / elapsed)
             if root is not None and save_due(step, steps, cfg.train.save_every):
                 failed_saves += save_or_warn(session, root, data, step, cfg.train, scheduler) is None
         optimizer.synchronize()
         total_s = time.perf_counter() - start
+        if job.finish is not None:
+            job.finish(session)
     finally:
         session.close()
-    num_tokens = (steps - begin) * cfg.optimizer.accumulation_steps * batch * seq
+    num_tokens = (steps - begin) * accumulation * batch * seq
     print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({num_tokens / total_s / 1e3:.1f}k tok/s)",
           file=sys.stderr)
     if failed_saves:
         latest = read_latest(root.path) if root is not None else None
-        print(f"warning: {failed_saves} checkpoint save(s) failed (see above); latest checkpoint: {latest or 'none'}", file=sys.stderr)
+        print(f"warning: {failed_saves} checkpoint save(s) failed (see above); latest checkpoint: {latest or 'none'}",
+              file=sys.stderr)
     print(traffic.summary(), file=sys.stderr)
     stats = session.controller.schedule.stats
     print(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "
