@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import logging
 import math
 import sys
@@ -105,11 +104,6 @@ class Progress:
             print("\r" + line, end="" if step < self.total else "\n", file=sys.stderr, flush=True)
         elif step % self.log_every == 0 or step == self.total:
             print(line, file=sys.stderr, flush=True)
-
-
-def plot_wanted(setting: bool | str) -> bool:
-    """``profile.plot``: ``auto`` plots when matplotlib can be imported."""
-    return importlib.util.find_spec("matplotlib") is not None if setting == "auto" else bool(setting)
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -222,7 +216,7 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     device = session.store.device
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no CUDA found)'}; "
           f"NVMe IO: {session.store.nvme_io_mode or 'no NVMe tier'}", file=sys.stderr)
-    traffic = TrafficCounter()
+    traffic = TrafficCounter(device.type)  # a CPU run's paths say device, not GPU
     session.store.bus.subscribe(traffic)
     # --profile DIR: ceilings measured now (see runtime.profiler.ceilings), then listen until the session is closed.
     profiler = Profiler(session, measure_ceilings(session.store)).start() if cfg.profile.dir else None
@@ -269,7 +263,7 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
           file=sys.stderr)
     if failed_saves:
         latest = read_latest(root.path) if root is not None else None
-        print(f"warning: {failed_saves} checkpoint save(s) failed (see above); latest checkpoint: {latest or 'none'}",
+        print(f"warning: {counted(failed_saves, 'checkpoint save')} failed (see above); latest checkpoint: {latest or 'none'}",
               file=sys.stderr)
     print(traffic.summary(), file=sys.stderr)
     stats = session.controller.schedule.stats
@@ -277,6 +271,6 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
           f"on fetches {session.controller.stats.wait_fetch_s:.2f} s", file=sys.stderr)
     if profiler is not None:
         profiler.stop()  # after close(): the last write-backs are in the totals
-        saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=plot_wanted(cfg.profile.plot))
+        saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=cfg.profile.plot is not False)
         print(f"profile written to {saved.directory}; read it with: tierstore profile {saved.directory}", file=sys.stderr)
     return 0

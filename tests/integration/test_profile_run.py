@@ -159,15 +159,6 @@ def test_profile_command_draws_the_plot_later(profiled, capsys, monkeypatch):
     assert "needs matplotlib" in capsys.readouterr().err
 
 
-def test_plot_auto_follows_matplotlib():
-    import importlib.util
-
-    from runtime.cli.train import plot_wanted
-
-    assert plot_wanted("auto") is (importlib.util.find_spec("matplotlib") is not None)
-    assert plot_wanted(True) and not plot_wanted(False)
-
-
 @pytest.mark.slow
 def test_train_command_writes_a_profile(tmp_path, tmpfs_dir, capsys):
     config = tmp_path / "tiny.yaml"

@@ -64,7 +64,7 @@ def test_failed_saves_warn_and_training_goes_on(tmp_path: Path, monkeypatch: pyt
     assert "training goes on" in warnings[0] and "stop_on_save_failure" in warnings[0]
     assert [s for s, _ in list_checkpoints(ckpt)] == [1, 4]  # the run reached step 4 and saved it
     assert_clean(ckpt, "step-000004")
-    assert "2 checkpoint save(s) failed" in capsys.readouterr().err
+    assert "2 checkpoint saves failed" in capsys.readouterr().err
 
 
 def test_failed_last_save_keeps_the_previous_latest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
