@@ -330,7 +330,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Settings of the `tierstore train` command on the bundled example model."""
+    """Settings of the `tierstore train` command: the bundled example model, or an HF model with `--model DIR`
+    (`model` is the example's shape alone)."""
 
     steps: int = _leaf(IntSpec(min=1), 50, "Optimizer steps to run.")
     batch_size: int = _leaf(IntSpec(min=1), 8, "Sequences per micro-batch.")
