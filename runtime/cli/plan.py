@@ -45,6 +45,11 @@ KEY_FLAGS = {"tiers.gpu.budget": "--gpu-memory", "tiers.host.budget": "--host-me
              "optimizer.accumulation_steps": "--accumulation"}
 
 
+# The flags that only --model reads.
+MODEL_FLAGS = ("--gpu-memory", "--host-memory", "--nvme", "--nvme-size", "--seq", "--micro-batch", "--accumulation",
+               "--pcie", "--cpu-adam", "--disk", "--gpu-tflops")
+
+
 def add_arguments(plan: argparse.ArgumentParser, size: Any, path: Any, at_least_one: Any) -> None:
     """``tierstore plan``'s flags (``size``, ``path``, ``at_least_one``: the CLI's argument types)."""
     plan.add_argument("--config", type=path, metavar="FILE",
@@ -64,7 +69,7 @@ def add_arguments(plan: argparse.ArgumentParser, size: Any, path: Any, at_least_
                          help="the machine's RAM (default: this machine's); the plan may pin all but 10%% or 2 GiB of it")
     machine.add_argument("--nvme", type=path, metavar="PATH",
                          help="directory for swap files (tiers.nvme.path): moments that do not fit in host memory go "
-                              "there; its free space is checked where it exists on this machine")
+                              "there; it must exist on this machine (its modes and free space are checked)")
     machine.add_argument("--nvme-size", type=size, metavar="SIZE",
                          help="disk space the swap files may take under --nvme (tiers.nvme.budget)")
     work = plan.add_argument_group("the work (with --model)")
@@ -332,6 +337,10 @@ def with_flags(message: str) -> str:
 def main(args: argparse.Namespace) -> int:
     """``tierstore plan``: with ``--model`` the model's plan and predicted step, else ``--config``'s example model."""
     if args.model is None:
+        given = [flag for flag in MODEL_FLAGS if getattr(args, flag.lstrip("-").replace("-", "_")) is not None]
+        if given:
+            raise ValueError(f"tierstore plan: {', '.join(given)} go with --model M; --config FILE alone plans the "
+                             "config's example model with the config's own settings")
         if args.config is None:
             raise ValueError("tierstore plan: give --config FILE (the bundled example model) or --model M")
         return _plan_example(args)

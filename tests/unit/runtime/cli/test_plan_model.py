@@ -111,6 +111,13 @@ def test_plan_config_still_plans_the_example_model(tmp_path, capsys):
     assert "the plan fits this machine" in capsys.readouterr().out
 
 
+def test_model_flags_without_model_are_refused(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("device: cpu\ndtype: fp32\n")
+    assert cli_main(["plan", "--config", str(config), "--gpu-memory", "8GiB", "--seq", "64"]) == 2
+    assert "--gpu-memory, --seq go with --model M" in capsys.readouterr().err
+
+
 def test_check_script_cpu_path(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["plan_check.py", "--tiny", "--steps", "1", "--tolerance", "1000"])
     with pytest.raises(SystemExit) as done:
