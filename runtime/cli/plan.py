@@ -16,14 +16,21 @@ import logging
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from runtime.config.units import approx_size
+from runtime.planning.predict import ModelShape, Prediction, RowPlacement, StepRates, Work, activation_nbytes, predict_step
+
+if TYPE_CHECKING:  # torch and the planning modules are imported when a plan is made: `tierstore --help` stays quick
+    import torch
+
+    from runtime.config.loader import TierstoreConfig
+    from runtime.core.blocks import Block
+    from runtime.planning.hostmem import HostMemory
+    from runtime.planning.placement import ResolvedPlan
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +57,8 @@ MODEL_FLAGS = ("--gpu-memory", "--host-memory", "--nvme", "--nvme-size", "--seq"
                "--pcie", "--cpu-adam", "--disk", "--gpu-tflops")
 
 
-def add_arguments(plan: argparse.ArgumentParser, size: Any, path: Any, at_least_one: Any) -> None:
+def add_arguments(plan: argparse.ArgumentParser, size: Callable[[str], int], path: Callable[[str], Path],
+                  at_least_one: Callable[[str], int]) -> None:
     """``tierstore plan``'s flags (``size``, ``path``, ``at_least_one``: the CLI's argument types)."""
     plan.add_argument("--config", type=path, metavar="FILE",
                       help="YAML config: tiers, placement and optimizer settings. Without --model it plans the config's "
@@ -119,6 +127,7 @@ def load_hf_config(model: str) -> Any:
 
 def build_meta_model(hf_config: Any) -> torch.nn.Module:
     """The causal LM of ``hf_config`` with its parameters on the meta device, gradient checkpointing on."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -129,10 +138,8 @@ def build_meta_model(hf_config: Any) -> torch.nn.Module:
     return model
 
 
-def model_shape(model: Any, hf_config: Any) -> Any:
+def model_shape(model: Any, hf_config: Any) -> ModelShape:
     """The ``ModelShape`` of a built HF causal LM."""
-    from runtime.planning.predict import ModelShape
-
     num_params = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()  # an HF PreTrainedModel's
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -150,17 +157,23 @@ def default_model_config() -> dict[str, Any]:
             "optimizer": {"grad_clip": 1.0}}
 
 
-def model_config(args: argparse.Namespace, shape: Any, work: Any, *, gpu_here: bool) -> dict[str, Any]:
-    """The config of ``--model``: ``--config``'s (or the default) with the flags on top, and where the activation
-    reserve is ``auto`` the estimate of ``runtime.planning.predict.activation_nbytes`` in its place."""
-    from runtime.config.loader import load_config
-    from runtime.planning.predict import activation_nbytes
+def raw_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``--config``'s settings as written (checked first, so that a wrong one is refused with its line), or the
+    default for a model."""
+    import yaml
 
-    if args.config is not None:
-        load_config(args.config)  # refused here with the file's line where a setting is wrong
-        raw = yaml.safe_load(args.config.read_text()) or {}
-    else:
-        raw = default_model_config()
+    from runtime.config.loader import load_config
+
+    if args.config is None:
+        return default_model_config()
+    load_config(args.config)
+    return yaml.safe_load(args.config.read_text()) or {}
+
+
+def model_config(args: argparse.Namespace, raw: dict[str, Any], shape: ModelShape, work: Work, *,
+                 gpu_here: bool) -> dict[str, Any]:
+    """The config of ``--model``: ``raw`` (``raw_config``'s) with the flags on top, and where the activation reserve
+    is ``auto`` the estimate of ``runtime.planning.predict.activation_nbytes`` in its place."""
     tiers = raw.setdefault("tiers", {})
     gpu, host, nvme = tiers.setdefault("gpu", {}), tiers.setdefault("host", {}), tiers.setdefault("nvme", {})
     if args.gpu_memory is not None:
@@ -179,7 +192,7 @@ def model_config(args: argparse.Namespace, shape: Any, work: Any, *, gpu_here: b
     return raw
 
 
-def stated_host(nbytes: int) -> Any:
+def stated_host(nbytes: int) -> HostMemory:
     """``--host-memory`` as the ``HostMemory`` the plan is checked against."""
     from runtime.planning.hostmem import HostMemory
 
@@ -194,24 +207,26 @@ class ModelPlan:
     config: dict[str, Any]  # the config the plan was made with (``offload()`` takes it as it is)
     table: str | None
     refusal: str | None
-    prediction: Any  # runtime.planning.predict.Prediction, None where the plan did not fit
-    rates: Any  # runtime.planning.predict.StepRates
+    prediction: Prediction | None  # None where the plan did not fit
+    rates: StepRates
 
 
 def plan_model_dir(args: argparse.Namespace) -> ModelPlan:
     """``plan --model``'s work without printing (the GPU check script calls it in-process)."""
+    import torch
+
     from runtime.config.loader import load_config
     from runtime.planning.memory_plan import PlanError
-    from runtime.planning.predict import Work, predict_step
+    from runtime.planning.settings import waits_for_commit
 
     hf_config = load_hf_config(args.model)
     model = build_meta_model(hf_config)
     shape = model_shape(model, hf_config)
     gpu_here = torch.cuda.is_available()
-    raw_for_work = yaml.safe_load(args.config.read_text()) if args.config is not None else {}
-    accumulation = args.accumulation or int(((raw_for_work or {}).get("optimizer") or {}).get("accumulation_steps", 1))
+    raw = raw_config(args)
+    accumulation = args.accumulation or int((raw.get("optimizer") or {}).get("accumulation_steps", 1))
     work = Work(seq=args.seq or DEFAULT_SEQ, micro_batch=args.micro_batch or 1, accumulation=accumulation)
-    raw = model_config(args, shape, work, gpu_here=gpu_here)
+    raw = model_config(args, raw, shape, work, gpu_here=gpu_here)
     cfg = load_config(raw)
     device = torch.device("cuda", torch.cuda.current_device()) if gpu_here else torch.device("cuda")
     rates = step_rates(args, cfg, gpu_here)
@@ -224,14 +239,12 @@ def plan_model_dir(args: argparse.Namespace) -> ModelPlan:
     except PlanError as refusal:
         return ModelPlan(description, raw, None, with_flags(str(refusal)), None, rates)
     placement = row_placement(resolved, blocks, cfg)
-    from runtime.planning.settings import waits_for_commit
-
     prediction = predict_step(placement, shape, work, rates, updates_after_backward=waits_for_commit(cfg))
     return ModelPlan(description, raw, resolved.plan.table(), None, prediction, rates)
 
 
-def resolve(model: torch.nn.Module, cfg: Any, device: torch.device, rates: Any,
-            host_memory: int | None) -> tuple[list[Any], Any]:
+def resolve(model: torch.nn.Module, cfg: TierstoreConfig, device: torch.device, rates: StepRates,
+            host_memory: int | None) -> tuple[list[Block], ResolvedPlan]:
     """``runtime.session.plan_model``'s plan and checks, with the stated rates and ``--host-memory``'s RAM."""
     from runtime.core.blocks import build_blocks
     from runtime.model.recompute import recompute_refusal
@@ -247,7 +260,7 @@ def resolve(model: torch.nn.Module, cfg: Any, device: torch.device, rates: Any,
     return blocks, resolved
 
 
-def row_placement(resolved: Any, blocks: list[Any], cfg: Any) -> Any:
+def row_placement(resolved: ResolvedPlan, blocks: list[Block], cfg: TierstoreConfig) -> RowPlacement:
     """The per-step traffic accounting's placement of a resolved plan (``runtime.bench.train_bound``'s, as the
     training benchmark reads it from a running session)."""
     from runtime.bench.train_bound import tierstore_placement
@@ -270,9 +283,9 @@ def row_placement(resolved: Any, blocks: list[Any], cfg: Any) -> Any:
     return dataclasses.replace(row, grad_elem_nbytes=grad_nbytes)
 
 
-def step_rates(args: argparse.Namespace, cfg: Any, gpu_here: bool) -> Any:
+def step_rates(args: argparse.Namespace, cfg: TierstoreConfig, gpu_here: bool) -> StepRates:
     """The rates of the prediction: each stated flag; else measured here where there is a GPU; else the defaults."""
-    from runtime.planning.predict import StepRates
+    import torch
 
     measured: list[str] = []
     pcie = (args.pcie * 1e9,) * 2 if args.pcie is not None else None
@@ -310,6 +323,8 @@ def step_rates(args: argparse.Namespace, cfg: Any, gpu_here: bool) -> Any:
 
 def matmul_flops_per_s(device: torch.device, n: int = MATMUL_PROBE_N, repeats: int = 5) -> float:
     """FLOP/s of a square bf16 matmul of side ``n`` on ``device``, the median of ``repeats`` after a warm-up."""
+    import torch
+
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     times = []
@@ -346,14 +361,15 @@ def main(args: argparse.Namespace) -> int:
         return _plan_example(args)
     result = plan_model_dir(args)
     print(result.description)
-    if result.refusal is not None:
+    if result.refusal is not None or result.prediction is None:
         print(f"does not fit: {result.refusal}")
         return 1
     print(result.table)
     print("the plan fits")
     print(f"rates: {result.rates.describe()}")
-    if "gpu" not in result.rates.measured:
-        print("  (no GPU here: the figures below are for these stated rates, not measured on this machine)")
+    if not result.rates.measured:
+        print("  (the figures below are for these stated rates, not measured on this machine: it has no GPU, or "
+              "every rate was given)")
     print(result.prediction.describe())
     return 0
 
@@ -361,6 +377,8 @@ def main(args: argparse.Namespace) -> int:
 def _plan_example(args: argparse.Namespace) -> int:
     """``tierstore plan --config FILE``: the plan of the config's example model (built on the meta device, so
     nothing is allocated), put through the same checks ``offload()`` runs before training allocates."""
+    import torch
+
     from runtime.cli.train import build_model
     from runtime.config.loader import load_config
     from runtime.planning.settings import resolve_device
