@@ -238,6 +238,9 @@ def plan_model_dir(args: argparse.Namespace) -> ModelPlan:
         blocks, resolved = resolve(model, cfg, device, rates, args.host_memory)
     except PlanError as refusal:
         return ModelPlan(description, raw, None, with_flags(str(refusal)), None, rates)
+    short = activations_refusal(blocks, resolved, cfg, device, work)
+    if short is not None:
+        return ModelPlan(description, raw, None, f"{short}\n{resolved.plan.table()}", None, rates)
     placement = row_placement(resolved, blocks, cfg)
     prediction = predict_step(placement, shape, work, rates, updates_after_backward=waits_for_commit(cfg))
     return ModelPlan(description, raw, resolved.plan.table(), None, prediction, rates)
@@ -258,6 +261,28 @@ def resolve(model: torch.nn.Module, cfg: TierstoreConfig, device: torch.device, 
     resolved = resolve_plan(blocks, cfg, device, rates=placement_rates, recomputable=recompute_refusal(blocks) is None)
     check_fits(resolved.plan, cfg, device, memory=None if host_memory is None else stated_host(host_memory))
     return blocks, resolved
+
+
+def activations_refusal(blocks: list[Block], resolved: ResolvedPlan, cfg: TierstoreConfig, device: torch.device,
+                        work: Work) -> str | None:
+    """Why the activations do not fit beside what the GPU must hold with every update on the CPU (``check_fits``
+    leaves them out: ``offload()`` measures them in a step, here they are estimated), or None where they fit. Auto
+    placement fills the rest of the budget only where there is room beside them."""
+    from runtime.planning.block_plan import plan_of
+    from runtime.planning.memory_plan import gpu_budget_nbytes
+
+    reserve = cfg.tiers.gpu.activation_reserve
+    if reserve == "auto":
+        return None
+    least = plan_of(blocks, cfg, resolved.homes, resolved.source, updated=frozenset(), streamed=0,
+                    host_sums=resolved.placement.host_sums).gpu_nbytes
+    budget = gpu_budget_nbytes(cfg, device)
+    if least + int(reserve) <= budget:
+        return None
+    return (f"gpu: with every update on the CPU the plan holds {approx_size(least)} on the GPU, and a micro-batch of "
+            f"{work.micro_batch} x {work.seq} tokens needs about {approx_size(int(reserve))} of activations "
+            f"(tiers.gpu.activation_reserve), {approx_size(least + int(reserve))} together, more than the GPU memory, "
+            f"{approx_size(budget)} (--gpu-memory); lower --micro-batch or --seq, or use a GPU with more memory")
 
 
 def row_placement(resolved: ResolvedPlan, blocks: list[Block], cfg: TierstoreConfig) -> RowPlacement:

@@ -69,6 +69,15 @@ def test_too_little_host_memory_is_refused_with_this_commands_flags(capsys):
     assert "tiers.host.budget (--host-memory)" in out and "--nvme PATH --nvme-size SIZE" in out
 
 
+def test_activations_beyond_the_gpu_memory_are_refused(capsys):
+    assert cli_main(["plan", "--model", "llama-3-8b", "--seq", "4096", "--micro-batch", "2", "--gpu-memory", "8GiB",
+                     "--host-memory", "256GiB", *STATED]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: gpu:" in out and "of activations" in out and "lower --micro-batch or --seq" in out
+    assert cli_main(["plan", "--model", "llama-3-8b", "--seq", "1024", "--gpu-memory", "10GiB",
+                     "--host-memory", "256GiB", *STATED]) == 0  # fewer tokens a micro-batch and a larger card
+
+
 def test_spilling_to_a_stated_disk_makes_it_fit(tmp_path, capsys):
     swap = tmp_path / "swap"
     swap.mkdir(mode=0o700)
