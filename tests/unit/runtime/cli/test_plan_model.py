@@ -134,3 +134,27 @@ def test_check_script_cpu_path(capsys, monkeypatch):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert re.search(r"tiny\s+[\d.]+\s+[\d.]+\s+[\d.]+", out), out
+
+
+def test_on_a_gpu_machine_unstated_rates_are_measured_and_stated_ones_win(monkeypatch):
+    """step_rates with a GPU here: the probes' figures where a rate is not stated, the flag's where it is."""
+    import torch
+
+    import runtime.bench.train_bound as train_bound
+    import runtime.cli.plan as plan
+    import runtime.update.rates as rates_module
+    from runtime.config.loader import load_config
+    from runtime.planning.auto_placement import Rates
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(rates_module, "measure_rates",
+                        lambda device, **_: Rates(adam_params_per_s=3e9, h2d_bytes_per_s=50e9, d2h_bytes_per_s=48e9))
+    monkeypatch.setattr(plan, "matmul_flops_per_s", lambda device: 700e12)
+    monkeypatch.setattr(train_bound, "measure_gpu_adam_s_per_param", lambda numel, device: 1e-11)
+    args = build_parser().parse_args(["plan", "--model", "llama-3-8b", "--pcie", "20"])
+    got = plan.step_rates(args, load_config({}), gpu_here=True)
+    assert (got.h2d_bytes_per_s, got.d2h_bytes_per_s) == (20e9, 20e9)  # stated
+    assert got.cpu_adam_params_per_s == 3e9 and got.matmul_flops_per_s == 700e12  # measured
+    assert got.gpu_adam_params_per_s == pytest.approx(1e11)
+    assert set(got.measured) == {"cpu_adam", "gpu"}
+    assert got.disk_read_bytes_per_s == plan.DEFAULT_DISK_GBPS * 1e9  # no --nvme: nothing to measure
