@@ -34,8 +34,10 @@ HF's loss, clipping 1.0, placement auto, 2026-11-29; measured rates: bf16 matmul
 way, CPU AdamW 1.96 G params/s beside copies): Llama-shaped 1.5B (hidden 2048, 16 layers, untied) 0.855 s a step
 measured, 3.6B (hidden 3072, 28 layers, untied) 3.05 s, 2.8B (Llama-3-8B's layers, 8 of them) 2.05 s; this model
 with ``COMPUTE_EFFICIENCY`` 0.37 predicts 1.06x, 0.93x and 1.07x of them. The efficiency is that one fit (of the
-overlap forms tried, this one fit all three within 7%; the others left one 14-20% out): on another GPU, at other
-shapes or sequence lengths, the share a step reaches differs, and the prediction with it.
+overlap forms tried, this one fit all three within 7%; the others left one 14-20% out). Checked, not fitted, on
+the same three at sequence 4096, micro-batch 1, accumulation 8 (another H200 host: CPU AdamW 2.86 G params/s,
+matmul 785 TFLOP/s, PCIe 55.4 GB/s): 1.39, 4.93 and 2.86 s measured, 1.10x, 0.94x and 1.05x predicted. On another
+GPU, or at shapes and sequences far from these, the share a step reaches differs, and the prediction with it.
 
 Limits: a prediction for the placement the plan shows (a config whose first step is measured is predicted as
 that first step); the activations' memory is not modelled here (the plan reserves ``activation_reserve``);
