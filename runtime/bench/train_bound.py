@@ -2,7 +2,8 @@
 
 A row's placement (:class:`RowPlacement`: which parameters keep their weights on the GPU, which are
 updated by the CPU or the GPU, which state streams or lives on disk) fixes the work of one optimizer step
-on each resource (:func:`row_traffic`, pure arithmetic):
+on each resource (:func:`row_traffic`, pure arithmetic in ``runtime.planning.predict``, which ``tierstore plan --model``'s
+prediction shares):
 
 - the GPU: ``T_gpu = T_compute + T_gpu_update``, ``T_compute = accumulation x (T_fwd + T_bwd)`` of the plain
   PyTorch row of the same shape, ``T_gpu_update`` a fused AdamW on the GPU over the device-updated parameters
@@ -39,68 +40,18 @@ import logging
 import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from runtime.engine.schedule import joins_window
+from runtime.planning.predict import FP32, RowPlacement, Traffic, row_traffic
+from runtime.planning.predict import STATE_NBYTES as STATE_NBYTES  # re-exported: the DeepSpeed rows count with it
 from runtime.update.rates import cpu_adam_seconds, pinned_copy_gbps
 
 log = logging.getLogger(__name__)
 
-FP32 = 4
-STATE_NBYTES = 3 * FP32  # fp32 master + exp_avg + exp_avg_sq of one parameter
 ADAM_MEASURE_CAP_NUMEL = 256 << 20  # AdamW is timed over at most this many parameters (4 GiB of fp32 state) and scaled
-
-
-@dataclass(frozen=True)
-class RowPlacement:
-    """Where one row's training state lives, in parameter counts and bytes per element."""
-
-    num_params: int
-    accumulation: int = 1
-    resident_numel: int = 0  # weights on the GPU for the whole step: never fetched
-    fetch_elem_nbytes: int = 0  # bytes one fetch moves per non-resident weight (fp32 master: 4, bf16 copy: 2)
-    kept_numel: int = 0  # fetched weights kept from forward to backward: fetched once per micro-batch, not twice
-    carried_numel: int = 0  # fetched weights a backward leaves for the next micro-batch's forward: not fetched again
-    fresh_numel: int = 0  # fetched weights the GPU update leaves on the device: no fetch for the step's first forward
-    cpu_update_numel: int = 0  # parameters whose AdamW runs on the CPU (their gradients go to host)
-    gpu_update_numel: int = 0  # parameters whose AdamW runs on the GPU (resident or streamed state)
-    streamed_numel: int = 0  # GPU-updated parameters whose fp32 state comes from host and goes back
-    grad_elem_nbytes: int = FP32  # bytes per gradient element moved to host
-    refresh_elem_nbytes: int = 0  # bytes per CPU-updated weight copied back to the GPU after the update
-    disk_state_nbytes: int = 0  # optimizer state bytes read from disk and written back each step
-    cpu_threads: int = 0  # threads of the CPU update (0: the machine's default)
-
-    def as_dict(self) -> dict[str, int]:
-        """The fields, for JSON."""
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """The work of one optimizer step of a row, per resource."""
-
-    compute_passes: int  # forward + backward passes (micro-batches)
-    gpu_update_numel: int
-    cpu_update_numel: int
-    h2d_nbytes: int
-    d2h_nbytes: int
-    disk_read_nbytes: int
-    disk_write_nbytes: int
-
-
-def row_traffic(p: RowPlacement) -> Traffic:
-    """Bytes and parameter counts one optimizer step of placement ``p`` must move and update."""
-    fetched = p.num_params - p.resident_numel
-    kept = min(p.kept_numel, fetched)
-    fresh = min(p.fresh_numel, fetched)
-    carried = min(p.carried_numel, fetched)
-    weights_h2d = p.fetch_elem_nbytes * (p.accumulation * (2 * fetched - kept) - (p.accumulation - 1) * carried - fresh)
-    h2d = weights_h2d + STATE_NBYTES * p.streamed_numel + p.refresh_elem_nbytes * p.cpu_update_numel
-    d2h = p.grad_elem_nbytes * p.cpu_update_numel + STATE_NBYTES * p.streamed_numel
-    return Traffic(compute_passes=p.accumulation, gpu_update_numel=p.gpu_update_numel, cpu_update_numel=p.cpu_update_numel,
-                   h2d_nbytes=h2d, d2h_nbytes=d2h, disk_read_nbytes=p.disk_state_nbytes, disk_write_nbytes=p.disk_state_nbytes)
 
 
 def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], streamed: Iterable[int],

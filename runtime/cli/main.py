@@ -88,8 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "a directory holding another run's checkpoints is refused), and replace a model already "
                             "in --output")
 
-    plan = sub.add_parser("plan", help="show the memory plan of a config; refuses one that does not fit")
-    plan.add_argument("--config", type=_path, required=True)
+    from runtime.cli.plan import add_arguments as add_plan_arguments
+
+    plan = sub.add_parser("plan", help="where each kind of state goes and whether it fits; with --model, any HF causal "
+                                       "LM and a predicted step time",
+                          description="The memory plan of --config's example model, or of --model M with a predicted "
+                                      "step time and tokens/s; refuses a plan that does not fit, saying what to change.")
+    add_plan_arguments(plan, _size, _path, _at_least_one)
 
     profile = sub.add_parser("profile", help="report of a saved profile")
     profile.add_argument("dir", type=_path)
@@ -209,22 +214,10 @@ class _NoTracebacks(logging.Formatter):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """``tierstore plan --config FILE``: the plan of the config's example model (built on the meta device, so
-    nothing is allocated), put through the same checks ``offload()`` runs before training allocates."""
-    import torch
+    """``tierstore plan``: ``runtime.cli.plan``."""
+    from runtime.cli.plan import main as plan_main
 
-    from runtime.cli.train import build_model
-    from runtime.config.loader import load_config
-    from runtime.planning.settings import resolve_device
-    from runtime.session import plan_model
-
-    cfg = load_config(args.config)
-    with torch.device("meta"):
-        model = build_model(cfg)
-    _, resolved, _ = plan_model(model, cfg, resolve_device(cfg))  # a refusal carries the table
-    print(resolved.plan.table())
-    print("the plan fits this machine")
-    return 0
+    return plan_main(args)
 
 
 def _bench_store(args: argparse.Namespace) -> int:
