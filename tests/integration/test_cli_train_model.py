@@ -17,6 +17,7 @@ from runtime.cli.main import main as cli_main
 from tests.unit.runtime.cli.hf_model_dir import TEXT, make_model_dir, write_jsonl
 
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")  # the saved shards, read as they are
 
 FLAGS = ["--seq", "32", "--micro-batch", "4", "--lr", "1e-2"]
 
@@ -202,9 +203,16 @@ def test_on_the_gpu_with_the_documented_defaults_the_model_trains_resumes_and_sa
     assert cli_main([*base, "--steps", "6", "--output", str(tmp_path / "whole")]) == 0
     expected, trained = list(whole.losses), dict(whole.models[0].named_parameters())
     assert expected[-1] < expected[0] - 0.5
+    saved: dict[str, torch.Tensor] = {}
+    for shard in (tmp_path / "whole").glob("*.safetensors"):
+        saved.update(safetensors_torch.load_file(shard))
+    assert saved
+    for name, tensor in saved.items():  # the files hold the compute dtype
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, trained[name].to(torch.bfloat16)), name
+    # from_pretrained may widen them to the dtype config.json names (the model directory's, fp32): the values stay.
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole", local_files_only=True)
     for name, param in loaded.named_parameters():
-        assert param.dtype == torch.bfloat16 and torch.equal(param, trained[name].to(torch.bfloat16)), name
+        assert torch.equal(param.to(torch.bfloat16), trained[name].to(torch.bfloat16)), name
     ckpt = tmp_path / "ckpt"
     parts = Recorder(monkeypatch)
     assert cli_main([*base, "--steps", "2", "--checkpoint-dir", str(ckpt)]) == 0
