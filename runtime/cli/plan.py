@@ -54,7 +54,7 @@ KEY_FLAGS = {"tiers.gpu.budget": "--gpu-memory", "tiers.host.budget": "--host-me
 
 # The flags that only --model reads.
 MODEL_FLAGS = ("--gpu-memory", "--host-memory", "--nvme", "--nvme-size", "--seq", "--micro-batch", "--accumulation",
-               "--pcie", "--cpu-adam", "--disk", "--gpu-tflops")
+               "--loss-piece", "--pcie", "--cpu-adam", "--disk", "--gpu-tflops")
 
 
 def add_arguments(plan: argparse.ArgumentParser, size: Callable[[str], int], path: Callable[[str], Path],
@@ -85,6 +85,11 @@ def add_arguments(plan: argparse.ArgumentParser, size: Callable[[str], int], pat
     work.add_argument("--micro-batch", type=at_least_one, metavar="N", help="sequences a forward (default 1)")
     work.add_argument("--accumulation", type=at_least_one, metavar="N",
                       help="micro-batches an optimizer step (optimizer.accumulation_steps; default: the config's, 1)")
+    work.add_argument("--loss-piece", type=at_least_one, metavar="N",
+                      help="the training takes its loss N tokens at a time (a chunked loss: TrainingArguments("
+                           "use_liger_kernel=True), runtime.integrations.hf_loss.use_chunked_loss(model, N), 1024 "
+                           "for both), so only N tokens' logits exist at once; default: HF's own loss, the logits of "
+                           "the whole micro-batch at once, which a large vocabulary makes the largest activation")
     rates = plan.add_argument_group("stated rates (with --model)",
                                     "for the prediction; default: measured here where this machine has a GPU, else "
                                     "a typical workstation's (the figures are then for the stated rates)")
@@ -225,7 +230,8 @@ def plan_model_dir(args: argparse.Namespace) -> ModelPlan:
     gpu_here = torch.cuda.is_available()
     raw = raw_config(args)
     accumulation = args.accumulation or int((raw.get("optimizer") or {}).get("accumulation_steps", 1))
-    work = Work(seq=args.seq or DEFAULT_SEQ, micro_batch=args.micro_batch or 1, accumulation=accumulation)
+    work = Work(seq=args.seq or DEFAULT_SEQ, micro_batch=args.micro_batch or 1, accumulation=accumulation,
+                loss_piece_tokens=args.loss_piece)
     raw = model_config(args, raw, shape, work, gpu_here=gpu_here)
     cfg = load_config(raw)
     device = torch.device("cuda", torch.cuda.current_device()) if gpu_here else torch.device("cuda")
@@ -282,7 +288,10 @@ def activations_refusal(blocks: list[Block], resolved: ResolvedPlan, cfg: Tierst
     return (f"gpu: with every update on the CPU the plan holds {approx_size(least)} on the GPU, and a micro-batch of "
             f"{work.micro_batch} x {work.seq} tokens needs about {approx_size(int(reserve))} of activations "
             f"(tiers.gpu.activation_reserve), {approx_size(least + int(reserve))} together, more than the GPU memory, "
-            f"{approx_size(budget)} (--gpu-memory); lower --micro-batch or --seq, or use a GPU with more memory")
+            f"{approx_size(budget)} (--gpu-memory); lower --micro-batch or --seq"
+            + ("" if work.loss_piece_tokens else ", train with a chunked loss (--loss-piece 1024: Liger's or "
+               "use_chunked_loss, the logits of 1024 tokens at a time)")
+            + ", or use a GPU with more memory")
 
 
 def row_placement(resolved: ResolvedPlan, blocks: list[Block], cfg: TierstoreConfig) -> RowPlacement:

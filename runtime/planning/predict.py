@@ -130,6 +130,9 @@ class Work:
     micro_batch: int
     accumulation: int
     recompute: bool = True  # activation checkpointing: the forward runs again in the backward
+    # A chunked loss (Liger's fused linear cross-entropy, runtime.integrations.hf_loss.use_chunked_loss): the logits
+    # of this many tokens exist at once. None: HF's own loss, the whole micro-batch's logits at once.
+    loss_piece_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -150,14 +153,16 @@ ACTIVATION_SLACK_NBYTES = 1 << 30  # the allocator's fragmentation and the kerne
 
 
 def activation_nbytes(shape: ModelShape, work: Work, itemsize: int = 2) -> int:
-    """GPU bytes a micro-batch's activations take at their peak, estimated for an HF causal LM with HF's loss:
-    with checkpointing, each layer's input kept (``b s h``) and one layer's activations and their gradients while it
-    is recomputed (about ``b s (10 h + 4 ffn)`` twice); without, every layer's; the logits in the compute dtype,
-    their fp32 copy for the loss and the gradients of both (12 bytes a logit under bf16); 1 GiB of slack."""
+    """GPU bytes a micro-batch's activations take at their peak, estimated for an HF causal LM: with checkpointing,
+    each layer's input kept (``b s h``) and one layer's activations and their gradients while it is recomputed
+    (about ``b s (10 h + 4 ffn)`` twice); without, every layer's; the logits in the compute dtype, their fp32 copy
+    for the loss and the gradients of both (12 bytes a logit under bf16) of the whole micro-batch with HF's loss, of
+    ``work.loss_piece_tokens`` tokens with a chunked loss; 1 GiB of slack."""
     tokens = work.micro_batch * work.seq
     layer = tokens * (10 * shape.hidden + 4 * shape.ffn) * itemsize
     layers = shape.num_layers * tokens * shape.hidden * itemsize + 2 * layer if work.recompute else shape.num_layers * layer
-    logits = tokens * shape.vocab * (2 * itemsize + 2 * FP32)
+    logit_tokens = tokens if work.loss_piece_tokens is None else min(tokens, work.loss_piece_tokens)
+    logits = logit_tokens * shape.vocab * (2 * itemsize + 2 * FP32)
     return layers + logits + ACTIVATION_SLACK_NBYTES
 
 

@@ -158,3 +158,16 @@ def test_on_a_gpu_machine_unstated_rates_are_measured_and_stated_ones_win(monkey
     assert got.gpu_adam_params_per_s == pytest.approx(1e11)
     assert set(got.measured) == {"cpu_adam", "gpu"}
     assert got.disk_read_bytes_per_s == plan.DEFAULT_DISK_GBPS * 1e9  # no --nvme: nothing to measure
+
+
+def test_a_chunked_loss_lets_the_8b_scenario_fit_the_24_gib_card(capsys):
+    """The 8B scenario (micro-batch 4 x 4096 tokens, 24 GiB): with HF's loss its 128k-vocabulary logits do not fit
+    and the refusal names --loss-piece; planned with a chunked loss (Liger's, use_chunked_loss) it fits, as it
+    trains (docs/benchmarks.md)."""
+    work = ["plan", "--model", "llama-3-8b", "--seq", "4096", "--micro-batch", "4", "--accumulation", "16",
+            "--gpu-memory", "24GiB", "--host-memory", "256GiB", *STATED]
+    assert cli_main(work) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: gpu:" in out and "--loss-piece 1024" in out
+    assert cli_main([*work, "--loss-piece", "1024"]) == 0
+    assert "the plan fits" in capsys.readouterr().out

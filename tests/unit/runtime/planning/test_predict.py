@@ -84,3 +84,11 @@ def test_activations_grow_with_the_micro_batch_and_the_vocabulary():
     assert two - one == one - (1 << 30)  # linear in the tokens above the fixed slack
     logits = 100 * 1000 * 12
     assert one == 2 * 100 * 64 * 2 + 2 * 100 * (10 * 64 + 4 * 256) * 2 + logits + (1 << 30)
+
+
+def test_a_chunked_loss_keeps_only_a_piece_of_the_logits():
+    whole = activation_nbytes(SHAPE, Work(seq=100, micro_batch=2, accumulation=1))
+    piece = activation_nbytes(SHAPE, Work(seq=100, micro_batch=2, accumulation=1, loss_piece_tokens=50))
+    assert whole - piece == (200 - 50) * 1000 * 12  # 12 bytes a logit of the tokens not held at once
+    larger = activation_nbytes(SHAPE, Work(seq=100, micro_batch=2, accumulation=1, loss_piece_tokens=10_000))
+    assert larger == whole  # a piece longer than the micro-batch holds what HF's loss holds
