@@ -3,10 +3,12 @@ are held back while tierstore's own code runs (see [Note: deferred interrupts]).
 
 Schedulers and ``docker stop`` send SIGTERM, whose default action kills the process at once: swap files
 stay behind (for the ``tmp`` swap path, in the RAM-backed /dev/shm until reboot) and nothing is said.
-While a session is open, SIGTERM instead raises :class:`Terminated` in the main thread at its next Python
-instruction: ``finally`` blocks run, the step in progress is abandoned, the session closes (here or at
-exit, see ``tierstore.close_at_exit``) and the process exits with status 128 + 15. A checkpoint save cut
-short is never published (``checkpoint_io`` writes a new directory and then swaps the ``latest`` pointer).
+From the start of ``offload()`` (whose setup, filling the tiers, takes minutes at 8B: when schedulers send it)
+until the session closes, SIGTERM instead raises :class:`Terminated` in the main thread at its next Python
+instruction: ``finally`` blocks run, a setup is undone as for Ctrl-C (``runtime.session``), the step in
+progress is abandoned, the session closes (here or at exit, see ``tierstore.close_at_exit``) and the process
+exits with status 128 + 15. A checkpoint save cut short is never published (``checkpoint_io`` writes a new
+directory and then swaps the ``latest`` pointer).
 
 The handler is installed only where SIGTERM still has its default action and only from the main thread: a
 program with its own handler keeps it. The first SIGTERM restores the default, so a second one kills a
