@@ -3,8 +3,9 @@
 
 Modes:
 
-    api SWAP                 a user's script with no signal handler of its own: ``offload()`` the tiny model (master
-                             and moments in swap files under SWAP, or ``tmp``), 3 steps, ``session.close()``
+    api SWAP [cuda]          a user's script with no signal handler of its own: ``offload()`` the tiny model (master
+                             and moments in swap files under SWAP, or ``tmp``), 3 steps, ``session.close()``; with
+                             ``cuda``, on the GPU in bf16, the master in pinned memory and the moments on NVMe
     cli CONFIG CHECKPOINTS   ``tierstore train --config CONFIG --checkpoint-dir CHECKPOINTS --save-every 1``
 
 ``SIGTERM_CHILD_AT`` says when (the test's own switch, read here only: the runtime has no test-only path):
@@ -73,7 +74,7 @@ class SignalAtCall:
             print(f"COUNT {self.calls} {self.first} {self.last}", flush=True)
 
 
-def script(swap: str) -> None:
+def script(swap: str, device: str = "cpu") -> None:
     """The user's script: offload, three steps, close."""
     import torch
 
@@ -84,10 +85,12 @@ def script(swap: str) -> None:
 
     torch.manual_seed(0)
     data = ByteBatches(stdlib_text_bytes(1 << 16), BATCH, SEQ, seed=0)
-    model, optimizer = offload(ExampleLM(SHAPE), tiny_config(swap, master="nvme", moments="nvme"))  # type: ignore[arg-type]
+    config = (tiny_config(swap, master="nvme", moments="nvme") if device == "cpu"
+              else tiny_config(swap, master="host", moments="nvme", device=device, dtype="bf16"))
+    model, optimizer = offload(ExampleLM(SHAPE), config)  # type: ignore[arg-type]
     for _ in range(3):
         tokens, targets = data.next()
-        model(tokens, targets).backward()
+        model(tokens.to(device), targets.to(device)).backward()
         optimizer.step()
         optimizer.zero_grad()
     optimizer.session.close()  # type: ignore[attr-defined]
@@ -99,7 +102,7 @@ def main(argv: list[str]) -> int:
     mode = argv[0]
     sys.setprofile(counter)
     if mode == "api":
-        script(argv[1])
+        script(*argv[1:])
         code = 0
     else:
         from runtime.cli.main import main as cli_main

@@ -118,6 +118,31 @@ def test_the_handler_taken_for_the_setup_stays_with_the_session_and_goes_at_clos
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.usefixtures("default_signals")
+def test_sigterm_while_an_interrupted_setup_is_undone_lets_the_undo_finish_then_raises_terminated(tmp_path, monkeypatch):
+    """Ctrl-C during the setup, then SIGTERM while the undo gives the parameters back: the undo goes on to close the
+    store (before, Terminated left the undo there, the swap files and the directory's lock kept until exit), then
+    Terminated is raised in place of the KeyboardInterrupt."""
+    import runtime.session
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    give_back = runtime.session._give_back_parameters
+
+    def terminated_during(*args, **kwargs):
+        assert tierstore_handles_sigterm()
+        signal.raise_signal(signal.SIGTERM)
+        give_back(*args, **kwargs)  # not reached: Terminated is raised at the line above
+
+    monkeypatch.setattr(runtime.session, "OffloadAdamW", interrupt)  # late in the setup: every swap file written
+    monkeypatch.setattr(runtime.session, "_give_back_parameters", terminated_during)
+    with pytest.raises(Terminated):
+        offload(meta_model(), config(tmp_path), init=lambda name, tensor: tensor.zero_())
+    assert os.listdir(tmp_path / "swap") == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 # ---- in a child process: the exit status and what is left -------------------------------------------------------
 def tmp_swap_dirs() -> dict[Path, str]:
     """The ``tmp`` swap path's directories on this machine, each with the owner its lock file names ("" if none)."""
@@ -209,9 +234,22 @@ IN_CLOSE = ["OffloadSession.close:1", "TierStore.close:1", "NVMeDirectory.remove
 def test_sigterm_anywhere_in_a_script_ends_it_with_143_and_nothing_left(tmp_path, swap, num):
     """A user's script (no handler of its own) signalled at ``num`` points from the start of offload() to near the end
     of close(), at named points of close(), and once before offload() (the default action there: nothing to leave)."""
+    sweep_script(tmp_path, swap, num)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swap, num", [("dir", 32), ("tmp", 8)])
+def test_sigterm_anywhere_in_a_cuda_script_ends_it_with_143_and_nothing_left(tmp_path, swap, num):
+    """As above on the GPU: pinned memory, device copies and NVMe IO in flight when the signal lands (a close that
+    freed the pinned arena under an IO write once ended such a run in a segmentation fault)."""
+    sweep_script(tmp_path, swap, num, "cuda")
+
+
+def sweep_script(tmp_path: Path, swap: str, num: int, *device: str) -> None:
+    """The script sweep: signalled before offload(), at ``num`` points of the handled span and at ``IN_CLOSE``."""
     def args(directory: Path) -> list[str]:
         directory.mkdir()
-        return ["api", str(directory) if swap == "dir" else "tmp"]
+        return ["api", str(directory) if swap == "dir" else "tmp", *device]
 
     calls, first, last = handled_span(tmp_path, *args(tmp_path / "count"))
     for point in [str(first // 2), *map(str, spread(first, last, num)), *IN_CLOSE]:
