@@ -223,6 +223,9 @@ def spread(first: int, last: int, num: int) -> list[int]:
     return sorted({first + (last - first) * i // (num - 1) for i in range(num)})
 
 
+# Named points of the setup: the swap directory's O_DIRECT probe, just after its lock is taken (a signal there left
+# the lock file: found by this sweep).
+IN_SETUP = ["probe_direct_io:1"]
 # The end of close(), named (their ordinal is the same in every run): the session's close, the store's, a swap
 # file's removal, the swap directory's unlock and the handler's release (the last call with it in place).
 IN_CLOSE = ["OffloadSession.close:1", "TierStore.close:1", "NVMeDirectory.remove:2", "NVMeDirectory._release_lock:1",
@@ -238,7 +241,7 @@ def test_sigterm_anywhere_in_a_script_ends_it_with_143_and_nothing_left(tmp_path
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap, num", [("dir", 32), ("tmp", 8)])
+@pytest.mark.parametrize("swap, num", [("dir", 16), ("tmp", 6)])
 def test_sigterm_anywhere_in_a_cuda_script_ends_it_with_143_and_nothing_left(tmp_path, swap, num):
     """As above on the GPU: pinned memory, device copies and NVMe IO in flight when the signal lands (a close that
     freed the pinned arena under an IO write once ended such a run in a segmentation fault)."""
@@ -252,7 +255,7 @@ def sweep_script(tmp_path: Path, swap: str, num: int, *device: str) -> None:
         return ["api", str(directory) if swap == "dir" else "tmp", *device]
 
     calls, first, last = handled_span(tmp_path, *args(tmp_path / "count"))
-    for point in [str(first // 2), *map(str, spread(first, last, num)), *IN_CLOSE]:
+    for point in [str(first // 2), *map(str, spread(first, last, num)), *IN_SETUP, *IN_CLOSE]:
         directory = tmp_path / f"at-{len(os.listdir(tmp_path))}"
         shm_before = tmp_swap_dirs()
         child = run_child(tmp_path, point, *args(directory))
@@ -269,7 +272,7 @@ def test_sigterm_anywhere_in_tierstore_train_ends_it_with_143_and_nothing_left_a
     SIGTERM still has its default action in ``tierstore train``: see runtime.cli.main.)"""
     config = tiny_cli_config(tmp_path, "  steps: 3\n")
     calls, first, last = handled_span(tmp_path, "cli", str(config), str(tmp_path / "ckpt-count"))
-    for point in [*map(str, spread(first, last, 16)), *IN_CLOSE]:
+    for point in [*map(str, spread(first, last, 16)), *IN_SETUP, *IN_CLOSE]:
         checkpoints = tmp_path / f"ckpt-{len(os.listdir(tmp_path))}"
         child = run_child(tmp_path, point, "cli", str(config), str(checkpoints))
         assert f"KILL {point.rpartition(':')[2]} handler" in child[1], (point, child[1:3])
