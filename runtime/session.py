@@ -481,14 +481,16 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
     # Groups are checked before the parameters are bound to blocks: a refusal leaves the model as it was.
     groups = param_groups_of(model, param_groups, offloaded)
     check_param_groups(groups, blocks)
-    store: TierStore | None = None
+    opened: list[TierStore] = []  # the store once built: the undo closes it even when a signal came as it was built
     session: OffloadSession | None = None
     undo: list[Callable[[], None]] = []  # what a failure from here on takes back, in the order it was done
     try:
-        store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes, host_budget_nbytes=budgets.host_nbytes,
-                                      pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
-                                      nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
-                                      io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
+        _open_store(opened, StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes,
+                                        host_budget_nbytes=budgets.host_nbytes, pin=pin if device.type == "cuda" else False,
+                                        nvme_path=cfg.tiers.nvme.path, nvme_budget_nbytes=cfg.tiers.nvme.budget,
+                                        io_threads=cfg.tiers.nvme.io_threads, io_block_nbytes=cfg.tiers.nvme.block_size,
+                                        direct_io=str(direct)))
+        store = opened[0]
         options = _options(cfg, dtype, resolved, record_intervals)
         controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)
@@ -517,9 +519,18 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
     except BaseException:  # the model as it was, the directory unlocked, no thread left; the error unchanged
         if session is not None:
             session.closed = True  # its listeners and close() then do nothing
-        _undo_offload(blocks, store, [*reversed(undo), *(session.on_close if session is not None else [])])
+        _undo_offload(blocks, opened[0] if opened else None, [*reversed(undo), *(session.on_close if session is not None else [])])
         raise
     return model, optimizer
+
+
+@defers_interrupts
+def _open_store(opened: list[TierStore], config: StoreConfig) -> None:
+    """Build the session's store into ``opened``. SIGTERM and Ctrl-C are held while it is built ([Note: deferred
+    interrupts]) and raised once it is in ``opened``, for the undo to close: one that landed inside the constructor,
+    past its own undo, left a store nobody could close (its swap directory's lock file, its tmp directory on /dev/shm).
+    Its long parts (zeroing and page-locking the pinned arena) are single C calls that no signal interrupts anyway."""
+    opened.append(TierStore(config))
 
 
 def _listen(session: OffloadSession, resolved: ResolvedPlan, device: torch.device) -> None:

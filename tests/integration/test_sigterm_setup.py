@@ -193,16 +193,19 @@ def assert_ended_cleanly(tmp_path: Path, child: tuple[int, str, str, int], swap:
     assert ours == [], f"tmp swap directories left: {ours}: {where}"
 
 
-@pytest.mark.parametrize("swap", ["dir", "tmp"])
-def test_sigterm_in_the_setup_of_a_script_ends_it_with_143_and_nothing_left(tmp_path, swap):
+@pytest.mark.parametrize("swap, at, where", [("dir", "register:3", "TierStore.register"),
+                                              ("tmp", "register:3", "TierStore.register"),
+                                              ("dir", "NvmeTier.__init__:1", "NvmeTier.__init__")])
+def test_sigterm_in_the_setup_of_a_script_ends_it_with_143_and_nothing_left(tmp_path, swap, at, where):
     """A user's script without a handler, signalled at the store's third registration (the first block's swap
     files written): before, it was killed by the default action with the swap files (or the /dev/shm directory)
-    left."""
+    left. And as the store is built, its swap directory locked: the signal is held until the store is offload()'s
+    to close (before, the store never reached offload() and the lock file stayed)."""
     directory = tmp_path / "swap"
     directory.mkdir()
     shm_before = tmp_swap_dirs()
-    child = run_child(tmp_path, "register:3", "api", str(directory) if swap == "dir" else "tmp")
-    assert "KILL 3 handler TierStore.register" in child[1], child[1:3]
+    child = run_child(tmp_path, at, "api", str(directory) if swap == "dir" else "tmp")
+    assert f"KILL {at.rpartition(':')[2]} handler {where}" in child[1], child[1:3]
     assert_ended_cleanly(tmp_path, child, directory, shm_before)
 
 
@@ -223,9 +226,9 @@ def spread(first: int, last: int, num: int) -> list[int]:
     return sorted({first + (last - first) * i // (num - 1) for i in range(num)})
 
 
-# Named points of the setup: the swap directory's O_DIRECT probe, just after its lock is taken (a signal there left
-# the lock file: found by this sweep).
-IN_SETUP = ["probe_direct_io:1"]
+# Named points of the setup: the swap directory's O_DIRECT probe, just after its lock is taken, and the store's
+# assembly after its swap directory is open (a signal at each left the lock file: found by this sweep).
+IN_SETUP = ["probe_direct_io:1", "NvmeTier.__init__:1", "Tiers.__init__:1"]
 # The end of close(), named (their ordinal is the same in every run): the session's close, the store's, a swap
 # file's removal, the swap directory's unlock and the handler's release (the last call with it in place).
 IN_CLOSE = ["OffloadSession.close:1", "TierStore.close:1", "NVMeDirectory.remove:2", "NVMeDirectory._release_lock:1",
