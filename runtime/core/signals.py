@@ -22,7 +22,8 @@ interrupts (2026-11-28) found the interrupt swallowed into a copy's handle and t
 it, a handle never completed (a hang), a close() that never returned, and a step half recorded. So while a
 session is open the same handler object serves both signals (where each still has its default handler) and
 holds them back while the main thread runs tierstore code: the entry points the user's code reaches (hooks,
-the parameter guard, the optimizer's and the session's methods) run under ``defers_interrupts``, and a signal
+the parameter guard, the optimizer's and the session's methods) and the store's construction in ``offload()``
+(else a signal there left a store nothing could close) run under ``defers_interrupts``, and a signal
 that arrives there is raised when the outermost of them returns, as if it had arrived just after it. A second
 Ctrl-C while one is held raises at once, and a second SIGTERM kills as before: a wait that never ends stays
 interruptible (the state may then be what the first interrupt found). What it leaves out: checkpoint saves and
