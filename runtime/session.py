@@ -18,7 +18,7 @@ from runtime.config.loader import ConfigError, TierstoreConfig, load_config
 from runtime.config.schema import clip_threshold, consistency_problems
 from runtime.config.units import approx_size
 from runtime.core.blocks import Block, build_blocks
-from runtime.core.signals import defers_interrupts, handle_signals
+from runtime.core.signals import Terminated, defers_interrupts, handle_signals
 from runtime.engine.controller import Controller, RuntimeOptions
 from runtime.integrations.safetensors_export import save_sharded  # needs safetensors only when called
 from runtime.model.hooks import HookSet, StateDictHooks
@@ -236,10 +236,13 @@ def _undo_offload(blocks: list[Block], store: TierStore | None, steps: list[Call
     classes and signal handlers back), then give the parameters back and close the store (swap files deleted, the
     directory unlocked). Each step in its own try: one that fails is logged and the others still run, so the
     caller raises the setup's own error. A Ctrl-C during the undo (a second one, when the first interrupted the
-    setup) is logged and the undo goes on; another one after it stops the undo."""
+    setup) is logged and the undo goes on; another one after it stops the undo. A SIGTERM during the undo (after a
+    Ctrl-C or an error: a SIGTERM that ended the setup made the next one kill) lets the undo finish, which is the
+    cleanup it asks for, and is raised then in place of the setup's error: the process is ending."""
     if store is not None:
         steps = [*steps, functools.partial(_give_back_parameters, blocks, store), store.close]
     interrupted = False
+    terminated: Terminated | None = None
     for step in steps:
         try:
             _log_failure(step)
@@ -249,6 +252,10 @@ def _undo_offload(blocks: list[Block], store: TierStore | None, steps: list[Call
             interrupted = True
             log.warning("offload() is undoing a failed setup: Ctrl-C again to stop that (the model may then hold "
                         "parameters with no values, and the swap directory stay locked until exit)")
+        except Terminated as exc:
+            terminated = terminated or exc
+    if terminated is not None:
+        raise terminated
 
 
 def _log_failure(step: Callable[[], None]) -> None:
@@ -437,7 +444,27 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     given as tensors or names) with their own lr / betas / eps / weight_decay; default: one group.
     The parameters stay ordinary to read and write between steps (``runtime.model.param_guard``), and
     ``state_dict()`` / ``load_state_dict()`` read and write the tiers.
+
+    SIGTERM ends the setup as Ctrl-C does (the model given back, the swap files removed, then :class:`Terminated`:
+    exit status 143), and the open session's steps and ``close()`` likewise (``runtime.core.signals``); a program's own
+    SIGTERM handler is left alone.
     """
+    # Filling the tiers takes minutes at 8B, exactly when schedulers send SIGTERM: its default action would leave the
+    # swap files (on /dev/shm, RAM until the next start). So SIGTERM raises Terminated from the start of the setup,
+    # which undoes what it did as for Ctrl-C; the open session keeps the handler until close().
+    leave_signals = handle_signals()
+    try:
+        return _offload(model, config, record_intervals, init, param_groups, leave_signals)
+    except BaseException:
+        leave_signals()  # (idempotent: a setup that got as far as the session's on_close ran it already)
+        raise
+
+
+def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+             record_intervals: bool, init: ParamInit | None, param_groups: list[dict[str, Any]] | None,
+             leave_signals: Callable[[], None]) -> tuple[nn.Module, OffloadAdamW]:
+    """``offload()``'s setup, with SIGTERM already an exception (``leave_signals`` gives the handler back: the
+    session's last ``on_close`` step)."""
     _check_model(model)
     cfg = _checked_config(config)
     device = resolve_device(cfg)
@@ -454,14 +481,16 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
     # Groups are checked before the parameters are bound to blocks: a refusal leaves the model as it was.
     groups = param_groups_of(model, param_groups, offloaded)
     check_param_groups(groups, blocks)
-    store: TierStore | None = None
+    opened: list[TierStore] = []  # the store once built: the undo closes it even when a signal came as it was built
     session: OffloadSession | None = None
     undo: list[Callable[[], None]] = []  # what a failure from here on takes back, in the order it was done
     try:
-        store = TierStore(StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes, host_budget_nbytes=budgets.host_nbytes,
-                                      pin=pin if device.type == "cuda" else False, nvme_path=cfg.tiers.nvme.path,
-                                      nvme_budget_nbytes=cfg.tiers.nvme.budget, io_threads=cfg.tiers.nvme.io_threads,
-                                      io_block_nbytes=cfg.tiers.nvme.block_size, direct_io=str(direct)))
+        _open_store(opened, StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes,
+                                        host_budget_nbytes=budgets.host_nbytes, pin=pin if device.type == "cuda" else False,
+                                        nvme_path=cfg.tiers.nvme.path, nvme_budget_nbytes=cfg.tiers.nvme.budget,
+                                        io_threads=cfg.tiers.nvme.io_threads, io_block_nbytes=cfg.tiers.nvme.block_size,
+                                        direct_io=str(direct)))
+        store = opened[0]
         options = _options(cfg, dtype, resolved, record_intervals)
         controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)
@@ -486,13 +515,22 @@ def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str 
         # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
         # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
         # every weight back into the model first.
-        session.on_close.append(handle_signals())
+        session.on_close.append(leave_signals)
     except BaseException:  # the model as it was, the directory unlocked, no thread left; the error unchanged
         if session is not None:
             session.closed = True  # its listeners and close() then do nothing
-        _undo_offload(blocks, store, [*reversed(undo), *(session.on_close if session is not None else [])])
+        _undo_offload(blocks, opened[0] if opened else None, [*reversed(undo), *(session.on_close if session is not None else [])])
         raise
     return model, optimizer
+
+
+@defers_interrupts
+def _open_store(opened: list[TierStore], config: StoreConfig) -> None:
+    """Build the session's store into ``opened``. SIGTERM and Ctrl-C are held while it is built ([Note: deferred
+    interrupts]) and raised once it is in ``opened``, for the undo to close: one that landed inside the constructor,
+    past its own undo, left a store nobody could close (its swap directory's lock file, its tmp directory on /dev/shm).
+    Its long parts (zeroing and page-locking the pinned arena) are single C calls that no signal interrupts anyway."""
+    opened.append(TierStore(config))
 
 
 def _listen(session: OffloadSession, resolved: ResolvedPlan, device: torch.device) -> None:

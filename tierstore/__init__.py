@@ -12,8 +12,9 @@ The package knows nothing of nn.Module; the runtime builds on its public API:
 - :class:`Record` -- what the store knows of one key (home, each tier's copy, the step of its value).
 - :data:`HEADER_NBYTES`, :func:`payload_hasher` -- a swap file's payload offset and checksum, for a reader that
   streams the payload itself (a checkpoint).
-- :func:`create_new`, :func:`lock_file`, :func:`shared_directory_problem` -- the file safety the store's own files
-  follow (no following planted links, one holder per directory, private directories), for the runtime's files.
+- :func:`create_new`, :func:`lock_file`, :func:`unlink_lock_file`, :func:`shared_directory_problem` -- the file safety
+  the store's own files follow (no following planted links, one holder per directory and its lock file gone with it,
+  private directories), for the runtime's files.
 - :func:`align_up` -- a size rounded up to an alignment (the arena's and O_DIRECT's 4 KiB pages).
 """
 
@@ -28,7 +29,7 @@ from tierstore.errors import (
     UnsafeDirectoryError,
 )
 from tierstore.events import EventBus, TransferEvent
-from tierstore.files import create_new, lock_file, shared_directory_problem
+from tierstore.files import create_new, lock_file, shared_directory_problem, unlink_lock_file
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.lifecycle import close_at_exit, wait_at_exit
 from tierstore.nvme import HEADER_NBYTES, NVMeDirectory, payload_hasher
@@ -74,5 +75,6 @@ __all__ = [
     "payload_hasher",
     "shared_directory_problem",
     "swap_tmp_root",
+    "unlink_lock_file",
     "wait_at_exit",
 ]

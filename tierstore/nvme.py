@@ -122,10 +122,14 @@ class NVMeDirectory:
         self._used_nbytes = 0
         self._state_lock = threading.Lock()
         self._closed = False
-        supported = direct_io != "off" and probe_direct_io(self.path, dir_fd=self._dir_fd)
-        if direct_io == "on" and not supported:
+        try:
+            supported = direct_io != "off" and probe_direct_io(self.path, dir_fd=self._dir_fd)
+            if direct_io == "on" and not supported:
+                raise ValueError(f"direct_io: on, but {self.path} refuses O_DIRECT (some file systems do); use direct_io: "
+                                 "auto or off")
+        except BaseException:  # a refusal, an IO error or a signal (SIGTERM, Ctrl-C): the directory left as found
             self._release_lock()
-            raise ValueError(f"direct_io: on, but {self.path} refuses O_DIRECT (some file systems do); use direct_io: auto or off")
+            raise
         self.direct_io = supported
         self.io_mode = "direct" if supported else "buffered"
         log.info("NVMe tier at %s: %s IO, budget %.2f GiB", self.path, self.io_mode, budget_nbytes / 2**30)

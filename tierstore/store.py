@@ -89,9 +89,13 @@ class TierStore:
         self.bus = bus or EventBus()
         self.engine = TransferEngine(self.device, config.io_threads, self.bus)
         self._nvme_tmpdir: tempfile.TemporaryDirectory[str] | None = None
-        # A failure part-way (the arena refused, a locked directory) gives back what was built at once: the
-        # engine, the arena, the temporary directory (RAM on /dev/shm). The failed store itself lives on in the
-        # exception's traceback, so this cannot wait for its collection.
+        self._records: dict[TensorKey, Record] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        # A failure part-way (the arena refused, a locked directory, a signal: SIGTERM or Ctrl-C) gives back what
+        # was built at once: the engine, the arena, the swap directory (its lock file), the temporary directory (RAM
+        # on /dev/shm). The failed store itself lives on in the exception's traceback, so this cannot wait for its
+        # collection.
         with contextlib.ExitStack() as undo:
             undo.callback(self.engine.close)
             gpu = GpuTier(self.device, config.gpu_budget_nbytes)
@@ -107,12 +111,14 @@ class TierStore:
                     undo.callback(self._nvme_tmpdir.cleanup)
                     path = self._nvme_tmpdir.name
                 nvme = NvmeTier(NVMeDirectory(path, config.nvme_budget_nbytes, config.direct_io, config.io_block_nbytes))
+                undo.callback(nvme.close)
             self.tiers = Tiers(gpu, host, nvme)
+            # Registered before the undo is let go: a signal between the two left a store that nothing closed (the
+            # caller never got it), its lock file and tmp directory with it. Undone after all, the store counts as
+            # closed, and the exit hook does nothing.
+            undo.callback(setattr, self, "_closed", True)
+            close_at_exit(self, TierStore.close)  # a program that never calls close() still leaves no swap files
             undo.pop_all()
-        self._records: dict[TensorKey, Record] = {}
-        self._lock = threading.RLock()
-        self._closed = False
-        close_at_exit(self, TierStore.close)  # a program that never calls close() still leaves no swap files
 
     # ---- registry ------------------------------------------------------------------------------------
     def register(self, key: TensorKey | str, meta: TensorMeta, home: TierName | str, init: torch.Tensor | None = None,

@@ -4,7 +4,7 @@ work, and the record of which checkpoints this run may replace or delete.
 Rules (what they protect is someone else's work; ``runtime.checkpoint.files`` draws the directory layout):
 
 - One writer at a time. An flock on ``root/.tierstore.lock`` is held from :class:`CheckpointRoot` to
-  ``close``; a second run on the same root is refused, naming the holder. The kernel drops the lock when its holder
+  ``close`` (which removes the file); a second run on the same root is refused, naming the holder. The kernel drops the lock when its holder
   dies, so a killed run never leaves the root locked. (On NFS, Linux turns flock into a POSIX lock that
   the server arbitrates, so two hosts exclude each other too.)
 - A save in progress is judged by that lock, never by a pid: whoever holds the lock is the only writer,
@@ -48,7 +48,7 @@ from runtime.checkpoint.files import (
     remove_path,
     step_dir_name,
 )
-from tierstore import lock_file, shared_directory_problem
+from tierstore import lock_file, shared_directory_problem, unlink_lock_file
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +223,12 @@ class CheckpointRoot:
             raise RuntimeError(f"checkpoint directory {self.path} was closed; open a new CheckpointRoot")
 
     def close(self) -> None:
-        """Release the lock (the lock file stays: removing it would race with the next run's open)."""
+        """Release the lock and remove its file, as the swap directory's is (``tierstore.unlink_lock_file``: unlinked
+        while still held, so a run that opened it meanwhile finds it gone once it has the lock, ``lock_file``'s
+        check, and takes a new one); the root then holds the checkpoints only."""
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            fd, self._lock_fd = self._lock_fd, None
+            unlink_lock_file(self.path / LOCK_NAME, fd)
 
     def __enter__(self) -> CheckpointRoot:
         return self

@@ -3,10 +3,12 @@ are held back while tierstore's own code runs (see [Note: deferred interrupts]).
 
 Schedulers and ``docker stop`` send SIGTERM, whose default action kills the process at once: swap files
 stay behind (for the ``tmp`` swap path, in the RAM-backed /dev/shm until reboot) and nothing is said.
-While a session is open, SIGTERM instead raises :class:`Terminated` in the main thread at its next Python
-instruction: ``finally`` blocks run, the step in progress is abandoned, the session closes (here or at
-exit, see ``tierstore.close_at_exit``) and the process exits with status 128 + 15. A checkpoint save cut
-short is never published (``checkpoint_io`` writes a new directory and then swaps the ``latest`` pointer).
+From the start of ``offload()`` (whose setup, filling the tiers, takes minutes at 8B: when schedulers send it)
+until the session closes, SIGTERM instead raises :class:`Terminated` in the main thread at its next Python
+instruction: ``finally`` blocks run, a setup is undone as for Ctrl-C (``runtime.session``), the step in
+progress is abandoned, the session closes (here or at exit, see ``tierstore.close_at_exit``) and the process
+exits with status 128 + 15. A checkpoint save cut short is never published (``checkpoint_io`` writes a new
+directory and then swaps the ``latest`` pointer).
 
 The handler is installed only where SIGTERM still has its default action and only from the main thread: a
 program with its own handler keeps it. The first SIGTERM restores the default, so a second one kills a
@@ -20,7 +22,8 @@ interrupts (2026-11-28) found the interrupt swallowed into a copy's handle and t
 it, a handle never completed (a hang), a close() that never returned, and a step half recorded. So while a
 session is open the same handler object serves both signals (where each still has its default handler) and
 holds them back while the main thread runs tierstore code: the entry points the user's code reaches (hooks,
-the parameter guard, the optimizer's and the session's methods) run under ``defers_interrupts``, and a signal
+the parameter guard, the optimizer's and the session's methods) and the store's construction in ``offload()``
+(else a signal there left a store nothing could close) run under ``defers_interrupts``, and a signal
 that arrives there is raised when the outermost of them returns, as if it had arrived just after it. A second
 Ctrl-C while one is held raises at once, and a second SIGTERM kills as before: a wait that never ends stays
 interruptible (the state may then be what the first interrupt found). What it leaves out: checkpoint saves and

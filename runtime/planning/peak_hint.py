@@ -36,6 +36,7 @@ import torch
 from runtime.config.units import approx_size
 from runtime.core.blocks import Block
 from runtime.core.events import StepEvent
+from runtime.core.text import counted
 from runtime.planning.auto_placement import Placement, gpu_streamed_blocks, gpu_updated_blocks
 
 log = logging.getLogger(__name__)
@@ -113,11 +114,11 @@ class PeakHint:
         probe = reserve_probe(self.config, peak, self.blocks, self.ask)
         if probe is None or probe["updated"] <= probe["baseline_updated"]:
             return
-        log.info("the first %d steps peaked at %s of the %s GPU budget (%s beyond the plan): for the next run on "
+        log.info("the first %s peaked at %s of the %s GPU budget (%s beyond the plan): for the next run on "
                  "this budget, tiers.gpu.activation_reserve: %s (auto: %s) would update %d more block(s) on the GPU, "
                  "whose state then leaves host memory (a profile's advice, tierstore train --profile DIR or "
                  "runtime.profiler.Profiler, says what it would save)",
-                 event.step, approx_size(peak), approx_size(self.config["gpu_budget_nbytes"]),
+                 counted(event.step, "step"), approx_size(peak), approx_size(self.config["gpu_budget_nbytes"]),
                  approx_size(probe["beyond_plan_nbytes"]), approx_size(probe["reserve_nbytes"]),
                  approx_size(self.config["activation_reserve_nbytes"]), probe["updated"] - probe["baseline_updated"])
 

@@ -164,3 +164,10 @@ def test_a_measured_step_is_placed_from_its_allocated_peak_only_under_expandable
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings, raising=False)
     assert peak_hint.expandable_segments(device) is expected
+
+
+def test_a_hint_after_one_step_says_step_not_steps(caplog):
+    """A hint listening after one step said "the first 1 steps peaked" (issue 41)."""
+    peaks = iter([1 * GIB, 12 * GIB])
+    lines = hint_lines(caplog, PeakHint(CONFIG, BLOCKS, ask, lambda: next(peaks), after_steps=1), steps=2)
+    assert len(lines) == 1 and "the first 1 step peaked at 12.00 GiB" in lines[0], lines
