@@ -177,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from runtime.cli.train import main as train_main
 
-            return train_main(args)
+            # For the whole command, not only offload()'s session: a SIGTERM while the checkpoint root is held
+            # before offload() or after close() ends as one inside (the root's lock removed, status 143).
+            leave = handle_signals()
+            try:
+                return train_main(args)
+            finally:
+                leave()
         if args.command == "plan":
             return _plan(args)
         if args.command == "profile":

@@ -75,7 +75,7 @@ def test_a_disk_filling_during_setup_gives_the_model_back(tmp_path, monkeypatch,
 @pytest.mark.parametrize("where", [
     (runtime.engine.controller, "GradClipper"),  # in the controller's setup, its optimizer worker started
     (runtime.session, "OffloadAdamW"),  # the hooks and the parameter guard installed
-    (runtime.session, "handle_signals"),  # the last step: the session is whole
+    (runtime.session, "_listen"),  # the last step: the session is whole
 ])
 def test_an_interrupt_during_setup_gives_the_model_back(tmp_path, monkeypatch, where):
     """Ctrl-C at the setup's later steps: the model, the directory and the threads as they were, and the

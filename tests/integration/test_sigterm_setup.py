@@ -269,10 +269,10 @@ def sweep_script(tmp_path: Path, swap: str, num: int, *device: str) -> None:
 
 @pytest.mark.slow
 def test_sigterm_anywhere_in_tierstore_train_ends_it_with_143_and_nothing_left_and_the_checkpoints_whole(tmp_path):
-    """``tierstore train`` saving every step, signalled at points from the start of offload() to the end of the
-    session's close(): status 143, the message, no swap or lock file, and every checkpoint published is whole (a save
-    cut short left no scratch directory). (Outside that span, while the checkpoint root is open without a session,
-    SIGTERM still has its default action in ``tierstore train``: see runtime.cli.main.)"""
+    """``tierstore train`` saving every step, signalled at points across the command (runtime.cli.main takes SIGTERM
+    for all of it: the checkpoint root opened before offload() and closed after the session's close() too): status
+    143, the message, no swap or lock file, and every checkpoint published is whole (a save cut short left no
+    scratch directory)."""
     config = tiny_cli_config(tmp_path, "  steps: 3\n")
     calls, first, last = handled_span(tmp_path, "cli", str(config), str(tmp_path / "ckpt-count"))
     for point in [*map(str, spread(first, last, 16)), *IN_SETUP, *IN_CLOSE]:
