@@ -16,6 +16,7 @@ the caller expects, so a file rolled back to an older step reads as corrupt, nev
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -174,27 +175,29 @@ class NVMeDirectory:
             if self._used_nbytes + size > self.budget_nbytes:
                 raise CapacityError("nvme", size, self._used_nbytes, self.budget_nbytes, str(key))
             self._used_nbytes += size  # reserve before the slow fallocate; undone on failure
+        fd: int | None = None
+        fd_direct: int | None = None
         try:
             # We hold the directory's lock, so a file already at this name is a leftover (or a planted link):
             # it is unlinked, never opened, and the new file is created mode 0600 whatever the umask.
             fd = create_new(name, dir_fd=self._dir_fd, replace_stale=True)
-        except OSError as exc:
-            with self._state_lock:
-                self._used_nbytes -= size
-            raise StoreIOError(exc.errno, f"cannot create swap file: {exc.strerror}", str(path), 0) from exc
-        try:
             os.posix_fallocate(fd, 0, size)
             fd_direct = self._reopen_direct(name, fd) if self.direct_io else None
-        except OSError as exc:
-            os.close(fd)
-            os.unlink(name, dir_fd=self._dir_fd)
+            swap = SwapFile(key=key, meta=meta, path=path, file_nbytes=size, fd_buffered=fd, fd_direct=fd_direct)
             with self._state_lock:
-                self._used_nbytes -= size
+                self._files[key] = swap
+        except BaseException as exc:
+            # Whatever stopped it (a disk error, or a signal's exception raised between any two of these calls:
+            # SIGTERM's handler raises in the main thread), the file is not ours to keep and nothing will close it.
+            with self._state_lock:
+                self._files.pop(key, None)  # registered just before the interrupt: not registered after all
+            self._undo_create(name, fd, fd_direct, size)
+            if not isinstance(exc, OSError):
+                raise
+            if fd is None:
+                raise StoreIOError(exc.errno, f"cannot create swap file: {exc.strerror}", str(path), 0) from exc
             hint = " (disk full: free space or lower tiers.nvme.budget)" if exc.errno == errno.ENOSPC else ""
             raise StoreIOError(exc.errno, f"cannot preallocate {size:,} bytes: {exc.strerror}{hint}", str(path), 0) from exc
-        swap = SwapFile(key=key, meta=meta, path=path, file_nbytes=size, fd_buffered=fd, fd_direct=fd_direct)
-        with self._state_lock:
-            self._files[key] = swap
         return swap
 
     def get(self, key: TensorKey) -> SwapFile:
@@ -211,6 +214,18 @@ class NVMeDirectory:
             os.unlink(swap.path.name, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass
+
+    def _undo_create(self, name: str, fd: int | None, fd_direct: int | None, size: int) -> None:
+        """Close what ``create`` opened, remove its file and give its bytes back to the budget. The file is removed
+        also when no descriptor came back (an interrupt inside ``create_new``): we hold the directory's lock, so a
+        file at this name is this call's or a leftover."""
+        for descriptor in (fd_direct, fd):
+            if descriptor is not None:
+                os.close(descriptor)
+        with contextlib.suppress(OSError):  # none there (or not a file): the error being raised is the one to see
+            os.unlink(name, dir_fd=self._dir_fd)
+        with self._state_lock:
+            self._used_nbytes -= size
 
     def _reopen_direct(self, name: str, fd: int) -> int:
         """A second, O_DIRECT descriptor of the file just created as ``fd`` (never through a link)."""

@@ -33,3 +33,34 @@ def test_a_probe_cut_short_leaves_the_directory_as_found(tmp_path: Path, monkeyp
     monkeypatch.setattr(tierstore.nvme, "probe_direct_io", real_probe)
     NVMeDirectory(tmp_path, 1 << 20).close()  # the lock is free
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["posix_fallocate", "_reopen_direct", "SwapFile"])
+def test_a_swap_file_cut_short_as_it_is_created_is_removed(tmp_path: Path, monkeypatch, where):
+    """An interrupt while a swap file is created (SIGTERM's exception lands between any two calls of the main thread)
+    removes the file and gives its bytes back (the SIGTERM sweep left ``block3.exp_avg.tsw`` when it landed in the
+    O_DIRECT reopen: only an OSError was undone there)."""
+    import torch
+
+    from tierstore import TensorKey, TensorMeta
+
+    directory = NVMeDirectory(tmp_path, 1 << 24)
+    try:
+        def planted(*args, **kwargs):
+            raise Planted("planted")
+
+        if where == "posix_fallocate":
+            monkeypatch.setattr(tierstore.nvme.os, "posix_fallocate", planted)
+        elif where == "_reopen_direct":
+            monkeypatch.setattr(NVMeDirectory, "_reopen_direct", planted)
+            monkeypatch.setattr(directory, "direct_io", True)
+        else:
+            monkeypatch.setattr(tierstore.nvme, "SwapFile", planted)
+        with pytest.raises(Planted, match="planted"):
+            directory.create(TensorKey("block3.exp_avg"), TensorMeta(torch.float32, 1000))
+        monkeypatch.undo()
+        assert [name for name in os.listdir(tmp_path) if name.endswith(tierstore.nvme.SUFFIX)] == []
+        assert directory.used_nbytes == 0
+        directory.create(TensorKey("block3.exp_avg"), TensorMeta(torch.float32, 1000))  # the key is free again
+    finally:
+        directory.close()
