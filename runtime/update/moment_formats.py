@@ -118,11 +118,16 @@ def zero_moments(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> N
 
 
 class DecodeScratch:
-    """A temporary of one piece for the int8 maps (allocated once per update, reused by every piece)."""
+    """Two temporaries of one piece for the int8 maps (allocated once per update, reused by every piece)."""
 
     def __init__(self, numel: int, device: torch.device):
         self.tmp = torch.empty(numel, dtype=torch.float32, device=device)
         self.tmp2 = torch.empty(numel, dtype=torch.float32, device=device)
+
+
+# Added to exp_avg's t = |m| / s before its rsqrt: keeps m * rsqrt(t) finite (zero) at m = 0, and changes no code
+# (a t below 1.5e-5 has code 0; the relative change of sqrt(t) is below 1e-25 / t).
+_T_FLOOR = 1e-30
 
 
 def decode_into(codes: torch.Tensor, scales: torch.Tensor, kind: str, values: torch.Tensor,
@@ -132,38 +137,40 @@ def decode_into(codes: torch.Tensor, scales: torch.Tensor, kind: str, values: to
     blocks = values.view(-1, QUANT_BLOCK)
     if kind == "exp_avg":
         values.copy_(codes.view(torch.int8))
-        magnitude = torch.abs(values, out=scratch.tmp[: values.numel()])
-        values.mul_(magnitude)  # c * |c|: the square, with the code's sign
+        values.mul_(torch.abs(values, out=scratch.tmp[: values.numel()]))  # c * |c|: the square, signed
         blocks.mul_((scales / (_M_LEVELS * _M_LEVELS)).unsqueeze(1))
     else:
         values.copy_(codes)
-        values.mul_(values)
-        values.mul_(values)  # c^4, exact up to fp32 rounding of the product
+        values.square_().square_()  # c^4 (exact to fp32 rounding)
         blocks.mul_((scales / _V_LEVELS**4).unsqueeze(1))
 
 
 def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
                 scratch: DecodeScratch) -> None:
-    """int8 codes and block scales of fp32 ``values`` (a whole number of blocks; padding slots hold zeros)."""
+    """int8 codes and block scales of fp32 ``values`` (a whole number of blocks; padding slots hold zeros).
+
+    Roots as rsqrt (half the cost of sqrt in torch's CPU kernels): exp_avg's ``127 sign(m) sqrt(|m| / s)`` is
+    ``m rsqrt(|m| / s) 127 / s``, exp_avg_sq's ``(v / s)^(1/4)`` is ``rsqrt(rsqrt(v / s))`` (0 -> inf -> 0). The codes
+    leave through an int32 view of a temporary: torch converts fp32 to uint8 without vector instructions."""
     n = values.numel()
-    y = scratch.tmp[:n]
+    y, integers = scratch.tmp[:n], scratch.tmp2[:n]
     y_blocks = y.view(-1, QUANT_BLOCK)
     if kind == "exp_avg":
         torch.abs(values, out=y)
         scale = torch.amax(y_blocks, dim=1).clamp_min_(MIN_SCALE)
-        y_blocks.mul_(scale.reciprocal().unsqueeze(1))
-        y.sqrt_().mul_(_M_LEVELS).round_()
-        y.clamp_max_(_M_LEVELS)  # a product one ulp above 1 must not wrap
-        y.copysign_(values)
+        inverse = scale.reciprocal().unsqueeze(1)
+        y_blocks.mul_(inverse)
+        y.add_(_T_FLOOR).rsqrt_().mul_(values)  # sign(m) sqrt(|m| s): at most s, no overflow
+        y_blocks.mul_(inverse * _M_LEVELS)
+        y.round_()  # |y| <= 127 up to a few ulps: rounds to 127 at most
         codes.view(torch.int8).copy_(y)
     else:
         scale = torch.amax(values.view(-1, QUANT_BLOCK), dim=1).clamp_min_(MIN_SCALE)
         torch.mul(values.view(-1, QUANT_BLOCK), scale.reciprocal().unsqueeze(1), out=y_blocks)
-        y.sqrt_().sqrt_().mul_(_V_LEVELS).round_()
-        y.clamp_max_(_V_LEVELS)
+        y.rsqrt_().rsqrt_().mul_(_V_LEVELS).round_()
         # A positive v never gets code 0 (sign is 1 there, 0 for v == 0): AdamW would divide its m by eps alone.
-        torch.maximum(y, torch.sign(values, out=scratch.tmp2[:n]), out=y)
-        codes.copy_(y)
+        torch.maximum(y, torch.sign(values, out=integers), out=y)
+        codes.copy_(integers.view(torch.int32).copy_(y))
     scales.copy_(scale)
 
 
