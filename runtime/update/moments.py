@@ -8,12 +8,17 @@ where the buffers live and when an update runs (the worker and the engine).
 fp32 calls ``adam.adamw_update_grouped`` (or ``adamw_update_out_of_place``) on per-parameter views: bit-identical
 to today. bf16 and int8 work piece by piece: a piece's moments are decoded into an fp32 scratch, torch's fused
 AdamW runs on the piece's per-parameter sub-views of master, gradient and scratch, and the scratch is encoded back.
-The scratch holds one piece, so the decode, the update and the encode touch data still in the CPU's caches, and the
-memory traffic per parameter is the stored bytes: 4 + 4 + 2 x moment bytes, read and written once (20 bytes a
-parameter with bf16 moments, 16 with int8, 28 with fp32 moments... counting master and moments both ways and the
-gradient one way). A piece is :data:`PIECE_NUMEL_PER_THREAD` elements for each of torch's threads: each elementwise
-op splits its range statically between the threads, so a thread meets the same slice of the piece in every op,
-in its own L2; and a piece is large enough that the piece's dozen torch calls cost little beside its data.
+The scratch holds one piece, so the decode, the update and the encode touch data still in the CPU's caches, and
+main memory sees only the stored bytes, each read and written once: master 4 + 4, gradient 4, each moment twice its
+stored size (28 bytes a parameter with fp32 moments, 20 with bf16, 16 with int8). A piece is
+:data:`PIECE_NUMEL_PER_THREAD` elements for each of torch's threads: each elementwise op splits its range statically
+between the threads, so a thread meets the same slice of the piece in every op; and a piece is large enough that its
+torch calls (a dozen for bf16, about thirty for int8) cost little beside its data.
+
+Speed: bf16 adds four conversion passes over cached data, int8 about twenty-five elementwise passes (the maps, two
+amax) and three rsqrt an element: where the fp32 update is bound by memory bandwidth (many cores sharing it) they
+cost less than the bytes they save; where one core streams memory as fast as it computes they do not. A fused
+decode-update-encode kernel (one pass in registers) would make int8 memory-bound; torch ops cannot.
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
 blocks never span pieces, and of 64 elements, so the fused kernel computes every element as one call over the

@@ -235,3 +235,31 @@ def test_wrong_lengths_and_piece_sizes_are_refused():
     with pytest.raises(ValueError, match="moment_dtype"):
         adamw_update_block(block.master, torch.zeros(30), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
                            block.steps, [AdamWHyper()] * 2, "int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moment_dtype", ["bf16", "int8"])
+def test_the_same_code_runs_on_cuda_tensors(moment_dtype):
+    """On CUDA tensors (steps too, as fused AdamW on CUDA takes them) the pieced update equals the whole-tensor
+    reference on the same device, byte for byte, out of place too; and int8 stays close to the CPU's result."""
+    cuda = torch.device("cuda")
+    block = Block(moment_dtype, SIZES)
+    cpu = block.clone()
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        setattr(block, name, getattr(block, name).to(cuda))
+    block.steps = [s.to(cuda) for s in block.steps]
+    ref = block.clone()
+    scratch = MomentScratch(cuda)
+    for step in range(1, 4):
+        grad = _grads(step)
+        keep = [True, step != 2, True, True, True, True]
+        cpu.update(grad, keep, HYPERS, piece_numel=4 * QUANT_BLOCK)
+        before = block.clone()
+        out = tuple(torch.empty_like(t) for t in (block.master, block.exp_avg, block.exp_avg_sq))
+        block.clone().update(grad.to(cuda), keep, HYPERS, out=out, scratch=scratch, piece_numel=4 * QUANT_BLOCK)
+        block.update(grad.to(cuda), keep, HYPERS, scratch=scratch, piece_numel=4 * QUANT_BLOCK)
+        _reference_step(ref, grad.to(cuda), keep, HYPERS)
+        assert block.same(ref), f"step {step}"
+        assert torch.equal(out[0], block.master) and torch.equal(out[1], block.exp_avg)
+        assert torch.equal(out[2], block.exp_avg_sq) and not before.same(block)
+    assert torch.allclose(block.master.cpu(), cpu.master, rtol=0, atol=1e-5)  # fused AdamW on CUDA rounds its own way
