@@ -6,7 +6,7 @@ format, the bytes a parameter moves (master read and written, gradient read, bot
 median seconds of one update over the whole block, parameters a second, the effective GB/s, and the ratio to fp32
 moments. The block is shaped like a transformer layer (four square matrices, three 8/3-wide ones, two norm weights),
 scaled to ``--numel``; every format starts from the same master, gradient and moments (encoded from the same fp32
-values), and runs a warm-up update first (page faults and the scratch's first touch are not measured).
+values); the formats take turns, round by round, after a warm-up round.
 """
 
 from __future__ import annotations
@@ -67,29 +67,45 @@ def bytes_per_param(moment_dtype: str, sizes: list[int]) -> float:
     return 4 * 2 + 4 + 2 * 2 * moment_nbytes(moment_dtype, sizes) / sum(sizes)
 
 
-def measure(moment_dtype: str, sizes: list[int], repeat: int, seed: int = 0) -> Row:
-    """Median seconds of one in-place update of a block of ``sizes`` with moments in ``moment_dtype``."""
-    gen = torch.Generator().manual_seed(seed)
-    numel = sum(sizes)
-    master = torch.randn(numel, generator=gen)
-    grad = torch.randn(numel, generator=gen) * 1e-2
-    stored = []
-    for kind, values in (("exp_avg", grad * 0.1), ("exp_avg_sq", grad * grad * 1e-3)):
-        dtype, stored_numel = moment_storage(moment_dtype, sizes)
-        buffer = torch.empty(stored_numel, dtype=dtype)
-        encode_moment(values, moment_dtype, kind, sizes, buffer)
-        stored.append(buffer)
-    steps = [torch.full((), 10.0) for _ in sizes]
-    hypers = [AdamWHyper(lr=1e-4)] * len(sizes)
-    keep = [True] * len(sizes)
-    scratch = MomentScratch()
-    times = []
-    for attempt in range(repeat + 1):
+class Setup:
+    """One moment format's block: master, stored moments encoded from the shared fp32 values, steps, scratch."""
+
+    def __init__(self, moment_dtype: str, sizes: list[int], master: torch.Tensor, grad: torch.Tensor):
+        self.moment_dtype, self.sizes, self.grad = moment_dtype, sizes, grad
+        self.master = master.clone()
+        self.stored = []
+        for kind, values in (("exp_avg", grad * 0.1), ("exp_avg_sq", grad * grad * 1e-3)):
+            dtype, stored_numel = moment_storage(moment_dtype, sizes)
+            buffer = torch.empty(stored_numel, dtype=dtype)
+            encode_moment(values, moment_dtype, kind, sizes, buffer)
+            self.stored.append(buffer)
+        self.steps = [torch.full((), 10.0) for _ in sizes]
+        self.hypers = [AdamWHyper(lr=1e-4)] * len(sizes)
+        self.scratch = MomentScratch()
+
+    def update_s(self) -> float:
+        """Seconds of one in-place update of the whole block."""
         start = time.perf_counter()
-        adamw_update_block(master, grad, stored[0], stored[1], sizes, keep, steps, hypers, moment_dtype, scratch=scratch)
-        if attempt:  # the first is the warm-up
-            times.append(time.perf_counter() - start)
-    return Row(moment_dtype, numel, bytes_per_param(moment_dtype, sizes), statistics.median(times))
+        adamw_update_block(self.master, self.grad, self.stored[0], self.stored[1], self.sizes, [True] * len(self.sizes),
+                           self.steps, self.hypers, self.moment_dtype, scratch=self.scratch)
+        return time.perf_counter() - start
+
+
+def measure(moment_dtypes: list[str], sizes: list[int], repeat: int, seed: int = 0) -> list[Row]:
+    """Median seconds of one in-place update of a block of ``sizes`` per moment format. The formats take turns,
+    round by round, so a load that comes and goes on a shared machine falls on each of them alike; the first
+    round is a warm-up (page faults, the scratch's first touch)."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(sum(sizes), generator=gen)
+    grad = torch.randn(sum(sizes), generator=gen) * 1e-2
+    setups = [Setup(moment_dtype, sizes, master, grad) for moment_dtype in moment_dtypes]
+    times: dict[str, list[float]] = {moment_dtype: [] for moment_dtype in moment_dtypes}
+    for attempt in range(repeat + 1):
+        for setup in setups:
+            seconds = setup.update_s()
+            if attempt:
+                times[setup.moment_dtype].append(seconds)
+    return [Row(d, sum(sizes), bytes_per_param(d, sizes), statistics.median(times[d])) for d in moment_dtypes]
 
 
 def format_table(rows: list[Row], threads: int) -> str:
@@ -117,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         sizes = layer_sizes(args.numel)
-        rows = [measure(moment_dtype, sizes, args.repeat) for moment_dtype in (args.moment_dtype or MOMENT_DTYPES)]
+        rows = measure(args.moment_dtype or list(MOMENT_DTYPES), sizes, args.repeat)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its own
     print(format_table(rows, args.threads))

@@ -28,7 +28,8 @@ block, the total rounded up to 64 bytes.
   a step is at most 2.25x its fp32 size, and that only for ``v`` below ``1.2e-9`` of its block's largest (at most
   1.1x for ``v`` above ``1e-5`` of it). Rounding up always (``ceil``) would be safer still, but every block is
   encoded again each step, so an upward rounding ratchets: a ``v`` that decays (0.1% a step with beta2 0.999,
-  smaller than a code's step) could never come down. Per block:
+  smaller than a code's step) could never come down. Nearest rounding sticks too, both ways, for changes under half
+  a code (as in 8-bit Adam): the block's fp32 scale carries what the block's values do together. Per block:
   ``|sqrt(v) - sqrt(v')| <= (s * v)^(1/4) / 255 + sqrt(s) / 255^2``.
 - :data:`QUANT_BLOCK` = 2048 values a scale: bitsandbytes' block for its 8-bit optimizers; the scales cost 4 bytes
   in 2048 (0.2%), and a parameter's padding at most 2047 bytes (a 4096-wide norm weight: none).

@@ -185,7 +185,7 @@ def test_skipped_parameters_keep_every_byte_and_their_step(moment_dtype):
 
 
 @pytest.mark.parametrize("moment_dtype", MOMENT_DTYPES)
-@pytest.mark.parametrize("keep", [[True] * 6, [True, False, True, True, False, True]])
+@pytest.mark.parametrize("keep", [[True] * 6, [True, False, True, True, False, True], [False] * 6])
 def test_out_of_place_leaves_the_inputs_and_lands_the_in_place_result(moment_dtype, keep):
     block = Block(moment_dtype, SIZES)
     block.update(_grads(1), [True] * len(SIZES), HYPERS)
