@@ -60,6 +60,7 @@ __all__ = [
     "encode_moment",
     "moment_nbytes",
     "moment_storage",
+    "scratch_nbytes",
     "zero_moments",
 ]
 
@@ -73,6 +74,12 @@ PIECE_NUMEL_PER_THREAD = 1 << 18
 def default_piece_numel() -> int:
     """Elements of a piece at torch's current thread count."""
     return PIECE_NUMEL_PER_THREAD * max(1, torch.get_num_threads())
+
+
+def scratch_nbytes(threads: int | None = None) -> int:
+    """Bytes of one :class:`MomentScratch` at its largest (four fp32 buffers of a piece), for a host budget to count:
+    4 MiB a thread at the default piece size."""
+    return 4 * 4 * PIECE_NUMEL_PER_THREAD * max(1, torch.get_num_threads() if threads is None else threads)
 
 
 class MomentScratch:

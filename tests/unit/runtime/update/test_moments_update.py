@@ -18,6 +18,7 @@ from runtime.update.moments import (
     decode_moment,
     encode_moment,
     moment_storage,
+    scratch_nbytes,
     zero_moments,
 )
 
@@ -263,3 +264,12 @@ def test_the_same_code_runs_on_cuda_tensors(moment_dtype):
         assert torch.equal(out[0], block.master) and torch.equal(out[1], block.exp_avg)
         assert torch.equal(out[2], block.exp_avg_sq) and not before.same(block)
     assert torch.allclose(block.master.cpu(), cpu.master, rtol=0, atol=1e-5)  # fused AdamW on CUDA rounds its own way
+
+
+def test_scratch_nbytes_counts_what_an_update_takes():
+    scratch = MomentScratch()
+    block = Block("int8", [1 << 20, 5])
+    block.update(_grads(1, [1 << 20, 5]), [True, True], [AdamWHyper()] * 2, scratch=scratch, piece_numel=1 << 18)
+    m, v, temporaries = scratch.take(0)
+    taken = sum(t.numel() * t.element_size() for t in (m, v, temporaries.tmp, temporaries.tmp2))
+    assert taken == scratch_nbytes(threads=1) == 4 << 20
