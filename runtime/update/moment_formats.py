@@ -99,10 +99,12 @@ def moment_nbytes(moment_dtype: str, sizes: list[int]) -> int:
     return numel * dtype.itemsize
 
 
-def _check_stored(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
+def check_stored(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
+    """Refuse (RuntimeError: a broken invariant, not a user's setting) a buffer that is not a stored moment of this
+    format and these sizes."""
     dtype, numel = moment_storage(moment_dtype, sizes)
     if stored.dtype != dtype or stored.numel() != numel or stored.dim() != 1:
-        raise RuntimeError(f"a stored {moment_dtype} moment of sizes {len(sizes)} params must be 1-D {dtype} of "
+        raise RuntimeError(f"a stored {moment_dtype} moment of {len(sizes)} parameters must be 1-D {dtype} of "
                            f"{numel} elements, got {stored.dtype} {tuple(stored.shape)}")
 
 
@@ -114,7 +116,7 @@ def int8_views(stored: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, to
 
 def zero_moments(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
     """Write the initial (all-zero) state of a moment into ``stored``: zero values, zero codes, zero scales."""
-    _check_stored(stored, moment_dtype, sizes)
+    check_stored(stored, moment_dtype, sizes)
     stored.zero_()
 
 
@@ -179,7 +181,7 @@ def decode_moment(stored: torch.Tensor, moment_dtype: str, kind: str, sizes: lis
     """fp32 flat values (``sum(sizes)``) of a stored moment; ``kind`` is "exp_avg" or "exp_avg_sq" (the int8 maps
     differ). For fp32 this is ``stored`` itself, not a copy; for the others a new tensor."""
     _check(moment_dtype, kind)
-    _check_stored(stored, moment_dtype, sizes)
+    check_stored(stored, moment_dtype, sizes)
     if moment_dtype == "fp32":
         return stored
     if moment_dtype == "bf16":
@@ -195,7 +197,7 @@ def encode_moment(values_fp32: torch.Tensor, moment_dtype: str, kind: str, sizes
                   out_stored: torch.Tensor) -> None:
     """Store fp32 flat ``values_fp32`` (``sum(sizes)``) as a moment of ``moment_dtype`` in ``out_stored``."""
     _check(moment_dtype, kind)
-    _check_stored(out_stored, moment_dtype, sizes)
+    check_stored(out_stored, moment_dtype, sizes)
     if values_fp32.dtype != torch.float32 or values_fp32.numel() != sum(sizes):
         raise RuntimeError(f"encode_moment takes {sum(sizes)} fp32 values, got {values_fp32.dtype} "
                            f"{tuple(values_fp32.shape)}")

@@ -38,6 +38,7 @@ from runtime.update.moment_formats import (
     MOMENT_DTYPES,
     QUANT_BLOCK,
     DecodeScratch,
+    check_stored,
     decode_into,
     decode_moment,
     encode_from,
@@ -173,10 +174,15 @@ def adamw_update_block(
     if len(keep) != len(sizes) or sum(map(bool, keep)) != len(steps) or len(steps) != len(hypers):
         raise RuntimeError(f"adamw_update_block: {len(sizes)} sizes, {len(keep)} keep flags, "
                            f"{sum(map(bool, keep))} kept, {len(steps)} steps, {len(hypers)} hypers")
+    for flat in (master, grad, *(out[:1] if out is not None else ())):
+        if flat.dtype != torch.float32 or flat.numel() != sum(sizes):
+            raise RuntimeError(f"adamw_update_block: master and gradient are {sum(sizes)} fp32 values, got {flat.dtype} "
+                               f"{tuple(flat.shape)}")
+    for stored in (exp_avg, exp_avg_sq, *(out[1:] if out is not None else ())):
+        check_stored(stored, moment_dtype, sizes)
     if moment_dtype == "fp32":
         _update_fp32(master, grad, exp_avg, exp_avg_sq, sizes, keep, steps, hypers, out)
         return
-    moment_storage(moment_dtype, sizes)  # refuses an unknown moment_dtype
     piece_numel = piece_numel or default_piece_numel()
     if piece_numel % QUANT_BLOCK:
         raise ValueError(f"piece_numel {piece_numel} is not a multiple of QUANT_BLOCK ({QUANT_BLOCK})")

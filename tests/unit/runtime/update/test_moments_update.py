@@ -236,6 +236,12 @@ def test_wrong_lengths_and_piece_sizes_are_refused():
     with pytest.raises(ValueError, match="moment_dtype"):
         adamw_update_block(block.master, torch.zeros(30), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
                            block.steps, [AdamWHyper()] * 2, "int4")
+    with pytest.raises(RuntimeError, match="fp32 values"):
+        adamw_update_block(block.master, torch.zeros(29), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
+                           block.steps, [AdamWHyper()] * 2, "bf16")
+    with pytest.raises(RuntimeError, match="stored fp32 moment"):  # bf16 buffers given as fp32 moments
+        adamw_update_block(block.master, torch.zeros(30), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
+                           block.steps, [AdamWHyper()] * 2, "fp32")
 
 
 @pytest.mark.gpu
