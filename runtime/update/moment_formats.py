@@ -177,6 +177,22 @@ def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: to
     scales.copy_(scale)
 
 
+# Elements converted at a time by decode_moment / encode_moment (a multiple of QUANT_BLOCK): their temporaries stay
+# at 3 x 4 MiB whatever the block's size (a whole block at once took three times its fp32 size).
+CONVERT_CHUNK = 1 << 20
+
+
+def _chunks(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """(flat offset, code offset, numel) of every parameter's chunks of at most CONVERT_CHUNK elements."""
+    chunks, flat, code = [], 0, 0
+    for size in sizes:
+        for start in range(0, size, CONVERT_CHUNK):
+            chunks.append((flat + start, code + start, min(CONVERT_CHUNK, size - start)))
+        flat += size
+        code += padded_numel(size)
+    return chunks
+
+
 def decode_moment(stored: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int]) -> torch.Tensor:
     """fp32 flat values (``sum(sizes)``) of a stored moment; ``kind`` is "exp_avg" or "exp_avg_sq" (the int8 maps
     differ). For fp32 this is ``stored`` itself, not a copy; for the others a new tensor."""
@@ -186,11 +202,16 @@ def decode_moment(stored: torch.Tensor, moment_dtype: str, kind: str, sizes: lis
         return stored
     if moment_dtype == "bf16":
         return stored.float()
+    values = torch.empty(sum(sizes), dtype=torch.float32, device=stored.device)
     codes, scales = int8_views(stored, sizes)
-    padded = torch.empty(codes.numel(), dtype=torch.float32, device=stored.device)
-    decode_into(codes, scales, kind, padded, DecodeScratch(codes.numel(), stored.device))
-    return torch.cat([padded[start : start + size] for start, size in zip(_padded_starts(sizes), sizes, strict=True)]) \
-        if sizes else padded[:0]
+    padded = torch.empty(min(CONVERT_CHUNK, codes.numel()), dtype=torch.float32, device=stored.device)
+    scratch = DecodeScratch(padded.numel(), stored.device)
+    for flat, code, numel in _chunks(sizes):
+        slots = padded_numel(numel)
+        decode_into(codes[code : code + slots], scales[code // QUANT_BLOCK : (code + slots) // QUANT_BLOCK], kind,
+                    padded[:slots], scratch)
+        values[flat : flat + numel].copy_(padded[:numel])
+    return values
 
 
 def encode_moment(values_fp32: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int],
@@ -201,21 +222,17 @@ def encode_moment(values_fp32: torch.Tensor, moment_dtype: str, kind: str, sizes
     if values_fp32.dtype != torch.float32 or values_fp32.numel() != sum(sizes):
         raise RuntimeError(f"encode_moment takes {sum(sizes)} fp32 values, got {values_fp32.dtype} "
                            f"{tuple(values_fp32.shape)}")
+    values = values_fp32.reshape(-1)
     if moment_dtype != "int8":
-        out_stored.copy_(values_fp32.reshape(-1))
+        out_stored.copy_(values)
         return
     codes, scales = int8_views(out_stored, sizes)
-    padded = torch.zeros(codes.numel(), dtype=torch.float32, device=out_stored.device)
-    offset = 0
-    for start, size in zip(_padded_starts(sizes), sizes, strict=True):
-        padded[start : start + size].copy_(values_fp32.reshape(-1)[offset : offset + size])
-        offset += size
-    encode_from(padded, kind, codes, scales, DecodeScratch(codes.numel(), out_stored.device))
-
-
-def _padded_starts(sizes: list[int]) -> list[int]:
-    starts, offset = [], 0
-    for size in sizes:
-        starts.append(offset)
-        offset += padded_numel(size)
-    return starts
+    codes.zero_()  # parameters of no elements and the padding: zero codes
+    padded = torch.empty(min(CONVERT_CHUNK, codes.numel()), dtype=torch.float32, device=out_stored.device)
+    scratch = DecodeScratch(padded.numel(), out_stored.device)
+    for flat, code, numel in _chunks(sizes):
+        slots = padded_numel(numel)
+        padded[numel:slots].zero_()
+        padded[:numel].copy_(values[flat : flat + numel])
+        encode_from(padded[:slots], kind, codes[code : code + slots],
+                    scales[code // QUANT_BLOCK : (code + slots) // QUANT_BLOCK], scratch)
