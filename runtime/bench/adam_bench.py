@@ -22,8 +22,11 @@ import torch
 from runtime.update.adam import AdamWHyper
 from runtime.update.moments import (
     MOMENT_DTYPES,
+    PIECE_NUMEL_PER_THREAD,
+    QUANT_BLOCK,
     MomentScratch,
     adamw_update_block,
+    default_piece_numel,
     encode_moment,
     moment_nbytes,
     moment_storage,
@@ -70,8 +73,9 @@ def bytes_per_param(moment_dtype: str, sizes: list[int]) -> float:
 class Setup:
     """One moment format's block: master, stored moments encoded from the shared fp32 values, steps, scratch."""
 
-    def __init__(self, moment_dtype: str, sizes: list[int], master: torch.Tensor, grad: torch.Tensor):
-        self.moment_dtype, self.sizes, self.grad = moment_dtype, sizes, grad
+    def __init__(self, moment_dtype: str, sizes: list[int], master: torch.Tensor, grad: torch.Tensor,
+                 piece_numel: int | None = None):
+        self.moment_dtype, self.sizes, self.grad, self.piece_numel = moment_dtype, sizes, grad, piece_numel
         self.master = master.clone()
         self.stored = []
         for kind, values in (("exp_avg", grad * 0.1), ("exp_avg_sq", grad * grad * 1e-3)):
@@ -87,18 +91,20 @@ class Setup:
         """Seconds of one in-place update of the whole block."""
         start = time.perf_counter()
         adamw_update_block(self.master, self.grad, self.stored[0], self.stored[1], self.sizes, [True] * len(self.sizes),
-                           self.steps, self.hypers, self.moment_dtype, scratch=self.scratch)
+                           self.steps, self.hypers, self.moment_dtype, scratch=self.scratch,
+                           piece_numel=self.piece_numel)
         return time.perf_counter() - start
 
 
-def measure(moment_dtypes: list[str], sizes: list[int], repeat: int, seed: int = 0) -> list[Row]:
+def measure(moment_dtypes: list[str], sizes: list[int], repeat: int, seed: int = 0,
+            piece_numel: int | None = None) -> list[Row]:
     """Median seconds of one in-place update of a block of ``sizes`` per moment format. The formats take turns,
     round by round, so a load that comes and goes on a shared machine falls on each of them alike; the first
     round is a warm-up (page faults, the scratch's first touch)."""
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(sum(sizes), generator=gen)
     grad = torch.randn(sum(sizes), generator=gen) * 1e-2
-    setups = [Setup(moment_dtype, sizes, master, grad) for moment_dtype in moment_dtypes]
+    setups = [Setup(moment_dtype, sizes, master, grad, piece_numel) for moment_dtype in moment_dtypes]
     times: dict[str, list[float]] = {moment_dtype: [] for moment_dtype in moment_dtypes}
     for attempt in range(repeat + 1):
         for setup in setups:
@@ -108,10 +114,11 @@ def measure(moment_dtypes: list[str], sizes: list[int], repeat: int, seed: int =
     return [Row(d, sum(sizes), bytes_per_param(d, sizes), statistics.median(times[d])) for d in moment_dtypes]
 
 
-def format_table(rows: list[Row], threads: int) -> str:
+def format_table(rows: list[Row], threads: int, piece_numel: int) -> str:
     """The table: one line a moment format, with its ratio to fp32's parameters a second."""
     fp32 = next((r for r in rows if r.moment_dtype == "fp32"), rows[0])
-    lines = [f"AdamW over {rows[0].numel / 1e6:.1f} M parameters, {threads} threads, median of the runs",
+    lines = [f"AdamW over {rows[0].numel / 1e6:.1f} M parameters, {threads} threads, pieces of {piece_numel} elements "
+             "(bf16, int8), median of the runs",
              f"{'moment_dtype':<13}{'B/param':>8}{'ms/update':>11}{'Mparam/s':>10}{'GB/s':>7}{'x fp32':>8}"]
     for row in rows:
         lines.append(f"{row.moment_dtype:<13}{row.bytes_per_param:>8.2f}{row.seconds * 1e3:>11.1f}"
@@ -125,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=DEFAULT_NUMEL, help="parameters in the block (about)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     parser.add_argument("--repeat", type=int, default=5, help="measured updates per format (after one warm-up)")
+    parser.add_argument("--piece-numel", type=int, default=None,
+                        help=f"elements a piece (a multiple of {QUANT_BLOCK}; default {PIECE_NUMEL_PER_THREAD} a thread)")
     parser.add_argument("--moment-dtype", action="append", choices=MOMENT_DTYPES,
                         help="measure only these (repeatable; default all)")
     args = parser.parse_args(argv)
@@ -133,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         sizes = layer_sizes(args.numel)
-        rows = measure(args.moment_dtype or list(MOMENT_DTYPES), sizes, args.repeat)
+        rows = measure(args.moment_dtype or list(MOMENT_DTYPES), sizes, args.repeat, piece_numel=args.piece_numel)
+        piece_numel = args.piece_numel or default_piece_numel()
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its own
-    print(format_table(rows, args.threads))
+    print(format_table(rows, args.threads, piece_numel))
     return 0
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "MomentScratch",
     "adamw_update_block",
     "decode_moment",
+    "default_piece_numel",
     "encode_moment",
     "moment_nbytes",
     "moment_storage",
