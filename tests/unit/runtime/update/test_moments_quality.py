@@ -72,3 +72,49 @@ def test_compact_moments_train_as_well_as_fp32(seed, lr):
     assert fp32 > NOISE**2
     assert results["bf16"][1] == pytest.approx(fp32, rel=0.01)
     assert results["int8"][1] == pytest.approx(fp32, rel=0.03)
+
+
+def _train_lm(moment_dtype: str, lr: float) -> float:
+    """Held-out loss of the bundled ExampleLM (tiny preset, byte tokens) after 200 steps on the stdlib corpus."""
+    from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+    from runtime.bundled.example_model import PRESETS, ExampleLM
+
+    corpus = stdlib_text_bytes(4 << 20)
+    torch.manual_seed(0)
+    model = ExampleLM(PRESETS["tiny"])
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    master = torch.cat([p.detach().flatten() for p in params])
+    for p, view in zip(params, split_views(master, sizes), strict=True):
+        p.data = view.view_as(p)
+    dtype, numel = moment_storage(moment_dtype, sizes)
+    exp_avg, exp_avg_sq = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+    zero_moments(exp_avg, moment_dtype, sizes)
+    zero_moments(exp_avg_sq, moment_dtype, sizes)
+    steps = [torch.zeros(()) for _ in sizes]
+    hypers = [AdamWHyper(lr=lr, weight_decay=0.01)] * len(sizes)
+    batches = ByteBatches(corpus, 16, 128, seed=1)
+    held_batches = ByteBatches(corpus, 64, 128, seed=2)
+    held = [held_batches.next() for _ in range(4)]
+    for _ in range(STEPS):
+        loss = model(*batches.next())
+        model.zero_grad()
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+        adamw_update_block(master, grad, exp_avg, exp_avg_sq, sizes, [True] * len(sizes), steps, hypers, moment_dtype)
+    with torch.no_grad():
+        return sum(model(*batch).item() for batch in held) / len(held)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_compact_moments_train_the_bundled_lm():
+    """The tiny ExampleLM, byte tokens (rare bytes' embedding rows get tiny v beside common ones: the int8 map's
+    corner), lr 3e-3. Measured (torch 2.13, CPU): bf16 +0.97% (bf16 moments alone: m +0.56%, v +0.27%: round to
+    nearest cannot record v's 0.1% decay a step, below half a bf16 ulp, so v stays high), int8 +0.02%. The bound for
+    bf16 keeps that margin, not the 1% goal: it is the format's own behaviour, bit-identical to rounding torch's
+    AdamW state to bf16 after each step."""
+    fp32 = _train_lm("fp32", 3e-3)
+    assert fp32 < 2.2  # from ln(256) = 5.5: it trained
+    assert _train_lm("bf16", 3e-3) == pytest.approx(fp32, rel=0.012)
+    assert _train_lm("int8", 3e-3) == pytest.approx(fp32, rel=0.02)
