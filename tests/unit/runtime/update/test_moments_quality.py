@@ -18,6 +18,31 @@ STEPS = 200
 NOISE = 0.05  # the teacher's targets carry noise: the loss floor is NOISE^2, the models stay above it
 
 
+class FlatAdamW:
+    """A model's parameters made views of one flat fp32 master, updated by adamw_update_block with moments stored
+    in moment_dtype (what the offload runtime does for one block)."""
+
+    def __init__(self, model: nn.Module, moment_dtype: str, lr: float):
+        self.params = list(model.parameters())
+        self.sizes = [p.numel() for p in self.params]
+        self.master = torch.cat([p.detach().flatten() for p in self.params])
+        for p, view in zip(self.params, split_views(self.master, self.sizes), strict=True):
+            p.data = view.view_as(p)  # the update writes master; the model sees it
+        dtype, numel = moment_storage(moment_dtype, self.sizes)
+        self.exp_avg, self.exp_avg_sq = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        zero_moments(self.exp_avg, moment_dtype, self.sizes)
+        zero_moments(self.exp_avg_sq, moment_dtype, self.sizes)
+        self.steps = [torch.zeros(()) for _ in self.sizes]
+        self.hypers = [AdamWHyper(lr=lr, weight_decay=0.01)] * len(self.sizes)
+        self.moment_dtype = moment_dtype
+
+    def step(self) -> None:
+        """One update from the parameters' gradients."""
+        grad = torch.cat([p.grad.flatten() for p in self.params])  # type: ignore[union-attr]
+        adamw_update_block(self.master, grad, self.exp_avg, self.exp_avg_sq, self.sizes, [True] * len(self.sizes),
+                           self.steps, self.hypers, self.moment_dtype)
+
+
 def _train(moment_dtype: str, seed: int, lr: float) -> tuple[float, float]:
     """(first training loss, final held-out loss) of the student trained with moment_dtype."""
     gen = torch.Generator().manual_seed(seed)
@@ -25,17 +50,7 @@ def _train(moment_dtype: str, seed: int, lr: float) -> tuple[float, float]:
     teacher = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 8))
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
-    params = list(model.parameters())
-    sizes = [p.numel() for p in params]
-    master = torch.cat([p.detach().flatten() for p in params])
-    for p, view in zip(params, split_views(master, sizes), strict=True):
-        p.data = view.view_as(p)  # the update writes master; the model sees it
-    dtype, numel = moment_storage(moment_dtype, sizes)
-    exp_avg, exp_avg_sq = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-    zero_moments(exp_avg, moment_dtype, sizes)
-    zero_moments(exp_avg_sq, moment_dtype, sizes)
-    steps = [torch.zeros(()) for _ in sizes]
-    hypers = [AdamWHyper(lr=lr, weight_decay=0.01)] * len(sizes)
+    optimizer = FlatAdamW(model, moment_dtype, lr)
     held_x = torch.randn(4096, 32, generator=gen)
     with torch.no_grad():
         held_y = teacher(held_x) + NOISE * torch.randn(4096, 8, generator=gen)
@@ -48,8 +63,7 @@ def _train(moment_dtype: str, seed: int, lr: float) -> tuple[float, float]:
         model.zero_grad()
         loss.backward()
         first = loss.item() if first is None else first
-        grad = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-        adamw_update_block(master, grad, exp_avg, exp_avg_sq, sizes, [True] * len(sizes), steps, hypers, moment_dtype)
+        optimizer.step()
     with torch.no_grad():
         return first, nn.functional.mse_loss(model(held_x), held_y).item()  # type: ignore[return-value]
 
@@ -82,17 +96,7 @@ def _train_lm(moment_dtype: str, lr: float) -> float:
     corpus = stdlib_text_bytes(4 << 20)
     torch.manual_seed(0)
     model = ExampleLM(PRESETS["tiny"])
-    params = list(model.parameters())
-    sizes = [p.numel() for p in params]
-    master = torch.cat([p.detach().flatten() for p in params])
-    for p, view in zip(params, split_views(master, sizes), strict=True):
-        p.data = view.view_as(p)
-    dtype, numel = moment_storage(moment_dtype, sizes)
-    exp_avg, exp_avg_sq = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-    zero_moments(exp_avg, moment_dtype, sizes)
-    zero_moments(exp_avg_sq, moment_dtype, sizes)
-    steps = [torch.zeros(()) for _ in sizes]
-    hypers = [AdamWHyper(lr=lr, weight_decay=0.01)] * len(sizes)
+    optimizer = FlatAdamW(model, moment_dtype, lr)
     batches = ByteBatches(corpus, 16, 128, seed=1)
     held_batches = ByteBatches(corpus, 64, 128, seed=2)
     held = [held_batches.next() for _ in range(4)]
@@ -100,8 +104,7 @@ def _train_lm(moment_dtype: str, lr: float) -> float:
         loss = model(*batches.next())
         model.zero_grad()
         loss.backward()
-        grad = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-        adamw_update_block(master, grad, exp_avg, exp_avg_sq, sizes, [True] * len(sizes), steps, hypers, moment_dtype)
+        optimizer.step()
     with torch.no_grad():
         return sum(model(*batch).item() for batch in held) / len(held)
 
