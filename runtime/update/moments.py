@@ -17,8 +17,13 @@ torch calls (a dozen for bf16, about thirty for int8) cost little beside its dat
 
 Speed: bf16 adds four conversion passes over cached data, int8 about twenty-five elementwise passes (the maps, two
 amax) and three rsqrt an element: where the fp32 update is bound by memory bandwidth (many cores sharing it) they
-cost less than the bytes they save; where one core streams memory as fast as it computes they do not. A fused
-decode-update-encode kernel (one pass in registers) would make int8 memory-bound; torch ops cannot.
+cost less than the bytes they save; where one core streams memory as fast as it computes they do not. On one EPYC
+core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.adam_bench --threads 1``): fp32
+2.15 G parameters/s, bf16 0.56x of it, int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
+also wait thirty times for the slowest thread: on cores shared with other busy processes that cost far more than
+the work (2 threads of 2 busy cores: int8 0.04x). A fused decode-update-encode kernel (one pass in registers) would
+make int8 memory-bound with one region a piece; torch ops cannot (torch.compile of the maps alone: 2.3x faster maps,
+of the whole piece: slower than eager, on this CPU).
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
 blocks never span pieces, and of 64 elements, so the fused kernel computes every element as one call over the
@@ -69,7 +74,7 @@ __all__ = [
 # Elements of a piece per thread, a multiple of QUANT_BLOCK. Its fp32 moments and two temporaries (16 bytes an element,
 # 4 MiB) stay in the L2 and L3 caches; smaller pieces would fit a 1-2 MiB L2 but each piece costs about 40 us of
 # Python and torch calls (fused AdamW's alone 17 us): on one EPYC core, pieces of 64 Ki elements took 1.7x (bf16)
-# and 1.3x (int8) the time of 256 Ki, and 1 Mi gained 7% more.
+# and 1.3x (int8) the time of 256 Ki; 1 Mi made bf16 7% faster and int8 6% slower. `adam_bench --piece-numel` sweeps it.
 PIECE_NUMEL_PER_THREAD = 1 << 18
 
 
