@@ -21,9 +21,10 @@ cost less than the bytes they save; where one core streams memory as fast as it 
 core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.adam_bench --threads 1``): fp32
 2.15 G parameters/s, bf16 0.56x of it, int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
 also wait thirty times for the slowest thread: on cores shared with other busy processes that cost far more than
-the work (2 threads of 2 busy cores: int8 0.04x). A fused decode-update-encode kernel (one pass in registers) would
-make int8 memory-bound with one region a piece; torch ops cannot (torch.compile of the maps alone: 2.3x faster maps,
-of the whole piece: slower than eager, on this CPU).
+the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``,
+a :class:`MomentScratch` holding an :class:`Int8Kernel`): decode, AdamW and encode of a block in one pass, one parallel
+region for the whole update; on the same core 0.61x fp32 (3.6x the torch ops), on the 2 busy cores 2.3x fp32.
+(torch.compile was tried first: 2.3x faster maps alone, the whole piece slower than eager, on this CPU.)
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
 blocks never span pieces, and of 64 elements, so the fused kernel computes every element as one call over the
@@ -55,11 +56,13 @@ from runtime.update.moment_formats import (
     padded_numel,
     zero_moments,
 )
+from runtime.update.moment_kernel import Int8Kernel
 
 __all__ = [
     "MOMENT_DTYPES",
     "QUANT_BLOCK",
     "PIECE_NUMEL_PER_THREAD",
+    "Int8Kernel",
     "MomentScratch",
     "adamw_update_block",
     "decode_moment",
@@ -91,10 +94,12 @@ def scratch_nbytes(threads: int | None = None) -> int:
 
 class MomentScratch:
     """fp32 scratch for one piece's decoded moments and the maps' temporaries; reused across calls by whoever keeps
-    it (one per thread that updates: the buffers are written by each call). Grows to the largest piece asked."""
+    it (one per thread that updates: the buffers are written by each call). Grows to the largest piece asked.
+    ``int8_kernel`` (:meth:`Int8Kernel.build`): int8 updates of CPU tensors run it instead of torch ops."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", int8_kernel: Int8Kernel | None = None):
         self.device = torch.device(device)
+        self.int8_kernel = int8_kernel  # opt-in: int8 updates of CPU tensors run the compiled kernel
         self.numel = 0
         self._buffers: tuple[torch.Tensor, torch.Tensor, DecodeScratch] | None = None
 
@@ -197,6 +202,11 @@ def adamw_update_block(
         _copy_skipped(master, exp_avg, exp_avg_sq, sizes, keep, moment_dtype, out)
     if steps:
         torch._foreach_add_(steps, 1)  # once, before every piece: the reference increments before the update
+    kernel = scratch.int8_kernel if scratch is not None else None
+    if moment_dtype == "int8" and kernel is not None and master.device.type == "cpu":
+        kernel.update(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers,
+                      out if out is not None else (master, exp_avg, exp_avg_sq))
+        return
     if not pieces:
         return
     scratch = scratch or MomentScratch(master.device)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from runtime.update.adam import AdamWHyper, split_views
-from runtime.update.moments import MOMENT_DTYPES, adamw_update_block, moment_storage, zero_moments
+from runtime.update.moments import MOMENT_DTYPES, MomentScratch, adamw_update_block, moment_storage, zero_moments
 
 STEPS = 200
 NOISE = 0.05  # the teacher's targets carry noise: the loss floor is NOISE^2, the models stay above it
@@ -22,7 +22,7 @@ class FlatAdamW:
     """A model's parameters made views of one flat fp32 master, updated by adamw_update_block with moments stored
     in moment_dtype (what the offload runtime does for one block)."""
 
-    def __init__(self, model: nn.Module, moment_dtype: str, lr: float):
+    def __init__(self, model: nn.Module, moment_dtype: str, lr: float, scratch: MomentScratch | None = None):
         self.params = list(model.parameters())
         self.sizes = [p.numel() for p in self.params]
         self.master = torch.cat([p.detach().flatten() for p in self.params])
@@ -35,22 +35,23 @@ class FlatAdamW:
         self.steps = [torch.zeros(()) for _ in self.sizes]
         self.hypers = [AdamWHyper(lr=lr, weight_decay=0.01)] * len(self.sizes)
         self.moment_dtype = moment_dtype
+        self.scratch = scratch
 
     def step(self) -> None:
         """One update from the parameters' gradients."""
         grad = torch.cat([p.grad.flatten() for p in self.params])  # type: ignore[union-attr]
         adamw_update_block(self.master, grad, self.exp_avg, self.exp_avg_sq, self.sizes, [True] * len(self.sizes),
-                           self.steps, self.hypers, self.moment_dtype)
+                           self.steps, self.hypers, self.moment_dtype, scratch=self.scratch)
 
 
-def _train(moment_dtype: str, seed: int, lr: float) -> tuple[float, float]:
+def _train(moment_dtype: str, seed: int, lr: float, scratch: MomentScratch | None = None) -> tuple[float, float]:
     """(first training loss, final held-out loss) of the student trained with moment_dtype."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(7)
     teacher = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 8))
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
-    optimizer = FlatAdamW(model, moment_dtype, lr)
+    optimizer = FlatAdamW(model, moment_dtype, lr, scratch)
     held_x = torch.randn(4096, 32, generator=gen)
     with torch.no_grad():
         held_y = teacher(held_x) + NOISE * torch.randn(4096, 8, generator=gen)
