@@ -62,6 +62,8 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
   float* vs_out = out_v_scales.data_ptr<float>();
   const int64_t* desc = blocks.data_ptr<int64_t>();
   const double* hy = hypers.data_ptr<double>();
+  // The update runs on the worker thread while the training thread runs Python: without the GIL.
+  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, blocks.size(0), 1, [=](int64_t begin, int64_t end) {
     // Local restrict pointers: read through the closure, every store could alias them and no loop vectorizes.
     const float* __restrict pi = p_in;

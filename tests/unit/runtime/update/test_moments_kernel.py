@@ -97,3 +97,41 @@ def test_it_trains_as_well_as_fp32(kernel):
     finally:
         torch.set_num_threads(threads)
     assert int8 == pytest.approx(fp32, rel=0.03) and fp32 < first / 10
+
+
+def test_the_kernel_runs_without_the_gil(kernel):
+    """The worker thread's update must not stop the training thread's Python: while the kernel runs on another
+    thread, this one keeps running (holding the GIL, this thread would stop for the whole call)."""
+    import sys
+    import threading
+    import time
+
+    numel = 1 << 25
+    master, grad = torch.randn(numel), torch.randn(numel)
+    dtype, stored_numel = moment_storage("int8", [numel])
+    exp_avg, exp_avg_sq = torch.zeros(stored_numel, dtype=dtype), torch.zeros(stored_numel, dtype=dtype)
+    scratch = MomentScratch(int8_kernel=kernel)
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(1)  # the kernel takes one core, this thread the other
+    sys.setswitchinterval(1e-4)  # hand-overs of the GIL (the worker's Python around the call) take no longer
+
+    def update() -> float:
+        start = time.perf_counter()
+        adamw_update_block(master, grad, exp_avg, exp_avg_sq, [numel], [True], [torch.zeros(())], [AdamWHyper()],
+                           "int8", scratch=scratch)
+        return time.perf_counter() - start
+
+    try:
+        alone_s = min(update() for _ in range(2))
+        worker = threading.Thread(target=update)
+        worker.start()
+        last, longest_gap_s = time.perf_counter(), 0.0
+        while worker.is_alive():
+            now = time.perf_counter()
+            longest_gap_s, last = max(longest_gap_s, now - last), now
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
+    assert alone_s > 0.01 and longest_gap_s < 0.5 * alone_s, f"this thread stopped {longest_gap_s * 1e3:.1f} ms " \
+        f"of a {alone_s * 1e3:.1f} ms update"
