@@ -135,3 +135,12 @@ def test_the_kernel_runs_without_the_gil(kernel):
         sys.setswitchinterval(interval)
     assert alone_s > 0.01 and longest_gap_s < 0.5 * alone_s, f"this thread stopped {longest_gap_s * 1e3:.1f} ms " \
         f"of a {alone_s * 1e3:.1f} ms update"
+
+
+def test_the_bench_has_the_kernel_row(kernel, capsys):
+    from runtime.bench.adam_bench import main
+
+    assert main(["--numel", "200000", "--threads", "1", "--repeat", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["fp32", "bf16", "int8", "int8"] and rows[3][1] == "kernel"
+    assert rows[3][2] == rows[2][1]  # the same bytes a parameter
