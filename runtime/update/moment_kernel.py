@@ -15,8 +15,10 @@ that builds it: a cache directory shared by machines of other CPUs would need it
 
 Measured (2026-11-29, 33 Mi parameters, ``python -m runtime.bench.adam_bench --numel 33554432``): on one EPYC core
 1.30 G parameters/s, 0.61x fp32's fused update (that core streams 60 GB/s: fp32 is not memory-bound there) and 3.6x
-int8 in torch ops; on 2 threads of 2 cores busy with other work, 2.3x fp32 (one parallel region instead of one per
-tensor op: fewer waits on a descheduled thread).
+int8 in torch ops. On both cores (64 Mi parameters, 03:10, the machine's other load low), where fp32 is memory-bound
+(2.31 G parameters/s, 65 GB/s; one thread gave 2.14): int8 kernel 1.07x fp32, bf16 0.88x, int8 in torch ops 0.28x.
+With other work on the cores (33 Mi parameters, 03:05): the kernel 2.3x fp32 (one parallel region an update instead
+of one a tensor op: fewer waits on a descheduled thread).
 """
 
 from __future__ import annotations

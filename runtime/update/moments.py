@@ -23,7 +23,8 @@ core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.
 also wait thirty times for the slowest thread: on cores shared with other busy processes that cost far more than
 the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``,
 a :class:`MomentScratch` holding an :class:`Int8Kernel`): decode, AdamW and encode of a block in one pass, one parallel
-region for the whole update; on the same core 0.61x fp32 (3.6x the torch ops), on the 2 busy cores 2.3x fp32.
+region for the whole update; on the same core 0.61x fp32 (3.6x the torch ops); on both cores, where fp32 is
+memory-bound, 1.07x fp32 (bf16 in torch ops 0.88x).
 (torch.compile was tried first: 2.3x faster maps alone, the whole piece slower than eager, on this CPU.)
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
