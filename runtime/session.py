@@ -34,7 +34,7 @@ from runtime.planning.memory_plan import Budgets, MemoryPlan, WeightSource
 from runtime.planning.oom_hint import install_oom_hint, reserve_hint
 from runtime.planning.peak_hint import PeakHint, cuda_peak, cuda_peak_reset, cuda_reserved_by_stream, cuda_step_peak
 from runtime.planning.placement import InForce, ResolvedPlan, adopted_plan, placement_at_reserve, plan_blocks, rates_needed
-from runtime.planning.settings import DTYPES, cpu_threads, host_grad_dtype, resolve_device
+from runtime.planning.settings import DTYPES, cpu_threads, cpu_updates_only, host_grad_dtype, resolve_device
 from runtime.update.adam import AdamWHyper
 from runtime.update.rates import measure_rates
 from tierstore import StoreConfig, TierName, TierStore
@@ -644,7 +644,8 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
     fraction and keep were auto, the activation reserve (0: nothing auto on a GPU), the GPU budget the store
     has, the plan's GPU bytes and the weights kept for backward."""
     cfg, placement = session.config, session.placement
-    return {"gpu_update_fraction_auto": cfg.optimizer.gpu_update_fraction == "auto",
+    # Compact moments resolve an `auto` update fraction to 0: nothing for the hints to move to the GPU.
+    return {"gpu_update_fraction_auto": cpu_updates_only(cfg).optimizer.gpu_update_fraction == "auto",
             "keep_auto": cfg.prefetch.keep_for_backward == "auto",
             "activation_reserve_auto": cfg.tiers.gpu.activation_reserve == "auto",
             # placed after a measured first step (runtime.planning.measured_placement): its reserve is the measured one
@@ -674,4 +675,4 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
         gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
         hold_updates=opt.user_grad_clip, host_sums=placement.host_sums, host_grad_dtype=host_grad_dtype(cfg, placement.host_sums),
-        speculate=resolved.plan.pre_commit_buffers)
+        speculate=resolved.plan.pre_commit_buffers, moment_dtype=opt.moment_dtype)

@@ -44,7 +44,7 @@ from runtime.engine.writeback import DeviceWritebacks
 from runtime.planning.auto_placement import gpu_streamed_blocks, gpu_updated_blocks
 from runtime.planning.memory_plan import WeightSource
 from runtime.update.adam import AdamWHyper
-from runtime.update.device_updates import DeviceUpdates, DeviceUpdateSettings
+from runtime.update.device_updates import DeviceUpdates, DeviceUpdateSettings, refuse_compact_on_device
 from runtime.update.worker import UpdateWorker
 from tierstore import TierName, TierStore, close_at_exit, wait_at_exit
 
@@ -63,6 +63,7 @@ class Controller:
         self.store = store
         self.options = options
         self.device = store.device
+        refuse_compact_on_device(options.moment_dtype, options.gpu_update_fraction, options.gpu_stream_fraction)
         # One record per block: its update site and spill, and its place in the step in progress.
         self.table = BlockTable(blocks, gpu_updated_blocks(blocks, options.gpu_update_fraction),
                                 gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction),
@@ -98,7 +99,8 @@ class Controller:
         # (refuse_unfrozen) rather than silently never updated.
         self.frozen: list[tuple[str, torch.nn.Parameter]] = []
         sys.setswitchinterval(min(self._switch_interval, 0.0005))
-        self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals)
+        self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals,
+                                   moment_dtype=options.moment_dtype)
         self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
         self.param_slot = {id(slot.param): (block.index, position) for block in blocks for position, slot in enumerate(block.slots)}
         self._param_state: dict[int, BlockState] = {id(slot.param): self.table[block.index] for block in blocks

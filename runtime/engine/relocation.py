@@ -30,7 +30,8 @@ from runtime.engine.weights import WeightManager
 from runtime.engine.writeback import DeviceWritebacks
 from runtime.planning.auto_placement import STATE_ITEMSIZE, gpu_streamed_blocks, gpu_updated_blocks
 from runtime.planning.memory_plan import MOMENT_KINDS, WeightSource
-from runtime.update.device_updates import DeviceUpdates
+from runtime.update.device_updates import DeviceUpdates, refuse_compact_on_device
+from runtime.update.moments import moment_storage, zero_moments
 from runtime.update.worker import STATE_KINDS, UpdateWorker
 from tierstore import CapacityError, TensorMeta, TierName, TierStore
 
@@ -45,11 +46,12 @@ def state_homes(block: Block, options: RuntimeOptions, table: BlockTable) -> dic
     (not for a device-updated or streamed block: its gradient never leaves the device) and the compute-dtype
     weights copy (when that is the weight source, not for a device-updated block: it casts from its master)."""
     f32 = TensorMeta(torch.float32, block.numel)
-    if block.index in table.gpu_updated:
+    if block.index in table.gpu_updated:  # fp32 moments only: compact ones update on the CPU (the config refuses)
         return {kind: (f32, TierName.GPU) for kind in STATE_KINDS}
     state = {"master": (f32, options.homes["master"])}
+    moments = TensorMeta(*moment_storage(options.moment_dtype, [slot.numel for slot in block.slots]))
     for kind in MOMENT_KINDS:
-        state[kind] = (f32, TierName.NVME if block.index in options.spilled_blocks else options.homes[kind])
+        state[kind] = (moments, TierName.NVME if block.index in options.spilled_blocks else options.homes[kind])
     if block.index not in table.gpu_streamed:
         state["grad"] = (TensorMeta(options.host_grad_dtype, block.numel), TierName.HOST)
     if options.weight_source is WeightSource.WEIGHTS:
@@ -82,11 +84,21 @@ def register_state(store: TierStore, blocks: list[Block], table: BlockTable, opt
             master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
             for kind, (meta, home) in homes[block.index].items():  # keys without a value: zero-filled by the store
                 value = master if kind == "master" else master.to(meta.dtype) if kind == "weights" else None
+                if kind in MOMENT_KINDS and options.moment_dtype != "fp32":
+                    value = _zero_moment(meta, options.moment_dtype, block)
                 store.register(block.key(kind), meta, home, init=value)
             # Only now: a registration that fails (a disk filling, Ctrl-C) leaves this block's values in the model,
             # and offload() gives back the blocks before it from the store.
             for slot in block.slots:
                 slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
+
+
+def _zero_moment(meta: TensorMeta, moment_dtype: str, block: Block) -> torch.Tensor | None:
+    """A compact moment's initial stored value: zeros in its encoding, or None where that is all zero bytes (the
+    store's own zero fill, which writes only a header to a new NVMe home)."""
+    value = torch.empty(meta.numel, dtype=meta.dtype)
+    zero_moments(value, moment_dtype, [slot.numel for slot in block.slots])
+    return None if not value.view(torch.uint8).any() else value
 
 
 class Relocation:
@@ -120,6 +132,7 @@ class Relocation:
         Waits for every committed update first. The device's share only grows (a block updated on the device stays
         there) and the spill only shrinks. Returns the options of the new placement."""
         options, table = self.view.options, self.table
+        refuse_compact_on_device(options.moment_dtype, update_fraction, stream_fraction)
         updated = gpu_updated_blocks(self.blocks, update_fraction)
         streamed = gpu_streamed_blocks(self.blocks, update_fraction, stream_fraction)
         spilled_now = options.spilled_blocks

@@ -81,6 +81,23 @@ class RowPlacement:
         return asdict(self)
 
 
+def disk_state_nbytes(block_numels: list[int], gpu_updated: set[int], homes: dict[str, str], spilled: set[int],
+                      moment_nbytes: list[int] | None = None) -> int:
+    """Optimizer state bytes a step reads from NVMe and writes back (``RowPlacement.disk_state_nbytes``): of every
+    CPU-updated block, the fp32 master where its home is NVMe, and each moment where its home is NVMe or the block's
+    moments spilled there, at ``moment_nbytes[i]`` bytes (one moment of block ``i`` as ``optimizer.moment_dtype``
+    stores it; None: fp32's 4 a value)."""
+    disk = 0
+    for index, numel in enumerate(block_numels):
+        if index in gpu_updated:
+            continue
+        moment = FP32 * numel if moment_nbytes is None else moment_nbytes[index]
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            if homes.get(kind) == "nvme" or (index in spilled and kind != "master"):
+                disk += FP32 * numel if kind == "master" else moment
+    return disk
+
+
 @dataclass(frozen=True)
 class Traffic:
     """The work of one optimizer step of a row, per resource."""

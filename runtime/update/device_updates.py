@@ -33,6 +33,15 @@ from runtime.update.worker import STATE_KINDS, UpdateWorker
 from tierstore import CapacityError, CopyState, TierName, TierStore
 
 
+def refuse_compact_on_device(moment_dtype: str, update_fraction: float, stream_fraction: float) -> None:
+    """Raise when a share of the update would run here with compact moments: they update on the CPU in this version
+    (the config refuses such values where they are written; this guards placements made by other means)."""
+    if moment_dtype != "fp32" and (update_fraction > 0 or stream_fraction > 0):
+        raise ValueError(f"optimizer.gpu_update_fraction ({update_fraction}) and optimizer.gpu_stream_fraction "
+                         f"({stream_fraction}) run AdamW on the GPU, but optimizer.moment_dtype is {moment_dtype}: "
+                         "compact moments update on the CPU in this version. Set both to 0, or moment_dtype: fp32")
+
+
 @dataclass(frozen=True)
 class DeviceUpdateSettings:
     """The session's settings the device updates act on (fixed for the session but the placement, which
