@@ -1,110 +1,276 @@
-"""STAND-IN for h-moments' ``runtime/update/moments.py`` (issue 43): the interface of the brief with the simplest
-bodies, so the plumbing is written and tested before theirs lands. Their file replaces this one at the merge.
+"""AdamW over a block whose moments are stored in any ``optimizer.moment_dtype`` (fp32, bf16, int8).
 
-int8 layout here (the brief's): each parameter's codes padded to whole ``QUANT_BLOCK`` blocks, then one fp32 scale
-a block, the buffer a multiple of 64 bytes. exp_avg: signed absmax codes around 128; exp_avg_sq: sqrt map.
+Owns: one AdamW step over a block's flat buffers (:func:`adamw_update_block`), in place or out of place, for every
+moment format, and the public names of the formats (``runtime.update.moment_formats`` holds the layouts and maps).
+Leaves out: the kernel itself (``runtime.update.adam``: torch's fused AdamW, whose fp32 result is the reference),
+where the buffers live and when an update runs (the worker and the engine).
+
+fp32 calls ``adam.adamw_update_grouped`` (or ``adamw_update_out_of_place``) on per-parameter views: bit-identical
+to today. bf16 and int8 work piece by piece: a piece's moments are decoded into an fp32 scratch, torch's fused
+AdamW runs on the piece's per-parameter sub-views of master, gradient and scratch, and the scratch is encoded back.
+The scratch holds one piece, so the decode, the update and the encode touch data still in the CPU's caches, and the
+memory traffic per parameter is the stored bytes: 4 + 4 + 2 x moment bytes, read and written once (20 bytes a
+parameter with bf16 moments, 16 with int8, 28 with fp32 moments... counting master and moments both ways and the
+gradient one way). A piece is :data:`PIECE_NUMEL_PER_THREAD` elements for each of torch's threads: each elementwise
+op splits its range statically between the threads, so a thread meets the same slice of the piece in every op,
+in its own L2; and a piece is large enough that the piece's dozen torch calls cost little beside its data.
+
+Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
+blocks never span pieces, and of 64 elements, so the fused kernel computes every element as one call over the
+whole tensor does: the bf16 result is bit-identical to widening, one fused AdamW step over whole fp32 tensors, and
+narrowing). A piece holds consecutive kept parameters only, so its stored range is contiguous.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
-from runtime.planning.moment_sizes import MOMENT_DTYPES, QUANT_BLOCK, stored_moment_nbytes
 from runtime.update.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, split_views
+from runtime.update.moment_formats import (
+    MOMENT_DTYPES,
+    QUANT_BLOCK,
+    DecodeScratch,
+    decode_into,
+    decode_moment,
+    encode_from,
+    encode_moment,
+    int8_tail,
+    int8_views,
+    moment_nbytes,
+    moment_storage,
+    padded_numel,
+    zero_moments,
+)
 
-__all__ = ["MOMENT_DTYPES", "QUANT_BLOCK", "adamw_update_block", "decode_moment", "encode_moment", "moment_nbytes",
-           "moment_storage", "zero_moments"]
+__all__ = [
+    "MOMENT_DTYPES",
+    "QUANT_BLOCK",
+    "PIECE_NUMEL_PER_THREAD",
+    "MomentScratch",
+    "adamw_update_block",
+    "decode_moment",
+    "encode_moment",
+    "moment_nbytes",
+    "moment_storage",
+    "zero_moments",
+]
 
-
-def moment_storage(moment_dtype: str, sizes: list[int]) -> tuple[torch.dtype, int]:
-    """The dtype and numel of the one flat stored buffer of one moment of a block of parameters of ``sizes``."""
-    nbytes = stored_moment_nbytes(moment_dtype, sizes)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[moment_dtype]
-    return dtype, nbytes // dtype.itemsize
-
-
-def moment_nbytes(moment_dtype: str, sizes: list[int]) -> int:
-    """Bytes of one moment's stored buffer."""
-    return stored_moment_nbytes(moment_dtype, sizes)
-
-
-def _blocks(sizes: list[int]) -> list[tuple[int, int, int]]:
-    """(value start, value end, code start) of each int8 block, in order."""
-    out, value, code = [], 0, 0
-    for size in sizes:
-        for start in range(0, size, QUANT_BLOCK):
-            end = min(size, start + QUANT_BLOCK)
-            out.append((value + start, value + end, code + start))
-        value += size
-        code += -(-size // QUANT_BLOCK) * QUANT_BLOCK
-    return out
-
-
-def _scales(stored: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    blocks = len(_blocks(sizes))
-    codes = blocks * QUANT_BLOCK
-    return stored[codes : codes + 4 * blocks].view(torch.float32)
-
-
-def zero_moments(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
-    """Fill a stored buffer with the encoding of zeros."""
-    stored.zero_()  # int8 here: code 0 and scale 0 are zeros too
+# Elements of a piece per thread: its fp32 moments and two temporaries (16 bytes an element) fill about 1 MiB of a
+# core's L2 (1-2 MiB on the lent machines' EPYC and Xeon cores). A multiple of QUANT_BLOCK.
+PIECE_NUMEL_PER_THREAD = 1 << 16
 
 
-def decode_moment(stored: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int]) -> torch.Tensor:
-    """The fp32 values of a stored moment (a new flat tensor)."""
-    if moment_dtype != "int8":
-        return stored.to(torch.float32, copy=True)
-    scales = _scales(stored, sizes)
-    out = torch.empty(sum(sizes), dtype=torch.float32)
-    for number, (start, end, code) in enumerate(_blocks(sizes)):
-        q = stored[code : code + end - start].view(torch.int8).to(torch.float32)
-        out[start:end] = q / 127 * scales[number] if kind == "exp_avg" else (q / 127) ** 2 * scales[number]
-    return out
+def default_piece_numel() -> int:
+    """Elements of a piece at torch's current thread count."""
+    return PIECE_NUMEL_PER_THREAD * max(1, torch.get_num_threads())
 
 
-def encode_moment(values: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int], out_stored: torch.Tensor) -> None:
-    """Write fp32 ``values`` into a stored buffer."""
-    if moment_dtype != "int8":
-        out_stored.copy_(values)
-        return
-    scales = _scales(out_stored, sizes)
-    for number, (start, end, code) in enumerate(_blocks(sizes)):
-        v = values[start:end]
-        if kind == "exp_avg":
-            scale = float(v.abs().max()) if v.numel() else 0.0
-            q = (v / scale * 127).round() if scale > 0 else torch.zeros_like(v)
+class MomentScratch:
+    """fp32 scratch for one piece's decoded moments and the maps' temporaries; reused across calls by whoever keeps
+    it (one per thread that updates: the buffers are written by each call). Grows to the largest piece asked."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.numel = 0
+        self._buffers: tuple[torch.Tensor, torch.Tensor, DecodeScratch] | None = None
+
+    def take(self, numel: int) -> tuple[torch.Tensor, torch.Tensor, DecodeScratch]:
+        """(exp_avg, exp_avg_sq, temporaries), each of at least ``numel`` elements."""
+        if self._buffers is None or self.numel < numel:
+            self._buffers = None  # the old ones go before the larger ones are taken
+            self._buffers = (torch.empty(numel, dtype=torch.float32, device=self.device),
+                             torch.empty(numel, dtype=torch.float32, device=self.device),
+                             DecodeScratch(numel, self.device))
+            self.numel = numel
+        return self._buffers
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A parameter's elements [start, end) within a piece."""
+
+    kept: int  # position among the kept parameters (steps, hypers)
+    start: int
+    end: int
+    flat: int  # offset of start in the flat fp32 buffers
+    local: int  # offset of start in the piece's scratch
+
+
+@dataclass
+class _Piece:
+    """Consecutive kept parameters' ranges, contiguous in the stored buffer from ``stored_start``."""
+
+    stored_start: int  # element offset in the stored values (bf16) or codes (int8)
+    numel: int = 0  # slots in the scratch: padded to whole blocks for int8
+    parts: list[_Part] = field(default_factory=list)
+
+
+def _plan_pieces(sizes: list[int], keep: Sequence[bool], piece_numel: int, pad: bool) -> list[_Piece]:
+    """The pieces of one update: a parameter split at multiples of piece_numel from its start, kept parameters
+    gathered until a piece is full; a parameter without a gradient ends a piece (the stored range must stay
+    contiguous). ``pad``: a part takes whole QUANT_BLOCKs of the scratch (int8)."""
+    pieces: list[_Piece] = []
+    current: _Piece | None = None
+    flat = stored = kept = 0
+    for size, k in zip(sizes, keep, strict=True):
+        stored_size = padded_numel(size) if pad else size
+        if not k:
+            current = None
         else:
-            scale = float(v.max()) if v.numel() else 0.0
-            q = ((v / scale).clamp_min(0).sqrt() * 127).ceil() if scale > 0 else torch.zeros_like(v)
-        out_stored[code : code + end - start].view(torch.int8).copy_(q.clamp(-127, 127).to(torch.int8))
-        scales[number] = scale
+            for start in range(0, size, piece_numel):
+                end = min(size, start + piece_numel)
+                slots = padded_numel(end - start) if pad else end - start
+                if current is None or current.numel + slots > piece_numel:
+                    current = _Piece(stored_start=stored + start)
+                    pieces.append(current)
+                current.parts.append(_Part(kept, start, end, flat + start, current.numel))
+                current.numel += slots
+            kept += 1
+        flat += size
+        stored += stored_size
+    return pieces
 
 
-def adamw_update_block(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                       sizes: list[int], keep: list[bool], steps: list[torch.Tensor], hypers: list[AdamWHyper],
-                       moment_dtype: str, *, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """One AdamW step over a block; ``steps`` and ``hypers`` are the kept parameters'; ``out``: out of place."""
-    def views(flat: torch.Tensor) -> list[torch.Tensor]:
-        return [v for v, k in zip(split_views(flat, sizes), keep, strict=True) if k]
-
+def adamw_update_block(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    sizes: list[int],
+    keep: Sequence[bool],
+    steps: list[torch.Tensor],
+    hypers: list[AdamWHyper],
+    moment_dtype: str,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    scratch: MomentScratch | None = None,
+    piece_numel: int | None = None,
+) -> None:
+    """One AdamW step over a block: ``master``, ``grad`` flat fp32 (``sum(sizes)``); ``exp_avg``, ``exp_avg_sq`` the
+    stored buffers (:func:`moment_storage`); ``keep`` one bool a parameter: one without a gradient this step is left
+    exactly as it is, its step counter too; ``steps``, ``hypers`` the kept ones' step tensors (incremented here) and
+    AdamWHyper. fp32: ``adamw_update_grouped`` on per-parameter views (bit-identical). bf16, int8: piece by piece
+    through an fp32 scratch (``scratch``: keep one per thread to reuse it across calls; None takes one for this
+    call). ``out=(master_new, exp_avg_new, exp_avg_sq_new)``: the result lands there, every parameter's (a skipped
+    one's copied), and the inputs keep their values. ``piece_numel``: elements a piece (default: per thread)."""
+    if len(keep) != len(sizes) or sum(map(bool, keep)) != len(steps) or len(steps) != len(hypers):
+        raise RuntimeError(f"adamw_update_block: {len(sizes)} sizes, {len(keep)} keep flags, "
+                           f"{sum(map(bool, keep))} kept, {len(steps)} steps, {len(hypers)} hypers")
     if moment_dtype == "fp32":
-        if out is None:
-            adamw_update_grouped(views(master), views(grad), views(exp_avg), views(exp_avg_sq), steps, hypers)
-            return
-        adamw_update_out_of_place((views(master), views(exp_avg), views(exp_avg_sq)),
-                                  (views(out[0]), views(out[1]), views(out[2])), views(grad), steps, hypers)
-        for source, target in zip((master, exp_avg, exp_avg_sq), out, strict=True):
-            for s, t, k in zip(split_views(source, sizes), split_views(target, sizes), keep, strict=True):
-                if not k:
-                    t.copy_(s)
+        _update_fp32(master, grad, exp_avg, exp_avg_sq, sizes, keep, steps, hypers, out)
         return
-    m = decode_moment(exp_avg, moment_dtype, "exp_avg", sizes)
-    v = decode_moment(exp_avg_sq, moment_dtype, "exp_avg_sq", sizes)
-    target = master
+    moment_storage(moment_dtype, sizes)  # refuses an unknown moment_dtype
+    piece_numel = piece_numel or default_piece_numel()
+    if piece_numel % QUANT_BLOCK:
+        raise ValueError(f"piece_numel {piece_numel} is not a multiple of QUANT_BLOCK ({QUANT_BLOCK})")
+    pieces = _plan_pieces(sizes, keep, piece_numel, pad=moment_dtype == "int8")
     if out is not None:
-        out[0].copy_(master)
-        target = out[0]
-    adamw_update_grouped(views(target), views(grad), views(m), views(v), steps, hypers)
-    encode_moment(m, moment_dtype, "exp_avg", sizes, exp_avg if out is None else out[1])
-    encode_moment(v, moment_dtype, "exp_avg_sq", sizes, exp_avg_sq if out is None else out[2])
+        _copy_skipped(master, exp_avg, exp_avg_sq, sizes, keep, moment_dtype, out)
+    if steps:
+        torch._foreach_add_(steps, 1)  # once, before every piece: the reference increments before the update
+    if not pieces:
+        return
+    scratch = scratch or MomentScratch(master.device)
+    m32, v32, temporaries = scratch.take(max(piece.numel for piece in pieces))
+    target = out if out is not None else (master, exp_avg, exp_avg_sq)
+    for piece in pieces:
+        m, v = m32[: piece.numel], v32[: piece.numel]
+        _decode_piece(exp_avg, "exp_avg", moment_dtype, sizes, piece, m, temporaries)
+        _decode_piece(exp_avg_sq, "exp_avg_sq", moment_dtype, sizes, piece, v, temporaries)
+        if out is not None:
+            first, last = piece.parts[0], piece.parts[-1]
+            span = slice(first.flat, last.flat + last.end - last.start)
+            out[0][span].copy_(master[span])  # kept parameters of a piece are consecutive in master too
+        _fused_piece(target[0], grad, m, v, piece, steps, hypers)
+        _encode_piece(m, "exp_avg", moment_dtype, sizes, piece, target[1], temporaries)
+        _encode_piece(v, "exp_avg_sq", moment_dtype, sizes, piece, target[2], temporaries)
+
+
+def _update_fp32(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 sizes: list[int], keep: Sequence[bool], steps: list[torch.Tensor], hypers: list[AdamWHyper],
+                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """Today's update on per-parameter views: in place, or out of place with the skipped parameters copied."""
+
+    def views(flat: torch.Tensor) -> list[torch.Tensor]:
+        return [view for view, k in zip(split_views(flat, sizes), keep, strict=True) if k]
+
+    if out is None:
+        adamw_update_grouped(views(master), views(grad), views(exp_avg), views(exp_avg_sq), steps, hypers)
+        return
+    _copy_skipped(master, exp_avg, exp_avg_sq, sizes, keep, "fp32", out)
+    old = (views(master), views(exp_avg), views(exp_avg_sq))
+    new = (views(out[0]), views(out[1]), views(out[2]))
+    adamw_update_out_of_place(old, new, views(grad), steps, hypers)
+
+
+def _copy_skipped(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, sizes: list[int],
+                  keep: Sequence[bool], moment_dtype: str, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """A skipped parameter's master and stored moment bytes copied to ``out`` unchanged (codes and scales for int8),
+    and an int8 buffer's alignment tail: ``out`` ends byte for byte what an in-place update leaves."""
+    if moment_dtype == "int8":
+        tail = int8_tail(sizes)
+        out[1][tail:].copy_(exp_avg[tail:])
+        out[2][tail:].copy_(exp_avg_sq[tail:])
+    if all(keep):
+        return
+    for source, target, k in zip(split_views(master, sizes), split_views(out[0], sizes), keep, strict=True):
+        if not k:
+            target.copy_(source)
+    for source, target in ((exp_avg, out[1]), (exp_avg_sq, out[2])):
+        if moment_dtype != "int8":
+            for old, new, k in zip(split_views(source, sizes), split_views(target, sizes), keep, strict=True):
+                if not k:
+                    new.copy_(old)
+            continue
+        (codes, scales), (new_codes, new_scales) = int8_views(source, sizes), int8_views(target, sizes)
+        code_start = 0
+        for size, k in zip(sizes, keep, strict=True):
+            slots = padded_numel(size)
+            if not k:
+                new_codes[code_start : code_start + slots].copy_(codes[code_start : code_start + slots])
+                block = slice(code_start // QUANT_BLOCK, (code_start + slots) // QUANT_BLOCK)
+                new_scales[block].copy_(scales[block])
+            code_start += slots
+
+
+def _decode_piece(stored: torch.Tensor, kind: str, moment_dtype: str, sizes: list[int], piece: _Piece,
+                  values: torch.Tensor, temporaries: DecodeScratch) -> None:
+    span = slice(piece.stored_start, piece.stored_start + piece.numel)
+    if moment_dtype == "bf16":
+        values.copy_(stored[span])  # widening is exact
+        return
+    codes, scales = int8_views(stored, sizes)
+    blocks = slice(span.start // QUANT_BLOCK, span.stop // QUANT_BLOCK)
+    decode_into(codes[span], scales[blocks], kind, values, temporaries)
+
+
+def _encode_piece(values: torch.Tensor, kind: str, moment_dtype: str, sizes: list[int], piece: _Piece,
+                  stored: torch.Tensor, temporaries: DecodeScratch) -> None:
+    span = slice(piece.stored_start, piece.stored_start + piece.numel)
+    if moment_dtype == "bf16":
+        stored[span].copy_(values)  # round to nearest even
+        return
+    codes, scales = int8_views(stored, sizes)
+    blocks = slice(span.start // QUANT_BLOCK, span.stop // QUANT_BLOCK)
+    encode_from(values, kind, codes[span], scales[blocks], temporaries)
+
+
+def _fused_piece(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, piece: _Piece,
+                 steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> None:
+    """torch's fused AdamW on the piece's per-parameter sub-views, one call per distinct hyper-parameter setting
+    (as ``adamw_update_grouped``); the steps were incremented already."""
+    groups: dict[AdamWHyper, list[_Part]] = {}
+    for part in piece.parts:
+        groups.setdefault(hypers[part.kept], []).append(part)
+    for hyper, parts in groups.items():
+        flat = [slice(p.flat, p.flat + p.end - p.start) for p in parts]
+        local = [slice(p.local, p.local + p.end - p.start) for p in parts]
+        torch._fused_adamw_(
+            [master[s] for s in flat], [grad[s] for s in flat], [m[s] for s in local], [v[s] for s in local], [],
+            [steps[p.kept] for p in parts],
+            lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
+            amsgrad=False, maximize=False,
+        )

@@ -38,7 +38,7 @@ from runtime.core.blocks import Block
 from runtime.planning.memory_plan import STATE_KINDS, WeightSource
 from runtime.update.adam import AdamWHyper, scale_slots
 from runtime.update.collaborators import ComputeWeights
-from runtime.update.moments import adamw_update_block
+from runtime.update.moments import MomentScratch, adamw_update_block
 from runtime.update.speculation import SpareBuffers
 from tierstore import CapacityError, CopyState, Handle, TierName, TierStore, close_at_exit
 
@@ -104,6 +104,7 @@ class UpdateWorker:
                  lookahead: int = 2, record_intervals: bool = False, moment_dtype: str = "fp32"):
         self.blocks = blocks
         self.moment_dtype = moment_dtype  # how the moments are stored (runtime.update.moments decodes and encodes)
+        self._moment_scratch = MomentScratch()  # this thread's fp32 pieces of compact moments, reused by every update
         self.store = store
         self.hyper = hyper
         self.weights = weights
@@ -381,7 +382,8 @@ class UpdateWorker:
         keep = job.mask or [True] * len(sizes)
         kernel_start = time.perf_counter()
         adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
-                           _kept(self.param_steps[index], keep), _kept(job.hypers, keep), self.moment_dtype)
+                           _kept(self.param_steps[index], keep), _kept(job.hypers, keep), self.moment_dtype,
+                           scratch=self._moment_scratch)
         self.stats.kernel_s += time.perf_counter() - kernel_start
         for kind in STATE_KINDS:
             self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
@@ -435,7 +437,7 @@ class UpdateWorker:
         # The spares replace whole buffers: the update leaves parameters without a gradient as they were there too.
         adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
                            _kept(job.spec_steps, keep), _kept(job.hypers, keep), self.moment_dtype,
-                           out=(targets["master"], targets["exp_avg"], targets["exp_avg_sq"]))
+                           out=(targets["master"], targets["exp_avg"], targets["exp_avg_sq"]), scratch=self._moment_scratch)
         self.stats.kernel_s += time.perf_counter() - kernel_start  # an early update's kernel is the kernel too
         with self._cond:
             job.phase = JobPhase.SPECULATED

@@ -24,9 +24,10 @@ from tierstore import HEADER_NBYTES, TierName, align_up
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 # int8 against fp32 moments, the same batches and init, lr 1e-3, INT8_STEPS steps: each step's loss within
 # INT8_LOSS_SHARE of fp32's, and the masters' distance from fp32's (L2 over the model) at most INT8_UPDATE_SHARE of
-# the distance fp32's training moved them from the init (bf16 moments: about 0.002 here).
-INT8_LOSS_SHARE = 0.02
-INT8_UPDATE_SHARE = 0.5
+# the distance fp32's training moved them from the init. Measured (2026-11-29, CPU): losses within 5e-5, distance
+# 0.028 (bf16 moments: 0.0017); the bounds leave about 4x room.
+INT8_LOSS_SHARE = 2e-4
+INT8_UPDATE_SHARE = 0.1
 INT8_STEPS = 12
 
 

@@ -1,0 +1,211 @@
+"""How Adam's moments are stored (``optimizer.moment_dtype``): fp32, bf16, or 8-bit blockwise codes with scales.
+
+Owns: the byte layout of one stored moment of a block (:func:`moment_storage`), the all-zero state, and the
+conversions between a stored moment and fp32 values, whole (:func:`decode_moment`, :func:`encode_moment`, for
+checkpoints and ``state_dict``) and by piece (:func:`decode_into`, :func:`encode_from`, what the update runs).
+Leaves out: the AdamW step over these formats (``runtime.update.moments``). Device-agnostic torch: the same code
+runs on CPU and CUDA tensors; no Python per element.
+
+fp32: the values (exactly today's state). bf16: the values rounded to bfloat16, round-to-nearest-even (torch's
+float -> bfloat16 conversion); widening back is exact.
+
+int8 (``uint8`` buffer): each parameter's values are cut into blocks of :data:`QUANT_BLOCK`, and a block's codes
+are relative to its own scale ``s`` (its largest magnitude, at least :data:`MIN_SCALE`). A parameter's blocks never
+hold another parameter's values (its codes are padded to a block multiple with zero codes), so updating one
+parameter never changes another's bytes. Layout: every parameter's padded codes in order, then one fp32 scale per
+block, the total rounded up to 64 bytes.
+
+- ``exp_avg`` (signed): ``c = round(127 * sign(m) * sqrt(|m| / s))``, ``m' = sign(c) * s * (c / 127)^2``, an int8
+  code. A linear code (``s / 127`` a step) loses every value below ``s / 254`` in the block to zero, and an element
+  whose gradients stay small against its block's largest never moves again (its ``m`` rounds back to zero each
+  step); the square-root companding keeps values down to ``s / 64516`` with a relative error of about
+  ``(1/127) * sqrt(s / |m|)``. Per block: ``|m - m'| <= sqrt(s * |m|) / 127 + s / 64516``.
+- ``exp_avg_sq`` (non-negative, many decades in one block): ``c = round(255 * (v / s)^(1/4))``, raised to 1 for
+  any ``v > 0``; ``v' = s * (c / 255)^4``. AdamW divides by ``sqrt(v') + eps``, so what matters is ``sqrt(v')``,
+  linear in ``c^2``: its relative error is about ``1 / c``, over 9 decades of ``v`` below the block's largest.
+  A zero code under a non-zero ``m`` would divide by ``eps`` alone and make a huge step: no positive ``v`` gets
+  code 0, and rounding never underestimates ``sqrt(v)`` by more than the factor ``(c / (c + 0.5))^2 >= 4/9``, so
+  a step is at most 2.25x its fp32 size, and that only for ``v`` below ``1.2e-9`` of its block's largest (at most
+  1.1x for ``v`` above ``1e-5`` of it). Rounding up always (``ceil``) would be safer still, but every block is
+  encoded again each step, so an upward rounding ratchets: a ``v`` that decays (0.1% a step with beta2 0.999,
+  smaller than a code's step) could never come down. Per block:
+  ``|sqrt(v) - sqrt(v')| <= (s * v)^(1/4) / 255 + sqrt(s) / 255^2``.
+- :data:`QUANT_BLOCK` = 2048 values a scale: bitsandbytes' block for its 8-bit optimizers; the scales cost 4 bytes
+  in 2048 (0.2%), and a parameter's padding at most 2047 bytes (a 4096-wide norm weight: none).
+- :data:`MIN_SCALE` = 2^-90: every decode factor (``s / 127^2``, ``s / 255^4``) stays a normal float, so a block of
+  tiny or denormal values keeps the bound above; values that small (``m`` below 1e-27, ``sqrt(v)`` below 3e-14,
+  far below AdamW's eps) do not move a weight.
+
+Non-finite values are not representable: a block holding one decodes to NaN (the fp32 update would carry it too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MOMENT_DTYPES = ("fp32", "bf16", "int8")
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
+QUANT_BLOCK = 2048
+MIN_SCALE = 2.0**-90
+STORE_ALIGN = 64  # bytes: an int8 moment's buffer is a whole number of cache lines
+
+_M_LEVELS = 127.0  # int8 codes -127..127 (-128 unused: the map is symmetric)
+_V_LEVELS = 255.0  # uint8 codes 0..255
+
+
+def _check(moment_dtype: str, kind: str | None = None) -> None:
+    if moment_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"moment_dtype {moment_dtype!r} is not one of {MOMENT_DTYPES} (optimizer.moment_dtype)")
+    if kind is not None and kind not in MOMENT_KINDS:
+        raise ValueError(f"moment kind {kind!r} is not one of {MOMENT_KINDS}")
+
+
+def padded_numel(numel: int) -> int:
+    """Element slots a parameter of ``numel`` values takes in an int8 moment: a whole number of blocks."""
+    return -(-numel // QUANT_BLOCK) * QUANT_BLOCK
+
+
+def int8_layout(sizes: list[int]) -> tuple[int, int, int]:
+    """(codes nbytes, number of blocks, total nbytes) of an int8 moment of parameters with ``sizes`` elements."""
+    codes_nbytes = sum(padded_numel(size) for size in sizes)
+    num_blocks = codes_nbytes // QUANT_BLOCK
+    total = codes_nbytes + 4 * num_blocks
+    return codes_nbytes, num_blocks, -(-total // STORE_ALIGN) * STORE_ALIGN
+
+
+def int8_tail(sizes: list[int]) -> int:
+    """Byte offset of an int8 moment's alignment tail (after the scales; never read)."""
+    codes_nbytes, num_blocks, _ = int8_layout(sizes)
+    return codes_nbytes + 4 * num_blocks
+
+
+def moment_storage(moment_dtype: str, sizes: list[int]) -> tuple[torch.dtype, int]:
+    """(dtype, numel) of the one flat buffer that holds one moment (``exp_avg`` or ``exp_avg_sq``) of a block whose
+    parameters have ``sizes`` elements. fp32: (float32, sum); bf16: (bfloat16, sum); int8: (uint8, bytes) holding
+    each parameter's codes padded to a :data:`QUANT_BLOCK` multiple, then the per-block fp32 scales, the total a
+    multiple of 64 bytes."""
+    _check(moment_dtype)
+    if moment_dtype == "fp32":
+        return torch.float32, sum(sizes)
+    if moment_dtype == "bf16":
+        return torch.bfloat16, sum(sizes)
+    return torch.uint8, int8_layout(sizes)[2]
+
+
+def moment_nbytes(moment_dtype: str, sizes: list[int]) -> int:
+    """Bytes of one stored moment of a block whose parameters have ``sizes`` elements."""
+    dtype, numel = moment_storage(moment_dtype, sizes)
+    return numel * dtype.itemsize
+
+
+def _check_stored(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
+    dtype, numel = moment_storage(moment_dtype, sizes)
+    if stored.dtype != dtype or stored.numel() != numel or stored.dim() != 1:
+        raise RuntimeError(f"a stored {moment_dtype} moment of sizes {len(sizes)} params must be 1-D {dtype} of "
+                           f"{numel} elements, got {stored.dtype} {tuple(stored.shape)}")
+
+
+def int8_views(stored: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes as uint8, scales as float32) views of a stored int8 moment."""
+    codes_nbytes, num_blocks, _ = int8_layout(sizes)
+    return stored[:codes_nbytes], stored[codes_nbytes : codes_nbytes + 4 * num_blocks].view(torch.float32)
+
+
+def zero_moments(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
+    """Write the initial (all-zero) state of a moment into ``stored``: zero values, zero codes, zero scales."""
+    _check_stored(stored, moment_dtype, sizes)
+    stored.zero_()
+
+
+class DecodeScratch:
+    """A temporary of one piece for the int8 maps (allocated once per update, reused by every piece)."""
+
+    def __init__(self, numel: int, device: torch.device):
+        self.tmp = torch.empty(numel, dtype=torch.float32, device=device)
+        self.tmp2 = torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def decode_into(codes: torch.Tensor, scales: torch.Tensor, kind: str, values: torch.Tensor,
+                scratch: DecodeScratch) -> None:
+    """fp32 values of int8 ``codes`` (uint8 bytes, a whole number of blocks) with their ``scales`` into ``values``
+    (as many elements as codes)."""
+    blocks = values.view(-1, QUANT_BLOCK)
+    if kind == "exp_avg":
+        values.copy_(codes.view(torch.int8))
+        magnitude = torch.abs(values, out=scratch.tmp[: values.numel()])
+        values.mul_(magnitude)  # c * |c|: the square, with the code's sign
+        blocks.mul_((scales / (_M_LEVELS * _M_LEVELS)).unsqueeze(1))
+    else:
+        values.copy_(codes)
+        values.mul_(values)
+        values.mul_(values)  # c^4, exact up to fp32 rounding of the product
+        blocks.mul_((scales / _V_LEVELS**4).unsqueeze(1))
+
+
+def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
+                scratch: DecodeScratch) -> None:
+    """int8 codes and block scales of fp32 ``values`` (a whole number of blocks; padding slots hold zeros)."""
+    n = values.numel()
+    y = scratch.tmp[:n]
+    y_blocks = y.view(-1, QUANT_BLOCK)
+    if kind == "exp_avg":
+        torch.abs(values, out=y)
+        scale = torch.amax(y_blocks, dim=1).clamp_min_(MIN_SCALE)
+        y_blocks.mul_(scale.reciprocal().unsqueeze(1))
+        y.sqrt_().mul_(_M_LEVELS).round_()
+        y.clamp_max_(_M_LEVELS)  # a product one ulp above 1 must not wrap
+        y.copysign_(values)
+        codes.view(torch.int8).copy_(y)
+    else:
+        scale = torch.amax(values.view(-1, QUANT_BLOCK), dim=1).clamp_min_(MIN_SCALE)
+        torch.mul(values.view(-1, QUANT_BLOCK), scale.reciprocal().unsqueeze(1), out=y_blocks)
+        y.sqrt_().sqrt_().mul_(_V_LEVELS).round_()
+        y.clamp_max_(_V_LEVELS)
+        # A positive v never gets code 0 (sign is 1 there, 0 for v == 0): AdamW would divide its m by eps alone.
+        torch.maximum(y, torch.sign(values, out=scratch.tmp2[:n]), out=y)
+        codes.copy_(y)
+    scales.copy_(scale)
+
+
+def decode_moment(stored: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int]) -> torch.Tensor:
+    """fp32 flat values (``sum(sizes)``) of a stored moment; ``kind`` is "exp_avg" or "exp_avg_sq" (the int8 maps
+    differ). For fp32 this is ``stored`` itself, not a copy; for the others a new tensor."""
+    _check(moment_dtype, kind)
+    _check_stored(stored, moment_dtype, sizes)
+    if moment_dtype == "fp32":
+        return stored
+    if moment_dtype == "bf16":
+        return stored.float()
+    codes, scales = int8_views(stored, sizes)
+    padded = torch.empty(codes.numel(), dtype=torch.float32, device=stored.device)
+    decode_into(codes, scales, kind, padded, DecodeScratch(codes.numel(), stored.device))
+    return torch.cat([padded[start : start + size] for start, size in zip(_padded_starts(sizes), sizes, strict=True)]) \
+        if sizes else padded[:0]
+
+
+def encode_moment(values_fp32: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int],
+                  out_stored: torch.Tensor) -> None:
+    """Store fp32 flat ``values_fp32`` (``sum(sizes)``) as a moment of ``moment_dtype`` in ``out_stored``."""
+    _check(moment_dtype, kind)
+    _check_stored(out_stored, moment_dtype, sizes)
+    if values_fp32.dtype != torch.float32 or values_fp32.numel() != sum(sizes):
+        raise RuntimeError(f"encode_moment takes {sum(sizes)} fp32 values, got {values_fp32.dtype} "
+                           f"{tuple(values_fp32.shape)}")
+    if moment_dtype != "int8":
+        out_stored.copy_(values_fp32.reshape(-1))
+        return
+    codes, scales = int8_views(out_stored, sizes)
+    padded = torch.zeros(codes.numel(), dtype=torch.float32, device=out_stored.device)
+    offset = 0
+    for start, size in zip(_padded_starts(sizes), sizes, strict=True):
+        padded[start : start + size].copy_(values_fp32.reshape(-1)[offset : offset + size])
+        offset += size
+    encode_from(padded, kind, codes, scales, DecodeScratch(codes.numel(), out_stored.device))
+
+
+def _padded_starts(sizes: list[int]) -> list[int]:
+    starts, offset = [], 0
+    for size in sizes:
+        starts.append(offset)
+        offset += padded_numel(size)
+    return starts

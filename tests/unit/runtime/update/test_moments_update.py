@@ -1,0 +1,237 @@
+"""adamw_update_block over every moment format: fp32 is today's update bit for bit; bf16 equals a plain-torch
+reference (widen, one fused AdamW step on fp32 copies, narrow) bit for bit; int8 equals decode, one fused step over
+whole tensors, encode, byte for byte; skipped parameters keep every byte and their step; ``out=`` leaves the inputs
+and lands the in-place result; a tiny v beside a large one never makes a huge step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.update.adam import AdamWHyper, adamw_update_grouped, split_views
+from runtime.update.moment_formats import int8_views, padded_numel
+from runtime.update.moments import (
+    MOMENT_DTYPES,
+    QUANT_BLOCK,
+    MomentScratch,
+    adamw_update_block,
+    decode_moment,
+    encode_moment,
+    moment_storage,
+    zero_moments,
+)
+
+SIZES = [3000, 70001, 17, 1 << 14, 5, 4096]
+HYPERS = [AdamWHyper(lr=1e-2), AdamWHyper(lr=1e-2), AdamWHyper(lr=3e-3, weight_decay=0.0), AdamWHyper(lr=1e-2),
+          AdamWHyper(lr=1e-2, eps=1e-6), AdamWHyper(lr=1e-2)]
+PIECES = [QUANT_BLOCK, 8 * QUANT_BLOCK, None]  # None: the default, one piece a few parameters
+
+
+class Block:
+    """A block's flat master and stored moments, and the per-parameter step counters."""
+
+    def __init__(self, moment_dtype: str, sizes: list[int], seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.moment_dtype, self.sizes = moment_dtype, sizes
+        self.master = torch.randn(sum(sizes), generator=gen)
+        dtype, numel = moment_storage(moment_dtype, sizes)
+        self.exp_avg, self.exp_avg_sq = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        zero_moments(self.exp_avg, moment_dtype, sizes)
+        zero_moments(self.exp_avg_sq, moment_dtype, sizes)
+        self.steps = [torch.zeros(()) for _ in sizes]
+
+    def clone(self) -> Block:
+        twin = Block.__new__(Block)
+        twin.moment_dtype, twin.sizes = self.moment_dtype, self.sizes
+        twin.master, twin.exp_avg, twin.exp_avg_sq = self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone()
+        twin.steps = [s.clone() for s in self.steps]
+        return twin
+
+    def update(self, grad: torch.Tensor, keep: list[bool], hypers: list[AdamWHyper], **kwargs) -> None:
+        pick = [i for i, k in enumerate(keep) if k]
+        adamw_update_block(self.master, grad, self.exp_avg, self.exp_avg_sq, self.sizes, keep,
+                           [self.steps[i] for i in pick], [hypers[i] for i in pick], self.moment_dtype, **kwargs)
+
+    def same(self, other: Block) -> bool:
+        return (torch.equal(self.master, other.master) and torch.equal(self.exp_avg, other.exp_avg)
+                and torch.equal(self.exp_avg_sq, other.exp_avg_sq)
+                and [float(s) for s in self.steps] == [float(s) for s in other.steps])
+
+
+def _grads(step: int, sizes: list[int] = SIZES) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(sum(sizes), generator=gen) * (10.0 ** (step - 3))  # magnitudes change from step to step
+
+
+def _reference_step(block: Block, grad: torch.Tensor, keep: list[bool], hypers: list[AdamWHyper]) -> None:
+    """Plain torch: decode the stored moments to fp32 copies, one fused AdamW step on the kept parameters' whole
+    tensors, encode back (bf16: narrow with torch's conversion)."""
+    m = decode_moment(block.exp_avg, block.moment_dtype, "exp_avg", block.sizes).clone()
+    v = decode_moment(block.exp_avg_sq, block.moment_dtype, "exp_avg_sq", block.sizes).clone()
+
+    def views(flat: torch.Tensor) -> list[torch.Tensor]:
+        return [view for view, k in zip(split_views(flat, block.sizes), keep, strict=True) if k]
+
+    pick = [i for i, k in enumerate(keep) if k]
+    adamw_update_grouped(views(block.master), views(grad), views(m), views(v), [block.steps[i] for i in pick],
+                         [hypers[i] for i in pick])
+    if block.moment_dtype == "bf16":
+        block.exp_avg.copy_(m.to(torch.bfloat16))
+        block.exp_avg_sq.copy_(v.to(torch.bfloat16))
+        return
+    for kind, values, stored in (("exp_avg", m, block.exp_avg), ("exp_avg_sq", v, block.exp_avg_sq)):
+        old = stored.clone()
+        encode_moment(values, "int8", kind, block.sizes, stored)
+        # a skipped parameter's bytes stay as they were (decoding and encoding again may move a scale's last bit)
+        (codes, scales), (old_codes, old_scales), start = int8_views(stored, block.sizes), int8_views(old, block.sizes), 0
+        for size, k in zip(block.sizes, keep, strict=True):
+            slots = padded_numel(size)
+            if not k:
+                codes[start : start + slots] = old_codes[start : start + slots]
+                scales[start // QUANT_BLOCK : (start + slots) // QUANT_BLOCK] = \
+                    old_scales[start // QUANT_BLOCK : (start + slots) // QUANT_BLOCK]
+            start += slots
+
+
+def test_fp32_is_todays_update_bit_for_bit():
+    torch.manual_seed(0)
+    block, ref = Block("fp32", SIZES), Block("fp32", SIZES)
+    m, v = ref.exp_avg, ref.exp_avg_sq
+    for step in range(1, 5):
+        grad = _grads(step)
+        keep = [True, step % 2 == 0, True, True, step != 3, True]
+        block.update(grad, keep, HYPERS)
+        pick = [i for i, k in enumerate(keep) if k]
+
+        def views(flat: torch.Tensor, keep=keep) -> list[torch.Tensor]:
+            return [view for view, k in zip(split_views(flat, SIZES), keep, strict=True) if k]
+
+        adamw_update_grouped(views(ref.master), views(grad), views(m), views(v), [ref.steps[i] for i in pick],
+                             [HYPERS[i] for i in pick])
+        assert block.same(ref), f"step {step}"
+
+
+@pytest.mark.parametrize("piece_numel", PIECES)
+def test_bf16_equals_the_plain_torch_reference_bit_for_bit(piece_numel):
+    """Widen, torch's fused AdamW over whole fp32 tensors, narrow (round to nearest even): the same bits, whatever
+    the piece size (a parameter split across pieces, several parameters in one)."""
+    block = Block("bf16", SIZES)
+    ref = block.clone()
+    scratch = MomentScratch()
+    for step in range(1, 6):
+        grad = _grads(step)
+        keep = [True, True, step % 2 == 0, True, True, step != 2]
+        block.update(grad, keep, HYPERS, scratch=scratch, piece_numel=piece_numel)
+        _reference_step(ref, grad, keep, HYPERS)
+        assert block.same(ref), f"step {step}"
+    assert block.exp_avg.float().abs().sum() > 0 and float(block.steps[2]) == 2.0
+
+
+def test_bf16_reference_with_torch_optim_adamw():
+    """The bf16 update is torch.optim.AdamW(fused=True) on widened moments, narrowed after each step."""
+    sizes = [1000, 64, 3]
+    block = Block("bf16", sizes)
+    params = [torch.nn.Parameter(v.clone()) for v in split_views(block.master.clone(), sizes)]
+    hyper = AdamWHyper(lr=2e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(params, lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+                                  weight_decay=hyper.weight_decay, fused=True)
+    for step in range(1, 4):
+        grad = _grads(step, sizes)
+        for p, g in zip(params, split_views(grad, sizes), strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+        for p in params:  # what bf16 storage keeps of the state
+            for key in ("exp_avg", "exp_avg_sq"):
+                optimizer.state[p][key].copy_(optimizer.state[p][key].bfloat16().float())
+        block.update(grad, [True] * 3, [hyper] * 3)
+        assert torch.equal(block.master, torch.cat([p.detach() for p in params]))
+        assert torch.equal(block.exp_avg.float(), torch.cat([optimizer.state[p]["exp_avg"] for p in params]))
+        assert torch.equal(block.exp_avg_sq.float(), torch.cat([optimizer.state[p]["exp_avg_sq"] for p in params]))
+
+
+@pytest.mark.parametrize("piece_numel", PIECES)
+def test_int8_equals_decode_update_encode_over_whole_tensors(piece_numel):
+    block = Block("int8", SIZES)
+    ref = block.clone()
+    for step in range(1, 6):
+        grad = _grads(step)
+        keep = [step != 4, True, True, step % 2 == 1, True, True]
+        block.update(grad, keep, HYPERS, piece_numel=piece_numel)
+        _reference_step(ref, grad, keep, HYPERS)
+        assert block.same(ref), f"step {step}"
+
+
+@pytest.mark.parametrize("moment_dtype", MOMENT_DTYPES)
+def test_skipped_parameters_keep_every_byte_and_their_step(moment_dtype):
+    block = Block(moment_dtype, SIZES)
+    block.update(_grads(1), [True] * len(SIZES), HYPERS)
+    before = block.clone()
+    keep = [True, False, True, False, True, True]
+    block.update(_grads(2), keep, HYPERS, piece_numel=2 * QUANT_BLOCK)
+    assert [float(s) for s in block.steps] == [2.0, 1.0, 2.0, 1.0, 2.0, 2.0]
+    for i in (1, 3):
+        assert torch.equal(split_views(block.master, SIZES)[i], split_views(before.master, SIZES)[i])
+        for kind, now, then in (("exp_avg", block.exp_avg, before.exp_avg), ("exp_avg_sq", block.exp_avg_sq,
+                                                                            before.exp_avg_sq)):
+            assert torch.equal(split_views(decode_moment(now, moment_dtype, kind, SIZES), SIZES)[i],
+                               split_views(decode_moment(then, moment_dtype, kind, SIZES), SIZES)[i])
+    for i in (0, 2, 4, 5):
+        assert not torch.equal(split_views(block.master, SIZES)[i], split_views(before.master, SIZES)[i])
+    if moment_dtype == "int8":  # their codes and scales bytes too, not only the decoded values
+        for now, then in ((block.exp_avg, before.exp_avg), (block.exp_avg_sq, before.exp_avg_sq)):
+            (codes, scales), (old_codes, old_scales) = int8_views(now, SIZES), int8_views(then, SIZES)
+            assert torch.equal(codes[4096 : 4096 + 71680], old_codes[4096 : 4096 + 71680])  # parameter 1
+            assert torch.equal(scales[2:37], old_scales[2:37])
+
+
+@pytest.mark.parametrize("moment_dtype", MOMENT_DTYPES)
+@pytest.mark.parametrize("keep", [[True] * 6, [True, False, True, True, False, True]])
+def test_out_of_place_leaves_the_inputs_and_lands_the_in_place_result(moment_dtype, keep):
+    block = Block(moment_dtype, SIZES)
+    block.update(_grads(1), [True] * len(SIZES), HYPERS)
+    in_place, before = block.clone(), block.clone()
+    grad = _grads(2)
+    in_place.update(grad, keep, HYPERS, piece_numel=4 * QUANT_BLOCK)
+    out = tuple(torch.full_like(t, 3) for t in (block.master, block.exp_avg, block.exp_avg_sq))
+    block.update(grad, keep, HYPERS, out=out, piece_numel=4 * QUANT_BLOCK)
+    assert torch.equal(block.master, before.master) and torch.equal(block.exp_avg, before.exp_avg)
+    assert torch.equal(block.exp_avg_sq, before.exp_avg_sq)
+    assert [float(s) for s in block.steps] == [float(s) for s in in_place.steps]  # the steps do move
+    assert torch.equal(out[0], in_place.master) and torch.equal(out[1], in_place.exp_avg)
+    assert torch.equal(out[2], in_place.exp_avg_sq)
+
+
+def test_a_tiny_v_beside_a_large_one_never_makes_a_huge_step():
+    """Elements whose gradients are 1e-4 and 1e-6 of their block's largest (v 1e-8 and 1e-12 of the block's, the
+    latter below the smallest non-zero code): v never decodes to zero, a step is never above 2.25x fp32's (never
+    m / eps), the first stays near fp32's step, the second (its v read high) smaller but moving."""
+    sizes = [QUANT_BLOCK]
+    grad = torch.full((QUANT_BLOCK,), 1e-4)
+    grad[0] = 1.0
+    grad[QUANT_BLOCK // 2 :] = 1e-6
+    hyper = AdamWHyper(lr=1e-2, weight_decay=0.0)
+    moved = {}
+    for moment_dtype in ("fp32", "int8"):
+        block = Block(moment_dtype, sizes)
+        start = block.master.clone()
+        for step in range(1, 11):
+            block.update(grad * (1 + 0.1 * step), [True], [hyper])
+            v = decode_moment(block.exp_avg_sq, moment_dtype, "exp_avg_sq", sizes)
+            assert (v > 0).all()
+        moved[moment_dtype] = (block.master - start).abs()
+    ratio = moved["int8"] / moved["fp32"]
+    assert (ratio <= 2.25).all()
+    assert ((ratio[1 : QUANT_BLOCK // 2] > 0.5) & (ratio[1 : QUANT_BLOCK // 2] < 1.6)).all()
+    assert (ratio[QUANT_BLOCK // 2 :] > 0.01).all()
+
+
+def test_wrong_lengths_and_piece_sizes_are_refused():
+    block = Block("bf16", [10, 20])
+    with pytest.raises(RuntimeError, match="kept"):
+        adamw_update_block(block.master, torch.zeros(30), block.exp_avg, block.exp_avg_sq, [10, 20], [True, False],
+                           block.steps, [AdamWHyper()] * 2, "bf16")
+    with pytest.raises(ValueError, match="QUANT_BLOCK"):
+        block.update(torch.zeros(30), [True, True], [AdamWHyper()] * 2, piece_numel=1000)
+    with pytest.raises(ValueError, match="moment_dtype"):
+        adamw_update_block(block.master, torch.zeros(30), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
+                           block.steps, [AdamWHyper()] * 2, "int4")
