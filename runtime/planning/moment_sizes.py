@@ -1,9 +1,9 @@
 """How many bytes one stored Adam moment of a block takes in each ``optimizer.moment_dtype``: the plan counts them
 before anything is allocated (the host arena is sized to the byte).
 
-The layout itself (codes, scales, their order) belongs to ``runtime.update.moments``, which encodes and decodes it;
+The layout itself (codes, scales, their order) belongs to ``runtime.update.moment_formats``, which encodes and decodes it;
 ``planning`` sits below ``update`` and may not import it, so the byte count is written here and
-tests/unit/runtime/planning/test_moment_sizes.py checks it against ``moments.moment_nbytes`` for every format and
+tests/unit/runtime/planning/test_moment_plan.py checks it against ``moments.moment_nbytes`` for every format and
 many block shapes. (Should ``moments`` import its sizes from here, that test becomes trivial: the issue 43 report
 suggests it.) Leaves out: encoding, decoding and the update (``runtime.update.moments``).
 """
@@ -11,7 +11,7 @@ suggests it.) Leaves out: encoding, decoding and the update (``runtime.update.mo
 from __future__ import annotations
 
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
-QUANT_BLOCK = 2048  # values per int8 scale: runtime.update.moments.QUANT_BLOCK (the test above checks)
+QUANT_BLOCK = 2048  # values per int8 scale: runtime.update.moment_formats.QUANT_BLOCK (the test above checks)
 INT8_ALIGN = 64  # an int8 moment's buffer is a multiple of this many bytes (its fp32 scales stay aligned)
 
 

@@ -104,6 +104,10 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
                              activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"
                              else int(cfg.tiers.gpu.activation_reserve))
     chosen = choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
+    if opt.moment_dtype != "fp32":  # the "set" the notes say is this line's
+        chosen = dataclasses.replace(chosen, notes=(*chosen.notes, (
+            f"  optimizer.moment_dtype {opt.moment_dtype}: compact moments update on the CPU, so gpu_update_fraction "
+            "and gpu_stream_fraction are 0")))
     return dataclasses.replace(chosen, host_sums=host_sums, rates=rates)
 
 

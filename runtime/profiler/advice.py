@@ -214,6 +214,11 @@ def _update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, st
         elif homes.get("exp_avg") == "host+nvme" and need and available >= RAM_MARGIN * need:
             add(f"raise tiers.host.budget by {size_text(need)} (placement.moments: auto then keeps every block's "
                 f"moments in pinned memory; {size_text(available)} of RAM was free)", min(wait, inputs), wait, why)
+        if cfg.get("moment_dtype", "fp32") == "fp32" and need:
+            # Half the bytes of every moment read and written; a spill shrinks (or ends) as well.
+            add("set optimizer.moment_dtype: bf16 (the moments in half the bytes on NVMe and in RAM, int8 in a "
+                "quarter; approximate: docs/user-guide.md, Compact Adam moments)", min(wait, inputs / 2), wait,
+                why + f", {size_text(need)} of fp32 moments")
         of_ceiling = (summary.get("totals") or {}).get("paths", {}).get("read", {}).get("of_ceiling")
         if of_ceiling is None or of_ceiling < READ_SATURATED:
             # Reads at the ceiling would take of_ceiling of the time they take now.
@@ -245,6 +250,8 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
         last = b["index"]
         if covered >= 0.8 * stalled:
             break
+    if cfg.get("moment_dtype", "fp32") != "fp32":
+        return  # compact moments update on the CPU (optimizer.gpu_update_fraction above 0 is refused)
     if summary.get("device_type") == "cuda" and cfg.get("gpu_update_fraction_auto"):
         _reserve_advice(summary, cfg, wait, steady, add, blocks, by_block)  # auto placement chooses the blocks
         return
