@@ -13,7 +13,7 @@ import torch
 
 from runtime import offload
 from runtime.bundled.data import stdlib_text_bytes
-from runtime.bundled.example_model import ExampleLM
+from runtime.bundled.example_model import ExampleLM, ModelShape
 from runtime.checkpoint.state import load_checkpoint, save_checkpoint
 from runtime.update.moments import decode_moment, encode_moment, moment_nbytes, moment_storage
 from tests.integration.checkpoint_training import tiny_config, train
@@ -256,3 +256,50 @@ def test_resume_within_one_format_is_exact(tmp_path, moment_dtype):
     assert moment_files and {entry["dtype"] for entry in moment_files} == {{"bf16": "bfloat16", "int8": "uint8"}[moment_dtype]}
     second = train(config(tmp_path / "b", "host"), corpus, total, checkpoint_dir=tmp_path / "ckpt", resume=True)
     assert {**first, **second} == reference
+
+
+SPILL_SHAPE = ModelShape(vocab_size=256, hidden_size=64, num_layers=8, num_heads=4, ffn_size=128, max_seq_len=64)
+
+
+def _layout(name: str, swap: str) -> tuple[dict, ModelShape, int]:
+    """(config extras, model shape, micro-batches a step) of a layout the bf16 moments must not change."""
+    if name == "host-sums":  # micro-batch gradients summed in host memory, then one update
+        return {"optimizer": {"accumulation_steps": 2, "accumulate_on": "host"}}, SHAPE, 2
+    if name == "all-nvme":  # master on NVMe too: the weights come from a host copy refreshed after each update
+        return {"placement": {"master": "nvme", "moments": "nvme"}, "tiers": {"nvme": {"path": swap}}}, SHAPE, 1
+    # placement.moments: auto under a host budget 32 KiB short of the plan: some blocks' moments spill to NVMe
+    return {"placement": {"moments": "auto"}, "tiers": {"nvme": {"path": swap}}, "blocks": {"min_block_size": 1}}, SPILL_SHAPE, 1
+
+
+@pytest.mark.parametrize("layout", ["host-sums", "all-nvme", "spill"])
+def test_bf16_moments_stay_exact_in_other_layouts(layout, tmpfs_dir):
+    extra, shape, micro = _layout(layout, str(tmpfs_dir))
+    config = config_of("bf16")
+    for section, values in extra.items():
+        config.setdefault(section, {}).update(values)
+    if layout == "spill":
+        torch.manual_seed(0)
+        _, probe = offload(ExampleLM(shape), {**config, "tiers": {**config["tiers"], "host": {"budget": 1 << 30}}})
+        with probe.session:
+            config["tiers"]["host"] = {"budget": probe.session.plan.host_nbytes - 2 * 16384}
+    torch.manual_seed(0)
+    reference = bf16_moment_reference(ExampleLM(shape), None)
+    reference.accumulation_steps = micro
+    torch.manual_seed(0)
+    model, optimizer = offload(ExampleLM(shape), config)
+    session = optimizer.session
+    with session:
+        if layout == "spill":
+            assert 0 < len(session.controller.options.spilled_blocks) < len(session.blocks)
+        batches = make_batches(4 * micro)
+        for step in range(4):
+            micro_batches = batches[step * micro : (step + 1) * micro]
+            ours = []
+            for x, y in micro_batches:
+                loss = model(x, y)
+                loss.backward()
+                ours.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+            assert ours == reference.train_step(micro_batches), f"step {step + 1}"
+        assert_identical(session.master_state_dict(), reference)
