@@ -27,14 +27,14 @@ from runtime.model.optimizer import OffloadAdamW, check_param_groups, param_grou
 from runtime.model.param_guard import ParamGuard, is_offloaded
 from runtime.model.recompute import BufferWatch, ForwardTimer, Recompute, already_checkpointed, recompute_refusal
 from runtime.model.state_access import StateAccess
-from runtime.planning.auto_placement import STATE_ITEMSIZE, Placement, Rates
+from runtime.planning.auto_placement import Placement, Rates
 from runtime.planning.block_plan import spilled_after
 from runtime.planning.measured_placement import FirstStepPlacement, RecomputeTrial, first_step_listener
 from runtime.planning.memory_plan import Budgets, MemoryPlan, WeightSource
 from runtime.planning.oom_hint import install_oom_hint, reserve_hint
 from runtime.planning.peak_hint import PeakHint, cuda_peak, cuda_peak_reset, cuda_reserved_by_stream, cuda_step_peak
 from runtime.planning.placement import InForce, ResolvedPlan, adopted_plan, placement_at_reserve, plan_blocks, rates_needed
-from runtime.planning.settings import DTYPES, cpu_threads, cpu_updates_only, host_grad_dtype, resolve_device
+from runtime.planning.settings import DTYPES, cpu_threads, host_grad_dtype, resolve_device
 from runtime.update.adam import AdamWHyper
 from runtime.update.rates import measure_rates
 from tierstore import StoreConfig, TierName, TierStore
@@ -631,7 +631,8 @@ def _oom_hint(session: OffloadSession, requested: int, allocated: int) -> str | 
     if session.closed or session.store.closed or placement is None or not placement.activation_reserve_nbytes:
         return None
     controller = session.controller
-    state = STATE_ITEMSIZE * sum(session.blocks[i].numel for i in controller.gpu_updated)
+    state = sum(session.store.record(session.blocks[i].key(kind)).meta.nbytes for i in controller.gpu_updated
+                for kind in ("master", "exp_avg", "exp_avg_sq"))
     return reserve_hint(requested_nbytes=requested, allocated_nbytes=allocated,
                         store_gpu_nbytes=session.store.tiers[TierName.GPU].used_nbytes,
                         reserve_nbytes=placement.activation_reserve_nbytes,
@@ -644,8 +645,7 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
     fraction and keep were auto, the activation reserve (0: nothing auto on a GPU), the GPU budget the store
     has, the plan's GPU bytes and the weights kept for backward."""
     cfg, placement = session.config, session.placement
-    # Compact moments resolve an `auto` update fraction to 0: nothing for the hints to move to the GPU.
-    return {"gpu_update_fraction_auto": cpu_updates_only(cfg).optimizer.gpu_update_fraction == "auto",
+    return {"gpu_update_fraction_auto": cfg.optimizer.gpu_update_fraction == "auto",
             "keep_auto": cfg.prefetch.keep_for_backward == "auto",
             "activation_reserve_auto": cfg.tiers.gpu.activation_reserve == "auto",
             # placed after a measured first step (runtime.planning.measured_placement): its reserve is the measured one

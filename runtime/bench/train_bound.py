@@ -74,12 +74,15 @@ def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], 
     kept = _kept_numel([block_numels[i] for i in fetched], keep_nbytes, compute_elem_nbytes)
     carried = _carried_numel([block_numels[i] for i in fetched], prefetch_depth, prefetch_budget_nbytes, compute_elem_nbytes)
     disk = disk_state_nbytes(block_numels, gpu_updated, homes, spilled, moment_nbytes)
+    moments = moment_nbytes or [FP32 * n for n in block_numels]
+    state = STATE_NBYTES if not streamed_numel else (
+        sum(FP32 * block_numels[i] + 2 * moments[i] for i in streamed) / streamed_numel)
     return RowPlacement(num_params=total, accumulation=accumulation, resident_numel=total if resident else device,
                         fetch_elem_nbytes={"master": FP32, "weights": compute_elem_nbytes, "resident": 0}[weight_source],
                         kept_numel=kept, carried_numel=carried, fresh_numel=0 if resident else streamed_numel,
                         cpu_update_numel=total - device - streamed_numel, gpu_update_numel=device + streamed_numel,
                         streamed_numel=streamed_numel, refresh_elem_nbytes=FP32 if resident else 0,
-                        disk_state_nbytes=disk, cpu_threads=cpu_threads)
+                        disk_state_nbytes=disk, cpu_threads=cpu_threads, state_elem_nbytes=state)
 
 
 def _kept_numel(fetched_numels: list[int], keep_nbytes: int, elem_nbytes: int) -> int:

@@ -305,10 +305,10 @@ class OptimizerConfig:
         "stays fp32). `fp32` (the default): exact, torch.optim.AdamW's result bit for bit. `bf16`: 2 bytes a value "
         "each, half of fp32's; widened to fp32 for each update and rounded back (approximate: the moments keep 8 "
         "bits of mantissa). `int8`: 1 byte a value, blockwise quantized with an fp32 scale per block (the second "
-        "moment in a map suited to its range, as 8-bit Adam does): a quarter of fp32's bytes; approximate. Compact "
-        "moments update on the CPU in this version: `gpu_update_fraction` and `gpu_stream_fraction` resolve to 0 "
-        "(a value above 0 is refused). `optimizer.state_dict()` gives fp32 moments either way, and a checkpoint "
-        "written with one `moment_dtype` loads into a run with another.", "bf16")
+        "moment in a map suited to its range, as 8-bit Adam does): a quarter of fp32's bytes; approximate. The same "
+        "format wherever the update runs (CPU or GPU: `gpu_update_fraction`, `gpu_stream_fraction`). "
+        "`optimizer.state_dict()` gives fp32 moments either way, and a checkpoint written with one `moment_dtype` "
+        "loads into a run with another.", "bf16")
     loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
 
 
@@ -508,15 +508,6 @@ def consistency_problems(cfg: TierstoreConfig, written: Callable[[str], bool] | 
             f"placement puts {'master' if cfg.placement.master == 'nvme' else 'moments'} on nvme; "
             "place them on host (or auto), or set gpu_stream_fraction: 0.",
             ("placement.master", "placement.moments")))
-    if opt.moment_dtype != "fp32":
-        for key, value in (("gpu_update_fraction", update_fraction), ("gpu_stream_fraction", stream_fraction)):
-            if not isinstance(value, str) and value > 0:
-                problems.append(Problem(
-                    "bad_value", f"optimizer.{key}",
-                    f"optimizer.{key} ({value}) runs AdamW on the GPU, but optimizer.moment_dtype is "
-                    f"{opt.moment_dtype}: compact moments update on the CPU in this version. Set {key}: 0 (or "
-                    "`auto`, which resolves to 0 with compact moments), or moment_dtype: fp32.",
-                    ("optimizer.moment_dtype",)))
     if opt.host_grad_dtype == "compute" and cfg.dtype == "fp16":
         problems.append(Problem(
             "bad_value", "optimizer.host_grad_dtype",

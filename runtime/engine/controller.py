@@ -44,7 +44,7 @@ from runtime.engine.writeback import DeviceWritebacks
 from runtime.planning.auto_placement import gpu_streamed_blocks, gpu_updated_blocks
 from runtime.planning.memory_plan import WeightSource
 from runtime.update.adam import AdamWHyper
-from runtime.update.device_updates import DeviceUpdates, DeviceUpdateSettings, refuse_compact_on_device
+from runtime.update.device_updates import DeviceUpdates, DeviceUpdateSettings
 from runtime.update.worker import UpdateWorker
 from tierstore import TierName, TierStore, close_at_exit, wait_at_exit
 
@@ -63,7 +63,6 @@ class Controller:
         self.store = store
         self.options = options
         self.device = store.device
-        refuse_compact_on_device(options.moment_dtype, options.gpu_update_fraction, options.gpu_stream_fraction)
         # One record per block: its update site and spill, and its place in the step in progress.
         self.table = BlockTable(blocks, gpu_updated_blocks(blocks, options.gpu_update_fraction),
                                 gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction),
@@ -135,7 +134,7 @@ class Controller:
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self.writebacks = DeviceWritebacks(self.device)  # streamed state on its way home ([Note: paced write-back])
         settings = DeviceUpdateSettings(options.weight_source, options.prefetch_depth, options.gpu_stream_ahead,
-                                        self.deferred, self.gpu_updated, self.gpu_streamed)
+                                        self.deferred, self.gpu_updated, self.gpu_streamed, options.moment_dtype)
         self.device_updates = DeviceUpdates(settings, blocks, store, self.weights, self.worker, self.writebacks,
                                             self.clipper, self.gpu_param_steps, self.hypers.block_hypers)
         self.scaler = None if options.loss_scale is None else LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]

@@ -28,9 +28,9 @@ from runtime.engine.step_phase import StepPhase
 from runtime.engine.step_view import StepView
 from runtime.engine.weights import WeightManager
 from runtime.engine.writeback import DeviceWritebacks
-from runtime.planning.auto_placement import STATE_ITEMSIZE, gpu_streamed_blocks, gpu_updated_blocks
+from runtime.planning.auto_placement import gpu_streamed_blocks, gpu_updated_blocks
 from runtime.planning.memory_plan import MOMENT_KINDS, WeightSource
-from runtime.update.device_updates import DeviceUpdates, refuse_compact_on_device
+from runtime.update.device_updates import DeviceUpdates
 from runtime.update.moments import moment_storage, zero_moments
 from runtime.update.worker import STATE_KINDS, UpdateWorker
 from tierstore import CapacityError, TensorMeta, TierName, TierStore
@@ -46,10 +46,10 @@ def state_homes(block: Block, options: RuntimeOptions, table: BlockTable) -> dic
     (not for a device-updated or streamed block: its gradient never leaves the device) and the compute-dtype
     weights copy (when that is the weight source, not for a device-updated block: it casts from its master)."""
     f32 = TensorMeta(torch.float32, block.numel)
-    if block.index in table.gpu_updated:  # fp32 moments only: compact ones update on the CPU (the config refuses)
-        return {kind: (f32, TierName.GPU) for kind in STATE_KINDS}
-    state = {"master": (f32, options.homes["master"])}
     moments = TensorMeta(*moment_storage(options.moment_dtype, [slot.numel for slot in block.slots]))
+    if block.index in table.gpu_updated:
+        return {"master": (f32, TierName.GPU), **{kind: (moments, TierName.GPU) for kind in MOMENT_KINDS}}
+    state = {"master": (f32, options.homes["master"])}
     for kind in MOMENT_KINDS:
         state[kind] = (moments, TierName.NVME if block.index in options.spilled_blocks else options.homes[kind])
     if block.index not in table.gpu_streamed:
@@ -132,7 +132,6 @@ class Relocation:
         Waits for every committed update first. The device's share only grows (a block updated on the device stays
         there) and the spill only shrinks. Returns the options of the new placement."""
         options, table = self.view.options, self.table
-        refuse_compact_on_device(options.moment_dtype, update_fraction, stream_fraction)
         updated = gpu_updated_blocks(self.blocks, update_fraction)
         streamed = gpu_streamed_blocks(self.blocks, update_fraction, stream_fraction)
         spilled_now = options.spilled_blocks
@@ -147,7 +146,7 @@ class Relocation:
         if self.device.type == "cuda":  # weight refreshes and fetches may still read host masters that move below
             torch.cuda.synchronize(self.device)
         arriving = sorted(updated - table.gpu_updated)
-        need = sum(STATE_ITEMSIZE * self.blocks[i].numel + (0 if self.weights.states[i].resident else self.weights.nbytes(i))
+        need = sum(self._state_nbytes(i) + (0 if self.weights.states[i].resident else self.weights.nbytes(i))
                    for i in arriving)
         gpu = self.store.tiers[TierName.GPU]
         if need > gpu.free_nbytes:  # checked first: a block moved half-way would be neither here nor there
@@ -175,6 +174,10 @@ class Relocation:
         self.device_updates.placement_changed(updated, streamed)
         return dataclasses.replace(options, gpu_update_fraction=update_fraction, gpu_stream_fraction=stream_fraction,
                                    keep_for_backward_nbytes=keep_for_backward_nbytes, spilled_blocks=spilled)
+
+    def _state_nbytes(self, index: int) -> int:
+        """Bytes of block ``index``'s master and moments as stored (``optimizer.moment_dtype``)."""
+        return sum(self.store.record(self.blocks[index].key(kind)).meta.nbytes for kind in STATE_KINDS)
 
     def _check(self, updated: frozenset[int], streamed: frozenset[int], staying: frozenset[int]) -> None:
         """Refuse a change the engine cannot make: during a step, taking blocks from the device, spilling more."""

@@ -41,7 +41,9 @@ def plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName
                      cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
                      spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums,
                      grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize, moment_dtype=moment_dtype,
-                     moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in b.slots]) for b in host_updated])
+                     moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in b.slots]) for b in host_updated],
+                     gpu_moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in blocks[i].slots])
+                                        for i in sorted(updated)])
 
 
 def host_limit_nbytes(cfg: TierstoreConfig) -> int:

@@ -21,7 +21,14 @@ import torch
 
 from runtime.config.loader import TierstoreConfig
 from runtime.config.units import approx_size
-from runtime.planning.buffers import FETCH_PIECE_NUMEL, PIECE_NUMEL, STAGING_SLOTS, allocator_limit_nbytes
+from runtime.planning.buffers import (
+    DEVICE_MOMENT_PIECE_NUMEL,
+    FETCH_PIECE_NUMEL,
+    MOMENT_SCRATCH_ITEMSIZE,
+    PIECE_NUMEL,
+    STAGING_SLOTS,
+    allocator_limit_nbytes,
+)
 from runtime.planning.hostmem import HostMemory, host_memory, ram_backed
 from tierstore import align_up, swap_tmp_root
 
@@ -117,7 +124,8 @@ def _device_text(kind: str, device_type: str) -> str:
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
               prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None,
               spilled: int = 0, streamed: int = 0, spares: bool = False, host_sums: bool = False,
-              grad_itemsize: int = 4, moment_dtype: str = "fp32", moment_nbytes: list[int] | None = None) -> MemoryPlan:
+              grad_itemsize: int = 4, moment_dtype: str = "fp32", moment_nbytes: list[int] | None = None,
+              gpu_moment_nbytes: list[int] | None = None) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
     (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
     blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction). ``spilled``:
@@ -132,9 +140,10 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     ``grad_itemsize``: bytes an element of those host gradient buffers (``optimizer.host_grad_dtype``).
     ``moment_dtype``: how the host-updated blocks' moments are stored (``optimizer.moment_dtype``), with
     ``moment_nbytes`` the bytes of one moment of each of ``block_numels`` in it (``runtime.update.moments.moment_nbytes``;
-    None: fp32's 4 a value)."""
+    None: fp32's 4 a value), ``gpu_moment_nbytes`` the same of each of ``gpu_updated_numels``."""
     gpu_updated_numels = gpu_updated_numels or []
     moments = _MomentSizes(moment_dtype, moment_nbytes or [4 * n for n in block_numels])
+    gpu_moments = gpu_moment_nbytes or [4 * n for n in gpu_updated_numels]
     plan_homes = dict(homes)
     if spilled and homes["exp_avg"] == "host":
         plan_homes["exp_avg"] = plan_homes["exp_avg_sq"] = "host+nvme"
@@ -142,7 +151,7 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     largest = max(block_numels + gpu_updated_numels, default=0)
     if gpu_updated_numels:
         n = sum(gpu_updated_numels)
-        plan.rows.append(("device-updated master + moments", "gpu", 3 * 4 * n))
+        plan.rows.append(("device-updated master + moments", "gpu", 4 * n + 2 * sum(gpu_moments)))
         plan.rows.append(("device-updated weights", "gpu", n * compute_itemsize))
     on_disk = set(spill_order(block_numels, streamed)[:spilled])
     plan.rows.extend(_state_rows(block_numels, homes, on_disk, spilled, largest, moments))
@@ -155,7 +164,14 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
             for p, n in enumerate(block_numels) if p >= streamed and p not in on_disk)))
     if streamed:
         in_flight = min(streamed, STREAMED_IN_FLIGHT)
-        plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu", in_flight * 3 * 4 * max(block_numels[:streamed])))
+        plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu",
+                          in_flight * max(4 * n + 2 * moments.nbytes[p] for p, n in enumerate(block_numels[:streamed]))))
+    if moment_dtype != "fp32" and (gpu_updated_numels or streamed):
+        # runtime.update.device_updates' scratch: a piece, at most a block's values (int8: padded to whole blocks of
+        # codes, so no more than its stored bytes; bf16: half of them).
+        largest = max(gpu_moments + moments.nbytes[:streamed])
+        plan.rows.append(("compact moment scratch (fp32)", "gpu",
+                          MOMENT_SCRATCH_ITEMSIZE * min(DEVICE_MOMENT_PIECE_NUMEL, largest)))
     plan.rows.extend(_weight_rows(block_numels, weight_source, compute_itemsize, prefetch_depth, largest))
     plan.rows.append(("gradient assembly (fp32)", "gpu", largest * 4))
     if accumulation_steps > 1 and host_sums:

@@ -27,3 +27,10 @@ def stored_moment_nbytes(moment_dtype: str, sizes: list[int]) -> int:
         blocks = sum(-(-size // QUANT_BLOCK) for size in sizes)
         return -(-(blocks * QUANT_BLOCK + 4 * blocks) // INT8_ALIGN) * INT8_ALIGN
     raise ValueError(f"moment_dtype {moment_dtype!r}: one of {', '.join(MOMENT_DTYPES)}")
+
+
+def state_itemsize(moment_dtype: str) -> float:
+    """Bytes a parameter of optimizer state, the fp32 master and both moments stored as ``moment_dtype`` (padding left
+    out: what rates and advice count with; the plan counts each block's bytes exactly)."""
+    moment = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QUANT_BLOCK}[moment_dtype]
+    return 4.0 + 2.0 * moment

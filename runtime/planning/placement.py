@@ -25,14 +25,8 @@ from runtime.planning.auto_placement import Placement, PlacementInputs, Rates, c
 from runtime.planning.block_plan import host_limit_nbytes, plan_fits, plan_for, plan_of, spill, within_limit
 from runtime.planning.measured_placement import FIRST_STEP_NOTE, TRIAL_NOTE
 from runtime.planning.memory_plan import Budgets, MemoryPlan, WeightSource, check_fits, gpu_budget_nbytes
-from runtime.planning.settings import (
-    compute_itemsize,
-    cpu_updates_only,
-    host_grad_dtype,
-    resolve_homes,
-    sums_on_host,
-    waits_for_commit,
-)
+from runtime.planning.moment_sizes import state_itemsize
+from runtime.planning.settings import compute_itemsize, host_grad_dtype, resolve_homes, sums_on_host, waits_for_commit
 from tierstore import TierName
 
 log = logging.getLogger(__name__)
@@ -53,7 +47,7 @@ class ResolvedPlan:
 
 def rates_needed(cfg: TierstoreConfig, device: torch.device) -> bool:
     """True when the plan chooses something from the machine's rates: an ``auto`` placement knob on a GPU."""
-    opt = cpu_updates_only(cfg).optimizer
+    opt = cfg.optimizer
     return device.type == "cuda" and "auto" in (opt.gpu_update_fraction, opt.gpu_stream_fraction,
                                                  cfg.prefetch.keep_for_backward)
 
@@ -78,7 +72,6 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
     """``optimizer.gpu_update_fraction``, ``optimizer.gpu_stream_fraction`` and ``prefetch.keep_for_backward`` as
     numbers: explicit values as written, ``auto`` chosen by ``runtime.planning.auto_placement`` (0 on the CPU).
     ``rates``: the speeds to plan with on CUDA (needed where something is ``auto`` there: ``rates_needed``)."""
-    cfg = cpu_updates_only(cfg)  # compact moments: every update on the CPU
     opt, keep = cfg.optimizer, cfg.prefetch.keep_for_backward
     host_sums = sums_on_host(blocks, cfg, device)
     if "auto" not in (opt.gpu_update_fraction, opt.gpu_stream_fraction, keep):
@@ -101,13 +94,10 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
                              grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize,
                              weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason,
                              updates_wait_for_commit=waits_for_commit(cfg),
+                             state_itemsize=state_itemsize(opt.moment_dtype),
                              activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"
                              else int(cfg.tiers.gpu.activation_reserve))
     chosen = choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)
-    if opt.moment_dtype != "fp32":  # the "set" the notes say is this line's
-        chosen = dataclasses.replace(chosen, notes=(*chosen.notes, (
-            f"  optimizer.moment_dtype {opt.moment_dtype}: compact moments update on the CPU, so gpu_update_fraction "
-            "and gpu_stream_fraction are 0")))
     return dataclasses.replace(chosen, host_sums=host_sums, rates=rates)
 
 
@@ -121,7 +111,6 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     found nothing), so ``placement.activations: auto`` may try that after a measured first step."""
     if cfg.optimizer.overlap != "exact":
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
-    cfg = cpu_updates_only(cfg)  # compact moments: every update on the CPU
     _require_rates(cfg, device, rates)
     homes, source = resolve_homes(cfg)
     limit = host_limit_nbytes(cfg)
@@ -164,8 +153,8 @@ def _accumulate_note(cfg: TierstoreConfig, placement: Placement) -> tuple[str, .
 
 def measures_first_step(cfg: TierstoreConfig, device: torch.device) -> bool:
     """True when auto placement waits for the first step's measured peak (``runtime.planning.measured_placement``): the
-    update fraction and the activation reserve are both ``auto``, on a GPU (not with compact moments: no GPU update)."""
-    return (device.type == "cuda" and cpu_updates_only(cfg).optimizer.gpu_update_fraction == "auto"
+    update fraction and the activation reserve are both ``auto``, on a GPU."""
+    return (device.type == "cuda" and cfg.optimizer.gpu_update_fraction == "auto"
             and cfg.tiers.gpu.activation_reserve == "auto")
 
 

@@ -8,7 +8,6 @@ knobs that need the machine's rates (``runtime.planning.placement``) and anythin
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -89,18 +88,6 @@ def waits_for_commit(cfg: TierstoreConfig) -> bool:
     """True when updates need the whole gradient before they can commit: clipping (tierstore's or the loop's)
     or fp16 overflow checks."""
     return clip_threshold(cfg.optimizer) is not None or cfg.dtype == "fp16" or cfg.optimizer.user_grad_clip
-
-
-def cpu_updates_only(cfg: TierstoreConfig) -> TierstoreConfig:
-    """``cfg`` with the GPU's share of the update resolved where compact moments rule it out: with
-    ``optimizer.moment_dtype`` other than fp32, ``auto`` ``gpu_update_fraction`` and ``gpu_stream_fraction`` are 0 (the
-    moments update on the CPU in this version; a value above 0 is refused by the config's checks)."""
-    opt = cfg.optimizer
-    if opt.moment_dtype == "fp32":
-        return cfg
-    opt = dataclasses.replace(opt, gpu_update_fraction=0.0 if opt.gpu_update_fraction == "auto" else opt.gpu_update_fraction,
-                              gpu_stream_fraction=0.0 if opt.gpu_stream_fraction == "auto" else opt.gpu_stream_fraction)
-    return dataclasses.replace(cfg, optimizer=opt)
 
 
 def cpu_threads(cfg: TierstoreConfig) -> int:

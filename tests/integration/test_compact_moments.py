@@ -194,15 +194,19 @@ def moments_by_block(session, optimizer) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def test_checkpoints_load_across_formats(tmp_path, caplog):
+@pytest.mark.parametrize("device_share", [False, True], ids=["host", "device-share-alternating"])
+def test_checkpoints_load_across_formats(tmp_path, caplog, device_share):
     """fp32 -> int8 -> bf16 -> fp32: each load decodes the saved format and encodes into the run's (said once), so
-    the moments a run reads are the saved ones put through its format; the masters come through unchanged."""
+    the moments a run reads are the saved ones put through its format; the masters come through unchanged. With
+    ``device_share`` every other run updates some blocks on the device (their moments saved from and loaded into the
+    device tier)."""
     chain = ["fp32", "int8", "bf16", "fp32"]
     previous: dict[int, dict[str, torch.Tensor]] | None = None
     masters: dict[str, torch.Tensor] | None = None
     for number, moment_dtype in enumerate(chain):
         torch.manual_seed(0)
-        model, optimizer = offload(ExampleLM(SHAPE), config_of(moment_dtype))
+        shares = {"gpu_update_fraction": 0.4, "gpu_stream_fraction": 0.3} if device_share and number % 2 == 0 else {}
+        model, optimizer = offload(ExampleLM(SHAPE), config_of(moment_dtype, **shares))
         session = optimizer.session
         with session:
             if previous is None:
@@ -303,3 +307,66 @@ def test_bf16_moments_stay_exact_in_other_layouts(layout, tmpfs_dir):
             optimizer.zero_grad()
             assert ours == reference.train_step(micro_batches), f"step {step + 1}"
         assert_identical(session.master_state_dict(), reference)
+
+
+# The device's share of the update (on the CPU the "device" is the CPU: the same code over CPU tensors standing in).
+DEVICE_SHARES = [(0.5, 0.0), (0.0, 0.6), (0.3, 0.4)]
+
+
+@pytest.mark.parametrize("grad_clip", [None, 0.05], ids=["streaming", "clipped"])
+@pytest.mark.parametrize("update_fraction, stream_fraction", DEVICE_SHARES, ids=["updated", "streamed", "both"])
+def test_bf16_moments_updated_on_the_device_equal_the_plain_loop(update_fraction, stream_fraction, grad_clip):
+    torch.manual_seed(0)
+    reference = bf16_moment_reference(ExampleLM(SHAPE), grad_clip)
+    seen = {}
+
+    def inspect(session, optimizer):
+        seen["updated"], seen["streamed"] = session.controller.gpu_updated, session.controller.gpu_streamed
+        seen["state"] = optimizer.state_dict()["state"]
+
+    config = config_of("bf16", grad_clip=grad_clip, gpu_update_fraction=update_fraction,
+                       gpu_stream_fraction=stream_fraction)
+    _, masters = train_offloaded(config, 4, reference, inspect=inspect)
+    assert_identical(masters, reference)
+    assert bool(seen["updated"]) == (update_fraction > 0) and bool(seen["streamed"]) == (stream_fraction > 0)
+    theirs = [reference.optimizer.state[p] for p in reference.masters]
+    for index, state in seen["state"].items():  # read from the device tier for the device-updated blocks
+        for kind in MOMENT_KINDS:
+            assert torch.equal(state[kind], theirs[index][kind]), (index, kind)
+
+
+def test_int8_moments_updated_on_the_device_match_the_cpu_update():
+    """The device update runs the same kernel as the worker's: an int8 run with a GPU share equals one without, bit
+    for bit (on the CPU both run on CPU tensors; on a GPU the kernels' rounding may differ)."""
+    cpu_losses, cpu_masters = train_offloaded(config_of("int8"), 4)
+    device_losses, device_masters = train_offloaded(config_of("int8", gpu_update_fraction=0.3, gpu_stream_fraction=0.4), 4)
+    assert device_losses == cpu_losses
+    assert all(torch.equal(device_masters[name], cpu_masters[name]) for name in cpu_masters)
+
+
+def test_a_placement_adopted_between_steps_moves_compact_moments_to_the_device():
+    """What the measured first step does on a GPU (``Controller.adopt_placement``): the first blocks' master and int8
+    moments move to the device tier, as stored, and training goes on as if they had not moved."""
+    stay_losses, stay_masters = train_offloaded(config_of("int8"), 4)
+    torch.manual_seed(0)
+    model, optimizer = offload(ExampleLM(SHAPE), config_of("int8"))
+    session = optimizer.session
+    losses = []
+    with session:
+        for step, (x, y) in enumerate(make_batches(4)):
+            if step == 1:
+                before = moments_by_block(session, optimizer)
+                session.controller.adopt_placement(0.4, 0.3, 0)
+                moved = session.controller.gpu_updated
+                assert moved and all(session.store.record(session.blocks[i].key(kind)).home is TierName.GPU
+                                     for i in moved for kind in MOMENT_KINDS)
+                after = moments_by_block(session, optimizer)
+                assert all(torch.equal(after[i][kind], before[i][kind]) for i in before for kind in MOMENT_KINDS)
+            loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        masters = session.master_state_dict()
+    assert losses == stay_losses
+    assert all(torch.equal(masters[name], stay_masters[name]) for name in stay_masters)

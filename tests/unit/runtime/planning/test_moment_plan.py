@@ -1,6 +1,6 @@
 """The plan with compact Adam moments (``optimizer.moment_dtype``): the byte count planning keeps agrees with the
-moments module's layout, the plan counts each format's bytes as the store allocates them, more blocks' moments fit
-in RAM before any spills, the disk traffic follows, and the GPU update keys are resolved or refused."""
+moments module's layout, the plan counts each format's bytes as the store allocates them (host, NVMe, and the GPU
+share of the update), more blocks' moments fit in RAM before any spills, and the disk and streamed traffic follow."""
 
 from __future__ import annotations
 
@@ -9,16 +9,14 @@ import torch
 
 from runtime import offload
 from runtime.bundled.example_model import ExampleLM, ModelShape
-from runtime.config.loader import ConfigError, load_config
+from runtime.config.loader import load_config
 from runtime.core.blocks import build_blocks
 from runtime.planning.memory_plan import IO_ALIGNMENT
 from runtime.planning.moment_sizes import QUANT_BLOCK, stored_moment_nbytes
-from runtime.planning.placement import measures_first_step, rates_needed, resolve_plan
+from runtime.planning.placement import resolve_plan
 from runtime.planning.predict import disk_state_nbytes
-from runtime.planning.settings import cpu_updates_only
-from runtime.update.device_updates import refuse_compact_on_device
 from runtime.update.moments import MOMENT_DTYPES, moment_nbytes, moment_storage
-from tierstore import align_up
+from tierstore import TierName, align_up
 
 SHAPE = ModelShape(vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, ffn_size=160)
 SIZES = [[1], [7], [QUANT_BLOCK], [QUANT_BLOCK + 1], [64, 4096, 3 * QUANT_BLOCK - 5], [100_000, 17, 2048 * 11]]
@@ -101,26 +99,48 @@ def test_disk_traffic_counts_the_stored_moment_bytes():
     assert disk_state_nbytes(numels, {0}, on_nvme, set(), compact) == 4 * 5000 + 2 * (compact[1] + compact[2])
 
 
-@pytest.mark.parametrize("key", ["gpu_update_fraction", "gpu_stream_fraction"])
 @pytest.mark.parametrize("moment_dtype", ["bf16", "int8"])
-def test_gpu_update_keys_above_zero_are_refused_with_compact_moments(key, moment_dtype):
-    with pytest.raises(ConfigError) as info:
-        load_config({"optimizer": {"moment_dtype": moment_dtype, key: 0.25}})
-    message = str(info.value)
-    assert f"optimizer.{key}" in message and "moment_dtype" in message and "on the CPU" in message
-    load_config({"optimizer": {"moment_dtype": moment_dtype, key: 0.0}})  # 0 is what they resolve to anyway
-    load_config({"optimizer": {"moment_dtype": "fp32", key: 0.25}})
+def test_device_updated_and_streamed_state_is_planned_in_the_compact_size(moment_dtype):
+    """A GPU share of the update takes compact moments there: the plan's device rows count their stored bytes (and the
+    update's fp32 scratch), and the store's device tier holds what the plan says at rest."""
+    torch.manual_seed(0)
+    config = {"dtype": "fp32", "optimizer": {"grad_clip": None, "moment_dtype": moment_dtype,
+                                             "gpu_update_fraction": 0.4, "gpu_stream_fraction": 0.3}}
+    model, optimizer = offload(ExampleLM(SHAPE), config)
+    session = optimizer.session
+    with session:
+        plan, controller = session.plan, session.controller
+        assert controller.gpu_updated and controller.gpu_streamed
+
+        def state_nbytes(index: int) -> int:
+            block = session.blocks[index]
+            return 4 * block.numel + 2 * moment_nbytes(moment_dtype, [s.numel for s in block.slots])
+
+        rows = {row: n for row, tier, n in plan.rows if tier == "gpu"}
+        assert rows["device-updated master + moments"] == sum(state_nbytes(i) for i in controller.gpu_updated)
+        in_flight = next(n for row, n in rows.items() if row.startswith("streamed update state ("))
+        assert in_flight == min(len(controller.gpu_streamed), 3) * max(state_nbytes(i) for i in controller.gpu_streamed)
+        assert rows["compact moment scratch (fp32)"] > 0
+        for index in controller.gpu_updated:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                record = session.store.record(session.blocks[index].key(kind))
+                assert record.home is TierName.GPU and record.meta.nbytes == moment_nbytes(
+                    moment_dtype, [s.numel for s in session.blocks[index].slots])
+        held = sum(session.store.record(session.blocks[i].key(kind)).meta.nbytes for i in controller.gpu_updated
+                   for kind in ("master", "exp_avg", "exp_avg_sq"))
+        assert held == rows["device-updated master + moments"]  # what the device tier holds for them, to the byte
 
 
-@pytest.mark.parametrize("moment_dtype", ["bf16", "int8"])
-def test_auto_gpu_update_keys_resolve_to_zero_with_compact_moments(moment_dtype):
-    cuda = torch.device("cuda", 0)  # only compared, never used
-    compact = load_config({"optimizer": {"moment_dtype": moment_dtype}})
-    assert cpu_updates_only(compact).optimizer.gpu_update_fraction == 0.0
-    assert cpu_updates_only(compact).optimizer.gpu_stream_fraction == 0.0
-    assert not measures_first_step(compact, cuda)
-    default = load_config({})
-    assert cpu_updates_only(default) is default and measures_first_step(default, cuda) and rates_needed(default, cuda)
-    with pytest.raises(ValueError, match="update on the CPU"):  # a placement made by other means is refused too
-        refuse_compact_on_device(moment_dtype, 0.0, 0.5)
-    refuse_compact_on_device("fp32", 0.5, 0.5)
+def test_streamed_traffic_counts_the_stored_state_bytes():
+    from runtime.bench.train_bound import tierstore_placement
+    from runtime.planning.predict import row_traffic
+
+    numels = [4096, 4096, 4096]
+    compact = [moment_nbytes("int8", [n]) for n in numels]
+    common = {"block_numels": numels, "gpu_updated": [], "streamed": [0, 1], "weight_source": "master",
+              "homes": {"master": "host", "exp_avg": "host", "exp_avg_sq": "host"}, "spilled": [], "keep_nbytes": 0,
+              "compute_elem_nbytes": 2, "accumulation": 1, "cpu_threads": 1}
+    fp32 = row_traffic(tierstore_placement(**common))
+    int8 = row_traffic(tierstore_placement(**common, moment_nbytes=compact))
+    saved = 2 * (2 * (4 * 4096 - compact[0]))  # two streamed blocks' two moments, narrower
+    assert fp32.h2d_nbytes - int8.h2d_nbytes == saved and fp32.d2h_nbytes - int8.d2h_nbytes == saved
