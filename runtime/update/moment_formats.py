@@ -7,7 +7,11 @@ Leaves out: the AdamW step over these formats (``runtime.update.moments``). Devi
 runs on CPU and CUDA tensors; no Python per element.
 
 fp32: the values (exactly today's state). bf16: the values rounded to bfloat16, round-to-nearest-even (torch's
-float -> bfloat16 conversion); widening back is exact.
+float -> bfloat16 conversion); widening back is exact. Its known cost: with beta2 0.999 a step changes v by 0.1%
+(decay), below half a bf16 ulp (0.2-0.4%), so a stored v cannot decay and rises only under a gradient ~3x its root;
+v reads high, steps run small (the tiny ExampleLM's held-out loss after 200 steps: +0.97%, v alone +0.27%, m alone
++0.56%; tests/unit/runtime/update/test_moments_quality.py). Stochastic rounding would record the decay on average,
+at the price of equality with plain narrowing (what the format promises today).
 
 int8 (``uint8`` buffer): each parameter's values are cut into blocks of :data:`QUANT_BLOCK`, and a block's codes
 are relative to its own scale ``s`` (its largest magnitude, at least :data:`MIN_SCALE`). A parameter's blocks never
@@ -28,7 +32,8 @@ block, the total rounded up to 64 bytes.
   a step is at most 2.25x its fp32 size, and that only for ``v`` below ``1.2e-9`` of its block's largest (at most
   1.1x for ``v`` above ``1e-5`` of it). Rounding up always (``ceil``) would be safer still, but every block is
   encoded again each step, so an upward rounding ratchets: a ``v`` that decays (0.1% a step with beta2 0.999,
-  smaller than a code's step) could never come down. Per block:
+  smaller than a code's step) could never come down. Nearest rounding sticks too, both ways, for changes under half
+  a code (as in 8-bit Adam): the block's fp32 scale carries what the block's values do together. Per block:
   ``|sqrt(v) - sqrt(v')| <= (s * v)^(1/4) / 255 + sqrt(s) / 255^2``.
 - :data:`QUANT_BLOCK` = 2048 values a scale: bitsandbytes' block for its 8-bit optimizers; the scales cost 4 bytes
   in 2048 (0.2%), and a parameter's padding at most 2047 bytes (a 4096-wide norm weight: none).
@@ -98,10 +103,12 @@ def moment_nbytes(moment_dtype: str, sizes: list[int]) -> int:
     return numel * dtype.itemsize
 
 
-def _check_stored(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
+def check_stored(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
+    """Refuse (RuntimeError: a broken invariant, not a user's setting) a buffer that is not a stored moment of this
+    format and these sizes."""
     dtype, numel = moment_storage(moment_dtype, sizes)
     if stored.dtype != dtype or stored.numel() != numel or stored.dim() != 1:
-        raise RuntimeError(f"a stored {moment_dtype} moment of sizes {len(sizes)} params must be 1-D {dtype} of "
+        raise RuntimeError(f"a stored {moment_dtype} moment of {len(sizes)} parameters must be 1-D {dtype} of "
                            f"{numel} elements, got {stored.dtype} {tuple(stored.shape)}")
 
 
@@ -113,16 +120,21 @@ def int8_views(stored: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, to
 
 def zero_moments(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
     """Write the initial (all-zero) state of a moment into ``stored``: zero values, zero codes, zero scales."""
-    _check_stored(stored, moment_dtype, sizes)
+    check_stored(stored, moment_dtype, sizes)
     stored.zero_()
 
 
 class DecodeScratch:
-    """A temporary of one piece for the int8 maps (allocated once per update, reused by every piece)."""
+    """Two temporaries of one piece for the int8 maps (allocated once per update, reused by every piece)."""
 
     def __init__(self, numel: int, device: torch.device):
         self.tmp = torch.empty(numel, dtype=torch.float32, device=device)
         self.tmp2 = torch.empty(numel, dtype=torch.float32, device=device)
+
+
+# Added to exp_avg's t = |m| / s before its rsqrt: keeps m * rsqrt(t) finite (zero) at m = 0, and changes no code
+# (a t below 1.5e-5 has code 0; the relative change of sqrt(t) is below 1e-25 / t).
+_T_FLOOR = 1e-30
 
 
 def decode_into(codes: torch.Tensor, scales: torch.Tensor, kind: str, values: torch.Tensor,
@@ -132,80 +144,99 @@ def decode_into(codes: torch.Tensor, scales: torch.Tensor, kind: str, values: to
     blocks = values.view(-1, QUANT_BLOCK)
     if kind == "exp_avg":
         values.copy_(codes.view(torch.int8))
-        magnitude = torch.abs(values, out=scratch.tmp[: values.numel()])
-        values.mul_(magnitude)  # c * |c|: the square, with the code's sign
+        values.mul_(torch.abs(values, out=scratch.tmp[: values.numel()]))  # c * |c|: the square, signed
         blocks.mul_((scales / (_M_LEVELS * _M_LEVELS)).unsqueeze(1))
     else:
         values.copy_(codes)
-        values.mul_(values)
-        values.mul_(values)  # c^4, exact up to fp32 rounding of the product
+        values.square_().square_()  # c^4 (exact to fp32 rounding)
         blocks.mul_((scales / _V_LEVELS**4).unsqueeze(1))
 
 
 def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
                 scratch: DecodeScratch) -> None:
-    """int8 codes and block scales of fp32 ``values`` (a whole number of blocks; padding slots hold zeros)."""
+    """int8 codes and block scales of fp32 ``values`` (a whole number of blocks; padding slots hold zeros).
+
+    Roots as rsqrt (half the cost of sqrt in torch's CPU kernels): exp_avg's ``127 sign(m) sqrt(|m| / s)`` is
+    ``m rsqrt(|m| / s) 127 / s``, exp_avg_sq's ``(v / s)^(1/4)`` is ``rsqrt(rsqrt(v / s))`` (0 -> inf -> 0). The codes
+    leave through an int32 view of a temporary: torch converts fp32 to uint8 without vector instructions."""
     n = values.numel()
-    y = scratch.tmp[:n]
+    y, integers = scratch.tmp[:n], scratch.tmp2[:n]
     y_blocks = y.view(-1, QUANT_BLOCK)
     if kind == "exp_avg":
         torch.abs(values, out=y)
         scale = torch.amax(y_blocks, dim=1).clamp_min_(MIN_SCALE)
-        y_blocks.mul_(scale.reciprocal().unsqueeze(1))
-        y.sqrt_().mul_(_M_LEVELS).round_()
-        y.clamp_max_(_M_LEVELS)  # a product one ulp above 1 must not wrap
-        y.copysign_(values)
+        inverse = scale.reciprocal().unsqueeze(1)
+        y_blocks.mul_(inverse)
+        y.add_(_T_FLOOR).rsqrt_().mul_(values)  # sign(m) sqrt(|m| s): at most s, no overflow
+        y_blocks.mul_(inverse * _M_LEVELS)
+        y.round_()  # |y| <= 127 up to a few ulps: rounds to 127 at most
         codes.view(torch.int8).copy_(y)
     else:
         scale = torch.amax(values.view(-1, QUANT_BLOCK), dim=1).clamp_min_(MIN_SCALE)
         torch.mul(values.view(-1, QUANT_BLOCK), scale.reciprocal().unsqueeze(1), out=y_blocks)
-        y.sqrt_().sqrt_().mul_(_V_LEVELS).round_()
-        y.clamp_max_(_V_LEVELS)
+        y.rsqrt_().rsqrt_().mul_(_V_LEVELS).round_()
         # A positive v never gets code 0 (sign is 1 there, 0 for v == 0): AdamW would divide its m by eps alone.
-        torch.maximum(y, torch.sign(values, out=scratch.tmp2[:n]), out=y)
-        codes.copy_(y)
+        torch.maximum(y, torch.sign(values, out=integers), out=y)
+        codes.copy_(integers.view(torch.int32).copy_(y))
     scales.copy_(scale)
+
+
+# Elements converted at a time by decode_moment / encode_moment (a multiple of QUANT_BLOCK): their temporaries stay
+# at 3 x 4 MiB whatever the block's size (a whole block at once took three times its fp32 size).
+CONVERT_CHUNK = 1 << 20
+
+
+def _chunks(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """(flat offset, code offset, numel) of every parameter's chunks of at most CONVERT_CHUNK elements."""
+    chunks, flat, code = [], 0, 0
+    for size in sizes:
+        for start in range(0, size, CONVERT_CHUNK):
+            chunks.append((flat + start, code + start, min(CONVERT_CHUNK, size - start)))
+        flat += size
+        code += padded_numel(size)
+    return chunks
 
 
 def decode_moment(stored: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int]) -> torch.Tensor:
     """fp32 flat values (``sum(sizes)``) of a stored moment; ``kind`` is "exp_avg" or "exp_avg_sq" (the int8 maps
     differ). For fp32 this is ``stored`` itself, not a copy; for the others a new tensor."""
     _check(moment_dtype, kind)
-    _check_stored(stored, moment_dtype, sizes)
+    check_stored(stored, moment_dtype, sizes)
     if moment_dtype == "fp32":
         return stored
     if moment_dtype == "bf16":
         return stored.float()
+    values = torch.empty(sum(sizes), dtype=torch.float32, device=stored.device)
     codes, scales = int8_views(stored, sizes)
-    padded = torch.empty(codes.numel(), dtype=torch.float32, device=stored.device)
-    decode_into(codes, scales, kind, padded, DecodeScratch(codes.numel(), stored.device))
-    return torch.cat([padded[start : start + size] for start, size in zip(_padded_starts(sizes), sizes, strict=True)]) \
-        if sizes else padded[:0]
+    padded = torch.empty(min(CONVERT_CHUNK, codes.numel()), dtype=torch.float32, device=stored.device)
+    scratch = DecodeScratch(padded.numel(), stored.device)
+    for flat, code, numel in _chunks(sizes):
+        slots = padded_numel(numel)
+        decode_into(codes[code : code + slots], scales[code // QUANT_BLOCK : (code + slots) // QUANT_BLOCK], kind,
+                    padded[:slots], scratch)
+        values[flat : flat + numel].copy_(padded[:numel])
+    return values
 
 
 def encode_moment(values_fp32: torch.Tensor, moment_dtype: str, kind: str, sizes: list[int],
                   out_stored: torch.Tensor) -> None:
     """Store fp32 flat ``values_fp32`` (``sum(sizes)``) as a moment of ``moment_dtype`` in ``out_stored``."""
     _check(moment_dtype, kind)
-    _check_stored(out_stored, moment_dtype, sizes)
+    check_stored(out_stored, moment_dtype, sizes)
     if values_fp32.dtype != torch.float32 or values_fp32.numel() != sum(sizes):
         raise RuntimeError(f"encode_moment takes {sum(sizes)} fp32 values, got {values_fp32.dtype} "
                            f"{tuple(values_fp32.shape)}")
+    values = values_fp32.reshape(-1)
     if moment_dtype != "int8":
-        out_stored.copy_(values_fp32.reshape(-1))
+        out_stored.copy_(values)
         return
     codes, scales = int8_views(out_stored, sizes)
-    padded = torch.zeros(codes.numel(), dtype=torch.float32, device=out_stored.device)
-    offset = 0
-    for start, size in zip(_padded_starts(sizes), sizes, strict=True):
-        padded[start : start + size].copy_(values_fp32.reshape(-1)[offset : offset + size])
-        offset += size
-    encode_from(padded, kind, codes, scales, DecodeScratch(codes.numel(), out_stored.device))
-
-
-def _padded_starts(sizes: list[int]) -> list[int]:
-    starts, offset = [], 0
-    for size in sizes:
-        starts.append(offset)
-        offset += padded_numel(size)
-    return starts
+    codes.zero_()  # parameters of no elements and the padding: zero codes
+    padded = torch.empty(min(CONVERT_CHUNK, codes.numel()), dtype=torch.float32, device=out_stored.device)
+    scratch = DecodeScratch(padded.numel(), out_stored.device)
+    for flat, code, numel in _chunks(sizes):
+        slots = padded_numel(numel)
+        padded[numel:slots].zero_()
+        padded[:numel].copy_(values[flat : flat + numel])
+        encode_from(padded[:slots], kind, codes[code : code + slots],
+                    scales[code // QUANT_BLOCK : (code + slots) // QUANT_BLOCK], scratch)

@@ -8,12 +8,17 @@ where the buffers live and when an update runs (the worker and the engine).
 fp32 calls ``adam.adamw_update_grouped`` (or ``adamw_update_out_of_place``) on per-parameter views: bit-identical
 to today. bf16 and int8 work piece by piece: a piece's moments are decoded into an fp32 scratch, torch's fused
 AdamW runs on the piece's per-parameter sub-views of master, gradient and scratch, and the scratch is encoded back.
-The scratch holds one piece, so the decode, the update and the encode touch data still in the CPU's caches, and the
-memory traffic per parameter is the stored bytes: 4 + 4 + 2 x moment bytes, read and written once (20 bytes a
-parameter with bf16 moments, 16 with int8, 28 with fp32 moments... counting master and moments both ways and the
-gradient one way). A piece is :data:`PIECE_NUMEL_PER_THREAD` elements for each of torch's threads: each elementwise
-op splits its range statically between the threads, so a thread meets the same slice of the piece in every op,
-in its own L2; and a piece is large enough that the piece's dozen torch calls cost little beside its data.
+The scratch holds one piece, so the decode, the update and the encode touch data still in the CPU's caches, and
+main memory sees only the stored bytes, each read and written once: master 4 + 4, gradient 4, each moment twice its
+stored size (28 bytes a parameter with fp32 moments, 20 with bf16, 16 with int8). A piece is
+:data:`PIECE_NUMEL_PER_THREAD` elements for each of torch's threads: each elementwise op splits its range statically
+between the threads, so a thread meets the same slice of the piece in every op; and a piece is large enough that its
+torch calls (a dozen for bf16, about thirty for int8) cost little beside its data.
+
+Speed: bf16 adds four conversion passes over cached data, int8 about twenty-five elementwise passes (the maps, two
+amax) and three rsqrt an element: where the fp32 update is bound by memory bandwidth (many cores sharing it) they
+cost less than the bytes they save; where one core streams memory as fast as it computes they do not. A fused
+decode-update-encode kernel (one pass in registers) would make int8 memory-bound; torch ops cannot.
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
 blocks never span pieces, and of 64 elements, so the fused kernel computes every element as one call over the
@@ -33,6 +38,7 @@ from runtime.update.moment_formats import (
     MOMENT_DTYPES,
     QUANT_BLOCK,
     DecodeScratch,
+    check_stored,
     decode_into,
     decode_moment,
     encode_from,
@@ -52,20 +58,30 @@ __all__ = [
     "MomentScratch",
     "adamw_update_block",
     "decode_moment",
+    "default_piece_numel",
     "encode_moment",
     "moment_nbytes",
     "moment_storage",
+    "scratch_nbytes",
     "zero_moments",
 ]
 
-# Elements of a piece per thread: its fp32 moments and two temporaries (16 bytes an element) fill about 1 MiB of a
-# core's L2 (1-2 MiB on the lent machines' EPYC and Xeon cores). A multiple of QUANT_BLOCK.
-PIECE_NUMEL_PER_THREAD = 1 << 16
+# Elements of a piece per thread, a multiple of QUANT_BLOCK. Its fp32 moments and two temporaries (16 bytes an element,
+# 4 MiB) stay in the L2 and L3 caches; smaller pieces would fit a 1-2 MiB L2 but each piece costs about 40 us of
+# Python and torch calls (fused AdamW's alone 17 us): on one EPYC core, pieces of 64 Ki elements took 1.7x (bf16)
+# and 1.3x (int8) the time of 256 Ki, and 1 Mi gained 7% more.
+PIECE_NUMEL_PER_THREAD = 1 << 18
 
 
 def default_piece_numel() -> int:
     """Elements of a piece at torch's current thread count."""
     return PIECE_NUMEL_PER_THREAD * max(1, torch.get_num_threads())
+
+
+def scratch_nbytes(threads: int | None = None) -> int:
+    """Bytes of one :class:`MomentScratch` at its largest (four fp32 buffers of a piece), for a host budget to count:
+    4 MiB a thread at the default piece size."""
+    return 4 * 4 * PIECE_NUMEL_PER_THREAD * max(1, torch.get_num_threads() if threads is None else threads)
 
 
 class MomentScratch:
@@ -159,10 +175,15 @@ def adamw_update_block(
     if len(keep) != len(sizes) or sum(map(bool, keep)) != len(steps) or len(steps) != len(hypers):
         raise RuntimeError(f"adamw_update_block: {len(sizes)} sizes, {len(keep)} keep flags, "
                            f"{sum(map(bool, keep))} kept, {len(steps)} steps, {len(hypers)} hypers")
+    for flat in (master, grad, *(out[:1] if out is not None else ())):
+        if flat.dtype != torch.float32 or flat.numel() != sum(sizes):
+            raise RuntimeError(f"adamw_update_block: master and gradient are {sum(sizes)} fp32 values, got {flat.dtype} "
+                               f"{tuple(flat.shape)}")
+    for stored in (exp_avg, exp_avg_sq, *(out[1:] if out is not None else ())):
+        check_stored(stored, moment_dtype, sizes)
     if moment_dtype == "fp32":
         _update_fp32(master, grad, exp_avg, exp_avg_sq, sizes, keep, steps, hypers, out)
         return
-    moment_storage(moment_dtype, sizes)  # refuses an unknown moment_dtype
     piece_numel = piece_numel or default_piece_numel()
     if piece_numel % QUANT_BLOCK:
         raise ValueError(f"piece_numel {piece_numel} is not a multiple of QUANT_BLOCK ({QUANT_BLOCK})")

@@ -186,3 +186,23 @@ def test_buffers_of_the_wrong_shape_are_refused():
         encode_moment(torch.zeros(9), "bf16", "exp_avg", [10], torch.zeros(10, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="kind"):
         decode_moment(torch.zeros(10), "fp32", "exp_avg_sqr", [10])
+
+
+@pytest.mark.parametrize("kind", ["exp_avg", "exp_avg_sq"])
+def test_int8_conversion_by_chunks_equals_one_pass(kind, monkeypatch):
+    """decode_moment and encode_moment convert a parameter in chunks of CONVERT_CHUNK (their temporaries stay small
+    for any block): the bytes and values are those of converting it whole."""
+    import runtime.update.moment_formats as formats
+
+    torch.manual_seed(2)
+    sizes = [3 * QUANT_BLOCK + 5, 10, 2 * QUANT_BLOCK]
+    values = torch.randn(sum(sizes)).abs()
+    whole, chunked = _stored("int8", sizes), _stored("int8", sizes)
+    encode_moment(values, "int8", kind, sizes, whole)
+    monkeypatch.setattr(formats, "CONVERT_CHUNK", QUANT_BLOCK)
+    encode_moment(values, "int8", kind, sizes, chunked)
+    tail = formats.int8_tail(sizes)
+    assert torch.equal(whole[:tail], chunked[:tail])
+    decoded = decode_moment(chunked, "int8", kind, sizes)
+    monkeypatch.setattr(formats, "CONVERT_CHUNK", 1 << 20)
+    assert torch.equal(decoded, decode_moment(whole, "int8", kind, sizes))

@@ -18,6 +18,7 @@ from runtime.update.moments import (
     decode_moment,
     encode_moment,
     moment_storage,
+    scratch_nbytes,
     zero_moments,
 )
 
@@ -185,7 +186,7 @@ def test_skipped_parameters_keep_every_byte_and_their_step(moment_dtype):
 
 
 @pytest.mark.parametrize("moment_dtype", MOMENT_DTYPES)
-@pytest.mark.parametrize("keep", [[True] * 6, [True, False, True, True, False, True]])
+@pytest.mark.parametrize("keep", [[True] * 6, [True, False, True, True, False, True], [False] * 6])
 def test_out_of_place_leaves_the_inputs_and_lands_the_in_place_result(moment_dtype, keep):
     block = Block(moment_dtype, SIZES)
     block.update(_grads(1), [True] * len(SIZES), HYPERS)
@@ -235,3 +236,46 @@ def test_wrong_lengths_and_piece_sizes_are_refused():
     with pytest.raises(ValueError, match="moment_dtype"):
         adamw_update_block(block.master, torch.zeros(30), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
                            block.steps, [AdamWHyper()] * 2, "int4")
+    with pytest.raises(RuntimeError, match="fp32 values"):
+        adamw_update_block(block.master, torch.zeros(29), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
+                           block.steps, [AdamWHyper()] * 2, "bf16")
+    with pytest.raises(RuntimeError, match="stored fp32 moment"):  # bf16 buffers given as fp32 moments
+        adamw_update_block(block.master, torch.zeros(30), block.exp_avg, block.exp_avg_sq, [10, 20], [True, True],
+                           block.steps, [AdamWHyper()] * 2, "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moment_dtype", ["bf16", "int8"])
+def test_the_same_code_runs_on_cuda_tensors(moment_dtype):
+    """On CUDA tensors (steps too, as fused AdamW on CUDA takes them) the pieced update equals the whole-tensor
+    reference on the same device, byte for byte, out of place too; and int8 stays close to the CPU's result."""
+    cuda = torch.device("cuda")
+    block = Block(moment_dtype, SIZES)
+    cpu = block.clone()
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        setattr(block, name, getattr(block, name).to(cuda))
+    block.steps = [s.to(cuda) for s in block.steps]
+    ref = block.clone()
+    scratch = MomentScratch(cuda)
+    for step in range(1, 4):
+        grad = _grads(step)
+        keep = [True, step != 2, True, True, True, True]
+        cpu.update(grad, keep, HYPERS, piece_numel=4 * QUANT_BLOCK)
+        before = block.clone()
+        out = tuple(torch.empty_like(t) for t in (block.master, block.exp_avg, block.exp_avg_sq))
+        block.clone().update(grad.to(cuda), keep, HYPERS, out=out, scratch=scratch, piece_numel=4 * QUANT_BLOCK)
+        block.update(grad.to(cuda), keep, HYPERS, scratch=scratch, piece_numel=4 * QUANT_BLOCK)
+        _reference_step(ref, grad.to(cuda), keep, HYPERS)
+        assert block.same(ref), f"step {step}"
+        assert torch.equal(out[0], block.master) and torch.equal(out[1], block.exp_avg)
+        assert torch.equal(out[2], block.exp_avg_sq) and not before.same(block)
+    assert torch.allclose(block.master.cpu(), cpu.master, rtol=0, atol=1e-5)  # fused AdamW on CUDA rounds its own way
+
+
+def test_scratch_nbytes_counts_what_an_update_takes():
+    scratch = MomentScratch()
+    block = Block("int8", [1 << 20, 5])
+    block.update(_grads(1, [1 << 20, 5]), [True, True], [AdamWHyper()] * 2, scratch=scratch, piece_numel=1 << 18)
+    m, v, temporaries = scratch.take(0)
+    taken = sum(t.numel() * t.element_size() for t in (m, v, temporaries.tmp, temporaries.tmp2))
+    assert taken == scratch_nbytes(threads=1) == 4 << 20
