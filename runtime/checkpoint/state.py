@@ -323,10 +323,10 @@ def load_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     loaded = 0
     saved, ours = saved_moment_dtype(meta), controller.options.moment_dtype
     if saved != ours:
-        # Said once: widening to fp32 keeps every value, narrowing rounds (or quantizes) the saved ones.
+        # Said once: decoding into fp32 keeps every value; encoding into bf16 or int8 rounds (or quantizes) them.
         log.info("%s holds %s Adam moments, this run stores them as %s (optimizer.moment_dtype): each is decoded and "
                  "encoded as it is loaded (%s)", path, saved, ours,
-                 "exact" if ours == "fp32" else "approximate: the values are rounded to the narrower format")
+                 "exact" if ours == "fp32" else f"approximate: the saved values are rounded to {ours}")
     try:
         for block in session.blocks:
             for kind in STATE_KINDS:
