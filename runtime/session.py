@@ -27,7 +27,7 @@ from runtime.model.optimizer import OffloadAdamW, check_param_groups, param_grou
 from runtime.model.param_guard import ParamGuard, is_offloaded
 from runtime.model.recompute import BufferWatch, ForwardTimer, Recompute, already_checkpointed, recompute_refusal
 from runtime.model.state_access import StateAccess
-from runtime.planning.auto_placement import STATE_ITEMSIZE, Placement, Rates
+from runtime.planning.auto_placement import Placement, Rates
 from runtime.planning.block_plan import spilled_after
 from runtime.planning.measured_placement import FirstStepPlacement, RecomputeTrial, first_step_listener
 from runtime.planning.memory_plan import Budgets, MemoryPlan, WeightSource
@@ -631,7 +631,8 @@ def _oom_hint(session: OffloadSession, requested: int, allocated: int) -> str | 
     if session.closed or session.store.closed or placement is None or not placement.activation_reserve_nbytes:
         return None
     controller = session.controller
-    state = STATE_ITEMSIZE * sum(session.blocks[i].numel for i in controller.gpu_updated)
+    state = sum(session.store.record(session.blocks[i].key(kind)).meta.nbytes for i in controller.gpu_updated
+                for kind in ("master", "exp_avg", "exp_avg_sq"))
     return reserve_hint(requested_nbytes=requested, allocated_nbytes=allocated,
                         store_gpu_nbytes=session.store.tiers[TierName.GPU].used_nbytes,
                         reserve_nbytes=placement.activation_reserve_nbytes,
@@ -674,4 +675,4 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
         gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
         hold_updates=opt.user_grad_clip, host_sums=placement.host_sums, host_grad_dtype=host_grad_dtype(cfg, placement.host_sums),
-        speculate=resolved.plan.pre_commit_buffers)
+        speculate=resolved.plan.pre_commit_buffers, moment_dtype=opt.moment_dtype)

@@ -133,7 +133,8 @@ def session_placement(session: Any, accumulation: int) -> RowPlacement:
                                keep_nbytes=options.keep_for_backward_nbytes,
                                compute_elem_nbytes=torch.empty((), dtype=options.compute_dtype).element_size(),
                                accumulation=accumulation, cpu_threads=options.cpu_threads,
-                               prefetch_depth=options.prefetch_depth, prefetch_budget_nbytes=options.prefetch_budget_nbytes)
+                               prefetch_depth=options.prefetch_depth, prefetch_budget_nbytes=options.prefetch_budget_nbytes,
+                               moment_nbytes=[session.store.record(b.key("exp_avg")).meta.nbytes for b in blocks])
 
 
 def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumulation: int,

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.engine.schedule import joins_window
-from runtime.planning.predict import FP32, RowPlacement, Traffic, row_traffic
+from runtime.planning.predict import FP32, RowPlacement, Traffic, disk_state_nbytes, row_traffic
 from runtime.planning.predict import STATE_NBYTES as STATE_NBYTES  # re-exported: the DeepSpeed rows count with it
 from runtime.update.rates import cpu_adam_seconds, pinned_copy_gbps
 
@@ -57,13 +57,14 @@ ADAM_MEASURE_CAP_NUMEL = 256 << 20  # AdamW is timed over at most this many para
 def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], streamed: Iterable[int],
                         weight_source: str, homes: dict[str, str], spilled: Iterable[int], keep_nbytes: int,
                         compute_elem_nbytes: int, accumulation: int, cpu_threads: int, prefetch_depth: int = 0,
-                        prefetch_budget_nbytes: int = 0) -> RowPlacement:
+                        prefetch_budget_nbytes: int = 0, moment_nbytes: list[int] | None = None) -> RowPlacement:
     """The placement of a tierstore session, from what its controller resolved: block sizes in forward
     order, the device-updated and streamed block indices, the weight source (``master``: the fp32 master is
     fetched and cast on the GPU; ``weights``: a host copy in the compute dtype; ``resident``: on the GPU,
     refreshed from the master after each CPU update), each state kind's home tier, the blocks whose moments
     spilled to NVMe, ``prefetch.keep_for_backward``'s budget in bytes of compute weights, and the prefetch depth
-    and byte budget (what a backward leaves for the next micro-batch's forward)."""
+    and byte budget (what a backward leaves for the next micro-batch's forward), and each block's bytes of one moment
+    as ``optimizer.moment_dtype`` stores it (None: fp32)."""
     gpu_updated, streamed, spilled = set(gpu_updated), set(streamed), set(spilled)
     total = sum(block_numels)
     device = sum(block_numels[i] for i in gpu_updated)
@@ -72,18 +73,16 @@ def tierstore_placement(*, block_numels: list[int], gpu_updated: Iterable[int], 
     fetched = [i for i in range(len(block_numels)) if not resident and i not in gpu_updated]
     kept = _kept_numel([block_numels[i] for i in fetched], keep_nbytes, compute_elem_nbytes)
     carried = _carried_numel([block_numels[i] for i in fetched], prefetch_depth, prefetch_budget_nbytes, compute_elem_nbytes)
-    disk = 0
-    for index, numel in enumerate(block_numels):
-        if index not in gpu_updated:
-            on_disk = [k for k in ("master", "exp_avg", "exp_avg_sq")
-                       if homes.get(k) == "nvme" or (index in spilled and k != "master")]
-            disk += FP32 * numel * len(on_disk)
+    disk = disk_state_nbytes(block_numels, gpu_updated, homes, spilled, moment_nbytes)
+    moments = moment_nbytes or [FP32 * n for n in block_numels]
+    state = STATE_NBYTES if not streamed_numel else (
+        sum(FP32 * block_numels[i] + 2 * moments[i] for i in streamed) / streamed_numel)
     return RowPlacement(num_params=total, accumulation=accumulation, resident_numel=total if resident else device,
                         fetch_elem_nbytes={"master": FP32, "weights": compute_elem_nbytes, "resident": 0}[weight_source],
                         kept_numel=kept, carried_numel=carried, fresh_numel=0 if resident else streamed_numel,
                         cpu_update_numel=total - device - streamed_numel, gpu_update_numel=device + streamed_numel,
                         streamed_numel=streamed_numel, refresh_elem_nbytes=FP32 if resident else 0,
-                        disk_state_nbytes=disk, cpu_threads=cpu_threads)
+                        disk_state_nbytes=disk, cpu_threads=cpu_threads, state_elem_nbytes=state)
 
 
 def _kept_numel(fetched_numels: list[int], keep_nbytes: int, elem_nbytes: int) -> int:

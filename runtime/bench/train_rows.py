@@ -18,7 +18,8 @@ Suffixes, in any order:
   (the comparison for [Note: paced write-back] in ``runtime/engine/writeback.py``); ``-rc`` the layers' activations
   recomputed in the backward (``placement.activations: recompute``); ``-norc`` on an -auto row, activations kept
   (``keep``: -auto rows otherwise leave the choice to the runtime, ``auto``, and rows without -auto keep them).
-  A row without -f, -s, -keep or -auto sets those to 0.
+  A row without -f, -s, -keep or -auto sets those to 0. ``-bf16m`` / ``-int8m``: Adam's moments stored as bf16 /
+  int8 (``optimizer.moment_dtype``; every update on the CPU, so not with -f or -s).
 - every row: ``-clip`` global-norm clipping at 1.0 (tierstore ``optimizer.grad_clip``, DeepSpeed
   ``gradient_clipping``, ``clip_grad_norm_`` over the fp32 masters in the plain row); ``-ckpt`` activation
   checkpointing in every decoder layer (``runtime.bench.train_model.BenchModel.checkpointing``): the same
@@ -43,7 +44,8 @@ ROWS = {
     "ds-zero3-nvme": "DeepSpeed ZeRO-3, params on CPU, optimizer on NVMe (aio 8 MiB blocks, queue depth 8, 8 threads; "
                      "8 buffers, no pipelined read/write: DeepSpeed 0.19.8's pipelined swapper fails an assertion)",
 }
-FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace", "ckpt", "rc", "norc")
+FLAGS = ("keep", "cap", "noseg", "clip", "auto", "nopace", "ckpt", "rc", "norc", "bf16m", "int8m")
+MOMENT_FLAGS = {"bf16m": "bf16", "int8m": "int8"}  # suffix -> optimizer.moment_dtype
 ANY_ROW = ("clip", "ckpt")  # suffixes every row takes, plain PyTorch and DeepSpeed too
 NUMBERED = ("f", "s", "a", "t")
 ACCUMULATION = 8  # micro-batches per step of the -accum8 rows
@@ -101,6 +103,10 @@ def row_errors(rows: list[str]) -> list[str]:
         elif options.get("rc") and (options.get("norc") or options.get("ckpt")):
             errors.append(f"{row}: -rc recomputes the layers' activations; drop -norc or -ckpt (the model's own "
                           "checkpointing)")
+        elif sum(bool(options.get(flag)) for flag in MOMENT_FLAGS) > 1:
+            errors.append(f"{row}: one of -{', -'.join(MOMENT_FLAGS)}")
+        elif any(options.get(flag) for flag in MOMENT_FLAGS) and (options.get("f") or options.get("s")):
+            errors.append(f"{row}: compact moments update on the CPU; drop -f and -s (or use -auto: it resolves them to 0)")
         elif options.get("norc") and not options.get("auto"):
             errors.append(f"{row}: -norc keeps the activations that -auto would choose for; rows without -auto keep "
                           "them already")
@@ -123,6 +129,7 @@ def describe_row(row: str) -> str:
     text += ", activations kept (placement.activations: keep)" if options.get("norc") else ""
     text += ", GPU memory capped (--gpu-cap, else DeepSpeed ZeRO-2's peak)" if options.get("cap") else ""
     text += ", write-backs not paced" if options.get("nopace") else ""
+    text += "".join(f", {dtype} moments" for flag, dtype in MOMENT_FLAGS.items() if options.get(flag))
     return text + (", default CUDA allocator" if options.get("noseg") else "")
 
 
@@ -136,6 +143,9 @@ def row_config(row: str, nvme_dir: str | None) -> dict[str, Any]:
         "gpu_stream_fraction": "auto" if auto else int(options.get("s", 0)) / 100}
     if "a" in options:
         optimizer["gpu_stream_ahead"] = int(options["a"])
+    for flag, moment_dtype in MOMENT_FLAGS.items():
+        if options.get(flag):
+            optimizer["moment_dtype"] = moment_dtype
     keep: str | int = "auto" if auto else (KEEP_NBYTES if options.get("keep") else 0)
     config: dict[str, Any] = {"dtype": "bf16", "optimizer": optimizer, "prefetch": {"depth": 2, "keep_for_backward": keep}}
     if base in ("host", "host-accum8"):

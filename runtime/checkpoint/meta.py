@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint.files import META_NAME, CheckpointError, FileEntry, parse_json, read_verified
+from runtime.update.moments import MOMENT_DTYPES
 
 FORMAT = "tierstore-checkpoint"
 VERSION = 1
@@ -96,7 +97,14 @@ def _check_values(meta: dict[str, Any], meta_path: Path) -> None:
     data = _optional_mapping(meta_path, "data", meta.get("data"))
     if data is not None:
         _int(meta_path, "data.position", data.get("position"), 0, MAX_STEP)
+    if meta.get("moment_dtype", "fp32") not in MOMENT_DTYPES:  # absent: written before compact moments, fp32
+        raise _bad(meta_path, "moment_dtype", meta.get("moment_dtype"), f"one of {', '.join(MOMENT_DTYPES)}")
     _check_rng(_mapping(meta_path, "rng", meta.get("rng")), meta_path)
+
+
+def saved_moment_dtype(meta: dict[str, Any]) -> str:
+    """How the checkpoint's moments are stored (``optimizer.moment_dtype`` of the saving run; fp32 before it existed)."""
+    return str(meta.get("moment_dtype", "fp32"))
 
 
 def _check_rng(rng: dict[str, Any], meta_path: Path) -> None:

@@ -53,13 +53,14 @@ from runtime.checkpoint.files import (
     verify_checkpoint,
     write_buffer,
 )
-from runtime.checkpoint.meta import FORMAT, VERSION, read_meta
+from runtime.checkpoint.meta import FORMAT, VERSION, read_meta, saved_moment_dtype
 from runtime.checkpoint.root import CheckpointRoot
 from runtime.config.loader import dump_config
 from runtime.core.signals import defers_interrupts
 from runtime.engine.step_phase import StepPhase
 from runtime.model.state_access import refresh_compute_weights
-from runtime.planning.memory_plan import STATE_KINDS, WeightSource
+from runtime.planning.memory_plan import MOMENT_KINDS, STATE_KINDS, WeightSource
+from runtime.update.moments import decode_moment, encode_moment, moment_storage
 from tierstore import HEADER_NBYTES, CorruptFileError, Record, TierName, TierStore, payload_hasher
 
 if TYPE_CHECKING:
@@ -256,6 +257,7 @@ def _scalar_state(session: OffloadSession, controller: Controller, tensors: dict
         "format": FORMAT, "version": VERSION, "byte_order": "little", "step": controller.optimizer_step,
         "created_unix_s": time.time(), "torch_version": torch.__version__, "lr": controller.hyper_source()[0].lr,
         "config": CONFIG_NAME, "blocks": blocks, "tensors": tensors, "scaler": scaler, "data": data_meta,
+        "moment_dtype": controller.options.moment_dtype,  # how the moment files are stored (runtime.update.moments)
         "rng": {"torch_cpu": "rng.torch_cpu.bin", "cuda": cuda_files,
                 "python": [py_version, list(py_internal), py_gauss],
                 "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_gauss)]},
@@ -319,12 +321,22 @@ def load_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     step = int(meta["step"])
     _release_fetched_weights(controller)  # only drops cached copies: nothing is lost if it raises
     loaded = 0
+    saved, ours = saved_moment_dtype(meta), controller.options.moment_dtype
+    if saved != ours:
+        # Said once: decoding into fp32 keeps every value; encoding into bf16 or int8 rounds (or quantizes) them.
+        log.info("%s holds %s Adam moments, this run stores them as %s (optimizer.moment_dtype): each is decoded and "
+                 "encoded as it is loaded (%s)", path, saved, ours,
+                 "exact" if ours == "fp32" else f"approximate: the saved values are rounded to {ours}")
     try:
         for block in session.blocks:
             for kind in STATE_KINDS:
                 entry = meta["tensors"][block.key(kind)]
                 after = (lambda master, b=block: refresh_compute_weights(controller, b, master, step)) if kind == "master" else None
-                _load_tensor(session.store, block.key(kind), path / entry["file"], files[entry["file"]], step, after)
+                file, listed = path / entry["file"], files[entry["file"]]
+                fill = _file_filler(file, listed)
+                if kind in MOMENT_KINDS and saved != ours:
+                    fill = _converting_filler(file, listed, saved, ours, kind, [slot.numel for slot in block.slots])
+                _load_tensor(session.store, block.key(kind), fill, step, after)
                 loaded += 1
         _restore_counters(controller, session.blocks, meta["blocks"], step)
         _restore_scaler(controller, meta.get("scaler"), path)
@@ -440,15 +452,27 @@ def _check_compatible(session: OffloadSession, *, meta: dict[str, Any], path: Pa
             entry = meta.get("tensors", {}).get(key)
             if entry is None:
                 raise CheckpointError(f"{meta_path}: no entry for {key}")
-            record = session.store.record(key)
             name = entry.get("file")
             if name not in files:
                 raise CheckpointError(f"{path / str(name)}: named by meta.json for {key} but not in the manifest")
-            if _DTYPES.get(entry.get("dtype")) != record.meta.dtype or entry.get("numel") != record.meta.numel:
-                raise CheckpointError(f"{path / name}: {entry.get('dtype')} x{entry.get('numel')}, this session's {key} is "
-                                      f"{_DTYPE_NAMES.get(record.meta.dtype)} x{record.meta.numel}")
-            if files[name].nbytes != record.meta.nbytes:
-                raise CheckpointError(f"{path / name}: {files[name].nbytes:,} bytes, {key} needs {record.meta.nbytes:,}")
+            # A moment is stored as the saving run's moment_dtype says (converted at load when it is not this run's).
+            dtype, numel = saved_storage(session, meta, block, kind)
+            if _DTYPES.get(entry.get("dtype")) != dtype or entry.get("numel") != numel:
+                raise CheckpointError(f"{path / name}: {entry.get('dtype')} x{entry.get('numel')}, {key} stored as "
+                                      f"{saved_moment_dtype(meta)} moments is {_DTYPE_NAMES.get(dtype)} x{numel}"
+                                      if kind in MOMENT_KINDS else f"{path / name}: {entry.get('dtype')} x"
+                                      f"{entry.get('numel')}, this session's {key} is {_DTYPE_NAMES.get(dtype)} x{numel}")
+            if files[name].nbytes != numel * dtype.itemsize:
+                raise CheckpointError(f"{path / name}: {files[name].nbytes:,} bytes, {key} needs {numel * dtype.itemsize:,}")
+
+
+def saved_storage(session: OffloadSession, meta: dict[str, Any], block: Block, kind: str) -> tuple[torch.dtype, int]:
+    """The dtype and numel of ``kind``'s file of ``block`` in a checkpoint (``meta``): a moment's as the saving run's
+    ``moment_dtype`` stores it, anything else as this session's record."""
+    if kind in MOMENT_KINDS:
+        return moment_storage(saved_moment_dtype(meta), [slot.numel for slot in block.slots])
+    record = session.store.record(block.key(kind))
+    return record.meta.dtype, record.meta.numel
 
 
 # Config keys whose values the optimizer's param_groups carry: a checkpoint's groups override them on load.
@@ -510,30 +534,49 @@ def _release_fetched_weights(controller: Controller) -> None:
         weights.release(index)
 
 
-def _load_tensor(store: TierStore, key: str, file: Path, entry: FileEntry, step: int,
+def _file_filler(file: Path, entry: FileEntry) -> Callable[[torch.Tensor], None]:
+    """Fills a CPU tensor with one tensor file's bytes as they are, hashing them on the way (``entry``: its size and
+    sha256)."""
+    return lambda target: read_verified_into(file, _bytes_of(target), entry)
+
+
+def _converting_filler(file: Path, entry: FileEntry, saved: str, ours: str, kind: str,
+                       sizes: list[int]) -> Callable[[torch.Tensor], None]:
+    """Fills a CPU tensor, stored as ``ours`` moments, from a moment file stored as ``saved`` (hashed as it is read):
+    decoded to fp32, then encoded."""
+    def fill(target: torch.Tensor) -> None:
+        dtype, numel = moment_storage(saved, sizes)
+        staging = torch.empty(numel, dtype=dtype)
+        read_verified_into(file, _bytes_of(staging), entry)
+        encode_moment(decode_moment(staging, saved, kind, sizes), ours, kind, sizes, target)
+
+    return fill
+
+
+def _load_tensor(store: TierStore, key: str, fill: Callable[[torch.Tensor], None], step: int,
                  after: Callable[[torch.Tensor], None] | None) -> None:
-    """Write one tensor file into key's home in this session, hashing it on the way (``entry``: its size and
-    sha256); ``after`` sees the loaded values while a copy of them is still in memory (the master's, to
-    refresh the compute weights)."""
+    """Write one tensor into key's home in this session through ``fill`` (which writes a CPU tensor of the key's
+    dtype and numel: ``_file_filler``, ``_converting_filler``); ``after`` sees the loaded values while a copy of them
+    is still in memory (the master's, to refresh the compute weights)."""
     record = store.record(key)
     _settle(record)
     home = record.home
     if home is TierName.GPU:
         staging = torch.empty(record.meta.numel, dtype=record.meta.dtype)
-        read_verified_into(file, _bytes_of(staging), entry)
+        fill(staging)
         target = store.tensor(key, TierName.GPU)
         target.copy_(staging)
         store.mark_dirty(key, TierName.GPU, step=step)  # the home copy: clean; any cached copy is stale now
     elif home is TierName.HOST:
         target = store.tensor(key, TierName.HOST)
-        read_verified_into(file, _bytes_of(target), entry)  # straight into the (pinned) home bytes
+        fill(target)  # straight into the (pinned) home bytes
         store.mark_dirty(key, TierName.HOST, step=step)
     else:
         # No public way to write a swap file except through a host copy: stage, overwrite, write back.
         store.fetch(key, TierName.HOST).wait()
         target = store.tensor(key, TierName.HOST)
         try:
-            read_verified_into(file, _bytes_of(target), entry)
+            fill(target)
         except BaseException:
             store.release(key, TierName.HOST)  # partly the file's bytes now, yet marked clean: drop; the swap file is intact
             raise

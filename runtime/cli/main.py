@@ -128,7 +128,7 @@ def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
                         help="comma-separated rows to run, each a base row (torch, host, gpu-weights, nvme, nvme-auto, "
                              "host-accum8, torch-accum8, ds-zero2-cpu, ds-zero3-cpu, ds-zero3-nvme) with suffixes: "
                              "-clip and -ckpt on any row; tierstore rows also -fNN -sNN -aN -tNN -keep -auto -cap -noseg "
-                             "-nopace -rc -norc "
+                             "-nopace -rc -norc -bf16m -int8m "
                              "(runtime/bench/train_rows.py); default: every base row")
     btrain.add_argument("--steps", type=int, default=6, help="optimizer steps per row; the first third is warm-up (at least the "
                                                   "steps auto placement measured, two with a recompute trial)")

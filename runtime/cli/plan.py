@@ -299,6 +299,7 @@ def row_placement(resolved: ResolvedPlan, blocks: list[Block], cfg: TierstoreCon
     training benchmark reads it from a running session)."""
     from runtime.bench.train_bound import tierstore_placement
     from runtime.planning.auto_placement import gpu_streamed_blocks, gpu_updated_blocks
+    from runtime.planning.moment_sizes import stored_moment_nbytes
     from runtime.planning.settings import compute_itemsize, cpu_threads, host_grad_dtype
 
     blocks = sorted(blocks, key=lambda b: b.index)
@@ -311,7 +312,9 @@ def row_placement(resolved: ResolvedPlan, blocks: list[Block], cfg: TierstoreCon
                               spilled=resolved.spilled_blocks, keep_nbytes=placement.keep_for_backward_nbytes,
                               compute_elem_nbytes=compute_itemsize(cfg), accumulation=accumulation,
                               cpu_threads=cpu_threads(cfg), prefetch_depth=cfg.prefetch.depth,
-                              prefetch_budget_nbytes=cfg.prefetch.budget)
+                              prefetch_budget_nbytes=cfg.prefetch.budget,
+                              moment_nbytes=[stored_moment_nbytes(cfg.optimizer.moment_dtype, [s.numel for s in b.slots])
+                                             for b in blocks])
     # Summed in host memory, every micro-batch sends its gradients out; else the sum leaves once a step.
     grad_nbytes = host_grad_dtype(cfg, placement.host_sums).itemsize * (accumulation if placement.host_sums else 1)
     return dataclasses.replace(row, grad_elem_nbytes=grad_nbytes)

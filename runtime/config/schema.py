@@ -299,6 +299,16 @@ class OptimizerConfig:
         "holds its master and moments (12 bytes per parameter) on the GPU; beyond the next block, only "
         "while the memory in use stays below what it was when the backward began (memory the backward "
         "has freed) and the GPU budget keeps room for the weight prefetch window.", 4)
+    moment_dtype: str = _leaf(
+        ChoiceSpec(choices=("fp32", "bf16", "int8")), "fp32",
+        "How Adam's two moments are stored, in host memory, in NVMe swap files and in checkpoints (the fp32 master "
+        "stays fp32). `fp32` (the default): exact, torch.optim.AdamW's result bit for bit. `bf16`: 2 bytes a value "
+        "each, half of fp32's; widened to fp32 for each update and rounded back (approximate: the moments keep 8 "
+        "bits of mantissa). `int8`: 1 byte a value, blockwise quantized with an fp32 scale per block (the second "
+        "moment in a map suited to its range, as 8-bit Adam does): a quarter of fp32's bytes; approximate. The same "
+        "format wherever the update runs (CPU or GPU: `gpu_update_fraction`, `gpu_stream_fraction`). "
+        "`optimizer.state_dict()` gives fp32 moments either way, and a checkpoint written with one `moment_dtype` "
+        "loads into a run with another.", "bf16")
     loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
 
 

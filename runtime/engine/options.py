@@ -39,3 +39,4 @@ class RuntimeOptions:
     keep_for_backward_nbytes: int = 0  # weights a training forward may leave on the device for its backward
     hold_updates: bool = False  # updates wait for optimizer.step() (the user's loop clips: optimizer.user_grad_clip)
     speculate: bool = True  # the plan counts second state buffers: updates that wait for the commit may run early
+    moment_dtype: str = "fp32"  # how Adam's moments are stored (optimizer.moment_dtype: runtime.update.moments)

@@ -28,9 +28,10 @@ from runtime.engine.step_phase import StepPhase
 from runtime.engine.step_view import StepView
 from runtime.engine.weights import WeightManager
 from runtime.engine.writeback import DeviceWritebacks
-from runtime.planning.auto_placement import STATE_ITEMSIZE, gpu_streamed_blocks, gpu_updated_blocks
+from runtime.planning.auto_placement import gpu_streamed_blocks, gpu_updated_blocks
 from runtime.planning.memory_plan import MOMENT_KINDS, WeightSource
 from runtime.update.device_updates import DeviceUpdates
+from runtime.update.moments import moment_storage, zero_moments
 from runtime.update.worker import STATE_KINDS, UpdateWorker
 from tierstore import CapacityError, TensorMeta, TierName, TierStore
 
@@ -45,11 +46,12 @@ def state_homes(block: Block, options: RuntimeOptions, table: BlockTable) -> dic
     (not for a device-updated or streamed block: its gradient never leaves the device) and the compute-dtype
     weights copy (when that is the weight source, not for a device-updated block: it casts from its master)."""
     f32 = TensorMeta(torch.float32, block.numel)
+    moments = TensorMeta(*moment_storage(options.moment_dtype, [slot.numel for slot in block.slots]))
     if block.index in table.gpu_updated:
-        return {kind: (f32, TierName.GPU) for kind in STATE_KINDS}
+        return {"master": (f32, TierName.GPU), **{kind: (moments, TierName.GPU) for kind in MOMENT_KINDS}}
     state = {"master": (f32, options.homes["master"])}
     for kind in MOMENT_KINDS:
-        state[kind] = (f32, TierName.NVME if block.index in options.spilled_blocks else options.homes[kind])
+        state[kind] = (moments, TierName.NVME if block.index in options.spilled_blocks else options.homes[kind])
     if block.index not in table.gpu_streamed:
         state["grad"] = (TensorMeta(options.host_grad_dtype, block.numel), TierName.HOST)
     if options.weight_source is WeightSource.WEIGHTS:
@@ -82,11 +84,21 @@ def register_state(store: TierStore, blocks: list[Block], table: BlockTable, opt
             master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])
             for kind, (meta, home) in homes[block.index].items():  # keys without a value: zero-filled by the store
                 value = master if kind == "master" else master.to(meta.dtype) if kind == "weights" else None
+                if kind in MOMENT_KINDS and options.moment_dtype != "fp32":
+                    value = _zero_moment(meta, options.moment_dtype, block)
                 store.register(block.key(kind), meta, home, init=value)
             # Only now: a registration that fails (a disk filling, Ctrl-C) leaves this block's values in the model,
             # and offload() gives back the blocks before it from the store.
             for slot in block.slots:
                 slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
+
+
+def _zero_moment(meta: TensorMeta, moment_dtype: str, block: Block) -> torch.Tensor | None:
+    """A compact moment's initial stored value: zeros in its encoding, or None where that is all zero bytes (the
+    store's own zero fill, which writes only a header to a new NVMe home)."""
+    value = torch.empty(meta.numel, dtype=meta.dtype)
+    zero_moments(value, moment_dtype, [slot.numel for slot in block.slots])
+    return None if not value.view(torch.uint8).any() else value
 
 
 class Relocation:
@@ -134,7 +146,7 @@ class Relocation:
         if self.device.type == "cuda":  # weight refreshes and fetches may still read host masters that move below
             torch.cuda.synchronize(self.device)
         arriving = sorted(updated - table.gpu_updated)
-        need = sum(STATE_ITEMSIZE * self.blocks[i].numel + (0 if self.weights.states[i].resident else self.weights.nbytes(i))
+        need = sum(self._state_nbytes(i) + (0 if self.weights.states[i].resident else self.weights.nbytes(i))
                    for i in arriving)
         gpu = self.store.tiers[TierName.GPU]
         if need > gpu.free_nbytes:  # checked first: a block moved half-way would be neither here nor there
@@ -162,6 +174,10 @@ class Relocation:
         self.device_updates.placement_changed(updated, streamed)
         return dataclasses.replace(options, gpu_update_fraction=update_fraction, gpu_stream_fraction=stream_fraction,
                                    keep_for_backward_nbytes=keep_for_backward_nbytes, spilled_blocks=spilled)
+
+    def _state_nbytes(self, index: int) -> int:
+        """Bytes of block ``index``'s master and moments as stored (``optimizer.moment_dtype``)."""
+        return sum(self.store.record(self.blocks[index].key(kind)).meta.nbytes for kind in STATE_KINDS)
 
     def _check(self, updated: frozenset[int], streamed: frozenset[int], staying: frozenset[int]) -> None:
         """Refuse a change the engine cannot make: during a step, taking blocks from the device, spilling more."""

@@ -45,7 +45,8 @@ def bring_moments_home(store: TierStore, blocks: Sequence[Block], indices: list[
     for index in sorted(indices, key=lambda i: (-blocks[i].numel, i)):
         still.discard(index)
         keys = [blocks[index].key(kind) for kind in MOMENT_KINDS]
-        largest = max((blocks[i].numel * 4 for i in still), default=0)
+        # one moment's stored bytes (optimizer.moment_dtype's), as each staging room holds one
+        largest = max((store.record(blocks[i].key(MOMENT_KINDS[0])).meta.nbytes for i in still), default=0)
         room = [largest] * (len(MOMENT_KINDS) * min(STAGING_BLOCKS, len(still)))
         if not arena.could_place([store.record(key).meta.nbytes for key in keys] + room):
             still.add(index)

@@ -24,7 +24,8 @@ from runtime.engine.step_view import StepView
 from runtime.engine.weights import WeightManager
 from runtime.engine.writeback import DeviceWritebacks
 from runtime.planning.hostmem import host_memory
-from runtime.planning.memory_plan import WeightSource
+from runtime.planning.memory_plan import MOMENT_KINDS, WeightSource
+from runtime.update.moments import decode_moment, encode_moment
 from runtime.update.worker import UpdateWorker
 from tierstore import CapacityError, CopyState, TierName, TierStore
 
@@ -165,10 +166,26 @@ class StateAccess:
 
     def read_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None]) -> None:
         """Call ``use`` with block's flat fp32 tensor of one kind (master, exp_avg, exp_avg_sq) where it can be
-        read (host, or the GPU for device-updated blocks); a copy staged from NVMe is released afterwards.
-        Call ``settle()`` first."""
+        read (host, or the GPU for device-updated blocks; compact moments decoded into a new fp32 tensor); a copy
+        staged from NVMe is released afterwards. Call ``settle()`` first."""
         self._check_one_step()
-        self._with_state(block, kind, use, write=False)
+        self._with_state(block, kind, self._decoded(block, kind, use, write=False), write=False)
+
+    def _decoded(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool) -> Callable[[torch.Tensor], None]:
+        """``use`` as it sees a moment stored compactly (``optimizer.moment_dtype``): decoded to fp32 and, after a
+        write, encoded back into the stored buffer. Anything else is given as it is stored (fp32)."""
+        moment_dtype = self.view.options.moment_dtype
+        if kind not in MOMENT_KINDS or moment_dtype == "fp32":
+            return use
+        sizes = [slot.numel for slot in block.slots]
+
+        def through_fp32(stored: torch.Tensor) -> None:
+            values = decode_moment(stored, moment_dtype, kind, sizes)
+            use(values)
+            if write:
+                encode_moment(values, moment_dtype, kind, sizes, stored)
+
+        return through_fp32
 
     def _check_one_step(self) -> None:
         """Reads hand out one step's values: refused (with the way back) while an abandoned streaming step left
@@ -179,14 +196,14 @@ class StateAccess:
             raise RuntimeError(f"reading parameters or optimizer state now would mix two steps: {why}")
 
     def write_state(self, block: Block, kind: str, apply: Callable[[torch.Tensor], None]) -> None:
-        """Modify block's flat fp32 tensor of one kind in place through ``apply``; it is written back to its
-        home, and after a master write the compute weights derived from it are refreshed. Call ``settle()``
-        first."""
+        """Modify block's flat fp32 tensor of one kind in place through ``apply`` (a compact moment: its decoded
+        values, encoded back after); it is written back to its home, and after a master write the compute weights
+        derived from it are refreshed. Call ``settle()`` first."""
         if kind == "master" and self._batch is not None:
             self._with_state(block, kind, apply, write=True, keep_staged=True)
             self._batch.add(block.index)
             return
-        self._with_state(block, kind, apply, write=True)
+        self._with_state(block, kind, self._decoded(block, kind, apply, write=True), write=True)
         if kind == "master":
             self._refresh_compute(block)
 

@@ -115,6 +115,7 @@ class PlacementInputs:
     # (see step_times), not the backward.
     updates_wait_for_commit: bool = False
     no_stream_reason: str | None = None  # why no block may be streamed; None: streaming is possible
+    state_itemsize: float = STATE_ITEMSIZE  # bytes a parameter of master and moments (optimizer.moment_dtype's)
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,8 @@ def step_times(inputs: PlacementInputs, rates: Rates, *, updated: int, streamed:
     # (optimizer.host_grad_dtype) leave in the backward, but beside the same copies of the step's end.
     grads_nbytes = inputs.grad_itemsize * host_numel
     return StepTimes(cpu_s=host_numel / rates.adam_params_per_s,
-                     h2d_s=(STATE_ITEMSIZE * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,
-                     d2h_s=(STATE_ITEMSIZE * streamed_numel + grads_nbytes) / rates.d2h_bytes_per_s,
+                     h2d_s=(inputs.state_itemsize * streamed_numel + weights_nbytes) / rates.h2d_bytes_per_s,
+                     d2h_s=(inputs.state_itemsize * streamed_numel + grads_nbytes) / rates.d2h_bytes_per_s,
                      after_backward=inputs.updates_wait_for_commit)
 
 
@@ -325,7 +326,7 @@ def _notes(inputs: PlacementInputs, rates: Rates, placement: Placement, *, updat
         return "" if value == "auto" else "set; "
 
     blocks = len(inputs.block_numels)
-    state_nbytes = STATE_ITEMSIZE * sum(inputs.block_numels[:updated])
+    state_nbytes = int(inputs.state_itemsize * sum(inputs.block_numels[:updated]))
     keep_nbytes = placement.keep_for_backward_nbytes
     reserve_set = " (set)" if inputs.activation_reserve_nbytes is not None else ""
     memory = (f"auto placement: gpu_update_fraction {placement.gpu_update_fraction:.2f} ({how(update)}first {updated} of "

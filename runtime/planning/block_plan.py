@@ -13,6 +13,7 @@ from runtime.core.blocks import Block
 from runtime.planning.auto_placement import Placement, gpu_streamed_blocks, gpu_updated_blocks
 from runtime.planning.hostmem import host_memory
 from runtime.planning.memory_plan import MemoryPlan, WeightSource, make_plan, planned_ram_nbytes, spill_moments, spill_order
+from runtime.planning.moment_sizes import stored_moment_nbytes
 from runtime.planning.settings import compute_itemsize, host_grad_dtype
 from tierstore import TierName
 
@@ -33,11 +34,16 @@ def plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName
             host_sums: bool = False) -> MemoryPlan:
     """The memory plan with the blocks ``updated`` on the GPU and the ``streamed`` first of the others streamed
     (``plan_for`` with the counts given, as auto placement tries them)."""
-    return make_plan([b.numel for b in blocks if b.index not in updated], {k: v.value for k, v in homes.items()},
+    host_updated = [b for b in blocks if b.index not in updated]
+    moment_dtype = cfg.optimizer.moment_dtype
+    return make_plan([b.numel for b in host_updated], {k: v.value for k, v in homes.items()},
                      source.value, compute_itemsize(cfg), cfg.prefetch.depth,
                      cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
                      spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums,
-                     grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize)
+                     grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize, moment_dtype=moment_dtype,
+                     moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in b.slots]) for b in host_updated],
+                     gpu_moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in blocks[i].slots])
+                                        for i in sorted(updated)])
 
 
 def host_limit_nbytes(cfg: TierstoreConfig) -> int:

@@ -20,6 +20,12 @@ PIECE_NUMEL = 1 << 26  # elements per piece: a buffer holds 256 MiB of fp32, wha
 
 FETCH_PIECE_NUMEL = 1 << 26  # fp32 elements a piece of a master fetch is staged in: 256 MiB ([Note: fetch staging])
 
+# Elements of a piece of a device update over compact moments (optimizer.moment_dtype bf16, int8): the update decodes
+# a piece into an fp32 scratch of two moments and two temporaries, 16 bytes an element (64 MiB), updates and encodes
+# it back; large enough that a piece's dozen kernels cost little beside its data. A multiple of the int8 block.
+DEVICE_MOMENT_PIECE_NUMEL = 1 << 22
+MOMENT_SCRATCH_ITEMSIZE = 16
+
 
 def allocator_limit_nbytes(device: torch.device) -> int | None:
     """What the CUDA caching allocator may hold on ``device`` (the card's memory times the process's memory

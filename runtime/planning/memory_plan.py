@@ -21,7 +21,14 @@ import torch
 
 from runtime.config.loader import TierstoreConfig
 from runtime.config.units import approx_size
-from runtime.planning.buffers import FETCH_PIECE_NUMEL, PIECE_NUMEL, STAGING_SLOTS, allocator_limit_nbytes
+from runtime.planning.buffers import (
+    DEVICE_MOMENT_PIECE_NUMEL,
+    FETCH_PIECE_NUMEL,
+    MOMENT_SCRATCH_ITEMSIZE,
+    PIECE_NUMEL,
+    STAGING_SLOTS,
+    allocator_limit_nbytes,
+)
 from runtime.planning.hostmem import HostMemory, host_memory, ram_backed
 from tierstore import align_up, swap_tmp_root
 
@@ -117,7 +124,8 @@ def _device_text(kind: str, device_type: str) -> str:
 def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str, compute_itemsize: int,
               prefetch_depth: int, accumulation_steps: int, gpu_updated_numels: list[int] | None = None,
               spilled: int = 0, streamed: int = 0, spares: bool = False, host_sums: bool = False,
-              grad_itemsize: int = 4) -> MemoryPlan:
+              grad_itemsize: int = 4, moment_dtype: str = "fp32", moment_nbytes: list[int] | None = None,
+              gpu_moment_nbytes: list[int] | None = None) -> MemoryPlan:
     """Exact bytes per tier for blocks of the given sizes and the resolved placement ``homes``
     (kind -> 'host' | 'nvme' | 'gpu' for master, exp_avg, exp_avg_sq, weights). ``gpu_updated_numels``:
     blocks whose optimizer state and weights live on the GPU (optimizer.gpu_update_fraction). ``spilled``:
@@ -129,8 +137,13 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     so their updates run before the step commits (see [Note: speculative updates] in runtime.update.speculation).
     ``host_sums``: the micro-batches' gradients of the host-updated blocks are summed in their host gradient
     buffers (``optimizer.accumulate_on: host``; see [Note: host gradient sums] in runtime.engine.host_sums).
-    ``grad_itemsize``: bytes an element of those host gradient buffers (``optimizer.host_grad_dtype``)."""
+    ``grad_itemsize``: bytes an element of those host gradient buffers (``optimizer.host_grad_dtype``).
+    ``moment_dtype``: how the host-updated blocks' moments are stored (``optimizer.moment_dtype``), with
+    ``moment_nbytes`` the bytes of one moment of each of ``block_numels`` in it (``runtime.update.moments.moment_nbytes``;
+    None: fp32's 4 a value), ``gpu_moment_nbytes`` the same of each of ``gpu_updated_numels``."""
     gpu_updated_numels = gpu_updated_numels or []
+    moments = _MomentSizes(moment_dtype, moment_nbytes or [4 * n for n in block_numels])
+    gpu_moments = gpu_moment_nbytes or [4 * n for n in gpu_updated_numels]
     plan_homes = dict(homes)
     if spilled and homes["exp_avg"] == "host":
         plan_homes["exp_avg"] = plan_homes["exp_avg_sq"] = "host+nvme"
@@ -138,20 +151,27 @@ def make_plan(block_numels: list[int], homes: dict[str, str], weight_source: str
     largest = max(block_numels + gpu_updated_numels, default=0)
     if gpu_updated_numels:
         n = sum(gpu_updated_numels)
-        plan.rows.append(("device-updated master + moments", "gpu", 3 * 4 * n))
+        plan.rows.append(("device-updated master + moments", "gpu", 4 * n + 2 * sum(gpu_moments)))
         plan.rows.append(("device-updated weights", "gpu", n * compute_itemsize))
     on_disk = set(spill_order(block_numels, streamed)[:spilled])
-    plan.rows.extend(_state_rows(block_numels, homes, on_disk, spilled, largest))
+    plan.rows.extend(_state_rows(block_numels, homes, on_disk, spilled, largest, moments))
     grad_name = "fp32" if grad_itemsize == 4 else "compute dtype"
     plan.rows.append((f"gradients ({grad_name}, offloaded)", "host",
                       sum(_host_nbytes(n, grad_itemsize) for n in block_numels[streamed:])))
     if spares and all(homes[kind] == "host" for kind in STATE_KINDS):
-        speculating = [n for p, n in enumerate(block_numels) if p >= streamed and p not in on_disk]
-        plan.rows.append((PRE_COMMIT_BUFFERS, "host",
-                          len(STATE_KINDS) * sum(_host_nbytes(n, 4) for n in speculating)))
+        plan.rows.append((PRE_COMMIT_BUFFERS, "host", sum(
+            _host_nbytes(n, 4) + len(MOMENT_KINDS) * _host_nbytes(moments.nbytes[p], 1)
+            for p, n in enumerate(block_numels) if p >= streamed and p not in on_disk)))
     if streamed:
         in_flight = min(streamed, STREAMED_IN_FLIGHT)
-        plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu", in_flight * 3 * 4 * max(block_numels[:streamed])))
+        plan.rows.append((f"streamed update state ({in_flight} blocks)", "gpu",
+                          in_flight * max(4 * n + 2 * moments.nbytes[p] for p, n in enumerate(block_numels[:streamed]))))
+    if moment_dtype != "fp32" and (gpu_updated_numels or streamed):
+        # runtime.update.device_updates' scratch: a piece, at most a block's values (int8: padded to whole blocks of
+        # codes, so no more than its stored bytes; bf16: half of them).
+        largest = max(gpu_moments + moments.nbytes[:streamed])
+        plan.rows.append(("compact moment scratch (fp32)", "gpu",
+                          MOMENT_SCRATCH_ITEMSIZE * min(DEVICE_MOMENT_PIECE_NUMEL, largest)))
     plan.rows.extend(_weight_rows(block_numels, weight_source, compute_itemsize, prefetch_depth, largest))
     plan.rows.append(("gradient assembly (fp32)", "gpu", largest * 4))
     if accumulation_steps > 1 and host_sums:
@@ -169,24 +189,39 @@ def _host_nbytes(numel: int, itemsize: int) -> int:
     return align_up(max(numel * itemsize, 1), IO_ALIGNMENT)
 
 
-def _state_rows(block_numels: list[int], homes: dict[str, str], on_disk: set[int], spilled: int, largest: int) -> list[Row]:
-    """The host-updated blocks' fp32 master and moments at their homes: host, NVMe with its staging room, or (the
-    moments of the ``spilled`` blocks at the positions ``on_disk``) spilled to NVMe from a host home."""
+@dataclass(frozen=True)
+class _MomentSizes:
+    """How the host-updated blocks' moments are stored: the format's name and one moment's bytes per block."""
+
+    dtype: str  # optimizer.moment_dtype
+    nbytes: list[int]  # parallel to the plan's block_numels
+
+
+def _state_rows(block_numels: list[int], homes: dict[str, str], on_disk: set[int], spilled: int, largest: int,
+                moments: _MomentSizes) -> list[Row]:
+    """The host-updated blocks' fp32 master and moments (stored as ``moments`` says) at their homes: host, NVMe with
+    its staging room, or (the moments of the ``spilled`` blocks at the positions ``on_disk``) spilled to NVMe from a
+    host home."""
     rows: list[Row] = []
-    kept_numels = [n for p, n in enumerate(block_numels) if p not in on_disk]
-    spilled_numels = [n for p, n in enumerate(block_numels) if p in on_disk]
     for kind in STATE_KINDS:
         tier = homes[kind]
+        # Bytes of this kind per block: the master 4 a value, a moment as its format stores it.
+        sizes = [4 * n for n in block_numels] if kind == "master" else moments.nbytes
+        name = "fp32" if kind == "master" else moments.dtype
+        kept = [nbytes for p, nbytes in enumerate(sizes) if p not in on_disk]
+        gone = [nbytes for p, nbytes in enumerate(sizes) if p in on_disk]
         if tier == "host" and kind != "master" and spilled:
-            rows.append((f"{kind} (fp32, {len(kept_numels)} blocks)", "host", sum(_host_nbytes(n, 4) for n in kept_numels)))
-            rows.append((f"{kind} (fp32, {spilled} spilled blocks)", "nvme",
-                         sum(HEADER_NBYTES + _host_nbytes(n, 4) for n in spilled_numels)))
-            rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, spilled) * _host_nbytes(max(spilled_numels), 4)))
+            rows.append((f"{kind} ({name}, {len(kept)} blocks)", "host", sum(_host_nbytes(b, 1) for b in kept)))
+            rows.append((f"{kind} ({name}, {spilled} spilled blocks)", "nvme",
+                         sum(HEADER_NBYTES + _host_nbytes(b, 1) for b in gone)))
+            rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, spilled) * _host_nbytes(max(gone), 1)))
         elif tier == "host":
-            rows.append((f"{kind} (fp32)", "host", sum(_host_nbytes(n, 4) for n in block_numels)))
+            rows.append((f"{kind} ({name})", "host", sum(_host_nbytes(b, 1) for b in sizes)))
         elif tier == "nvme":
-            rows.append((f"{kind} (fp32)", "nvme", sum(HEADER_NBYTES + _host_nbytes(n, 4) for n in block_numels)))
-            rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(block_numels)) * _host_nbytes(largest, 4)))
+            rows.append((f"{kind} ({name})", "nvme", sum(HEADER_NBYTES + _host_nbytes(b, 1) for b in sizes)))
+            # fp32 state stages in rooms as large as the largest block's (a device-updated one's included, as before)
+            stage = 4 * largest if kind == "master" or moments.dtype == "fp32" else max(sizes, default=0)
+            rows.append((f"{kind} staging", "host", min(STAGING_BLOCKS, len(sizes)) * _host_nbytes(stage, 1)))
     return rows
 
 

@@ -25,6 +25,7 @@ from runtime.planning.auto_placement import Placement, PlacementInputs, Rates, c
 from runtime.planning.block_plan import host_limit_nbytes, plan_fits, plan_for, plan_of, spill, within_limit
 from runtime.planning.measured_placement import FIRST_STEP_NOTE, TRIAL_NOTE
 from runtime.planning.memory_plan import Budgets, MemoryPlan, WeightSource, check_fits, gpu_budget_nbytes
+from runtime.planning.moment_sizes import state_itemsize
 from runtime.planning.settings import compute_itemsize, host_grad_dtype, resolve_homes, sums_on_host, waits_for_commit
 from tierstore import TierName
 
@@ -93,6 +94,7 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
                              grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize,
                              weights_resident=source is WeightSource.RESIDENT, no_stream_reason=no_stream_reason,
                              updates_wait_for_commit=waits_for_commit(cfg),
+                             state_itemsize=state_itemsize(opt.moment_dtype),
                              activation_reserve_nbytes=None if cfg.tiers.gpu.activation_reserve == "auto"
                              else int(cfg.tiers.gpu.activation_reserve))
     chosen = choose_placement(inputs, rates, update=opt.gpu_update_fraction, stream=opt.gpu_stream_fraction, keep=keep)

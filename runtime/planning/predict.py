@@ -75,10 +75,29 @@ class RowPlacement:
     refresh_elem_nbytes: int = 0  # bytes per CPU-updated weight copied back to the GPU after the update
     disk_state_nbytes: int = 0  # optimizer state bytes read from disk and written back each step
     cpu_threads: int = 0  # threads of the CPU update (0: the machine's default)
+    # bytes a streamed parameter's master and moments take each way (optimizer.moment_dtype: 12 with fp32 moments)
+    state_elem_nbytes: float = STATE_NBYTES
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         """The fields, for JSON."""
         return asdict(self)
+
+
+def disk_state_nbytes(block_numels: list[int], gpu_updated: set[int], homes: dict[str, str], spilled: set[int],
+                      moment_nbytes: list[int] | None = None) -> int:
+    """Optimizer state bytes a step reads from NVMe and writes back (``RowPlacement.disk_state_nbytes``): of every
+    CPU-updated block, the fp32 master where its home is NVMe, and each moment where its home is NVMe or the block's
+    moments spilled there, at ``moment_nbytes[i]`` bytes (one moment of block ``i`` as ``optimizer.moment_dtype``
+    stores it; None: fp32's 4 a value)."""
+    disk = 0
+    for index, numel in enumerate(block_numels):
+        if index in gpu_updated:
+            continue
+        moment = FP32 * numel if moment_nbytes is None else moment_nbytes[index]
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            if homes.get(kind) == "nvme" or (index in spilled and kind != "master"):
+                disk += FP32 * numel if kind == "master" else moment
+    return disk
 
 
 @dataclass(frozen=True)
@@ -102,8 +121,9 @@ def row_traffic(p: RowPlacement) -> Traffic:
     fresh = min(p.fresh_numel, fetched)
     carried = min(p.carried_numel, fetched)
     weights_h2d = p.fetch_elem_nbytes * (p.accumulation * (2 * fetched - kept) - (p.accumulation - 1) * carried - fresh)
-    h2d = weights_h2d + STATE_NBYTES * p.streamed_numel + p.refresh_elem_nbytes * p.cpu_update_numel
-    d2h = p.grad_elem_nbytes * p.cpu_update_numel + STATE_NBYTES * p.streamed_numel
+    state = round(p.state_elem_nbytes * p.streamed_numel)
+    h2d = weights_h2d + state + p.refresh_elem_nbytes * p.cpu_update_numel
+    d2h = p.grad_elem_nbytes * p.cpu_update_numel + state
     return Traffic(compute_passes=p.accumulation, gpu_update_numel=p.gpu_update_numel, cpu_update_numel=p.cpu_update_numel,
                    h2d_nbytes=h2d, d2h_nbytes=d2h, disk_read_nbytes=p.disk_state_nbytes, disk_write_nbytes=p.disk_state_nbytes,
                    fetch_nbytes=weights_h2d)

@@ -27,7 +27,7 @@ import math
 from typing import Any
 
 from runtime.core.events import STALL_CAPACITY, STALL_FETCH_HOST, STALL_FETCH_NVME, STALL_GRAD_SUM, STALL_UPDATE
-from runtime.planning.auto_placement import STATE_ITEMSIZE
+from runtime.planning.moment_sizes import state_itemsize
 from runtime.planning.peak_hint import GPU_MARGIN, beyond_plan
 from runtime.profiler.names import device_word, on_gpu
 from runtime.profiler.shares import share_text
@@ -44,12 +44,17 @@ CHUNKED_LOSS = ("a chunked loss for a large vocabulary, whose logits hold the mi
 WEIGHTS_COPY_ITEMSIZE = 2  # with a compute-dtype copy of its weights (weight source "weights"), that copy
 
 
-def host_state_itemsize(cfg: dict[str, Any], weights_copy: bool = True) -> int:
-    """Pinned bytes a parameter of a host-updated block holds: its state and its host gradient (of
-    ``optimizer.host_grad_dtype``; fp32 in profiles that predate it), and the weights copy when there is one and
-    ``weights_copy``."""
+def host_state_itemsize(cfg: dict[str, Any], weights_copy: bool = True) -> float:
+    """Pinned bytes a parameter of a host-updated block holds: its state (the moments as ``optimizer.moment_dtype``
+    stores them; fp32 in profiles that predate it) and its host gradient (of ``optimizer.host_grad_dtype``; fp32 in
+    profiles that predate it), and the weights copy when there is one and ``weights_copy``."""
     copy = WEIGHTS_COPY_ITEMSIZE if weights_copy and cfg.get("weight_source") == "weights" else 0
-    return STATE_ITEMSIZE + int(cfg.get("host_grad_itemsize", 4)) + copy
+    return _state_itemsize(cfg) + int(cfg.get("host_grad_itemsize", 4)) + copy
+
+
+def _state_itemsize(cfg: dict[str, Any]) -> float:
+    """Bytes a parameter of master and moments, as the profiled run stored its moments."""
+    return state_itemsize(str(cfg.get("moment_dtype", "fp32")))
 
 
 def size_text(nbytes: float) -> str:
@@ -214,6 +219,11 @@ def _update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float, st
         elif homes.get("exp_avg") == "host+nvme" and need and available >= RAM_MARGIN * need:
             add(f"raise tiers.host.budget by {size_text(need)} (placement.moments: auto then keeps every block's "
                 f"moments in pinned memory; {size_text(available)} of RAM was free)", min(wait, inputs), wait, why)
+        if cfg.get("moment_dtype", "fp32") == "fp32" and need:
+            # Half the bytes of every moment read and written; a spill shrinks (or ends) as well.
+            add("set optimizer.moment_dtype: bf16 (the moments in half the bytes on NVMe and in RAM, int8 in a "
+                "quarter; approximate: docs/user-guide.md, Compact Adam moments)", min(wait, inputs / 2), wait,
+                why + f", {size_text(need)} of fp32 moments")
         of_ceiling = (summary.get("totals") or {}).get("paths", {}).get("read", {}).get("of_ceiling")
         if of_ceiling is None or of_ceiling < READ_SATURATED:
             # Reads at the ceiling would take of_ceiling of the time they take now.
@@ -251,7 +261,7 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
     room = _room(summary, cfg)
     prefix = [b for b in blocks if b["index"] <= last]
     if room is not None:
-        prefix = _fitting(blocks, room)
+        prefix = _fitting(blocks, room, _state_itemsize(cfg))
         if not any(not b.get("gpu_updated") for b in prefix):
             return
         last = prefix[-1]["index"]
@@ -264,7 +274,7 @@ def _gpu_update_advice(summary: dict[str, Any], cfg: dict[str, Any], wait: float
     current = float(cfg.get("gpu_update_fraction", 0.0))
     if fraction <= current:
         return
-    extra = sum(_device_nbytes(b) for b in prefix if not b.get("gpu_updated"))
+    extra = sum(_device_nbytes(b, _state_itemsize(cfg)) for b in prefix if not b.get("gpu_updated"))
     saves = min(wait, covered + _spill_saved(summary, steady, prefix))
     device_type = summary.get("device_type")
     note = "" if on_gpu(device_type) else "; on this CPU-only run the device update runs on the CPU too, beside the worker"
@@ -310,19 +320,19 @@ def _room(summary: dict[str, Any], cfg: dict[str, Any]) -> int | None:
     return max(0, int(budget - peak - GPU_MARGIN * budget))
 
 
-def _device_nbytes(block: dict[str, Any]) -> int:
-    """GPU bytes a block takes when updated there, as the plan counts them: master and moments, its weights and
-    its summed gradient in the compute dtype."""
-    return STATE_ITEMSIZE * block["numel"] + 2 * block["weight_nbytes"]
+def _device_nbytes(block: dict[str, Any], itemsize: float) -> float:
+    """GPU bytes a block takes when updated there, as the plan counts them: master and moments (``itemsize`` bytes a
+    parameter), its weights and its summed gradient in the compute dtype."""
+    return itemsize * block["numel"] + 2 * block["weight_nbytes"]
 
 
-def _fitting(blocks: list[dict[str, Any]], room: float) -> list[dict[str, Any]]:
-    """The first blocks (forward order: what gpu_update_fraction selects) whose device state, beyond those already
-    updated there, fits ``room``."""
-    taken, used = [], 0
+def _fitting(blocks: list[dict[str, Any]], room: float, itemsize: float) -> list[dict[str, Any]]:
+    """The first blocks (forward order: what gpu_update_fraction selects) whose device state (master and moments at
+    ``itemsize`` bytes a parameter), beyond those already updated there, fits ``room``."""
+    taken, used = [], 0.0
     for b in blocks:
         if not b.get("gpu_updated"):
-            used += _device_nbytes(b)
+            used += _device_nbytes(b, itemsize)
             if used > room:
                 break
         taken.append(b)

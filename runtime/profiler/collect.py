@@ -267,6 +267,7 @@ def session_meta(session: OffloadSession) -> dict[str, Any]:
             "cpu_threads": controller.options.cpu_threads,
             "weight_source": controller.options.weight_source.value,
             "host_grad_itemsize": controller.options.host_grad_dtype.itemsize,  # optimizer.host_grad_dtype resolved
+            "moment_dtype": controller.options.moment_dtype,  # how the moments are stored (their bytes on every path)
             # the layers' activations recomputed in the backward (placement.activations), as the session runs now
             "activations_recomputed": session.activations_recomputed,
             "homes": homes,

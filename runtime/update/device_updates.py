@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from runtime.core.blocks import Block
+from runtime.planning.buffers import DEVICE_MOMENT_PIECE_NUMEL
 from runtime.planning.memory_plan import WeightSource, window_bound
-from runtime.update.adam import AdamWHyper, adamw_update_grouped, scale_slots, split_views
+from runtime.update.adam import AdamWHyper, scale_slots
 from runtime.update.collaborators import ClipFactors, ComputeWeights, WritebackQueue
+from runtime.update.moments import MomentScratch, adamw_update_block
 from runtime.update.worker import STATE_KINDS, UpdateWorker
 from tierstore import CapacityError, CopyState, TierName, TierStore
 
@@ -44,6 +46,7 @@ class DeviceUpdateSettings:
     deferred: bool  # updates wait for the step's commit (clipping, fp16 loss scaling, the user's clip)
     gpu_updated: frozenset[int]  # blocks whose master and moments live on the device
     gpu_streamed: frozenset[int]  # blocks updated on the device over state streamed in from host memory
+    moment_dtype: str = "fp32"  # how the moments are stored (runtime.update.moments decodes and encodes them)
 
 
 class DeviceUpdates:
@@ -75,6 +78,8 @@ class DeviceUpdates:
         self.fresh: set[int] = set()
         # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
         self.weights_window_nbytes = self._weights_window()
+        # One piece of compact moments in fp32 on the device, reused by every update (allocated at the first).
+        self.moment_scratch = MomentScratch(self.device)
 
     def placement_changed(self, gpu_updated: frozenset[int], gpu_streamed: frozenset[int]) -> None:
         """The device's share grew (``runtime.engine.relocation``): fewer weights are fetched."""
@@ -183,16 +188,14 @@ class DeviceUpdates:
                     store.release(key, TierName.GPU)
         if not skip and grad is not None:
             sizes = [slot.numel for slot in block.slots]
-
-            def views(flat: torch.Tensor) -> list[torch.Tensor]:
-                return [v for v, keep in zip(split_views(flat, sizes), has_grad, strict=False) if keep]
-
             if streamed:
                 self.stream_in(block.index, required=True)  # on demand when the budget refused it earlier
             state = {kind: store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
-            adamw_update_grouped(views(state["master"]), views(grad), views(state["exp_avg"]), views(state["exp_avg_sq"]),
-                                 [s for s, keep in zip(self.param_steps[block.index], has_grad, strict=False) if keep],
-                                 [h for h, keep in zip(self.hypers(block), has_grad, strict=False) if keep])
+            # fp32 moments: today's fused update on per-parameter views; compact ones piece by piece through the scratch.
+            adamw_update_block(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], sizes, has_grad,
+                               [s for s, keep in zip(self.param_steps[block.index], has_grad, strict=False) if keep],
+                               [h for h, keep in zip(self.hypers(block), has_grad, strict=False) if keep],
+                               self.settings.moment_dtype, scratch=self.moment_scratch, piece_numel=DEVICE_MOMENT_PIECE_NUMEL)
             if not streamed or self.settings.weight_source is WeightSource.RESIDENT:
                 weights.load_resident(block.index, state["master"])  # recast from the device master
             elif weights.fill_from_device(block.index, state["master"]):

@@ -30,17 +30,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from runtime.core.blocks import Block
 from runtime.planning.memory_plan import STATE_KINDS, WeightSource
-from runtime.update.adam import AdamWHyper, adamw_update_grouped, adamw_update_out_of_place, scale_slots, split_views
+from runtime.update.adam import AdamWHyper, scale_slots
 from runtime.update.collaborators import ComputeWeights
+from runtime.update.moments import MomentScratch, adamw_update_block
 from runtime.update.speculation import SpareBuffers
 from tierstore import CapacityError, CopyState, Handle, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _kept(values: list[T], keep: list[bool]) -> list[T]:
+    """The entries of the parameters that got a gradient (``keep``), as the update takes them."""
+    return [value for value, k in zip(values, keep, strict=False) if k]
 
 
 class JobPhase(enum.Enum):
@@ -93,8 +101,10 @@ class UpdateWorker:
     """Runs block updates on one thread (AdamW itself uses torch's intra-op thread pool)."""
 
     def __init__(self, blocks: list[Block], store: TierStore, hyper: AdamWHyper, weights: ComputeWeights,
-                 lookahead: int = 2, record_intervals: bool = False):
+                 lookahead: int = 2, record_intervals: bool = False, moment_dtype: str = "fp32"):
         self.blocks = blocks
+        self.moment_dtype = moment_dtype  # how the moments are stored (runtime.update.moments decodes and encodes)
+        self._moment_scratch = MomentScratch()  # this thread's fp32 pieces of compact moments, reused by every update
         self.store = store
         self.hyper = hyper
         self.weights = weights
@@ -370,19 +380,10 @@ class UpdateWorker:
         self.stats.scale_s += time.perf_counter() - adam_start
         sizes = [slot.numel for slot in block.slots]
         keep = job.mask or [True] * len(sizes)
-
-        def views(flat: torch.Tensor) -> list[torch.Tensor]:
-            return [v for v, k in zip(split_views(flat, sizes), keep, strict=False) if k]
-
         kernel_start = time.perf_counter()
-        adamw_update_grouped(
-            views(host["master"]),
-            views(grad),
-            views(host["exp_avg"]),
-            views(host["exp_avg_sq"]),
-            [s for s, k in zip(self.param_steps[index], keep, strict=False) if k],
-            [h for h, k in zip(job.hypers, keep, strict=False) if k],
-        )
+        adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
+                           _kept(self.param_steps[index], keep), _kept(job.hypers, keep), self.moment_dtype,
+                           scratch=self._moment_scratch)
         self.stats.kernel_s += time.perf_counter() - kernel_start
         for kind in STATE_KINDS:
             self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
@@ -430,26 +431,14 @@ class UpdateWorker:
         block = job.block
         sizes = [slot.numel for slot in block.slots]
         keep = job.mask or [True] * len(sizes)
-
-        def views(flat: torch.Tensor) -> list[torch.Tensor]:
-            return [v for v, k in zip(split_views(flat, sizes), keep, strict=False) if k]
-
         targets = self.spares.targets(block)
         job.spec_steps = [s.clone() for s in self.param_steps[block.index]]
         kernel_start = time.perf_counter()
-        adamw_update_out_of_place(
-            tuple(views(host[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
-            tuple(views(targets[kind]) for kind in STATE_KINDS),  # type: ignore[arg-type]
-            views(grad),
-            [s for s, k in zip(job.spec_steps, keep, strict=False) if k],
-            [h for h, k in zip(job.hypers, keep, strict=False) if k],
-        )
+        # The spares replace whole buffers: the update leaves parameters without a gradient as they were there too.
+        adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
+                           _kept(job.spec_steps, keep), _kept(job.hypers, keep), self.moment_dtype,
+                           out=(targets["master"], targets["exp_avg"], targets["exp_avg_sq"]), scratch=self._moment_scratch)
         self.stats.kernel_s += time.perf_counter() - kernel_start  # an early update's kernel is the kernel too
-        if not all(keep):  # the spares replace whole buffers: parameters without a gradient keep their values
-            for kind in STATE_KINDS:
-                for source, target, k in zip(split_views(host[kind], sizes), split_views(targets[kind], sizes), keep, strict=False):
-                    if not k:
-                        target.copy_(source)
         with self._cond:
             job.phase = JobPhase.SPECULATED
             verdict, job.verdict = job.verdict, None
