@@ -48,11 +48,13 @@ from __future__ import annotations
 
 import torch
 
-MOMENT_DTYPES = ("fp32", "bf16", "int8")
+from runtime.planning.moment_sizes import INT8_ALIGN, MOMENT_DTYPES, QUANT_BLOCK, stored_moment_nbytes
+
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
-QUANT_BLOCK = 2048
 MIN_SCALE = 2.0**-90
-STORE_ALIGN = 64  # bytes: an int8 moment's buffer is a whole number of cache lines
+# The formats, the block and the alignment are planning's (it counts the bytes before anything is allocated, and sits
+# below this package): one definition of the layout's sizes.
+STORE_ALIGN = INT8_ALIGN  # bytes: an int8 moment's buffer is a whole number of cache lines
 
 _M_LEVELS = 127.0  # int8 codes -127..127 (-128 unused: the map is symmetric)
 _V_LEVELS = 255.0  # uint8 codes 0..255
@@ -98,9 +100,9 @@ def moment_storage(moment_dtype: str, sizes: list[int]) -> tuple[torch.dtype, in
 
 
 def moment_nbytes(moment_dtype: str, sizes: list[int]) -> int:
-    """Bytes of one stored moment of a block whose parameters have ``sizes`` elements."""
-    dtype, numel = moment_storage(moment_dtype, sizes)
-    return numel * dtype.itemsize
+    """Bytes of one stored moment of a block whose parameters have ``sizes`` elements (planning's count)."""
+    _check(moment_dtype)
+    return stored_moment_nbytes(moment_dtype, sizes)
 
 
 def check_stored(stored: torch.Tensor, moment_dtype: str, sizes: list[int]) -> None:
