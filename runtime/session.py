@@ -427,16 +427,18 @@ def machine_rates(cfg: TierstoreConfig, device: torch.device) -> Rates | None:
     if not rates_needed(cfg, device):
         return None
     return measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False,
-                         moment_dtype=cfg.optimizer.moment_dtype, int8_kernel=cpu_int8_kernel(cfg))
+                         moment_dtype=cfg.optimizer.moment_dtype, int8_kernel=cpu_int8_kernel(cfg, device))
 
 
-def cpu_int8_kernel(cfg: TierstoreConfig, gpu_update_fraction: float | None = None) -> Int8Kernel | None:
+def cpu_int8_kernel(cfg: TierstoreConfig, device: torch.device,
+                    gpu_update_fraction: float | None = None) -> Int8Kernel | None:
     """The compiled int8 kernel the CPU's updates run (``optimizer.moment_kernel``; built once per process, at
-    ``offload()``: never in a step), or None: torch ops. ``gpu_update_fraction``: the resolved share (1: no update
-    on the CPU, nothing to build); default: the config's. Refuses (``compiled`` that cannot build) with a
+    ``offload()``: never in a step), or None: torch ops. ``gpu_update_fraction``: the resolved share (1 on a GPU: no
+    update on the CPU, nothing to build); default: the config's. Refuses (``compiled`` that cannot build) with a
     ``ConfigError`` naming the key."""
     fraction = cfg.optimizer.gpu_update_fraction if gpu_update_fraction is None else gpu_update_fraction
-    return int8_kernel_for(cfg.optimizer.moment_kernel, cfg.optimizer.moment_dtype, cpu_updates=fraction != 1.0)
+    return int8_kernel_for(cfg.optimizer.moment_kernel, cfg.optimizer.moment_dtype,
+                           cpu_updates=device.type == "cpu" or fraction != 1.0)
 
 
 def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
@@ -485,7 +487,7 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
     blocks, resolved, budgets = plan_model(model, cfg, device)
     _check_recompute(cfg, blocks, model)
     # Before anything is pinned: a `compiled` kernel that cannot build refuses the run with nothing to undo.
-    int8_kernel = cpu_int8_kernel(cfg, resolved.placement.gpu_update_fraction)
+    int8_kernel = cpu_int8_kernel(cfg, device, resolved.placement.gpu_update_fraction)
     plan = resolved.plan
     log.info("%s", plan.table())
     # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
@@ -508,7 +510,7 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         options = _options(cfg, dtype, resolved, record_intervals, int8_kernel)
         controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)
-        controller.worker.use_int8_kernel(options.int8_kernel)  # before any update is submitted
+        _hand_int8_kernel(controller, options.int8_kernel)
         access = StateAccess(controller, blocks, store, controller.weights, controller.worker, controller.writebacks,
                              controller.fetch.release)
         hooks = HookSet(model, blocks, controller)
@@ -672,6 +674,14 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
 
 
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
+
+
+def _hand_int8_kernel(controller: Controller, kernel: Int8Kernel | None) -> None:
+    """The kernel to every updater's scratch before any update runs: the worker's (host-updated blocks) and the
+    device updates' (on a CUDA device their tensors are CUDA ones, which keep torch ops; on the CPU device they are
+    CPU updates too, and run what the worker runs)."""
+    controller.worker.use_int8_kernel(kernel)
+    controller.device_updates.moment_scratch.int8_kernel = kernel
 
 
 def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, record_intervals: bool,

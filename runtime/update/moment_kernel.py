@@ -2,9 +2,11 @@
 and a thread's L1, one parallel region over all blocks of an update.
 
 Owns: the kernel's C++ source, building it with torch's cpp_extension (once per machine: the build is cached under
-``~/.cache/torch_extensions``; about a minute on 2 busy cores), and calling it on a block's buffers. Leaves out: the
-formats (``moment_formats``: the same maps, the same layout) and when it is used (``moments.adamw_update_block``
-with a :class:`~runtime.update.moments.MomentScratch` that holds one).
+``~/.cache/torch_extensions``; about a minute on 2 busy cores), once per process (:func:`int8_kernel_for`, what
+``optimizer.moment_kernel`` asks for: built, refused or fallen back from), and calling it on a block's buffers.
+Leaves out: the formats (``moment_formats``: the same maps, the same layout) and where it is used
+(``moments.adamw_update_block`` with a :class:`~runtime.update.moments.MomentScratch` that holds one: the session
+hands it to the update thread's, and the CPU AdamW rate probe, ``runtime.update.rates``, times it).
 
 Why: in torch ops, int8 makes about thirty passes over each piece and as many parallel regions; here each block is
 read once (codes, scales, master, gradient) and written once, so the update moves int8's 16 bytes a parameter and

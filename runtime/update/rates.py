@@ -234,8 +234,8 @@ def _measured(device_index: int, cpu_threads: int, pin: bool, moment_dtype: str,
     return rates
 
 
-def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float, moment_dtype: str,
-                             int8_kernel: Int8Kernel | None) -> float:
+def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float, moment_dtype: str = "fp32",
+                             int8_kernel: Int8Kernel | None = None) -> float:
     """Parameters a second of the CPU AdamW update (the run's moment format) while copies run each way, the median of
     ``ADAM_PROBE_REPEATS`` steps after a warm-up (the alone rate beside it is a median too): what the CPU's
     updates get in a step, where the copies to and from the GPU share host memory's bandwidth with them (on the

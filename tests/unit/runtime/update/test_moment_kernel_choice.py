@@ -108,3 +108,4 @@ def test_the_worker_runs_the_kernel_offload_built(monkeypatch):
         with optimizer.session as session:
             assert session.controller.options.int8_kernel is expected
             assert session.controller.worker._moment_scratch.int8_kernel is expected
+            assert session.controller.device_updates.moment_scratch.int8_kernel is expected  # CPU tensors here
