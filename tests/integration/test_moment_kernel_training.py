@@ -47,3 +47,51 @@ def test_int8_training_through_the_kernel_equals_torch_ops_within_the_codes_roun
     apart = distance(kernel_masters, ops_masters)
     assert apart <= KERNEL_UPDATE_SHARE * distance(fp32_masters, init)
     assert apart <= KERNEL_OF_INT8 * distance(ops_masters, fp32_masters)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_host_updates_run_the_kernel_and_the_rate_is_the_kernels(monkeypatch):
+    """On a GPU: the CPU's int8 updates run the kernel (the device's keep torch ops: the kernel never sees a CUDA
+    tensor), the loss falls, and the CPU AdamW rate auto placement plans with is int8's through the kernel (logged
+    beside fp32's for the record)."""
+    import logging
+
+    from runtime import offload
+    from runtime.update.moment_kernel import int8_kernel_for
+    from runtime.update.rates import cpu_adam_seconds, measure_rates
+    from tests.integration.test_parity import make_batches
+
+    devices = []
+    update = Int8Kernel.update
+
+    def recording(self, master, *args):
+        devices.append(master.device.type)
+        update(self, master, *args)
+
+    monkeypatch.setattr(Int8Kernel, "update", recording)
+    torch.manual_seed(0)
+    config = {"dtype": "bf16", "device": "cuda",
+              "optimizer": {"grad_clip": None, "moment_dtype": "int8", "moment_kernel": "compiled"}}
+    model, optimizer = offload(ExampleLM(SHAPE), config)
+    losses = []
+    with optimizer.session:
+        for x, y in make_batches(INT8_STEPS):
+            loss = model(x.cuda(), y.cuda())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    assert devices and set(devices) == {"cpu"}
+    assert losses[-1] < losses[0] - 0.1
+    kernel = int8_kernel_for("compiled", "int8")
+    numel = 1 << 24
+    rate = {name: numel / min(cpu_adam_seconds(numel, torch.get_num_threads(), tensors=16, moment_dtype=dtype,
+                                               int8_kernel=kernel if name == "int8 kernel" else None))
+            for name, dtype in (("fp32", "fp32"), ("int8 kernel", "int8"), ("int8 torch ops", "int8"))}
+    logging.getLogger(__name__).warning("CPU AdamW G params/s: %s",
+                                        {name: round(r / 1e9, 2) for name, r in rate.items()})
+    assert rate["int8 kernel"] > rate["int8 torch ops"]
+    planned = measure_rates(torch.device("cuda"), cpu_threads=torch.get_num_threads(), moment_dtype="int8",
+                            int8_kernel=kernel)
+    logging.getLogger(__name__).warning("auto placement's rates with int8 moments: %s", planned.describe())
+    assert 0 < planned.adam_params_per_s <= (planned.adam_alone_params_per_s or 0)
