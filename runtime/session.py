@@ -36,6 +36,7 @@ from runtime.planning.peak_hint import PeakHint, cuda_peak, cuda_peak_reset, cud
 from runtime.planning.placement import InForce, ResolvedPlan, adopted_plan, placement_at_reserve, plan_blocks, rates_needed
 from runtime.planning.settings import DTYPES, cpu_threads, host_grad_dtype, resolve_device
 from runtime.update.adam import AdamWHyper
+from runtime.update.moment_kernel import Int8Kernel, int8_kernel_for
 from runtime.update.rates import measure_rates
 from tierstore import StoreConfig, TierName, TierStore
 
@@ -421,10 +422,23 @@ def plan_model(model: nn.Module, cfg: TierstoreConfig, device: torch.device, *,
 
 def machine_rates(cfg: TierstoreConfig, device: torch.device) -> Rates | None:
     """The machine's rates where ``cfg``'s plan on ``device`` chooses from them (``rates_needed``; None elsewhere):
-    ``runtime.update.rates.measure_rates`` with the optimizer's threads, once per process."""
+    ``runtime.update.rates.measure_rates`` with the optimizer's threads and the update the run's CPU runs (its
+    ``moment_dtype``, int8 through the compiled kernel where ``moment_kernel`` takes it), once per process."""
     if not rates_needed(cfg, device):
         return None
-    return measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False)
+    return measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False,
+                         moment_dtype=cfg.optimizer.moment_dtype, int8_kernel=cpu_int8_kernel(cfg, device))
+
+
+def cpu_int8_kernel(cfg: TierstoreConfig, device: torch.device,
+                    gpu_update_fraction: float | None = None) -> Int8Kernel | None:
+    """The compiled int8 kernel the CPU's updates run (``optimizer.moment_kernel``; built once per process, at
+    ``offload()``: never in a step), or None: torch ops. ``gpu_update_fraction``: the resolved share (1 on a GPU: no
+    update on the CPU, nothing to build); default: the config's. Refuses (``compiled`` that cannot build) with a
+    ``ConfigError`` naming the key."""
+    fraction = cfg.optimizer.gpu_update_fraction if gpu_update_fraction is None else gpu_update_fraction
+    return int8_kernel_for(cfg.optimizer.moment_kernel, cfg.optimizer.moment_dtype,
+                           cpu_updates=device.type == "cpu" or fraction != 1.0)
 
 
 def offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
@@ -472,6 +486,8 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
     uninitialized = _prepare_parameters(model, cfg, device, init)
     blocks, resolved, budgets = plan_model(model, cfg, device)
     _check_recompute(cfg, blocks, model)
+    # Before anything is pinned: a `compiled` kernel that cannot build refuses the run with nothing to undo.
+    int8_kernel = cpu_int8_kernel(cfg, device, resolved.placement.gpu_update_fraction)
     plan = resolved.plan
     log.info("%s", plan.table())
     # What is not offloaded (buffers, frozen parameters) simply lives on the compute device.
@@ -491,9 +507,10 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
                                         io_threads=cfg.tiers.nvme.io_threads, io_block_nbytes=cfg.tiers.nvme.block_size,
                                         direct_io=str(direct)))
         store = opened[0]
-        options = _options(cfg, dtype, resolved, record_intervals)
+        options = _options(cfg, dtype, resolved, record_intervals, int8_kernel)
         controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)
+        _hand_int8_kernel(controller, options.int8_kernel)
         access = StateAccess(controller, blocks, store, controller.weights, controller.worker, controller.writebacks,
                              controller.fetch.release)
         hooks = HookSet(model, blocks, controller)
@@ -659,7 +676,16 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
 
 
-def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, record_intervals: bool) -> RuntimeOptions:
+def _hand_int8_kernel(controller: Controller, kernel: Int8Kernel | None) -> None:
+    """The kernel to every updater's scratch before any update runs: the worker's (host-updated blocks) and the
+    device updates' (on a CUDA device their tensors are CUDA ones, which keep torch ops; on the CPU device they are
+    CPU updates too, and run what the worker runs)."""
+    controller.worker.use_int8_kernel(kernel)
+    controller.device_updates.moment_scratch.int8_kernel = kernel
+
+
+def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, record_intervals: bool,
+             int8_kernel: Int8Kernel | None = None) -> RuntimeOptions:
     opt, placement = cfg.optimizer, resolved.placement
     loss_scale = None
     if cfg.dtype == "fp16":
@@ -675,4 +701,4 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
         gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
         hold_updates=opt.user_grad_clip, host_sums=placement.host_sums, host_grad_dtype=host_grad_dtype(cfg, placement.host_sums),
-        speculate=resolved.plan.pre_commit_buffers, moment_dtype=opt.moment_dtype)
+        speculate=resolved.plan.pre_commit_buffers, moment_dtype=opt.moment_dtype, int8_kernel=int8_kernel)

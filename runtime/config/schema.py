@@ -309,6 +309,17 @@ class OptimizerConfig:
         "format wherever the update runs (CPU or GPU: `gpu_update_fraction`, `gpu_stream_fraction`). "
         "`optimizer.state_dict()` gives fp32 moments either way, and a checkpoint written with one `moment_dtype` "
         "loads into a run with another.", "bf16")
+    moment_kernel: str = _leaf(
+        ChoiceSpec(choices=("auto", "torch", "compiled")), "auto",
+        "How the CPU updates `int8` moments (`moment_dtype: int8`; other formats and updates on the GPU always use "
+        "torch ops). `compiled`: a C++ kernel that decodes, updates and encodes each block in one pass (about 4x "
+        "int8 in torch ops, as fast as fp32 moments where the CPU update is memory-bound), built with torch's "
+        "cpp_extension when the run starts: it needs a C++ compiler and ninja (`pip install -e '.[kernel]'`), and "
+        "the run refuses to start where it cannot build. The first build on a machine takes tens of seconds to a "
+        "minute (logged, with its time); later runs load it from torch's extension cache (~/.cache/torch_extensions). "
+        "Not bit-identical to torch ops: the same maps and per-block scales, codes within one of each other. `auto` "
+        "(the default): `compiled` where it builds, else torch ops with one warning. `torch`: never the kernel.",
+        "compiled")
     loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
 
 

@@ -12,6 +12,7 @@ import torch
 
 from runtime.planning.memory_plan import WeightSource
 from runtime.update.adam import AdamWHyper
+from runtime.update.moment_kernel import Int8Kernel
 from tierstore import TierName
 
 
@@ -40,3 +41,5 @@ class RuntimeOptions:
     hold_updates: bool = False  # updates wait for optimizer.step() (the user's loop clips: optimizer.user_grad_clip)
     speculate: bool = True  # the plan counts second state buffers: updates that wait for the commit may run early
     moment_dtype: str = "fp32"  # how Adam's moments are stored (optimizer.moment_dtype: runtime.update.moments)
+    # The compiled kernel the CPU's int8 updates run (optimizer.moment_kernel, built at offload()); None: torch ops.
+    int8_kernel: Int8Kernel | None = None

@@ -84,7 +84,8 @@ Auto = Literal["auto"]
 class Rates:
     """The speeds the chooser balances."""
 
-    # CPU fused AdamW with the optimizer's thread count, timed while copies run each way (as in a step)
+    # The CPU AdamW update over the run's moments (optimizer.moment_dtype, and moment_kernel for int8) with the
+    # optimizer's thread count, timed while copies run each way (as in a step)
     adam_params_per_s: float
     h2d_bytes_per_s: float  # host -> GPU copies from the host tier's memory (pinned unless tiers.host.pin is false)
     d2h_bytes_per_s: float  # GPU -> host

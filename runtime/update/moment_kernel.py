@@ -2,9 +2,11 @@
 and a thread's L1, one parallel region over all blocks of an update.
 
 Owns: the kernel's C++ source, building it with torch's cpp_extension (once per machine: the build is cached under
-``~/.cache/torch_extensions``; about a minute on 2 busy cores), and calling it on a block's buffers. Leaves out: the
-formats (``moment_formats``: the same maps, the same layout) and when it is used (``moments.adamw_update_block``
-with a :class:`~runtime.update.moments.MomentScratch` that holds one).
+``~/.cache/torch_extensions``; about a minute on 2 busy cores), once per process (:func:`int8_kernel_for`, what
+``optimizer.moment_kernel`` asks for: built, refused or fallen back from), and calling it on a block's buffers.
+Leaves out: the formats (``moment_formats``: the same maps, the same layout) and where it is used
+(``moments.adamw_update_block`` with a :class:`~runtime.update.moments.MomentScratch` that holds one: the session
+hands it to the update thread's, and the CPU AdamW rate probe, ``runtime.update.rates``, times it).
 
 Why: in torch ops, int8 makes about thirty passes over each piece and as many parallel regions; here each block is
 read once (codes, scales, master, gradient) and written once, so the update moves int8's 16 bytes a parameter and
@@ -23,11 +25,16 @@ of one a tensor op: fewer waits on a descheduled thread).
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import shutil
+import time
 from typing import Any
 
 import torch
 
+from runtime.config.loader import ConfigError
 from runtime.update.adam import AdamWHyper
 from runtime.update.moment_formats import MIN_SCALE, QUANT_BLOCK, int8_views, padded_numel
 
@@ -182,3 +189,67 @@ class Int8Kernel:
         self._module.adamw_int8(master, grad, m_codes, m_scales, v_codes, v_scales, out[0], out_m_codes, out_m_scales,
                                 out_v_codes, out_v_scales, torch.cat(blocks).contiguous(),
                                 torch.tensor(rows, dtype=torch.float64))
+
+
+#: ``optimizer.moment_kernel``: ``auto`` runs the compiled kernel where it builds, ``torch`` never, ``compiled`` always
+#: (a run refuses to start where it cannot build).
+MOMENT_KERNELS = ("auto", "torch", "compiled")
+KERNEL_KEY = "optimizer.moment_kernel"
+
+
+def missing_build_tools() -> list[str]:
+    """What torch's cpp_extension needs to build the kernel and this machine lacks: a C++ compiler (``$CXX`` or
+    ``c++``) and ninja. Empty where both are found (the build may still fail: the error says why)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    missing = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        missing.append(f"a C++ compiler ({compiler!r} is not on PATH; set CXX or install g++)")
+    if not is_ninja_available():
+        missing.append("ninja (pip install ninja)")
+    return missing
+
+
+@functools.cache
+def _built_once() -> tuple[Int8Kernel | None, str]:
+    """The kernel built (or loaded from torch's extension cache) once per process, and why not where it fails.
+    Cached: the session and the rate probe ask for it, and a failed build should not be retried, or warned about,
+    a second time."""
+    missing = missing_build_tools()
+    if missing:
+        return None, "missing " + " and ".join(missing)
+    log.info("building (or loading from its cache) the compiled int8 AdamW kernel (%s): a first build takes tens of seconds to a minute, "
+             "then it loads from torch's extension cache (~/.cache/torch_extensions)", KERNEL_KEY)
+    started = time.perf_counter()
+    try:
+        kernel = Int8Kernel()
+    except Exception as error:  # any build failure: the caller decides whether that refuses the run
+        return None, f"the build failed: {error}"
+    log.info("compiled int8 AdamW kernel ready in %.1f s", time.perf_counter() - started)
+    return kernel, ""
+
+
+def int8_kernel_for(choice: str, moment_dtype: str, *, cpu_updates: bool = True) -> Int8Kernel | None:
+    """The kernel the run's CPU updates use under ``optimizer.moment_kernel`` = ``choice``: None for ``torch``, for
+    moments other than int8 (only int8 has a compiled kernel) and where no update runs on the CPU (``cpu_updates``
+    False: the device's updates keep torch ops); else the kernel built once per process. ``auto``: None, with one
+    warning, where it cannot build. ``compiled``: a :class:`ConfigError` naming the key and what is missing."""
+    if choice not in MOMENT_KERNELS:
+        raise ConfigError(f"{choice!r} is not one of {', '.join(MOMENT_KERNELS)}", KERNEL_KEY)
+    if choice == "torch" or moment_dtype != "int8" or not cpu_updates:
+        return None
+    kernel, why = _built_once()
+    if kernel is not None:
+        return kernel
+    if choice == "compiled":
+        raise ConfigError(f"compiled: the int8 AdamW kernel cannot be built here ({why}); install what is missing, "
+                          "or write auto (torch ops where it cannot build) or torch", KERNEL_KEY, kind="environment")
+    _warn_fallback(why)
+    return None
+
+
+@functools.cache  # once per process and reason, as the build: the rate probe and the session both ask
+def _warn_fallback(why: str) -> None:
+    log.warning("%s: auto: the compiled int8 AdamW kernel cannot be built here (%s); int8 moments use torch ops "
+                "(about a quarter of fp32's CPU update speed)", KERNEL_KEY, why)

@@ -23,7 +23,9 @@ import torch
 
 from runtime.config.units import format_size
 from runtime.planning.auto_placement import Rates
-from runtime.update.adam import AdamWHyper, adamw_update, split_views
+from runtime.update.adam import AdamWHyper
+from runtime.update.moment_kernel import Int8Kernel
+from runtime.update.moments import MomentScratch, adamw_update_block, encode_moment, moment_storage
 from tierstore import HostMemoryError, PinnedArena
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,8 @@ def _probe_buffers(device: torch.device, nbytes: int, pin: bool) -> Iterator[tup
 
 
 def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: int, *, tensors: int = 1,
-                                   repeats: int = 3, copy_nbytes: int, pin: bool = True) -> tuple[list[float], bool]:
+                                   repeats: int = 3, copy_nbytes: int, pin: bool = True, moment_dtype: str = "fp32",
+                                   int8_kernel: Int8Kernel | None = None) -> tuple[list[float], bool]:
     """``cpu_adam_seconds`` while copies of ``copy_nbytes`` run back to back each way between host memory and the
     CUDA ``device``, as they do beside the CPU's updates in an offloaded step (gradients and streamed state
     leaving, weights and streamed state arriving): the DMA shares host memory's bandwidth with the kernel. On
@@ -150,7 +153,8 @@ def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: in
             if errors:
                 raise errors[0]
             times = cpu_adam_seconds(numel, threads, tensors=tensors, repeats=repeats,
-                                     mark=lambda: marks.append((copied[0], feeder.is_alive() and not errors)))
+                                     mark=lambda: marks.append((copied[0], feeder.is_alive() and not errors)),
+                                     moment_dtype=moment_dtype, int8_kernel=int8_kernel)
         finally:
             stop.set()
             feeder.join()
@@ -161,24 +165,33 @@ def cpu_adam_seconds_beside_copies(device: torch.device, numel: int, threads: in
 
 
 def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int = 3,
-                     mark: Callable[[], None] | None = None) -> list[float]:
-    """Seconds of each of ``repeats`` CPU fused AdamW steps (the runtime's own kernel) over ``numel`` fp32
-    parameters split into ``tensors`` views, with ``threads`` threads, after one untimed step that faults the
-    pages in. The caller keeps the statistic it needs (a ceiling the best, a typical step the median).
-    ``mark``: called just before the first timed step and just after the last."""
+                     mark: Callable[[], None] | None = None, moment_dtype: str = "fp32",
+                     int8_kernel: Int8Kernel | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` CPU AdamW steps (the runtime's own block update, ``adamw_update_block``) over
+    ``numel`` fp32 parameters split into ``tensors`` parameters, their moments stored as ``moment_dtype`` (with
+    ``int8_kernel``: int8 through the compiled kernel, as the run's updates), with ``threads`` threads, after one
+    untimed step that faults the pages in. The caller keeps the statistic it needs (a ceiling the best, a typical
+    step the median). ``mark``: called just before the first timed step and just after the last."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         size = max(1, numel // tensors)
-        flat = torch.full((4 * size * tensors,), 1e-3)
-        master, grads, exp_avg, exp_avg_sq = (split_views(part, [size] * tensors) for part in flat.chunk(4))
+        sizes = [size] * tensors
+        master, grad = torch.full((size * tensors,), 1e-3), torch.full((size * tensors,), 1e-3)
+        stored_dtype, stored_numel = moment_storage(moment_dtype, sizes)
+        exp_avg, exp_avg_sq = (torch.zeros(stored_numel, dtype=stored_dtype) for _ in range(2))
+        for kind, stored in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            encode_moment(torch.full((size * tensors,), 1e-3), moment_dtype, kind, sizes, stored)
         steps = [torch.zeros(()) for _ in range(tensors)]
+        hypers, keep = [AdamWHyper()] * tensors, [True] * tensors
+        scratch = MomentScratch(int8_kernel=int8_kernel)  # one per updating thread, as the worker keeps
         times = []
         for attempt in range(repeats + 1):
             if attempt == 1 and mark is not None:
                 mark()
             start = time.perf_counter()
-            adamw_update(master, grads, exp_avg, exp_avg_sq, steps, AdamWHyper())
+            adamw_update_block(master, grad, exp_avg, exp_avg_sq, sizes, keep, steps, hypers, moment_dtype,
+                               scratch=scratch)
             if attempt:
                 times.append(time.perf_counter() - start)
         if mark is not None:
@@ -188,32 +201,42 @@ def cpu_adam_seconds(numel: int, threads: int, *, tensors: int = 1, repeats: int
         torch.set_num_threads(previous)
 
 
-def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True) -> Rates:
-    """Time CPU fused AdamW (``cpu_threads`` threads) and copies each way between host memory (pinned when ``pin``)
+def measure_rates(device: torch.device, *, cpu_threads: int, pin: bool = True, moment_dtype: str = "fp32",
+                  int8_kernel: Int8Kernel | None = None) -> Rates:
+    """Time the CPU AdamW update (``cpu_threads`` threads, moments stored as ``moment_dtype``, int8 through
+    ``int8_kernel`` where given: the update the run's CPU will run, whose speed differs by format, bf16 0.9x and
+    int8 in torch ops 0.3x fp32's on 2 cores) and copies each way between host memory (pinned when ``pin``)
     and ``device``, once per process for the same arguments, then AdamW again while copies run each way. Before
     the beside-copies probe and the 7-step medians it took about half a second (H100 box, 14 threads: 0.32 s for
     AdamW at 4.7 G params/s, 0.24 s for the copies at 55 GB/s each way, CUDA start included); each probe now adds
     a few tens of milliseconds of timed steps (not re-timed on a GPU)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _measured(index, cpu_threads, pin)
+    return _measured(index, cpu_threads, pin, moment_dtype, int8_kernel)
 
 
 # Cached for the process (the one piece of module state here): the rates are the machine's, and a second
 # offload in the same process should neither pay for them again nor choose differently by timing noise.
 @functools.cache
-def _measured(device_index: int, cpu_threads: int, pin: bool) -> Rates:
+def _measured(device_index: int, cpu_threads: int, pin: bool, moment_dtype: str,
+              int8_kernel: Int8Kernel | None) -> Rates:
     started = time.perf_counter()
     device = torch.device("cuda", device_index)
-    alone_s = cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS, repeats=ADAM_PROBE_REPEATS)
+    alone_s = cpu_adam_seconds(ADAM_PROBE_NUMEL, cpu_threads, tensors=ADAM_PROBE_TENSORS, repeats=ADAM_PROBE_REPEATS,
+                               moment_dtype=moment_dtype, int8_kernel=int8_kernel)
     alone = ADAM_PROBE_NUMEL / statistics.median(alone_s)
-    rates = Rates(adam_params_per_s=_adam_rate_beside_copies(device, cpu_threads, pin, alone=alone),
+    beside = _adam_rate_beside_copies(device, cpu_threads, pin, alone=alone, moment_dtype=moment_dtype,
+                                      int8_kernel=int8_kernel)
+    rates = Rates(adam_params_per_s=beside,
                   adam_alone_params_per_s=alone, **_copy_rates(device, pin))
-    log.info("measured for auto placement in %.2f s: %s", time.perf_counter() - started, rates.describe())
+    log.info("measured for auto placement in %.2f s (CPU AdamW with %s moments%s): %s", time.perf_counter() - started,
+             moment_dtype, ", the compiled kernel" if int8_kernel is not None and moment_dtype == "int8" else "",
+             rates.describe())
     return rates
 
 
-def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float) -> float:
-    """Parameters a second of torch's fused CPU AdamW while copies run each way, the median of
+def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, alone: float, moment_dtype: str = "fp32",
+                             int8_kernel: Int8Kernel | None = None) -> float:
+    """Parameters a second of the CPU AdamW update (the run's moment format) while copies run each way, the median of
     ``ADAM_PROBE_REPEATS`` steps after a warm-up (the alone rate beside it is a median too): what the CPU's
     updates get in a step, where the copies to and from the GPU share host memory's bandwidth with them (on the
     H100 box the kernel alone was 1.4-1.8x faster; planned with the alone rate, auto placement streamed less
@@ -223,7 +246,8 @@ def _adam_rate_beside_copies(device: torch.device, threads: int, pin: bool, *, a
     probe after it does). Any other error (a dead CUDA context, a bug) surfaces."""
     try:
         times, beside = cpu_adam_seconds_beside_copies(device, ADAM_PROBE_NUMEL, threads, tensors=ADAM_PROBE_TENSORS,
-                                                       repeats=ADAM_PROBE_REPEATS, copy_nbytes=COPY_PROBE_NBYTES, pin=pin)
+                                                       repeats=ADAM_PROBE_REPEATS, copy_nbytes=COPY_PROBE_NBYTES, pin=pin,
+                                                       moment_dtype=moment_dtype, int8_kernel=int8_kernel)
     except (torch.OutOfMemoryError, HostMemoryError) as error:  # no room on the device, pinning refused
         log.warning("auto placement could not time CPU AdamW beside copies (%s); it plans with the rate timed "
                     "alone, %.2f G params/s, which overstates the CPU's speed in a step", error, alone / 1e9)

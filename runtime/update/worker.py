@@ -38,6 +38,7 @@ from runtime.core.blocks import Block
 from runtime.planning.memory_plan import STATE_KINDS, WeightSource
 from runtime.update.adam import AdamWHyper, scale_slots
 from runtime.update.collaborators import ComputeWeights
+from runtime.update.moment_kernel import Int8Kernel
 from runtime.update.moments import MomentScratch, adamw_update_block
 from runtime.update.speculation import SpareBuffers
 from tierstore import CapacityError, CopyState, Handle, TierName, TierStore, close_at_exit
@@ -132,6 +133,11 @@ class UpdateWorker:
         self._thread = threading.Thread(target=self._run, name="tierstore-adam", daemon=True)
         self._thread.start()
         close_at_exit(self, UpdateWorker.close)  # stopped before the store it writes to (registered earlier)
+
+    def use_int8_kernel(self, kernel: Int8Kernel | None) -> None:
+        """Run this thread's int8 updates through the compiled ``kernel`` (None: torch ops); called before any
+        update is submitted (``offload()`` builds the kernel once, outside any step)."""
+        self._moment_scratch.int8_kernel = kernel
 
     # ---- producer side -------------------------------------------------------------------------------
     def submit(self, job: UpdateJob) -> None:
