@@ -334,9 +334,12 @@ def step_rates(args: argparse.Namespace, cfg: TierstoreConfig, gpu_here: bool) -
         device = torch.device("cuda", torch.cuda.current_device())
         if pcie is None or adam is None:
             from runtime.planning.settings import cpu_threads
+            from runtime.session import cpu_int8_kernel
             from runtime.update.rates import measure_rates
 
-            here = measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False)
+            # the CPU's update as the run would make it: its moment format, int8 through the kernel it would use
+            here = measure_rates(device, cpu_threads=cpu_threads(cfg), pin=cfg.tiers.host.pin is not False,
+                                 moment_dtype=cfg.optimizer.moment_dtype, int8_kernel=cpu_int8_kernel(cfg, device))
             if pcie is None:
                 pcie, measured = (here.h2d_bytes_per_s, here.d2h_bytes_per_s), [*measured, "pcie"]
             if adam is None:
