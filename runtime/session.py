@@ -510,7 +510,6 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         options = _options(cfg, dtype, resolved, record_intervals, int8_kernel)
         controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)
-        _hand_int8_kernel(controller, options.int8_kernel)
         access = StateAccess(controller, blocks, store, controller.weights, controller.worker, controller.writebacks,
                              controller.fetch.release)
         hooks = HookSet(model, blocks, controller)
@@ -674,14 +673,6 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
 
 
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
-
-
-def _hand_int8_kernel(controller: Controller, kernel: Int8Kernel | None) -> None:
-    """The kernel to every updater's scratch before any update runs: the worker's (host-updated blocks) and the
-    device updates' (on a CUDA device their tensors are CUDA ones, which keep torch ops; on the CPU device they are
-    CPU updates too, and run what the worker runs)."""
-    controller.worker.use_int8_kernel(kernel)
-    controller.device_updates.moment_scratch.int8_kernel = kernel
 
 
 def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, record_intervals: bool,

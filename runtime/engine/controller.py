@@ -99,7 +99,7 @@ class Controller:
         self.frozen: list[tuple[str, torch.nn.Parameter]] = []
         sys.setswitchinterval(min(self._switch_interval, 0.0005))
         self.worker = UpdateWorker(blocks, store, options.hyper, self.weights, record_intervals=options.record_intervals,
-                                   moment_dtype=options.moment_dtype)
+                                   moment_dtype=options.moment_dtype, int8_kernel=options.int8_kernel)
         self.param_block = {id(slot.param): block.index for block in blocks for slot in block.slots}
         self.param_slot = {id(slot.param): (block.index, position) for block in blocks for position, slot in enumerate(block.slots)}
         self._param_state: dict[int, BlockState] = {id(slot.param): self.table[block.index] for block in blocks
@@ -134,7 +134,8 @@ class Controller:
         self.step_listeners: list[Callable[[StepEvent], None]] = []
         self.writebacks = DeviceWritebacks(self.device)  # streamed state on its way home ([Note: paced write-back])
         settings = DeviceUpdateSettings(options.weight_source, options.prefetch_depth, options.gpu_stream_ahead,
-                                        self.deferred, self.gpu_updated, self.gpu_streamed, options.moment_dtype)
+                                        self.deferred, self.gpu_updated, self.gpu_streamed, options.moment_dtype,
+                                        options.int8_kernel)
         self.device_updates = DeviceUpdates(settings, blocks, store, self.weights, self.worker, self.writebacks,
                                             self.clipper, self.gpu_param_steps, self.hypers.block_hypers)
         self.scaler = None if options.loss_scale is None else LossScaler(self.device, **options.loss_scale)  # type: ignore[arg-type]

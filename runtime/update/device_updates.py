@@ -30,6 +30,7 @@ from runtime.planning.buffers import DEVICE_MOMENT_PIECE_NUMEL
 from runtime.planning.memory_plan import WeightSource, window_bound
 from runtime.update.adam import AdamWHyper, scale_slots
 from runtime.update.collaborators import ClipFactors, ComputeWeights, WritebackQueue
+from runtime.update.moment_kernel import Int8Kernel
 from runtime.update.moments import MomentScratch, adamw_update_block
 from runtime.update.worker import STATE_KINDS, UpdateWorker
 from tierstore import CapacityError, CopyState, TierName, TierStore
@@ -47,6 +48,9 @@ class DeviceUpdateSettings:
     gpu_updated: frozenset[int]  # blocks whose master and moments live on the device
     gpu_streamed: frozenset[int]  # blocks updated on the device over state streamed in from host memory
     moment_dtype: str = "fp32"  # how the moments are stored (runtime.update.moments decodes and encodes them)
+    # The compiled int8 kernel the CPU's updates run (optimizer.moment_kernel): used here on the CPU device, where the
+    # device updates are CPU updates too; CUDA tensors keep torch ops.
+    int8_kernel: Int8Kernel | None = None
 
 
 class DeviceUpdates:
@@ -79,7 +83,7 @@ class DeviceUpdates:
         # GPU-tier bytes that weight fetches may need while streamed state is brought in ahead: the prefetch window.
         self.weights_window_nbytes = self._weights_window()
         # One piece of compact moments in fp32 on the device, reused by every update (allocated at the first).
-        self.moment_scratch = MomentScratch(self.device)
+        self.moment_scratch = MomentScratch(self.device, int8_kernel=settings.int8_kernel)
 
     def placement_changed(self, gpu_updated: frozenset[int], gpu_streamed: frozenset[int]) -> None:
         """The device's share grew (``runtime.engine.relocation``): fewer weights are fetched."""

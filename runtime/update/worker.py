@@ -102,10 +102,13 @@ class UpdateWorker:
     """Runs block updates on one thread (AdamW itself uses torch's intra-op thread pool)."""
 
     def __init__(self, blocks: list[Block], store: TierStore, hyper: AdamWHyper, weights: ComputeWeights,
-                 lookahead: int = 2, record_intervals: bool = False, moment_dtype: str = "fp32"):
+                 lookahead: int = 2, record_intervals: bool = False, moment_dtype: str = "fp32",
+                 int8_kernel: Int8Kernel | None = None):
         self.blocks = blocks
         self.moment_dtype = moment_dtype  # how the moments are stored (runtime.update.moments decodes and encodes)
-        self._moment_scratch = MomentScratch()  # this thread's fp32 pieces of compact moments, reused by every update
+        # This thread's fp32 pieces of compact moments, reused by every update; int8 through the compiled kernel where
+        # offload() built one (optimizer.moment_kernel), before any update.
+        self._moment_scratch = MomentScratch(int8_kernel=int8_kernel)
         self.store = store
         self.hyper = hyper
         self.weights = weights
@@ -133,11 +136,6 @@ class UpdateWorker:
         self._thread = threading.Thread(target=self._run, name="tierstore-adam", daemon=True)
         self._thread.start()
         close_at_exit(self, UpdateWorker.close)  # stopped before the store it writes to (registered earlier)
-
-    def use_int8_kernel(self, kernel: Int8Kernel | None) -> None:
-        """Run this thread's int8 updates through the compiled ``kernel`` (None: torch ops); called before any
-        update is submitted (``offload()`` builds the kernel once, outside any step)."""
-        self._moment_scratch.int8_kernel = kernel
 
     # ---- producer side -------------------------------------------------------------------------------
     def submit(self, job: UpdateJob) -> None:
