@@ -342,6 +342,26 @@ def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | Non
                     p.data = p.data.to(device)
 
 
+def _check_one_process() -> None:
+    """Refuse a run of several processes (``torchrun --nproc-per-node N``, a process group of N > 1): each would keep
+    a whole copy of the training state in host memory and train on its own batches without averaging gradients,
+    neither DDP's result nor what fits in RAM. Sharding over the GPUs of one host is designed, not built
+    (docs/design.md)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world, source = dist.get_world_size(), "torch.distributed's process group"
+    else:
+        value = os.environ.get("WORLD_SIZE", "1").strip()
+        world, source = (int(value) if value.isdigit() else 1), "WORLD_SIZE (set by torchrun)"
+    if world > 1:
+        raise ValueError(
+            f"offload() trains in one process, and this is one of {world} ({source}): each process would keep a whole "
+            "copy of the training state in host memory and train on its own batches without averaging gradients, "
+            "unlike DDP. Run one process (python script.py, or torchrun --nproc-per-node 1); tierstore does not yet "
+            "shard training over several GPUs")
+
+
 def _check_model(model: nn.Module) -> None:
     """Refuse a model ``offload()`` cannot take as it is: one already offloaded, or two parameters over one memory."""
     if any(is_offloaded(p) for p in model.parameters()):  # a notebook cell run twice
@@ -479,6 +499,7 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
              leave_signals: Callable[[], None]) -> tuple[nn.Module, OffloadAdamW]:
     """``offload()``'s setup, with SIGTERM already an exception (``leave_signals`` gives the handler back: the
     session's last ``on_close`` step)."""
+    _check_one_process()
     _check_model(model)
     cfg = _checked_config(config)
     device = resolve_device(cfg)

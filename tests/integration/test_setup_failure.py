@@ -154,3 +154,25 @@ def test_close_after_the_worker_failed_hands_back_the_intact_masters(tmp_path, c
         else:
             assert name not in failed and torch.equal(p.detach(), step3[name]), name
     assert all(f"  {name}: given back at step 2" in warned[0] for name in failed)
+
+
+@pytest.mark.parametrize("how", ["torchrun", "process group"])
+def test_several_processes_are_refused_before_anything_is_allocated(tmp_path, monkeypatch, how):
+    """Under torchrun --nproc-per-node 2 (or a process group of two) each process would train its own whole copy
+    apart from the others, unlike DDP: refused, naming the world size and what to run, with the model as it was."""
+    import torch.distributed as dist
+
+    if how == "torchrun":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    else:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    model, threads = fresh_model(), set(threading.enumerate())
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="one of 2") as refused:
+        offload(model, config(tmp_path))
+    assert "torchrun --nproc-per-node 1" in str(refused.value)
+    assert_given_back(model, before)
+    monkeypatch.undo()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: an ordinary run (assert_released offloads)
+    assert_released(tmp_path, threads)
