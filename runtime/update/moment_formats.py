@@ -183,6 +183,84 @@ def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: to
     scales.copy_(scale)
 
 
+# [Note: bf16 stochastic rounding] A bf16 moment is narrowed by stochastic rounding in the update: 16 random bits are
+# added below bf16's mantissa in the fp32 bit pattern and the sum truncated, so a value rounds up with probability
+# its distance from the bf16 value below over the step between them, and a decay smaller than half a step is kept on
+# average. The bits are a function of the element's index ``i`` in its block's flat buffer and a salt of (its
+# parameter's step counter after the increment, the block's seed, the moment kind), nothing else: no RNG state to
+# checkpoint (a resumed run rounds as the uninterrupted one), the same bits whatever the piece size or thread count.
+# ``bits(i) = T1[(i + o1) % P1] ^ T2[(i + o2) % P2]``: two fixed tables of 16-bit hashes (``mix32`` of their
+# positions) of prime lengths P1, P2, at offsets ``o1, o2`` hashed from the salt. A hash per element (a dozen int64
+# passes) made the bf16 update 8x slower; the tables cost two copies and an XOR of contiguous slices (on the CPU,
+# where the offsets are Python ints) or two gathers (on CUDA, where the steps stay device tensors: no sync). Elements
+# share one table's bits only P1 (or P2) apart, and then XOR independent bits of the other table; an element's bits
+# repeat across steps only when both offsets do. The integer ops never overflow (32-bit values times constants below
+# 2^31 in int64), so CPU and CUDA compute the same tables and offsets.
+_MASK32 = 0xFFFFFFFF
+_MIX1, _MIX2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers below 2^31 (the first is lowbias32's)
+_KIND_BITS = {"exp_avg": 1, "exp_avg_sq": 2}
+_TABLE_PRIMES = (65521, 65519)  # P1, P2: primes, their product (4.3e9) beyond any block's elements
+_TABLE_KEYS = (0x3C6EF372, 0x1B873593)
+_LOW16 = -(1 << 16)  # keeps the fp32 bits a bfloat16 holds (sign-extended: also for negative bit patterns)
+_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32) (new tensor; the same ops on CPU and CUDA)."""
+    x = torch.bitwise_xor(x, x >> 16).mul_(_MIX1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15).mul_(_MIX2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def rounding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two int32 tables of 16-bit values, each stored twice over (``2 P`` elements) so that any ``P``
+    consecutive entries from any offset are one contiguous slice; built once per device."""
+    if device not in _tables:
+        tables = []
+        for prime, key in zip(_TABLE_PRIMES, _TABLE_KEYS, strict=True):
+            table = (mix32(torch.arange(prime, dtype=torch.int64).bitwise_xor_(key)) >> 16).to(torch.int32)
+            tables.append(torch.cat([table, table]).to(device))
+        _tables[device] = (tables[0], tables[1])
+    return _tables[device]
+
+
+def rounding_offsets(steps: torch.Tensor, seed: int, kind: str) -> torch.Tensor:
+    """int64 ``(len(steps), 2)``: the table offsets ``o1, o2`` of bf16 stochastic rounding for each step counter in
+    ``steps`` (float or integer, on any device), a block's ``seed`` and a moment ``kind``."""
+    _check("bf16", kind)
+    key = mix32(torch.tensor([((seed << 2) | _KIND_BITS[kind]) & _MASK32], dtype=torch.int64)).to(steps.device)
+    salt = mix32(steps.reshape(-1).to(torch.int64).bitwise_and_(_MASK32).bitwise_xor_(key))
+    return torch.stack([salt % _TABLE_PRIMES[0], mix32(salt) % _TABLE_PRIMES[1]], dim=1)
+
+
+def rounding_bits(start: int, offsets: torch.Tensor | tuple[int, int], out: torch.Tensor) -> None:
+    """The 16 random bits (int32 ``out``) of a block's elements ``start .. start + out.numel()`` at the table
+    ``offsets`` (a row of :func:`rounding_offsets`: Python ints slice the tables, a tensor gathers from them)."""
+    tables = rounding_tables(out.device)
+    if isinstance(offsets, torch.Tensor):
+        index = torch.arange(start, start + out.numel(), dtype=torch.int64, device=out.device)
+        out.copy_(tables[0][(index + offsets[0]) % _TABLE_PRIMES[0]])
+        out.bitwise_xor_(tables[1][index.add_(offsets[1]).remainder_(_TABLE_PRIMES[1])])
+        return
+    for which, (table, prime) in enumerate(zip(tables, _TABLE_PRIMES, strict=True)):
+        position, done = (start + offsets[which]) % prime, 0
+        while done < out.numel():
+            length = min(prime, out.numel() - done)
+            if which == 0:
+                out[done : done + length].copy_(table[position : position + length])
+            else:
+                out[done : done + length].bitwise_xor_(table[position : position + length])
+            done += length  # a whole table later the position is the same
+
+
+def round_bf16_stochastic(values: torch.Tensor, bits: torch.Tensor, out: torch.Tensor) -> None:
+    """fp32 ``values`` stochastically rounded into bfloat16 ``out`` with their random ``bits`` (int32,
+    :func:`rounding_bits`; overwritten). Finite values and infinities round as the Note says; torch's NaN (a quiet
+    0x7FC00000) stays NaN, but a NaN whose top 16 mantissa bits are all ones may come out as a signed zero."""
+    bits.add_(values.view(torch.int32)).bitwise_and_(_LOW16)
+    out.copy_(bits.view(torch.float32))  # exact: the low 16 bits are zero
+
+
 # Elements converted at a time by decode_moment / encode_moment (a multiple of QUANT_BLOCK): their temporaries stay
 # at 3 x 4 MiB whatever the block's size (a whole block at once took three times its fp32 size).
 CONVERT_CHUNK = 1 << 20

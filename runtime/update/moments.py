@@ -55,6 +55,9 @@ from runtime.update.moment_formats import (
     moment_nbytes,
     moment_storage,
     padded_numel,
+    round_bf16_stochastic,
+    rounding_bits,
+    rounding_offsets,
     zero_moments,
 )
 from runtime.update.moment_kernel import Int8Kernel
@@ -80,6 +83,10 @@ __all__ = [
 # Python and torch calls (fused AdamW's alone 17 us): on one EPYC core, pieces of 64 Ki elements took 1.7x (bf16)
 # and 1.3x (int8) the time of 256 Ki; 1 Mi made bf16 7% faster and int8 6% slower. `adam_bench --piece-numel` sweeps it.
 PIECE_NUMEL_PER_THREAD = 1 << 18
+
+# The bf16 moments narrowed by stochastic rounding in the update ([Note: bf16 stochastic rounding] in moment_formats);
+# the others round to nearest even.
+BF16_STOCHASTIC_KINDS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
 
 def default_piece_numel() -> int:
@@ -175,6 +182,7 @@ def adamw_update_block(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     scratch: MomentScratch | None = None,
     piece_numel: int | None = None,
+    rounding_seed: int = 0,
 ) -> None:
     """One AdamW step over a block: ``master``, ``grad`` flat fp32 (``sum(sizes)``); ``exp_avg``, ``exp_avg_sq`` the
     stored buffers (:func:`moment_storage`); ``keep`` one bool a parameter: one without a gradient this step is left
@@ -182,7 +190,8 @@ def adamw_update_block(
     AdamWHyper. fp32: ``adamw_update_grouped`` on per-parameter views (bit-identical). bf16, int8: piece by piece
     through an fp32 scratch (``scratch``: keep one per thread to reuse it across calls; None takes one for this
     call). ``out=(master_new, exp_avg_new, exp_avg_sq_new)``: the result lands there, every parameter's (a skipped
-    one's copied), and the inputs keep their values. ``piece_numel``: elements a piece (default: per thread)."""
+    one's copied), and the inputs keep their values. ``piece_numel``: elements a piece (default: per thread).
+    ``rounding_seed``: the block's seed of bf16 stochastic rounding (its index; any int that stays the block's)."""
     if len(keep) != len(sizes) or sum(map(bool, keep)) != len(steps) or len(steps) != len(hypers):
         raise RuntimeError(f"adamw_update_block: {len(sizes)} sizes, {len(keep)} keep flags, "
                            f"{sum(map(bool, keep))} kept, {len(steps)} steps, {len(hypers)} hypers")
@@ -213,6 +222,7 @@ def adamw_update_block(
     scratch = scratch or MomentScratch(master.device)
     m32, v32, temporaries = scratch.take(max(piece.numel for piece in pieces))
     target = out if out is not None else (master, exp_avg, exp_avg_sq)
+    offsets = {kind: _offsets(steps, rounding_seed, kind) for kind in BF16_STOCHASTIC_KINDS if moment_dtype == "bf16"}
     for piece in pieces:
         m, v = m32[: piece.numel], v32[: piece.numel]
         _decode_piece(exp_avg, "exp_avg", moment_dtype, sizes, piece, m, temporaries)
@@ -222,8 +232,8 @@ def adamw_update_block(
             span = slice(first.flat, last.flat + last.end - last.start)
             out[0][span].copy_(master[span])  # kept parameters of a piece are consecutive in master too
         _fused_piece(target[0], grad, m, v, piece, steps, hypers)
-        _encode_piece(m, "exp_avg", moment_dtype, sizes, piece, target[1], temporaries)
-        _encode_piece(v, "exp_avg_sq", moment_dtype, sizes, piece, target[2], temporaries)
+        _encode_piece(m, "exp_avg", moment_dtype, sizes, piece, target[1], temporaries, offsets.get("exp_avg"))
+        _encode_piece(v, "exp_avg_sq", moment_dtype, sizes, piece, target[2], temporaries, offsets.get("exp_avg_sq"))
 
 
 def _update_fp32(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -284,11 +294,28 @@ def _decode_piece(stored: torch.Tensor, kind: str, moment_dtype: str, sizes: lis
     decode_into(codes[span], scales[blocks], kind, values, temporaries)
 
 
+def _offsets(steps: list[torch.Tensor], seed: int, kind: str) -> list[tuple[int, int]] | torch.Tensor:
+    """Each kept parameter's table offsets of bf16 stochastic rounding: Python ints for CPU steps (the tables are
+    sliced), a device tensor for CUDA ones (gathered: no sync)."""
+    offsets = rounding_offsets(torch.stack(steps), seed, kind)
+    if offsets.device.type == "cpu":
+        return [(o1, o2) for o1, o2 in offsets.tolist()]
+    return offsets
+
+
 def _encode_piece(values: torch.Tensor, kind: str, moment_dtype: str, sizes: list[int], piece: _Piece,
-                  stored: torch.Tensor, temporaries: DecodeScratch) -> None:
+                  stored: torch.Tensor, temporaries: DecodeScratch,
+                  offsets: list[tuple[int, int]] | torch.Tensor | None = None) -> None:
     span = slice(piece.stored_start, piece.stored_start + piece.numel)
     if moment_dtype == "bf16":
-        stored[span].copy_(values)  # round to nearest even
+        if offsets is None:
+            stored[span].copy_(values)  # round to nearest even
+            return
+        bits = temporaries.tmp[: piece.numel].view(torch.int32)  # int8's temporaries, free under bf16
+        for part in piece.parts:  # each parameter's elements with its own step's bits
+            length = part.end - part.start
+            rounding_bits(part.flat, offsets[part.kept], bits[part.local : part.local + length])
+        round_bf16_stochastic(values, bits, stored[span])
         return
     codes, scales = int8_views(stored, sizes)
     blocks = slice(span.start // QUANT_BLOCK, span.stop // QUANT_BLOCK)
