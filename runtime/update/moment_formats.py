@@ -6,12 +6,18 @@ checkpoints and ``state_dict``) and by piece (:func:`decode_into`, :func:`encode
 Leaves out: the AdamW step over these formats (``runtime.update.moments``). Device-agnostic torch: the same code
 runs on CPU and CUDA tensors; no Python per element.
 
-fp32: the values (exactly today's state). bf16: the values rounded to bfloat16, round-to-nearest-even (torch's
-float -> bfloat16 conversion); widening back is exact. Its known cost: with beta2 0.999 a step changes v by 0.1%
-(decay), below half a bf16 ulp (0.2-0.4%), so a stored v cannot decay and rises only under a gradient ~3x its root;
-v reads high, steps run small (the tiny ExampleLM's held-out loss after 200 steps: +0.97%, v alone +0.27%, m alone
-+0.56%; tests/unit/runtime/update/test_moments_quality.py). Stochastic rounding would record the decay on average,
-at the price of equality with plain narrowing (what the format promises today).
+fp32: the values (exactly today's state). bf16: the values in bfloat16; widening back is exact. How the update
+narrows them (:func:`round_bf16_stochastic`, [Note: bf16 stochastic rounding] below): ``exp_avg_sq`` by stochastic
+rounding, ``exp_avg`` to nearest even (``runtime.update.moments.BF16_STOCHASTIC_KINDS``); conversions outside the
+update (checkpoints across formats, ``load_state_dict``) round to nearest even. Why: with beta2 0.999 a step changes
+v by 0.1% (decay), below half a bf16 ulp (0.2-0.4%), so a v rounded to nearest cannot decay and rises only under a
+gradient ~3x its root; v reads high, steps run small. Stochastic rounding rounds up with probability the distance
+to the value below over the ulp, so the decay is kept on average. Its random bits depend only on the element's
+index in its block, its step, the block's seed and the kind: deterministic, nothing to checkpoint, the same on CPU
+and CUDA. Measured on the tiny ExampleLM (byte tokens, lr 3e-3, held-out loss against fp32 moments;
+tests/unit/runtime/update/test_moments_quality.py): after 200 steps nearest rounding +0.97%, stochastic (v) +0.07%,
+-0.24%, +0.11% over three block seeds (v and m both stochastic: +0.59% to -0.40% over five), int8 +0.02%; after
+1,000 steps nearest -0.82%, stochastic (v and m) +0.18%, +0.29%, int8 +0.16%.
 
 int8 (``uint8`` buffer): each parameter's values are cut into blocks of :data:`QUANT_BLOCK`, and a block's codes
 are relative to its own scale ``s`` (its largest magnitude, at least :data:`MIN_SCALE`). A parameter's blocks never
