@@ -19,7 +19,8 @@ Speed: bf16 adds four conversion passes over cached data, int8 about twenty-five
 amax) and three rsqrt an element: where the fp32 update is bound by memory bandwidth (many cores sharing it) they
 cost less than the bytes they save; where one core streams memory as fast as it computes they do not. On one EPYC
 core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.adam_bench --threads 1``): fp32
-2.15 G parameters/s, bf16 0.56x of it, int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
+2.15 G parameters/s, bf16 0.56x of it (0.40x with its v's stochastic rounding, three int32 passes more a piece:
+one core of the 2-core box, 7.1 M parameters), int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
 also wait thirty times for the slowest thread: on cores shared with other busy processes that cost far more than
 the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``,
 a :class:`MomentScratch` holding an :class:`Int8Kernel`): decode, AdamW and encode of a block in one pass, one parallel
