@@ -126,7 +126,7 @@ def test_compact_moments_train_the_bundled_lm():
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_compact_moments_train_the_bundled_lm_1000_steps():
-    """The same, 1,000 steps (about 4 minutes on one core): the issue's goals, bf16 within 1% of fp32 and int8
+    """The same, 1,000 steps (about 2 minutes on one core): the issue's goals, bf16 within 1% of fp32 and int8
     within 2%. Measured: fp32 1.3445; bf16 +0.31% (rounding seed 1: +0.35%; v rounded to nearest: -0.82%), int8
     +0.16%."""
     fp32 = _train_lm("fp32", 3e-3, 1000)
