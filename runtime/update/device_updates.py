@@ -199,7 +199,8 @@ class DeviceUpdates:
             adamw_update_block(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], sizes, has_grad,
                                [s for s, keep in zip(self.param_steps[block.index], has_grad, strict=False) if keep],
                                [h for h, keep in zip(self.hypers(block), has_grad, strict=False) if keep],
-                               self.settings.moment_dtype, scratch=self.moment_scratch, piece_numel=DEVICE_MOMENT_PIECE_NUMEL)
+                               self.settings.moment_dtype, scratch=self.moment_scratch, piece_numel=DEVICE_MOMENT_PIECE_NUMEL,
+                               rounding_seed=block.index)  # the block's bits wherever it is updated (bf16 rounding)
             if not streamed or self.settings.weight_source is WeightSource.RESIDENT:
                 weights.load_resident(block.index, state["master"])  # recast from the device master
             elif weights.fill_from_device(block.index, state["master"]):

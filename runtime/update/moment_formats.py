@@ -6,12 +6,21 @@ checkpoints and ``state_dict``) and by piece (:func:`decode_into`, :func:`encode
 Leaves out: the AdamW step over these formats (``runtime.update.moments``). Device-agnostic torch: the same code
 runs on CPU and CUDA tensors; no Python per element.
 
-fp32: the values (exactly today's state). bf16: the values rounded to bfloat16, round-to-nearest-even (torch's
-float -> bfloat16 conversion); widening back is exact. Its known cost: with beta2 0.999 a step changes v by 0.1%
-(decay), below half a bf16 ulp (0.2-0.4%), so a stored v cannot decay and rises only under a gradient ~3x its root;
-v reads high, steps run small (the tiny ExampleLM's held-out loss after 200 steps: +0.97%, v alone +0.27%, m alone
-+0.56%; tests/unit/runtime/update/test_moments_quality.py). Stochastic rounding would record the decay on average,
-at the price of equality with plain narrowing (what the format promises today).
+fp32: the values (exactly today's state). bf16: the values in bfloat16; widening back is exact. How the update
+narrows them (:func:`round_bf16_stochastic`, [Note: bf16 stochastic rounding] below): ``exp_avg_sq`` by stochastic
+rounding, ``exp_avg`` to nearest even (``runtime.update.moments.BF16_STOCHASTIC_KINDS``); conversions outside the
+update (checkpoints across formats, ``load_state_dict``) round to nearest even. Why: with beta2 0.999 a step changes
+v by 0.1% (decay), below half a bf16 ulp (0.2-0.4%), so a v rounded to nearest cannot decay and rises only under a
+gradient ~3x its root; v reads high, steps run small. Stochastic rounding rounds up with probability the distance
+to the value below over the ulp, so the decay is kept on average. Its random bits depend only on the element's
+index in its block, its step, the block's seed and the kind: deterministic, nothing to checkpoint, the same on CPU
+and CUDA. Measured on the tiny ExampleLM (byte tokens, lr 3e-3, held-out loss against fp32 moments;
+tests/unit/runtime/update/test_moments_quality.py): after 200 steps nearest rounding +0.97%, stochastic (v) +0.07%,
+-0.24%, +0.11% over three block seeds (v and m both stochastic: +0.59% to -0.40% over five), int8 +0.02%; after
+1,000 steps nearest -0.82%, stochastic (v) +0.31%, +0.35% (v and m: +0.18%, +0.29%, -0.04%), int8 +0.16%. The
+cost, on one core (7.1 M parameters, ``adam_bench --threads 1``): the bf16 update 0.56x fp32's parameters/s with
+nearest rounding, 0.40x with v stochastic, 0.28x with both (two more int32 passes and an XOR over each piece's
+v).
 
 int8 (``uint8`` buffer): each parameter's values are cut into blocks of :data:`QUANT_BLOCK`, and a block's codes
 are relative to its own scale ``s`` (its largest magnitude, at least :data:`MIN_SCALE`). A parameter's blocks never
@@ -181,6 +190,84 @@ def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: to
         torch.maximum(y, torch.sign(values, out=integers), out=y)
         codes.copy_(integers.view(torch.int32).copy_(y))
     scales.copy_(scale)
+
+
+# [Note: bf16 stochastic rounding] A bf16 moment is narrowed by stochastic rounding in the update: 16 random bits are
+# added below bf16's mantissa in the fp32 bit pattern and the sum truncated, so a value rounds up with probability
+# its distance from the bf16 value below over the step between them, and a decay smaller than half a step is kept on
+# average. The bits are a function of the element's index ``i`` in its block's flat buffer and a salt of (its
+# parameter's step counter after the increment, the block's seed, the moment kind), nothing else: no RNG state to
+# checkpoint (a resumed run rounds as the uninterrupted one), the same bits whatever the piece size or thread count.
+# ``bits(i) = T1[(i + o1) % P1] ^ T2[(i + o2) % P2]``: two fixed tables of 16-bit hashes (``mix32`` of their
+# positions) of prime lengths P1, P2, at offsets ``o1, o2`` hashed from the salt. A hash per element (a dozen int64
+# passes) made the bf16 update 8x slower; the tables cost two copies and an XOR of contiguous slices (on the CPU,
+# where the offsets are Python ints) or two gathers (on CUDA, where the steps stay device tensors: no sync). Elements
+# share one table's bits only P1 (or P2) apart, and then XOR independent bits of the other table; an element's bits
+# repeat across steps only when both offsets do. The integer ops never overflow (32-bit values times constants below
+# 2^31 in int64), so CPU and CUDA compute the same tables and offsets.
+_MASK32 = 0xFFFFFFFF
+_MIX1, _MIX2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers below 2^31 (the first is lowbias32's)
+_KIND_BITS = {"exp_avg": 1, "exp_avg_sq": 2}
+_TABLE_PRIMES = (65521, 65519)  # P1, P2: primes, their product (4.3e9) beyond any block's elements
+_TABLE_KEYS = (0x3C6EF372, 0x1B873593)
+_LOW16 = -(1 << 16)  # keeps the fp32 bits a bfloat16 holds (sign-extended: also for negative bit patterns)
+_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32) (new tensor; the same ops on CPU and CUDA)."""
+    x = torch.bitwise_xor(x, x >> 16).mul_(_MIX1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15).mul_(_MIX2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def rounding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two int32 tables of 16-bit values, each stored twice over (``2 P`` elements) so that any ``P``
+    consecutive entries from any offset are one contiguous slice; built once per device."""
+    if device not in _tables:
+        tables = []
+        for prime, key in zip(_TABLE_PRIMES, _TABLE_KEYS, strict=True):
+            table = (mix32(torch.arange(prime, dtype=torch.int64).bitwise_xor_(key)) >> 16).to(torch.int32)
+            tables.append(torch.cat([table, table]).to(device))
+        _tables[device] = (tables[0], tables[1])
+    return _tables[device]
+
+
+def rounding_offsets(steps: torch.Tensor, seed: int, kind: str) -> torch.Tensor:
+    """int64 ``(len(steps), 2)``: the table offsets ``o1, o2`` of bf16 stochastic rounding for each step counter in
+    ``steps`` (float or integer, on any device), a block's ``seed`` and a moment ``kind``."""
+    _check("bf16", kind)
+    key = mix32(torch.tensor([((seed << 2) | _KIND_BITS[kind]) & _MASK32], dtype=torch.int64)).to(steps.device)
+    salt = mix32(steps.reshape(-1).to(torch.int64).bitwise_and_(_MASK32).bitwise_xor_(key))
+    return torch.stack([salt % _TABLE_PRIMES[0], mix32(salt) % _TABLE_PRIMES[1]], dim=1)
+
+
+def rounding_bits(start: int, offsets: torch.Tensor | tuple[int, int], out: torch.Tensor) -> None:
+    """The 16 random bits (int32 ``out``) of a block's elements ``start .. start + out.numel()`` at the table
+    ``offsets`` (a row of :func:`rounding_offsets`: Python ints slice the tables, a tensor gathers from them)."""
+    tables = rounding_tables(out.device)
+    if isinstance(offsets, torch.Tensor):
+        index = torch.arange(start, start + out.numel(), dtype=torch.int64, device=out.device)
+        out.copy_(tables[0][(index + offsets[0]) % _TABLE_PRIMES[0]])
+        out.bitwise_xor_(tables[1][index.add_(offsets[1]).remainder_(_TABLE_PRIMES[1])])
+        return
+    first = (start + offsets[0]) % _TABLE_PRIMES[0]
+    second = (start + offsets[1]) % _TABLE_PRIMES[1]
+    done, most = 0, min(_TABLE_PRIMES)
+    while done < out.numel():  # a chunk at most the shorter table: both slices lie within the doubled tables
+        length = min(most, out.numel() - done)
+        torch.bitwise_xor(tables[0][first : first + length], tables[1][second : second + length],
+                          out=out[done : done + length])
+        done += length
+        first, second = (first + length) % _TABLE_PRIMES[0], (second + length) % _TABLE_PRIMES[1]
+
+
+def round_bf16_stochastic(values: torch.Tensor, bits: torch.Tensor, out: torch.Tensor) -> None:
+    """fp32 ``values`` stochastically rounded into bfloat16 ``out`` with their random ``bits`` (int32,
+    :func:`rounding_bits`; overwritten). Finite values and infinities round as the Note says; torch's NaN (a quiet
+    0x7FC00000) stays NaN, but a NaN whose top 16 mantissa bits are all ones may come out as a signed zero."""
+    bits.add_(values.view(torch.int32)).bitwise_and_(_LOW16)
+    out.copy_(bits.view(torch.float32))  # exact: the low 16 bits are zero (a strided copy of the high halves: 2x slower)
 
 
 # Elements converted at a time by decode_moment / encode_moment (a multiple of QUANT_BLOCK): their temporaries stay

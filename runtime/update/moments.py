@@ -19,7 +19,8 @@ Speed: bf16 adds four conversion passes over cached data, int8 about twenty-five
 amax) and three rsqrt an element: where the fp32 update is bound by memory bandwidth (many cores sharing it) they
 cost less than the bytes they save; where one core streams memory as fast as it computes they do not. On one EPYC
 core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.adam_bench --threads 1``): fp32
-2.15 G parameters/s, bf16 0.56x of it, int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
+2.15 G parameters/s, bf16 0.56x of it (0.40x with its v's stochastic rounding, three int32 passes more a piece:
+one core of the 2-core box, 7.1 M parameters), int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
 also wait thirty times for the slowest thread: on cores shared with other busy processes that cost far more than
 the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``,
 a :class:`MomentScratch` holding an :class:`Int8Kernel`): decode, AdamW and encode of a block in one pass, one parallel
@@ -30,7 +31,9 @@ memory-bound, 1.07x fp32 (bf16 in torch ops 0.88x).
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
 blocks never span pieces, and of 64 elements, so the fused kernel computes every element as one call over the
 whole tensor does: the bf16 result is bit-identical to widening, one fused AdamW step over whole fp32 tensors, and
-narrowing). A piece holds consecutive kept parameters only, so its stored range is contiguous.
+narrowing, parameter by parameter, as ``moment_formats`` defines it: its stochastic rounding takes each element's
+bits from its index in the block and its parameter's step, never from the piece). A piece holds consecutive kept
+parameters only, so its stored range is contiguous.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ from runtime.update.moment_formats import (
     moment_nbytes,
     moment_storage,
     padded_numel,
+    round_bf16_stochastic,
+    rounding_bits,
+    rounding_offsets,
     zero_moments,
 )
 from runtime.update.moment_kernel import Int8Kernel
@@ -80,6 +86,12 @@ __all__ = [
 # Python and torch calls (fused AdamW's alone 17 us): on one EPYC core, pieces of 64 Ki elements took 1.7x (bf16)
 # and 1.3x (int8) the time of 256 Ki; 1 Mi made bf16 7% faster and int8 6% slower. `adam_bench --piece-numel` sweeps it.
 PIECE_NUMEL_PER_THREAD = 1 << 18
+
+# The bf16 moments narrowed by stochastic rounding in the update ([Note: bf16 stochastic rounding] in moment_formats);
+# the others round to nearest even. exp_avg_sq only: v's 0.1% decay a step is what nearest rounding loses, while m
+# moves 10% a step toward the gradient, above a bf16 step; on the tiny LM rounding m stochastically too changed the
+# held-out loss by no more than the rounding seed does, and it doubles the rounding's cost (see the user guide).
+BF16_STOCHASTIC_KINDS: tuple[str, ...] = ("exp_avg_sq",)
 
 
 def default_piece_numel() -> int:
@@ -175,6 +187,7 @@ def adamw_update_block(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     scratch: MomentScratch | None = None,
     piece_numel: int | None = None,
+    rounding_seed: int = 0,
 ) -> None:
     """One AdamW step over a block: ``master``, ``grad`` flat fp32 (``sum(sizes)``); ``exp_avg``, ``exp_avg_sq`` the
     stored buffers (:func:`moment_storage`); ``keep`` one bool a parameter: one without a gradient this step is left
@@ -182,7 +195,8 @@ def adamw_update_block(
     AdamWHyper. fp32: ``adamw_update_grouped`` on per-parameter views (bit-identical). bf16, int8: piece by piece
     through an fp32 scratch (``scratch``: keep one per thread to reuse it across calls; None takes one for this
     call). ``out=(master_new, exp_avg_new, exp_avg_sq_new)``: the result lands there, every parameter's (a skipped
-    one's copied), and the inputs keep their values. ``piece_numel``: elements a piece (default: per thread)."""
+    one's copied), and the inputs keep their values. ``piece_numel``: elements a piece (default: per thread).
+    ``rounding_seed``: the block's seed of bf16 stochastic rounding (its index; any int that stays the block's)."""
     if len(keep) != len(sizes) or sum(map(bool, keep)) != len(steps) or len(steps) != len(hypers):
         raise RuntimeError(f"adamw_update_block: {len(sizes)} sizes, {len(keep)} keep flags, "
                            f"{sum(map(bool, keep))} kept, {len(steps)} steps, {len(hypers)} hypers")
@@ -213,6 +227,7 @@ def adamw_update_block(
     scratch = scratch or MomentScratch(master.device)
     m32, v32, temporaries = scratch.take(max(piece.numel for piece in pieces))
     target = out if out is not None else (master, exp_avg, exp_avg_sq)
+    offsets = {kind: _offsets(steps, rounding_seed, kind) for kind in BF16_STOCHASTIC_KINDS if moment_dtype == "bf16"}
     for piece in pieces:
         m, v = m32[: piece.numel], v32[: piece.numel]
         _decode_piece(exp_avg, "exp_avg", moment_dtype, sizes, piece, m, temporaries)
@@ -222,8 +237,8 @@ def adamw_update_block(
             span = slice(first.flat, last.flat + last.end - last.start)
             out[0][span].copy_(master[span])  # kept parameters of a piece are consecutive in master too
         _fused_piece(target[0], grad, m, v, piece, steps, hypers)
-        _encode_piece(m, "exp_avg", moment_dtype, sizes, piece, target[1], temporaries)
-        _encode_piece(v, "exp_avg_sq", moment_dtype, sizes, piece, target[2], temporaries)
+        _encode_piece(m, "exp_avg", moment_dtype, sizes, piece, target[1], temporaries, offsets.get("exp_avg"))
+        _encode_piece(v, "exp_avg_sq", moment_dtype, sizes, piece, target[2], temporaries, offsets.get("exp_avg_sq"))
 
 
 def _update_fp32(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -284,11 +299,28 @@ def _decode_piece(stored: torch.Tensor, kind: str, moment_dtype: str, sizes: lis
     decode_into(codes[span], scales[blocks], kind, values, temporaries)
 
 
+def _offsets(steps: list[torch.Tensor], seed: int, kind: str) -> list[tuple[int, int]] | torch.Tensor:
+    """Each kept parameter's table offsets of bf16 stochastic rounding: Python ints for CPU steps (the tables are
+    sliced), a device tensor for CUDA ones (gathered: no sync)."""
+    offsets = rounding_offsets(torch.stack(steps), seed, kind)
+    if offsets.device.type == "cpu":
+        return [(o1, o2) for o1, o2 in offsets.tolist()]
+    return offsets
+
+
 def _encode_piece(values: torch.Tensor, kind: str, moment_dtype: str, sizes: list[int], piece: _Piece,
-                  stored: torch.Tensor, temporaries: DecodeScratch) -> None:
+                  stored: torch.Tensor, temporaries: DecodeScratch,
+                  offsets: list[tuple[int, int]] | torch.Tensor | None = None) -> None:
     span = slice(piece.stored_start, piece.stored_start + piece.numel)
     if moment_dtype == "bf16":
-        stored[span].copy_(values)  # round to nearest even
+        if offsets is None:
+            stored[span].copy_(values)  # round to nearest even
+            return
+        bits = temporaries.tmp[: piece.numel].view(torch.int32)  # int8's temporaries, free under bf16
+        for part in piece.parts:  # each parameter's elements with its own step's bits
+            length = part.end - part.start
+            rounding_bits(part.flat, offsets[part.kept], bits[part.local : part.local + length])
+        round_bf16_stochastic(values, bits, stored[span])
         return
     codes, scales = int8_views(stored, sizes)
     blocks = slice(span.start // QUANT_BLOCK, span.stop // QUANT_BLOCK)

@@ -387,7 +387,7 @@ class UpdateWorker:
         kernel_start = time.perf_counter()
         adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
                            _kept(self.param_steps[index], keep), _kept(job.hypers, keep), self.moment_dtype,
-                           scratch=self._moment_scratch)
+                           scratch=self._moment_scratch, rounding_seed=index)  # a block's own bits (bf16 rounding)
         self.stats.kernel_s += time.perf_counter() - kernel_start
         for kind in STATE_KINDS:
             self.store.mark_dirty(block.key(kind), TierName.HOST, step=job.step)
@@ -441,7 +441,8 @@ class UpdateWorker:
         # The spares replace whole buffers: the update leaves parameters without a gradient as they were there too.
         adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
                            _kept(job.spec_steps, keep), _kept(job.hypers, keep), self.moment_dtype,
-                           out=(targets["master"], targets["exp_avg"], targets["exp_avg_sq"]), scratch=self._moment_scratch)
+                           out=(targets["master"], targets["exp_avg"], targets["exp_avg_sq"]), scratch=self._moment_scratch,
+                           rounding_seed=block.index)  # as the update at the commit: an early result is the same bits
         self.stats.kernel_s += time.perf_counter() - kernel_start  # an early update's kernel is the kernel too
         with self._cond:
             job.phase = JobPhase.SPECULATED

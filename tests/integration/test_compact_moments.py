@@ -15,7 +15,8 @@ from runtime import offload
 from runtime.bundled.data import stdlib_text_bytes
 from runtime.bundled.example_model import ExampleLM, ModelShape
 from runtime.checkpoint.state import load_checkpoint, save_checkpoint
-from runtime.update.moments import decode_moment, encode_moment, moment_nbytes, moment_storage
+from runtime.update.moment_formats import round_bf16_stochastic, rounding_bits, rounding_offsets
+from runtime.update.moments import BF16_STOCHASTIC_KINDS, decode_moment, encode_moment, moment_nbytes, moment_storage
 from tests.integration.checkpoint_training import tiny_config, train
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, nbytes_moved
@@ -34,16 +35,44 @@ INT8_STEPS = 12
 
 def bf16_moment_reference(model: torch.nn.Module, grad_clip: float | None) -> ReferenceTrainer:
     """The plain loop (``torch.optim.AdamW(fused=True)`` on fp32 parameters) keeping bf16 moments: after each step the
-    moments are narrowed to bf16 (round to nearest even) and widened back, which is what storing them in bf16 is."""
+    moments are narrowed to bf16 and widened back, which is what storing them in bf16 is. The narrowing is the
+    update's: stochastic rounding with the bits of each element's index in its block's flat buffer and its step
+    (``follow_blocks`` gives the blocks' layout: each parameter's offset in its block, and its block's index, the
+    seed the runtime rounds that block's moments with)."""
     reference = ReferenceTrainer(model, grad_clip=grad_clip)
+    offsets: list[tuple[int, int]] = []  # (offset in the block's flat buffer, the block's index) per parameter
+    reference.block_offsets = offsets  # type: ignore[attr-defined]
 
     def narrow(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        for state in optimizer.state.values():
-            for kind in MOMENT_KINDS:
-                state[kind].copy_(state[kind].to(torch.bfloat16))
+        assert offsets, "call follow_blocks(reference, session) before the first step"
+        for param, (offset, seed) in zip(reference.masters, offsets, strict=True):
+            state = optimizer.state[param]
+            for kind in MOMENT_KINDS if state else ():
+                values = state[kind].reshape(-1)
+                if kind not in BF16_STOCHASTIC_KINDS:
+                    state[kind].copy_(state[kind].to(torch.bfloat16))
+                    continue
+                bits = torch.empty(values.numel(), dtype=torch.int32)
+                rounding_bits(offset, rounding_offsets(state["step"].reshape(1), seed, kind)[0], bits)
+                narrowed = torch.empty(values.numel(), dtype=torch.bfloat16)
+                round_bf16_stochastic(values, bits, narrowed)
+                values.copy_(narrowed)
 
     reference.optimizer.register_step_post_hook(narrow)
     return reference
+
+
+def follow_blocks(reference: ReferenceTrainer, session) -> None:
+    """Tell a bf16 reference where each parameter starts in its block's flat buffer (parameters in block order)."""
+    offsets = getattr(reference, "block_offsets", None)
+    if offsets is None:
+        return
+    offsets.clear()
+    for block in session.blocks:
+        start = 0
+        for slot in block.slots:
+            offsets.append((start, block.index))
+            start += slot.numel
 
 
 def train_offloaded(config: dict, steps: int, reference: ReferenceTrainer | None = None, events: list | None = None,
@@ -54,6 +83,8 @@ def train_offloaded(config: dict, steps: int, reference: ReferenceTrainer | None
     model = ExampleLM(SHAPE)
     model, optimizer = offload(model, config)
     session = optimizer.session
+    if reference is not None:
+        follow_blocks(reference, session)
     if prepare is not None:
         prepare(session)
     if events is not None:
@@ -301,6 +332,7 @@ def test_bf16_moments_stay_exact_in_other_layouts(layout, tmpfs_dir):
     torch.manual_seed(0)
     model, optimizer = offload(ExampleLM(shape), config)
     session = optimizer.session
+    follow_blocks(reference, session)
     with session:
         if layout == "spill":
             assert 0 < len(session.controller.options.spilled_blocks) < len(session.blocks)

@@ -89,8 +89,8 @@ def test_compact_moments_train_as_well_as_fp32(seed, lr):
     assert results["int8"][1] == pytest.approx(fp32, rel=0.03)
 
 
-def _train_lm(moment_dtype: str, lr: float) -> float:
-    """Held-out loss of the bundled ExampleLM (tiny preset, byte tokens) after 200 steps on the stdlib corpus."""
+def _train_lm(moment_dtype: str, lr: float, steps: int = STEPS) -> float:
+    """Held-out loss of the bundled ExampleLM (tiny preset, byte tokens) after ``steps`` steps on the stdlib corpus."""
     from runtime.bundled.data import ByteBatches, stdlib_text_bytes
     from runtime.bundled.example_model import PRESETS, ExampleLM
 
@@ -101,7 +101,7 @@ def _train_lm(moment_dtype: str, lr: float) -> float:
     batches = ByteBatches(corpus, 16, 128, seed=1)
     held_batches = ByteBatches(corpus, 64, 128, seed=2)
     held = [held_batches.next() for _ in range(4)]
-    for _ in range(STEPS):
+    for _ in range(steps):
         loss = model(*batches.next())
         model.zero_grad()
         loss.backward()
@@ -114,11 +114,22 @@ def _train_lm(moment_dtype: str, lr: float) -> float:
 @pytest.mark.usefixtures("one_thread")
 def test_compact_moments_train_the_bundled_lm():
     """The tiny ExampleLM, byte tokens (rare bytes' embedding rows get tiny v beside common ones: the int8 map's
-    corner), lr 3e-3. Measured (torch 2.13, CPU): bf16 +0.97% (bf16 moments alone: m +0.56%, v +0.27%: round to
-    nearest cannot record v's 0.1% decay a step, below half a bf16 ulp, so v stays high), int8 +0.02%. The bound for
-    bf16 keeps that margin, not the 1% goal: it is the format's own behaviour, bit-identical to rounding torch's
-    AdamW state to bf16 after each step."""
+    corner), lr 3e-3. Measured (torch 2.13, CPU): bf16 +0.07% (its v by stochastic rounding; with v rounded to
+    nearest +0.97%: it cannot record v's 0.1% decay a step, below half a bf16 ulp, so v stays high), int8 +0.02%.
+    The rounding seed moves bf16 by about 0.2-0.3% either way; the bound keeps that margin below the 1% goal."""
     fp32 = _train_lm("fp32", 3e-3)
     assert fp32 < 2.2  # from ln(256) = 5.5: it trained
-    assert _train_lm("bf16", 3e-3) == pytest.approx(fp32, rel=0.012)
+    assert _train_lm("bf16", 3e-3) == pytest.approx(fp32, rel=0.005)
     assert _train_lm("int8", 3e-3) == pytest.approx(fp32, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_compact_moments_train_the_bundled_lm_1000_steps():
+    """The same, 1,000 steps (about 2 minutes on one core): the issue's goals, bf16 within 1% of fp32 and int8
+    within 2%. Measured: fp32 1.3445; bf16 +0.31% (rounding seed 1: +0.35%; v rounded to nearest: -0.82%), int8
+    +0.16%."""
+    fp32 = _train_lm("fp32", 3e-3, 1000)
+    assert fp32 < 1.5
+    assert _train_lm("bf16", 3e-3, 1000) == pytest.approx(fp32, rel=0.01)
+    assert _train_lm("int8", 3e-3, 1000) == pytest.approx(fp32, rel=0.02)

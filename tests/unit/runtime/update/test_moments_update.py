@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from runtime.update.adam import AdamWHyper, adamw_update_grouped, split_views
-from runtime.update.moment_formats import int8_views, padded_numel
+from runtime.update.moment_formats import int8_views, padded_numel, round_bf16_stochastic, rounding_bits, rounding_offsets
 from runtime.update.moments import (
+    BF16_STOCHASTIC_KINDS,
     MOMENT_DTYPES,
     QUANT_BLOCK,
     MomentScratch,
@@ -64,9 +65,25 @@ def _grads(step: int, sizes: list[int] = SIZES) -> torch.Tensor:
     return torch.randn(sum(sizes), generator=gen) * (10.0 ** (step - 3))  # magnitudes change from step to step
 
 
+def narrow_bf16(values: torch.Tensor, kind: str, sizes: list[int], keep: list[bool], steps: list[torch.Tensor],
+                stored: torch.Tensor, seed: int = 0) -> None:
+    """Plain torch: each kept parameter's fp32 ``values`` narrowed into bf16 ``stored``, stochastically rounded with
+    the bits of its elements' indices in the block and its step after the increment (the kinds that round so; the
+    others to nearest even); a skipped parameter's bytes stay."""
+    offset = 0
+    for size, k, step in zip(sizes, keep, steps, strict=True):
+        if k and kind in BF16_STOCHASTIC_KINDS:
+            bits = torch.empty(size, dtype=torch.int32, device=values.device)
+            rounding_bits(offset, rounding_offsets(step.reshape(1), seed, kind)[0], bits)  # the gathering path
+            round_bf16_stochastic(values[offset : offset + size], bits, stored[offset : offset + size])
+        elif k:
+            stored[offset : offset + size].copy_(values[offset : offset + size])
+        offset += size
+
+
 def _reference_step(block: Block, grad: torch.Tensor, keep: list[bool], hypers: list[AdamWHyper]) -> None:
     """Plain torch: decode the stored moments to fp32 copies, one fused AdamW step on the kept parameters' whole
-    tensors, encode back (bf16: narrow with torch's conversion)."""
+    tensors, encode back (bf16: narrow_bf16, parameter by parameter)."""
     m = decode_moment(block.exp_avg, block.moment_dtype, "exp_avg", block.sizes).clone()
     v = decode_moment(block.exp_avg_sq, block.moment_dtype, "exp_avg_sq", block.sizes).clone()
 
@@ -77,8 +94,8 @@ def _reference_step(block: Block, grad: torch.Tensor, keep: list[bool], hypers: 
     adamw_update_grouped(views(block.master), views(grad), views(m), views(v), [block.steps[i] for i in pick],
                          [hypers[i] for i in pick])
     if block.moment_dtype == "bf16":
-        block.exp_avg.copy_(m.to(torch.bfloat16))
-        block.exp_avg_sq.copy_(v.to(torch.bfloat16))
+        narrow_bf16(m, "exp_avg", block.sizes, keep, block.steps, block.exp_avg)
+        narrow_bf16(v, "exp_avg_sq", block.sizes, keep, block.steps, block.exp_avg_sq)
         return
     for kind, values, stored in (("exp_avg", m, block.exp_avg), ("exp_avg_sq", v, block.exp_avg_sq)):
         old = stored.clone()
@@ -114,8 +131,8 @@ def test_fp32_is_todays_update_bit_for_bit():
 
 @pytest.mark.parametrize("piece_numel", PIECES)
 def test_bf16_equals_the_plain_torch_reference_bit_for_bit(piece_numel):
-    """Widen, torch's fused AdamW over whole fp32 tensors, narrow (round to nearest even): the same bits, whatever
-    the piece size (a parameter split across pieces, several parameters in one)."""
+    """Widen, torch's fused AdamW over whole fp32 tensors, narrow (stochastic rounding, parameter by parameter): the
+    same bits, whatever the piece size (a parameter split across pieces, several parameters in one)."""
     block = Block("bf16", SIZES)
     ref = block.clone()
     scratch = MomentScratch()
@@ -129,7 +146,8 @@ def test_bf16_equals_the_plain_torch_reference_bit_for_bit(piece_numel):
 
 
 def test_bf16_reference_with_torch_optim_adamw():
-    """The bf16 update is torch.optim.AdamW(fused=True) on widened moments, narrowed after each step."""
+    """The bf16 update is torch.optim.AdamW(fused=True) on widened moments, narrowed after each step (narrow_bf16
+    with the optimizer's own step counters)."""
     sizes = [1000, 64, 3]
     block = Block("bf16", sizes)
     params = [torch.nn.Parameter(v.clone()) for v in split_views(block.master.clone(), sizes)]
@@ -141,9 +159,12 @@ def test_bf16_reference_with_torch_optim_adamw():
         for p, g in zip(params, split_views(grad, sizes), strict=True):
             p.grad = g.clone()
         optimizer.step()
-        for p in params:  # what bf16 storage keeps of the state
-            for key in ("exp_avg", "exp_avg_sq"):
-                optimizer.state[p][key].copy_(optimizer.state[p][key].bfloat16().float())
+        steps = [optimizer.state[p]["step"] for p in params]
+        for key in ("exp_avg", "exp_avg_sq"):  # what bf16 storage keeps of the state
+            stored = torch.empty(sum(sizes), dtype=torch.bfloat16)
+            narrow_bf16(torch.cat([optimizer.state[p][key] for p in params]), key, sizes, [True] * 3, steps, stored)
+            for p, narrowed in zip(params, split_views(stored, sizes), strict=True):
+                optimizer.state[p][key].copy_(narrowed)
         block.update(grad, [True] * 3, [hyper] * 3)
         assert torch.equal(block.master, torch.cat([p.detach() for p in params]))
         assert torch.equal(block.exp_avg.float(), torch.cat([optimizer.state[p]["exp_avg"] for p in params]))
