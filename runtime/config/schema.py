@@ -61,6 +61,7 @@ def _section(cls: type, doc: str) -> Any:
     return field(default_factory=cls, metadata={"doc": doc, "section": cls})
 
 
+MOMENT_DTYPES = ("fp32", "bf16", "int8")  # optimizer.moment_dtype (runtime.update.moment_formats stores each)
 _STATE_TIER = ("auto", "host", "nvme")  # optimizer state: on the GPU only through optimizer.gpu_update_fraction
 _STATE_NOTE = ("Optimizer state is not placed on the GPU this way: optimizer.gpu_update_fraction updates the first "
                "blocks on the GPU, their master and moments there.")
@@ -300,11 +301,12 @@ class OptimizerConfig:
         "while the memory in use stays below what it was when the backward began (memory the backward "
         "has freed) and the GPU budget keeps room for the weight prefetch window.", 4)
     moment_dtype: str = _leaf(
-        ChoiceSpec(choices=("fp32", "bf16", "int8")), "fp32",
+        ChoiceSpec(choices=MOMENT_DTYPES), "fp32",
         "How Adam's two moments are stored, in host memory, in NVMe swap files and in checkpoints (the fp32 master "
         "stays fp32). `fp32` (the default): exact, torch.optim.AdamW's result bit for bit. `bf16`: 2 bytes a value "
-        "each, half of fp32's; widened to fp32 for each update and rounded back (approximate: the moments keep 8 "
-        "bits of mantissa). `int8`: 1 byte a value, blockwise quantized with an fp32 scale per block (the second "
+        "each, half of fp32's; widened to fp32 for each update and rounded back, the second moment stochastically so "
+        "that its slow decay is kept (approximate: the moments keep 8 bits of mantissa). `int8`: 1 byte a value, "
+        "blockwise quantized with an fp32 scale per block (the second "
         "moment in a map suited to its range, as 8-bit Adam does): a quarter of fp32's bytes; approximate. The same "
         "format wherever the update runs (CPU or GPU: `gpu_update_fraction`, `gpu_stream_fraction`). "
         "`optimizer.state_dict()` gives fp32 moments either way, and a checkpoint written with one `moment_dtype` "

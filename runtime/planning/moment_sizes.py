@@ -9,7 +9,8 @@ really holds. Leaves out: encoding, decoding and the update (``runtime.update.mo
 
 from __future__ import annotations
 
-MOMENT_DTYPES = ("fp32", "bf16", "int8")
+from runtime.config.schema import MOMENT_DTYPES
+
 QUANT_BLOCK = 2048  # values per int8 scale (as bitsandbytes' 8-bit optimizers: the scales cost 0.2%)
 INT8_ALIGN = 64  # an int8 moment's buffer is a multiple of this many bytes (its fp32 scales stay aligned)
 
