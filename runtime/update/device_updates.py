@@ -31,7 +31,7 @@ from runtime.planning.memory_plan import WeightSource, window_bound
 from runtime.update.adam import AdamWHyper, scale_slots
 from runtime.update.collaborators import ClipFactors, ComputeWeights, WritebackQueue
 from runtime.update.moment_kernel import Int8Kernel
-from runtime.update.moments import MomentScratch, adamw_update_block
+from runtime.update.moments import MomentScratch, adamw_update_block, kept_entries
 from runtime.update.worker import STATE_KINDS, UpdateWorker
 from tierstore import CapacityError, CopyState, TierName, TierStore
 
@@ -197,8 +197,7 @@ class DeviceUpdates:
             state = {kind: store.tensor(block.key(kind), TierName.GPU) for kind in STATE_KINDS}
             # fp32 moments: today's fused update on per-parameter views; compact ones piece by piece through the scratch.
             adamw_update_block(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], sizes, has_grad,
-                               [s for s, keep in zip(self.param_steps[block.index], has_grad, strict=False) if keep],
-                               [h for h, keep in zip(self.hypers(block), has_grad, strict=False) if keep],
+                               kept_entries(self.param_steps[block.index], has_grad), kept_entries(self.hypers(block), has_grad),
                                self.settings.moment_dtype, scratch=self.moment_scratch, piece_numel=DEVICE_MOMENT_PIECE_NUMEL,
                                rounding_seed=block.index)  # the block's bits wherever it is updated (bf16 rounding)
             if not streamed or self.settings.weight_source is WeightSource.RESIDENT:

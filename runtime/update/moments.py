@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -72,6 +73,7 @@ __all__ = [
     "Int8Kernel",
     "MomentScratch",
     "adamw_update_block",
+    "kept_entries",
     "decode_moment",
     "default_piece_numel",
     "encode_moment",
@@ -92,6 +94,15 @@ PIECE_NUMEL_PER_THREAD = 1 << 18
 # moves 10% a step toward the gradient, above a bf16 step; on the tiny LM rounding m stochastically too changed the
 # held-out loss by no more than the rounding seed does, and it doubles the rounding's cost (see the user guide).
 BF16_STOCHASTIC_KINDS: tuple[str, ...] = ("exp_avg_sq",)
+
+
+T = TypeVar("T")
+
+
+def kept_entries(values: Sequence[T], keep: Sequence[bool]) -> list[T]:
+    """The entries of the parameters that got a gradient (``keep``): what ``adamw_update_block`` takes of the
+    per-parameter step counters and hyper-parameters."""
+    return [value for value, k in zip(values, keep, strict=False) if k]
 
 
 def default_piece_numel() -> int:

@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -39,17 +38,11 @@ from runtime.planning.memory_plan import STATE_KINDS, WeightSource
 from runtime.update.adam import AdamWHyper, scale_slots
 from runtime.update.collaborators import ComputeWeights
 from runtime.update.moment_kernel import Int8Kernel
-from runtime.update.moments import MomentScratch, adamw_update_block
+from runtime.update.moments import MomentScratch, adamw_update_block, kept_entries
 from runtime.update.speculation import SpareBuffers
 from tierstore import CapacityError, CopyState, Handle, TierName, TierStore, close_at_exit
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def _kept(values: list[T], keep: list[bool]) -> list[T]:
-    """The entries of the parameters that got a gradient (``keep``), as the update takes them."""
-    return [value for value, k in zip(values, keep, strict=False) if k]
 
 
 class JobPhase(enum.Enum):
@@ -386,7 +379,7 @@ class UpdateWorker:
         keep = job.mask or [True] * len(sizes)
         kernel_start = time.perf_counter()
         adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
-                           _kept(self.param_steps[index], keep), _kept(job.hypers, keep), self.moment_dtype,
+                           kept_entries(self.param_steps[index], keep), kept_entries(job.hypers, keep), self.moment_dtype,
                            scratch=self._moment_scratch, rounding_seed=index)  # a block's own bits (bf16 rounding)
         self.stats.kernel_s += time.perf_counter() - kernel_start
         for kind in STATE_KINDS:
@@ -440,7 +433,7 @@ class UpdateWorker:
         kernel_start = time.perf_counter()
         # The spares replace whole buffers: the update leaves parameters without a gradient as they were there too.
         adamw_update_block(host["master"], grad, host["exp_avg"], host["exp_avg_sq"], sizes, keep,
-                           _kept(job.spec_steps, keep), _kept(job.hypers, keep), self.moment_dtype,
+                           kept_entries(job.spec_steps, keep), kept_entries(job.hypers, keep), self.moment_dtype,
                            out=(targets["master"], targets["exp_avg"], targets["exp_avg_sq"]), scratch=self._moment_scratch,
                            rounding_seed=block.index)  # as the update at the commit: an early result is the same bits
         self.stats.kernel_s += time.perf_counter() - kernel_start  # an early update's kernel is the kernel too
