@@ -30,7 +30,7 @@ from runtime.model.state_access import StateAccess
 from runtime.planning.auto_placement import Placement, Rates
 from runtime.planning.block_plan import spilled_after
 from runtime.planning.measured_placement import FirstStepPlacement, RecomputeTrial, first_step_listener
-from runtime.planning.memory_plan import Budgets, MemoryPlan, WeightSource
+from runtime.planning.memory_plan import STATE_KINDS, Budgets, MemoryPlan, WeightSource
 from runtime.planning.oom_hint import install_oom_hint, reserve_hint
 from runtime.planning.peak_hint import PeakHint, cuda_peak, cuda_peak_reset, cuda_reserved_by_stream, cuda_step_peak
 from runtime.planning.placement import InForce, ResolvedPlan, adopted_plan, placement_at_reserve, plan_blocks, rates_needed
@@ -669,7 +669,7 @@ def _oom_hint(session: OffloadSession, requested: int, allocated: int) -> str | 
         return None
     controller = session.controller
     state = sum(session.store.record(session.blocks[i].key(kind)).meta.nbytes for i in controller.gpu_updated
-                for kind in ("master", "exp_avg", "exp_avg_sq"))
+                for kind in STATE_KINDS)
     return reserve_hint(requested_nbytes=requested, allocated_nbytes=allocated,
                         store_gpu_nbytes=session.store.tiers[TierName.GPU].used_nbytes,
                         reserve_nbytes=placement.activation_reserve_nbytes,
