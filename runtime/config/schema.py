@@ -506,6 +506,12 @@ def consistency_problems(cfg: TierstoreConfig, written: Callable[[str], bool] | 
             "(`auto`: no clip of tierstore's beside the loop's) or set it to null. (A config that tierstore wrote "
             "before 2026-11-28 holds grad_clip: 1.0, the default then: runs with it clipped each step twice, and "
             "without it a resumed run clips once.)", ("optimizer.user_grad_clip",)))
+    if opt.moment_kernel == "compiled" and opt.moment_dtype != "int8":
+        problems.append(Problem(
+            "bad_value", "optimizer.moment_kernel",
+            f"optimizer.moment_kernel: compiled asks for the compiled int8 kernel, but optimizer.moment_dtype is "
+            f"{opt.moment_dtype}: only int8 moments have one, so it would never run. Set moment_dtype: int8, or leave "
+            "moment_kernel out (auto).", ("optimizer.moment_dtype",)))
     # `auto` is resolved at offload time (runtime.planning.auto_placement), where these rules hold by construction.
     update_fraction, stream_fraction = opt.gpu_update_fraction, opt.gpu_stream_fraction
     if isinstance(update_fraction, float) and isinstance(stream_fraction, float) and update_fraction + stream_fraction > 1.0:
