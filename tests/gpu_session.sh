@@ -4,7 +4,7 @@
 # under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
 # train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
 # writes more than 8. Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|ab|ab-bench|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|moments|ab|ab-bench|all]
 # Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
 # options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options), LOSSES (trainer: the
@@ -91,6 +91,17 @@ if [[ $what == ab-bench ]]; then  # tierstore bench train (ROWS, default its bas
     grep -vE "INFO|WARNING" "$OUT/abbench_$name.log" | sed "s/^/$name: /" | tail -25
   done
   rm -rf /var/tmp/ts-ab
+fi
+if [[ $what == moments ]]; then  # issue 43 on one GPU: the CPU AdamW table per moment_dtype, the bench rows, then the
+  # 8B scenario with fp32 moments (host budget 100 GiB) and with int8 moments (64 GiB), one after the other in this call
+  python3 -m runtime.bench.adam_bench --threads ${THREADS:-16} 2>&1 | tee "$OUT/adam_bench.log" | grep -v INFO
+  mkdir -p /var/tmp/ts-8b
+  for run in "fp32:--host-budget 100GiB" "int8:--host-budget 64GiB --set optimizer.moment_dtype=int8"; do
+    tag=${run%%:*}; args=${run#*:}
+    python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} $args ${FT_ARGS:-} 2>&1 | tr '\r' '\n' > "$OUT/moments8b_$tag.log" || status=$(( status ? status : $? ))
+    grep -E "^step [0-9]+/[0-9]+: loss|memory plan|nvme|host .*GiB|Error|error" "$OUT/moments8b_$tag.log" | head -40 | sed "s/^/$tag: /"
+    rm -rf /var/tmp/ts-8b/*
+  done
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40
