@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -90,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", action="store_true",
                         help="tierstore rows with the default host placement (AdamW on the CPU) instead of all on the GPU")
     parser.add_argument("--moment-kernel", default="auto", choices=("auto", "torch", "compiled"),
-                        help="tierstore's optimizer.moment_kernel for CPU int8 updates (default auto)")
+                        help="tierstore's optimizer.moment_kernel on the int8 row: how the CPU updates int8 moments (with --host; "
+                             "updates on the device always use torch ops) (default auto)")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="compute device (default auto: cuda if available)")
     parser.add_argument("--json", default=None, help="results file; rows are merged into an existing one")
@@ -212,7 +214,9 @@ def tierstore_config(moment_dtype: str, args: argparse.Namespace, setup: Setup) 
     """tierstore's config for a row: bf16 compute, the row's moment_dtype, all on the GPU unless ``--host``."""
     optimizer: dict[str, Any] = {"lr": args.lr, "betas": [args.beta1, args.beta2], "eps": args.eps,
                                  "weight_decay": args.weight_decay, "grad_clip": args.clip,
-                                 "moment_dtype": moment_dtype, "moment_kernel": args.moment_kernel}
+                                 "moment_dtype": moment_dtype}
+    if moment_dtype == "int8":  # (the key is refused beside other formats: only int8 has a compiled kernel)
+        optimizer["moment_kernel"] = args.moment_kernel
     config: dict[str, Any] = {"device": setup.device.type, "dtype": "bf16", "seed": args.seed, "optimizer": optimizer}
     if resident(args, setup):
         config["placement"] = {"weights": "gpu"}
@@ -284,6 +288,7 @@ def train_row(name: str, args: argparse.Namespace, setup: Setup) -> dict[str, An
         "placement": ("device" if resident(args, setup) else "host") if name in TIERSTORE_ROWS else "plain",
         "train_loss": [], "eval": [], "final_eval_loss": None, "seconds_per_step": None, "peak_gpu_bytes": None,
         "error": None}
+    gc.collect()  # the previous row's model and optimizer state go before this row's peak is measured
     if setup.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -315,6 +320,7 @@ def _train(row: Row, args: argparse.Namespace, setup: Setup, record: dict[str, A
     scheduler = torch.optim.lr_scheduler.LambdaLR(row.optimizer, warmup_factor(args.warmup))
     batches = ByteBatches(setup.train_text, args.batch, args.seq, seed=args.seed)
     step_s: list[float] = []
+    record["eval"].append([0, evaluate(row, setup)])  # the shared start: the same on every row
     for step in range(1, args.steps + 1):
         x, y = batches.next()
         start = time.perf_counter()
@@ -371,8 +377,8 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(rows: dict[str, dict[str, Any]], path: str) -> bool:
-    """The loss curves: training loss (a running mean of SMOOTH_STEPS steps) and the held-out points, one colour a
-    row. False, with a message, where matplotlib is not installed."""
+    """The loss curves: training loss (a running mean of SMOOTH_STEPS steps), the held-out points, and those as a
+    ratio to ts-fp32's; one colour a row. False, with a message, where matplotlib is not installed."""
     try:
         import matplotlib  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
@@ -382,7 +388,8 @@ def plot(rows: dict[str, dict[str, Any]], path: str) -> bool:
         print(f"--plot {path}: matplotlib is not installed (pip install matplotlib); the JSON has the curves",
               file=sys.stderr)
         return False
-    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (train_ax, eval_ax, ratio_ax) = plt.subplots(1, 3, figsize=(18, 5))
+    base = rows.get("ts-fp32", {}).get("eval") or []
     for name, r in rows.items():
         losses = r.get("train_loss") or []
         if not losses:
@@ -393,13 +400,19 @@ def plot(rows: dict[str, dict[str, Any]], path: str) -> bool:
         points = r.get("eval") or []
         eval_ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=line.get_color(), label=name,
                      markersize=3)
+        ratios = [(p[0], p[1] / b[1]) for p, b in zip(points, base, strict=False) if p[0] == b[0]]
+        ratio_ax.plot([p[0] for p in ratios], [p[1] for p in ratios], "o-", color=line.get_color(), label=name,
+                      markersize=3)
     first = next(iter(rows.values()))
     shape = first.get("shape", {})
-    title = (f"{first.get('num_params', 0) / 1e6:.0f}M-parameter Llama (hidden {shape.get('hidden')}, "
+    num_params = first.get("num_params", 0)
+    size = f"{num_params / 1e9:.2f}B" if num_params >= 1e9 else f"{num_params / 1e6:.1f}M"
+    title = (f"{size}-parameter Llama (hidden {shape.get('hidden')}, "
              f"{shape.get('layers')} layers), seq {shape.get('seq')} x batch {shape.get('batch')}")
     train_ax.set(title=f"train loss ({SMOOTH_STEPS}-step mean)", xlabel="step", ylabel="loss (nats/byte)")
     eval_ax.set(title="held-out loss", xlabel="step", ylabel="loss (nats/byte)")
-    for ax in (train_ax, eval_ax):
+    ratio_ax.set(title="held-out loss / ts-fp32's", xlabel="step", ylabel="ratio")
+    for ax in (train_ax, eval_ax, ratio_ax):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)

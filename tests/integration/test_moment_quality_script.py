@@ -43,13 +43,15 @@ def test_rows_share_the_start_and_compact_moments_follow_fp32(tmp_path, monkeypa
         r = rows[name]
         assert r["error"] is None
         assert len(r["train_loss"]) == 6 and all(math.isfinite(v) for v in r["train_loss"])
-        assert [p[0] for p in r["eval"]] == [3, 6] and math.isfinite(r["final_eval_loss"])
+        assert [p[0] for p in r["eval"]] == [0, 3, 6] and math.isfinite(r["final_eval_loss"])
         assert r["seconds_per_step"] > 0
     # the same init and the same first batch: bf16 compute (tierstore) against fp32 weights under bf16 autocast
     first = rows["ts-fp32"]["train_loss"][0]
     for name in ("ts-int8", "torch-fp32"):
         assert rows[name]["train_loss"][0] == pytest.approx(first, rel=1e-2)
     assert rows["ts-int8"]["train_loss"][0] == first  # the same weights and compute: the moments are not used yet
+    starts = {rows[name]["eval"][0][1] for name in ("ts-fp32", "ts-int8")}
+    assert len(starts) == 1 and rows["torch-fp32"]["eval"][0][1] == pytest.approx(starts.pop(), rel=1e-2)
     assert rows["ts-int8"]["final_eval_loss"] == pytest.approx(rows["ts-fp32"]["final_eval_loss"], rel=2e-2)
     # the moments were checked stored in the row's format (host placement on the CPU)
     assert rows["ts-int8"]["moment_homes"] == ["host"] and rows["ts-int8"]["blocks"] >= 2
@@ -81,7 +83,7 @@ def test_missing_package_fails_its_row_and_rows_merge_into_the_file(tmp_path, mo
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"ts-bf16", "torchao-8bit", "torch-fp32"}  # the earlier run's row kept
     assert "torchao" in rows["torchao-8bit"]["error"] and rows["torch-fp32"]["error"] is None
-    assert len(rows["torch-fp32"]["eval"]) == 2
+    assert len(rows["torch-fp32"]["eval"]) == 3  # the start, then each of the two steps
     assert "ts-bf16" in capsys.readouterr().out  # the table covers the whole file
 
 
