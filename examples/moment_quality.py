@@ -14,8 +14,8 @@ Rows (``--rows``, a comma list):
   ts-fp32, ts-bf16, ts-int8   tierstore ``offload`` with ``dtype: bf16`` and that ``optimizer.moment_dtype``; on a
                               GPU everything resident there (``placement.weights: gpu``, ``gpu_update_fraction: 1.0``:
                               the device runs the same ``adamw_update_block`` as the CPU), the moments checked once a
-                              run to be stored compactly on the device; ``--host``: the default host placement,
-                              AdamW on the CPU (a shorter run on a CPU).
+                              run to be stored compactly on the device (on a CPU, its memory); ``--host``: the
+                              default host placement with every update on the CPU (a shorter run on a CPU).
   torch-fp32                  the plain model in fp32 under ``torch.autocast(bfloat16)``, ``torch.optim.AdamW``.
   bnb-8bit                    the same with ``bitsandbytes.optim.AdamW8bit``.
   torchao-8bit                the same with ``torchao.optim.AdamW8bit``.
@@ -89,7 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--corpus-bytes", type=int, default=32 << 20,
                         help="bytes of the bundled standard-library text to use (default 32 MiB)")
     parser.add_argument("--host", action="store_true",
-                        help="tierstore rows with the default host placement (AdamW on the CPU) instead of all on the GPU")
+                        help="tierstore rows with the default host placement and every update on the CPU "
+                             "(gpu_update_fraction and gpu_stream_fraction 0) instead of all on the compute device")
     parser.add_argument("--moment-kernel", default="auto", choices=("auto", "torch", "compiled"),
                         help="tierstore's optimizer.moment_kernel on the int8 row: how the CPU updates int8 moments (with --host; "
                              "updates on the device always use torch ops) (default auto)")
