@@ -4,11 +4,12 @@
 # under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
 # train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
 # writes more than 8. Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|moments|ab|ab-bench|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|moments|quality|ab|ab-bench|all]
 # Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
 # options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options), LOSSES (trainer: the
-# hf_trainer_8b.py --loss values to run after finetune_8b.py, default "liger chunked").
+# hf_trainer_8b.py --loss values to run after finetune_8b.py, default "liger chunked"), QROWS / QSTEPS / QARGS
+# (quality: examples/moment_quality.py's rows, default all six; steps, default 1000; more of its options).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -102,6 +103,14 @@ if [[ $what == moments ]]; then  # issue 43 on one GPU: the CPU AdamW table per 
     grep -E "^step [0-9]+/[0-9]+: loss|memory plan|nvme|host .*GiB|Error|error" "$OUT/moments8b_$tag.log" | head -40 | sed "s/^/$tag: /"
     rm -rf /var/tmp/ts-8b/*
   done
+fi
+if [[ $what == quality ]]; then  # issue 43: held-out loss of each moment_dtype beside the 8-bit baselines, one call
+  # writes quality.json, quality.log and (where matplotlib is installed) quality.png; QARGS: e.g. "--host" or a shape
+  plot=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plot $OUT/quality.png")
+  python3 examples/moment_quality.py --rows ${QROWS:-ts-fp32,ts-bf16,ts-int8,torch-fp32,bnb-8bit,torchao-8bit} \
+    --steps ${QSTEPS:-1000} --json "$OUT/quality.json" $plot ${QARGS:-} 2>&1 | tee "$OUT/quality.log" \
+    | grep -vE "^\s|^Traceback" | tail -40
+  status=$(( status ? status : ${PIPESTATUS[0]} ))
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40
