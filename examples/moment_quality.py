@@ -439,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.row_list:
         log.info("row %s: %d steps on %s", name, args.steps, setup.device)
         records.append(train_row(name, args, setup))
-    rows = merge_json(Path(args.json), records) if args.json else {r["name"]: r for r in records}
+        if args.json:  # after each row: a run cut short (a time limit) keeps the rows it finished
+            merge_json(Path(args.json), records[-1:])
+    rows = merge_json(Path(args.json), []) if args.json else {r["name"]: r for r in records}
     print(table(rows))
     failed = [r["name"] for r in records if r["error"]]
     if args.plot:
