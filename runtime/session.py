@@ -18,6 +18,7 @@ from runtime.config.loader import ConfigError, TierstoreConfig, load_config
 from runtime.config.schema import clip_threshold, consistency_problems
 from runtime.config.units import approx_size
 from runtime.core.blocks import Block, build_blocks
+from runtime.core.ranks import Ranks, join_ranks
 from runtime.core.signals import Terminated, defers_interrupts, handle_signals
 from runtime.engine.controller import Controller, RuntimeOptions
 from runtime.integrations.safetensors_export import save_sharded  # needs safetensors only when called
@@ -32,13 +33,14 @@ from runtime.planning.block_plan import spilled_after
 from runtime.planning.measured_placement import FirstStepPlacement, RecomputeTrial, first_step_listener
 from runtime.planning.memory_plan import STATE_KINDS, Budgets, MemoryPlan, WeightSource
 from runtime.planning.oom_hint import install_oom_hint, reserve_hint
+from runtime.planning.ownership import assign_owners
 from runtime.planning.peak_hint import PeakHint, cuda_peak, cuda_peak_reset, cuda_reserved_by_stream, cuda_step_peak
 from runtime.planning.placement import InForce, ResolvedPlan, adopted_plan, placement_at_reserve, plan_blocks, rates_needed
 from runtime.planning.settings import DTYPES, cpu_threads, host_grad_dtype, resolve_device
 from runtime.update.adam import AdamWHyper
 from runtime.update.moment_kernel import Int8Kernel, int8_kernel_for
 from runtime.update.rates import measure_rates
-from tierstore import StoreConfig, TierName, TierStore
+from tierstore import StoreConfig, TierName, TierStore, remove_abandoned
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +153,7 @@ class OffloadSession:
                         slot.param.data = values[slot.name]
             _move_rest(self.model, torch.device("cpu"))
             self.store.close()
+            self._sweep_dead_ranks()
         finally:  # also when giving something back failed: closed is set, a second close() returns at once
             for undo in self.on_close:  # e.g. the layers' own classes back, SIGTERM's handler back
                 try:
@@ -162,6 +165,23 @@ class OffloadSession:
         gc.collect()
         if failure is not None:
             raise failure
+
+    def _sweep_dead_ranks(self) -> None:
+        """Several processes whose collectives failed: a rank that was killed could not remove its swap files; the
+        ones that lived remove those of every rank directory whose lock its holder no longer keeps
+        (``tierstore.remove_abandoned``; a rank still closing keeps its lock, and removes its own)."""
+        ranks, path = self.controller.options.ranks, self.config.tiers.nvme.path
+        if ranks is None or ranks.broken is None or path is None or not os.path.isdir(path):
+            return
+        for name in sorted(os.listdir(path)):
+            directory = os.path.join(path, name)
+            if name.startswith("rank") and os.path.isdir(directory):
+                try:
+                    removed = remove_abandoned(directory)
+                    if removed:
+                        log.warning("removed %d swap files that a rank which died left in %s", len(removed) - 1, directory)
+                except OSError as error:
+                    log.warning("could not remove the swap files a dead rank left in %s: %r", directory, error)
 
     def _salvage(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """close() after the optimizer worker failed: the masters that can be read (``StateAccess.salvage_masters``),
@@ -342,24 +362,25 @@ def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | Non
                     p.data = p.data.to(device)
 
 
-def _check_one_process() -> None:
-    """Refuse a run of several processes (``torchrun --nproc-per-node N``, a process group of N > 1): each would keep
-    a whole copy of the training state in host memory and train on its own batches without averaging gradients,
-    neither DDP's result nor what fits in RAM. Sharding over the GPUs of one host is designed, not built
-    (docs/design.md)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        world, source = dist.get_world_size(), "torch.distributed's process group"
-    else:
-        value = os.environ.get("WORLD_SIZE", "1").strip()
-        world, source = (int(value) if value.isdigit() else 1), "WORLD_SIZE (set by torchrun)"
-    if world > 1:
-        raise ValueError(
-            f"offload() trains in one process, and this is one of {world} ({source}): each process would keep a whole "
-            "copy of the training state in host memory and train on its own batches without averaging gradients, "
-            "unlike DDP. Run one process (python script.py, or torchrun --nproc-per-node 1); tierstore does not yet "
-            "shard training over several GPUs")
+def _check_ranks(cfg: TierstoreConfig, resolved: ResolvedPlan, ranks: Ranks) -> None:
+    """Refuse, before anything is allocated, what a run of several processes does not do yet, naming the setting to
+    change (every rank refuses alike: the config and the plan are the same on each)."""
+    placement = resolved.placement
+    refusals = []
+    if cfg.dtype == "fp16":
+        refusals.append("dtype: fp16 (its loss scaling is per process): use bf16")
+    if cfg.optimizer.user_grad_clip:
+        refusals.append("optimizer.user_grad_clip: true (the loop's own clip_grad_norm_ sees one rank's gradients): "
+                        "let tierstore clip with optimizer.grad_clip: <max_norm>")
+    if placement.gpu_update_fraction or placement.gpu_stream_fraction:
+        refusals.append("updates on the GPU (optimizer.gpu_update_fraction "
+                        f"{placement.gpu_update_fraction:g}, gpu_stream_fraction {placement.gpu_stream_fraction:g}): "
+                        "set both to 0")
+    if resolved.source is WeightSource.RESIDENT:
+        refusals.append("placement.weights: gpu: write host")
+    if refusals:
+        raise ConfigError(f"with several processes ({ranks.world_size} ranks) tierstore does not yet support: "
+                          + "; ".join(refusals))
 
 
 def _check_model(model: nn.Module) -> None:
@@ -499,14 +520,18 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
              leave_signals: Callable[[], None]) -> tuple[nn.Module, OffloadAdamW]:
     """``offload()``'s setup, with SIGTERM already an exception (``leave_signals`` gives the handler back: the
     session's last ``on_close`` step)."""
-    _check_one_process()
     _check_model(model)
     cfg = _checked_config(config)
     device = resolve_device(cfg)
+    ranks = join_ranks(device)  # None: one process
+    if ranks is not None:
+        device = ranks.device  # this rank's own GPU
     dtype = DTYPES[cfg.dtype]
     uninitialized = _prepare_parameters(model, cfg, device, init)
     blocks, resolved, budgets = plan_model(model, cfg, device)
     _check_recompute(cfg, blocks, model)
+    if ranks is not None:
+        _check_ranks(cfg, resolved, ranks)
     # Before anything is pinned: a `compiled` kernel that cannot build refuses the run with nothing to undo.
     int8_kernel = cpu_int8_kernel(cfg, device, resolved.placement.gpu_update_fraction)
     plan = resolved.plan
@@ -524,11 +549,12 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
     try:
         _open_store(opened, StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes,
                                         host_budget_nbytes=budgets.host_nbytes, pin=pin if device.type == "cuda" else False,
-                                        nvme_path=cfg.tiers.nvme.path, nvme_budget_nbytes=cfg.tiers.nvme.budget,
+                                        nvme_path=_rank_directory(cfg.tiers.nvme.path, ranks),
+                                        nvme_budget_nbytes=cfg.tiers.nvme.budget,
                                         io_threads=cfg.tiers.nvme.io_threads, io_block_nbytes=cfg.tiers.nvme.block_size,
                                         direct_io=str(direct)))
         store = opened[0]
-        options = _options(cfg, dtype, resolved, record_intervals, int8_kernel)
+        options = _options(cfg, dtype, resolved, record_intervals, int8_kernel, ranks, blocks)
         controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)
         access = StateAccess(controller, blocks, store, controller.weights, controller.worker, controller.writebacks,
@@ -696,8 +722,21 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
 
 
+def _rank_directory(path: str | None, ranks: Ranks | None) -> str | None:
+    """The swap directory of this process: ``tiers.nvme.path`` itself, or its ``rank<N>`` subdirectory where several
+    processes run (each locks its own and keeps its own blocks' files there)."""
+    if path is None or ranks is None:
+        return path
+    if not os.path.isdir(path):
+        return path  # the store refuses it, naming tiers.nvme.path
+    directory = os.path.join(path, f"rank{ranks.rank}")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    return directory
+
+
 def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, record_intervals: bool,
-             int8_kernel: Int8Kernel | None = None) -> RuntimeOptions:
+             int8_kernel: Int8Kernel | None = None, ranks: Ranks | None = None,
+             blocks: list[Block] | None = None) -> RuntimeOptions:
     opt, placement = cfg.optimizer, resolved.placement
     loss_scale = None
     if cfg.dtype == "fp16":
@@ -713,4 +752,6 @@ def _options(cfg: TierstoreConfig, dtype: torch.dtype, resolved: ResolvedPlan, r
         spilled_blocks=resolved.spilled_blocks, gpu_stream_fraction=placement.gpu_stream_fraction,
         gpu_stream_ahead=opt.gpu_stream_ahead, keep_for_backward_nbytes=placement.keep_for_backward_nbytes,
         hold_updates=opt.user_grad_clip, host_sums=placement.host_sums, host_grad_dtype=host_grad_dtype(cfg, placement.host_sums),
-        speculate=resolved.plan.pre_commit_buffers, moment_dtype=opt.moment_dtype, int8_kernel=int8_kernel)
+        speculate=resolved.plan.pre_commit_buffers, moment_dtype=opt.moment_dtype, int8_kernel=int8_kernel,
+        ranks=ranks, owners=() if ranks is None or blocks is None else
+        tuple(assign_owners([block.numel for block in blocks], ranks.world_size)))

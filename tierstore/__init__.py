@@ -32,7 +32,7 @@ from tierstore.events import EventBus, TransferEvent
 from tierstore.files import create_new, lock_file, shared_directory_problem, unlink_lock_file
 from tierstore.keys import TensorKey, TensorMeta
 from tierstore.lifecycle import close_at_exit, wait_at_exit
-from tierstore.nvme import HEADER_NBYTES, NVMeDirectory, payload_hasher
+from tierstore.nvme import HEADER_NBYTES, NVMeDirectory, payload_hasher, remove_abandoned
 from tierstore.pinned import PinnedArena
 from tierstore.residency import CopyState, IllegalTransitionError
 from tierstore.store import Record, StoreConfig, TierStore, swap_tmp_root
@@ -40,6 +40,7 @@ from tierstore.tiers import Allocation, GpuTier, HostTier, NvmeTier, Tier, TierN
 from tierstore.transfer import Handle, TransferEngine
 
 __all__ = [
+    "remove_abandoned",
     "HEADER_NBYTES",
     "Allocation",
     "CapacityError",

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from tierstore.allocator import align_up
-from tierstore.errors import CapacityError, CorruptFileError, StoreIOError, UnsafeDirectoryError
+from tierstore.errors import CapacityError, CorruptFileError, DirectoryLockedError, StoreIOError, UnsafeDirectoryError
 from tierstore.files import create_new, lock_file, shared_directory_problem, unlink_lock_file
 from tierstore.keys import DTYPE_CODES, DTYPES_BY_CODE, TensorKey, TensorMeta
 
@@ -450,3 +450,25 @@ def os_read_all(fd: int, nbytes: int, offset: int, path: Path) -> bytes:
     buf = bytearray(nbytes)
     os_read_all_into(fd, memoryview(buf), offset, path)
     return bytes(buf)
+
+
+def remove_abandoned(path: str | os.PathLike[str]) -> list[str]:
+    """Remove the swap files a process that died left in ``path`` (killed, it could not remove them itself): only
+    when the directory's lock can be taken now, which the kernel released with the dead holder; a holder still
+    running keeps it, and nothing is touched. Returns the names removed (the lock file last)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return []
+    dir_fd = _open_private_dir(directory)
+    try:
+        try:
+            lock_fd = lock_file(LOCK_NAME, f"NVMe directory {directory}", "", dir_fd=dir_fd)
+        except DirectoryLockedError:
+            return []
+        removed = [name for name in os.listdir(dir_fd) if name.endswith(SUFFIX)]
+        for name in removed:
+            os.unlink(name, dir_fd=dir_fd)
+        unlink_lock_file(LOCK_NAME, lock_fd, dir_fd=dir_fd)
+        return [*removed, LOCK_NAME]
+    finally:
+        os.close(dir_fd)

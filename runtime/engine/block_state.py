@@ -39,6 +39,7 @@ class BlockState:
     num_slots: int  # parameters of the block: a backward has finished it once that many gradients are in
     site: UpdateSite = UpdateSite.HOST
     spilled: bool = False  # its moments live on NVMe although the homes say host memory
+    remote: bool = False  # another rank owns its state ([Note: block ownership]): this one keeps none of it
     # ---- the step in progress (reset when it commits or is dropped) ----
     grads_done: int = 0  # parameters whose gradient this backward finished
     in_backward: bool = False  # weights held for a backward (or a recomputation) until its gradients are done
@@ -67,8 +68,9 @@ class BlockTable:
     records: the placement changes only through ``place``)."""
 
     def __init__(self, blocks: list[Block], gpu_updated: frozenset[int], gpu_streamed: frozenset[int],
-                 spilled: frozenset[int]):
-        self.states = [BlockState(block, len(block.slots)) for block in blocks]
+                 spilled: frozenset[int], remote: frozenset[int] = frozenset()):
+        self.states = [BlockState(block, len(block.slots), remote=block.index in remote) for block in blocks]
+        self.remote = remote
         self.gpu_updated: frozenset[int] = frozenset()
         self.gpu_streamed: frozenset[int] = frozenset()
         self.spilled_in_update_order: list[int] = []
@@ -94,8 +96,8 @@ class BlockTable:
         self.spilled_in_update_order = sorted(spilled)
 
     def host_updated(self) -> list[Block]:
-        """The blocks whose update runs on the CPU."""
-        return [state.block for state in self.states if state.site is UpdateSite.HOST]
+        """The blocks whose update runs on this process's CPU."""
+        return [state.block for state in self.states if state.site is UpdateSite.HOST and not state.remote]
 
     def updating(self) -> list[int]:
         """Blocks whose update of the pending step was submitted, in forward order."""

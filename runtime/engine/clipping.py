@@ -410,10 +410,18 @@ class GradClipper:
     def total_norm(self, scaled: bool = True) -> torch.Tensor | None:
         """The global 2-norm of the pending step's gradients, after the user's scaling or as backward left them
         (None: no norms were taken)."""
-        if not self._norms:
+        ranks = self.view.options.ranks
+        if not self._norms and ranks is None:
             return None
         norms = [self._norm_of(slot, scaled) for slot in sorted(self._norms)]
-        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if ranks is None:
+            return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        # Several processes: each owner has its blocks' norms; the squares' sum goes round every rank, so the clip
+        # factor is the same everywhere ([Note: collectives in program order]: every rank commits, in step).
+        squares = torch.stack(norms).square().sum() if norms else torch.zeros(())
+        total = squares.to(ranks.device, torch.float32).reshape(1)
+        ranks.sum(total)
+        return total.sqrt()[0]
 
     def commit(self) -> torch.Tensor | None:
         """At the commit: keep the step's global norm as backward left it (``last_grad_norm``) and return the

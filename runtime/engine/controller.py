@@ -66,7 +66,7 @@ class Controller:
         # One record per block: its update site and spill, and its place in the step in progress.
         self.table = BlockTable(blocks, gpu_updated_blocks(blocks, options.gpu_update_fraction),
                                 gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction),
-                                options.spilled_blocks)
+                                options.spilled_blocks, options.remote())
         register_state(store, blocks, self.table, options, fill_block)
         try:
             self._start(options)
@@ -77,7 +77,8 @@ class Controller:
     def _start(self, options: RuntimeOptions) -> None:
         """The setup past the state's registration: the parts, the optimizer worker, host sums."""
         blocks, store = self.blocks, self.store
-        self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source, self.gpu_updated)
+        self.weights = WeightManager(blocks, store, options.compute_dtype, options.weight_source, self.gpu_updated,
+                                     options.ranks, options.owners)
         for block in blocks:
             if block.index in self.gpu_updated:
                 self.weights.load_resident(block.index, store.tensor(block.key("master"), TierName.GPU))

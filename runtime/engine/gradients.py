@@ -21,7 +21,7 @@ from torch import nn
 
 from runtime.core.blocks import Block
 from runtime.core.events import STALL_GRAD_SUM, StallEvent
-from runtime.engine.block_state import BlockTable
+from runtime.engine.block_state import BlockTable, UpdateSite
 from runtime.engine.clipping import GradClipper, real_grad
 from runtime.engine.held_grads import HeldGrads
 from runtime.engine.host_sums import HostGradSums
@@ -105,6 +105,9 @@ class Gradients:
         # that the backward's copies and the redo need.
         self.speculate_this_step = True
         self._warned_stale_step = False  # said once: a step() with no backward where plain PyTorch re-applies
+        # Several processes: the owner's mean gradient of each block reduced this backward (flat fp32, device), and
+        # which parameters any rank had a gradient for; _assemble and _present serve from it ([Note: block ownership]).
+        self._reduced: dict[int, tuple[torch.Tensor, list[bool]]] = {}
 
     @property
     def holds_at_all(self) -> bool:
@@ -117,10 +120,63 @@ class Gradients:
         """Block's gradients of this backward are complete: the step's last sends them to the update, an earlier
         micro-batch adds them to the host sum (when the block sums there; on the device ``.grad`` accumulates)."""
         sums = self.host.sums
-        if last_micro:
-            self.offload(block)
-        elif sums is not None and sums.holds(block.index):
-            self._send_to_host_sum(block)
+        if self.view.options.ranks is not None:
+            if not last_micro and not self._summed_on_host(block):
+                return  # .grad accumulates on each rank's device; the step's last backward reduces the sum
+            if not self._reduce_to_owner(block):
+                if last_micro:
+                    self._remote_done(block)
+                return
+        try:
+            if last_micro:
+                self.offload(block)
+            elif sums is not None and sums.holds(block.index):
+                self._send_to_host_sum(block)
+        finally:
+            self._reduced.pop(block.index, None)
+
+    def _reduce_to_owner(self, block: Block) -> bool:
+        """Several processes: reduce the block's gradient of this backward onto its owner (the mean over ranks, in
+        fp32, with each parameter's presence on any rank), taking it off the parameters. Returns whether this rank
+        owns the block (its mean gradient then waits in ``_reduced`` for the rest of ``block_done``). Every rank
+        calls it for the same blocks in the same order ([Note: collectives in program order])."""
+        ranks, owner = self.view.options.ranks, self.view.options.owners[block.index]
+        assert ranks is not None
+        present = [slot.param.grad is not None for slot in block.slots]
+        numel = block.numel
+        # The presence flags travel in the same call, past the gradient: a parameter another rank's batch reached
+        # has a gradient on the owner (zeros from the ranks it did not reach), as DDP's averaged .grad.
+        flat = torch.empty(numel + len(block.slots), dtype=torch.float32, device=self.device)
+        flat[:numel] = self._assemble(block, present)
+        flat[numel:] = torch.tensor(present, dtype=torch.float32)
+        ranks.reduce_mean(flat, owner)
+        if owner != ranks.rank:
+            return False
+        self._reduced[block.index] = (flat[:numel], (flat[numel:] > 0).tolist())
+        return True
+
+    def _summed_on_host(self, block: Block) -> bool:
+        """Whether the block's micro-batch gradients are summed in its owner's host memory ([Note: host gradient
+        sums]): then each micro-batch's is reduced onto the owner as it is done, since only the owner has a sum to add
+        it to. Decided from the placement alone, so every rank decides alike."""
+        options = self.view.options
+        return options.host_sums and options.accumulation_steps > 1 and self.table[block.index].site is UpdateSite.HOST
+
+    def _remote_done(self, block: Block) -> None:
+        """The step's last backward of a block another rank owns and updates: no state here to update, but the
+        step's bookkeeping as for any block (a skip job marks it updated, so the next forward's wait passes at once;
+        its weights come by broadcast)."""
+        self.table[block.index].updating = True
+        job = UpdateJob(block, None, self.view.optimizer_step + 1, self.hypers.block_hypers(block), skip=True)
+        if self.view.deferred:
+            self.table[block.index].job = job
+        else:
+            self.worker.submit(job)
+
+    def _present(self, block: Block) -> list[bool]:
+        """Which of the block's parameters have a gradient of this backward (over every rank, where several run)."""
+        reduced = self._reduced.get(block.index)
+        return list(reduced[1]) if reduced is not None else [slot.param.grad is not None for slot in block.slots]
 
     def _assemble(self, block: Block, present: list[bool], begin: int = 0, end: int | None = None,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -128,6 +184,9 @@ class Gradients:
         (zeros for parameters not ``present``), taken off the parameters: a parameter's ``.grad`` is dropped once its
         last element is in."""
         end = block.numel if end is None else end
+        reduced = self._reduced.get(block.index)
+        if reduced is not None:  # several processes: the mean over ranks, reduced onto this owner
+            return reduced[0][begin:end].to(dtype, copy=True)
         flat = torch.empty(end - begin, dtype=dtype, device=self.device)
         with torch.no_grad():
             for slot, has in zip(block.slots, present, strict=False):
@@ -145,7 +204,7 @@ class Gradients:
     def _send_to_host_sum(self, block: Block) -> None:
         """A micro-batch that does not end the step: the block's gradient, in the host gradient dtype, joins its host
         sum a piece at a time (the GPU holds the pieces in flight, not a second copy of the block's gradient)."""
-        present = [slot.param.grad is not None for slot in block.slots]
+        present = self._present(block)
         if not any(present):
             return
         self.worker.wait_updated(block.index, self.view.optimizer_step)  # [Note: the gradient buffer waits]
@@ -167,7 +226,7 @@ class Gradients:
         runtime.engine.held_grads)."""
         view, record, sums = self.view, self.table[block.index], self.host.sums
         deferred = view.deferred
-        present = [slot.param.grad is not None for slot in block.slots]
+        present = self._present(block)
         if not deferred:  # streaming: the step's updates take the groups as now
             self.hypers.note_streaming_read()
         earlier = sums.finish(block.index) if sums is not None and sums.holds(block.index) else None
@@ -271,7 +330,7 @@ class Gradients:
             if self.table.gpu_streamed:
                 self.writebacks.settle()
                 self.stream_state_ahead_of(index)
-            self.offload(self.blocks[index])
+            self.block_done(self.blocks[index], last_micro=True)
 
     # ---- what plain PyTorch's .grad would hold -----------------------------------------------------------------
     def note_zero_grad(self, set_to_none: bool) -> None:

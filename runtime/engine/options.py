@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.core.ranks import Ranks
 from runtime.planning.memory_plan import WeightSource
 from runtime.update.adam import AdamWHyper
 from runtime.update.moment_kernel import Int8Kernel
@@ -43,3 +44,13 @@ class RuntimeOptions:
     moment_dtype: str = "fp32"  # how Adam's moments are stored (optimizer.moment_dtype: runtime.update.moments)
     # The compiled kernel the CPU's int8 updates run (optimizer.moment_kernel, built at offload()); None: torch ops.
     int8_kernel: Int8Kernel | None = None
+    # A run of several processes (runtime.core.ranks): this process's rank, and each block's owner ([Note: block
+    # ownership] in runtime.planning.ownership). None / empty: one process, which owns every block.
+    ranks: Ranks | None = None
+    owners: tuple[int, ...] = ()
+
+    def remote(self) -> frozenset[int]:
+        """The blocks another rank owns: this process keeps none of their state."""
+        if self.ranks is None:
+            return frozenset()
+        return frozenset(i for i, owner in enumerate(self.owners) if owner != self.ranks.rank)

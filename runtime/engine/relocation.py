@@ -64,12 +64,13 @@ def register_state(store: TierStore, blocks: list[Block], table: BlockTable, opt
     """Register every block's master (from the model's current values, after ``fill_block`` filled those
     materialised from the meta device: ``runtime.model.materialize``), moments, host gradient and compute-dtype weights
     copy (when that is the weight source) in the store. Each block's host parameters are freed as soon
-    as the block is in the store, so the model never exists twice on the host.
+    as the block is in the store, so the model never exists twice on the host. A block another rank owns is
+    neither filled nor registered: its parameters' values are dropped (the owner's are the block's).
 
     The pinned state is packed at the arena's end in forward order (``PinnedArena.packed_at_end``): the first
     blocks, the ones a placement adopted after the first step moves to the GPU, then free room next to the
     arena's free room, where spilled moments come back (``runtime.engine.spill_return``)."""
-    homes = {block.index: state_homes(block, options, table) for block in blocks}
+    homes = {block.index: state_homes(block, options, table) for block in blocks if not table[block.index].remote}
     host = store.tiers[TierName.HOST]
     pinned = sum(host.arena.reserved_size(meta.nbytes) for block_homes in homes.values()
                  for meta, home in block_homes.values() if home is TierName.HOST)
@@ -79,6 +80,10 @@ def register_state(store: TierStore, blocks: list[Block], table: BlockTable, opt
             if time.perf_counter() - reported >= SETUP_PROGRESS_S:  # a large model takes minutes: show progress
                 reported = time.perf_counter()
                 log.info("setting up block %d of %d (%.0f s so far)", position + 1, len(blocks), reported - start)
+            if table[block.index].remote:  # another rank keeps it ([Note: block ownership]): never materialized here
+                for slot in block.slots:
+                    slot.param.data = torch.empty(0, dtype=slot.param.dtype, device=slot.param.device)
+                continue
             if fill_block is not None:
                 fill_block(block)
             master = torch.cat([slot.param.detach().reshape(-1).to(torch.float32) for slot in block.slots])

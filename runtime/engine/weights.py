@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.core.blocks import Block
+from runtime.core.ranks import Ranks
 from runtime.planning.buffers import FETCH_PIECE_NUMEL
 from runtime.planning.memory_plan import WeightSource
 from tierstore import CapacityError, Handle, TierName, TierStore
@@ -42,8 +43,12 @@ class WeightManager:
     """Fetches, waits for and releases blocks' compute weights on the device."""
 
     def __init__(self, blocks: list[Block], store: TierStore, compute_dtype: torch.dtype, source: WeightSource,
-                 gpu_updated: frozenset[int] = frozenset()):
+                 gpu_updated: frozenset[int] = frozenset(), ranks: Ranks | None = None, owners: tuple[int, ...] = ()):
         self.gpu_updated = gpu_updated  # blocks whose optimizer runs on the device: weights always resident
+        # Several processes: each block's weights come from its owner's fetch, broadcast at every wait ([Note: block
+        # ownership] in runtime.planning.ownership, [Note: collectives in program order] in runtime.core.ranks).
+        self.ranks = ranks
+        self.owners = owners
         self.store = store
         self.device = store.device
         self.compute_dtype = compute_dtype
@@ -101,7 +106,7 @@ class WeightManager:
 
     def _fetch(self, index: int, prefetch: bool) -> None:
         state = self.states[index]
-        if state.resident or state.handle is not None:
+        if state.resident or state.handle is not None or self.is_remote(index):
             return
         key = self.source_key(state.block)
         host_handle = self.store.fetch(key, TierName.HOST)  # stages from NVMe when the source lives there
@@ -207,11 +212,36 @@ class WeightManager:
         stream = self.store.engine.h2d_stream
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
+    def is_remote(self, index: int) -> bool:
+        """Another rank owns the block: its weights arrive by broadcast, never by a fetch of this process's."""
+        return self.ranks is not None and self.owners[index] != self.ranks.rank
+
     def wait(self, index: int) -> bool:
         """Make the current stream wait for block index's weights (fetching on demand; a fetch from the master is
-        cast on the copy stream before its last event). Returns True when the weights were resident or prefetched (a schedule hit)."""
+        cast on the copy stream before its last event). Returns True when the weights were resident or prefetched (a schedule hit).
+        In a run of several processes every rank calls this for the same blocks in the same order, and the owner's
+        weights are broadcast to the others each time, whatever each rank holds already ([Note: collectives in
+        program order])."""
         with self._lock:
-            return self._wait(index)
+            if self.ranks is None:
+                return self._wait(index)
+            state = self.states[index]
+            owner = self.owners[index]
+            hit = True
+            if owner == self.ranks.rank:
+                hit = self._wait(index)
+            elif not state.resident:
+                self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
+                try:
+                    state.flat.untyped_storage().resize_(self.nbytes(index))
+                except BaseException:
+                    self._gpu_tier.unreserve(self.nbytes(index))
+                    raise
+                state.resident = True
+                hit = False
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
+                self.ranks.broadcast(state.flat, owner)
+            return hit
 
     def _wait(self, index: int) -> bool:
         state = self.states[index]

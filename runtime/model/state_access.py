@@ -169,7 +169,22 @@ class StateAccess:
         read (host, or the GPU for device-updated blocks; compact moments decoded into a new fp32 tensor); a copy
         staged from NVMe is released afterwards. Call ``settle()`` first."""
         self._check_one_step()
-        self._with_state(block, kind, self._decoded(block, kind, use, write=False), write=False)
+        options = self.view.options
+        if options.ranks is None:
+            self._with_state(block, kind, self._decoded(block, kind, use, write=False), write=False)
+            return
+        # Several processes: the owner's values, broadcast to every rank; each calls this for the same blocks in the
+        # same order, as for a state_dict() or close() ([Note: collectives in program order] in runtime.core.ranks).
+        ranks, owner = options.ranks, options.owners[block.index]
+        values = torch.empty(block.numel, dtype=torch.float32, device=ranks.device)
+        if owner == ranks.rank:
+
+            def keep(stored: torch.Tensor) -> None:
+                values.copy_(stored)
+
+            self._with_state(block, kind, self._decoded(block, kind, keep, write=False), write=False)
+        ranks.broadcast(values, owner)
+        use(values)
 
     def _decoded(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool) -> Callable[[torch.Tensor], None]:
         """``use`` as it sees a moment stored compactly (``optimizer.moment_dtype``): decoded to fp32 and, after a
@@ -199,6 +214,8 @@ class StateAccess:
         """Modify block's flat fp32 tensor of one kind in place through ``apply`` (a compact moment: its decoded
         values, encoded back after); it is written back to its home, and after a master write the compute weights
         derived from it are refreshed. Call ``settle()`` first."""
+        if self.weights.is_remote(block.index):  # another rank owns it and writes the same values there
+            return
         if kind == "master" and self._batch is not None:
             self._with_state(block, kind, apply, write=True, keep_staged=True)
             self._batch.add(block.index)

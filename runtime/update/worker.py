@@ -282,6 +282,8 @@ class UpdateWorker:
         """Whether some of block's state lives on NVMe and all of that has a current copy in host memory (read
         early or ahead, the read landed)."""
         on_disk = False
+        if not self._holds_state(block):
+            return False
         for kind in STATE_KINDS:
             key = block.key(kind)
             if self.store.record(key).home is TierName.NVME:
@@ -294,6 +296,8 @@ class UpdateWorker:
 
     def _state_on_disk(self, block: Block, staged: bool) -> bool:
         """Whether some of block's state lives on NVMe with (``staged``) or without a copy in host memory."""
+        if not self._holds_state(block):
+            return False
         for kind in STATE_KINDS:
             key = block.key(kind)
             if self.store.record(key).home is TierName.NVME:
@@ -303,17 +307,18 @@ class UpdateWorker:
 
     def _run(self) -> None:
         while True:
-            job = self._next_job()
-            if job is None:
-                return
-            try:
+            job: UpdateJob | None = None
+            try:  # choosing the next job can fail too (a store lookup): that must reach the training thread as well
+                job = self._next_job()
+                if job is None:
+                    return
                 self._fill_lookahead(job)
                 self._run_job(job)
                 with self._cond:
                     self._running = False
                     self._cond.notify_all()
             except BaseException as exc:  # surfaced to the training thread at its next wait
-                log.exception("update of %s failed", job.block.name)
+                log.exception("update of %s failed", job.block.name if job is not None else "the next block")
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()
@@ -337,6 +342,8 @@ class UpdateWorker:
 
     def _issue_staging(self, block: Block, kinds: tuple[str, ...] = STATE_KINDS) -> tuple[bool, bool]:
         started = False
+        if not self._holds_state(block):
+            return started, True
         for kind in kinds:
             key = block.key(kind)
             absent = self.store.state(key, TierName.HOST) is CopyState.ABSENT
@@ -417,7 +424,14 @@ class UpdateWorker:
             widened.copy_(grad)  # counted with the clip's multiply (scale_s) or, for an early update, in adam_s
         return widened
 
+    def _holds_state(self, block: Block) -> bool:
+        """Whether this process keeps block's state: not where another rank owns it ([Note: block ownership] in
+        runtime.planning.ownership), whose skip jobs only keep the count of its updates."""
+        return self.store.has(block.key("master"))
+
     def _release_read_ahead(self, block: Block) -> None:
+        if not self._holds_state(block):
+            return
         for kind in STATE_KINDS:
             if self.store.record(block.key(kind)).home is TierName.NVME:
                 self.store.release_read_ahead(block.key(kind), TierName.HOST)

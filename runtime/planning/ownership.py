@@ -1,0 +1,42 @@
+"""Which rank owns each block's training state in a run of several processes (``runtime.core.ranks``).
+
+[Note: block ownership] Each block's fp32 master, moments and host gradient live on exactly one rank, its owner,
+in that rank's host memory (and swap files), updated by that rank's CPU threads: one copy of the training state on
+the node, whatever the number of ranks. The owner fetches the block's compute weights over its own PCIe link and
+broadcasts them to the other GPUs before each use; the other ranks' gradients of the block are reduced onto the
+owner's GPU, which alone sends them to host memory. So each GPU moves 1/N of the weights and gradients over PCIe,
+each rank's cores run 1/N of the updates, and the GPUs exchange whole blocks over NVLink (the bytes an
+all-gather of shards moves). Whole blocks rather than a 1/N slice of every block keep the update, the state's
+layout, its checkpoints (a checkpoint written at N ranks is per block, so it loads at any other number) and
+materialization from the meta device exactly as in one process; the price is balance, which the assignment
+below bounds by the largest block.
+
+The assignment: largest blocks first, each to the rank with the fewest parameters so far (the lowest rank on a
+tie), so consecutive blocks of equal size go to consecutive ranks (the owners of the blocks a forward meets next
+differ, and their PCIe links work at once). Pure arithmetic, the same on every rank.
+"""
+
+from __future__ import annotations
+
+
+def assign_owners(numels: list[int], world_size: int) -> list[int]:
+    """The owning rank of each block (by position in ``numels``, the blocks' sizes in forward order)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, not {world_size}")
+    loads = [0] * world_size
+    owners = [0] * len(numels)
+    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[index] = rank
+        loads[rank] += numels[index]
+    return owners
+
+
+def imbalance(numels: list[int], owners: list[int], world_size: int) -> float:
+    """The most parameters one rank owns over the mean (1.0: perfectly even): what the slowest rank's share of the
+    updates and copies costs over an even split."""
+    loads = [0] * world_size
+    for numel, owner in zip(numels, owners, strict=True):
+        loads[owner] += numel
+    mean = sum(loads) / world_size
+    return max(loads) / mean if mean else 1.0

@@ -1,0 +1,70 @@
+"""One rank of a several-process training run (tests/integration/test_ranks.py), or the one process it is compared
+with: the bundled example model trained through ``offload()`` on this rank's share of each global batch. Launched as
+torchrun would (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment), so ``offload()``
+joins the process group itself. Writes the losses and the final weights (every rank reads them through the
+collective ``master_state_dict()``) to ``<out>/rank<R>.pt``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from runtime import offload
+from runtime.bundled.example_model import ExampleLM, ModelShape
+
+SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
+
+
+def global_batches(steps: int, accumulation: int, global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The run's micro-batches of ``global_batch`` sequences each, the same on every rank (seeded)."""
+    from runtime.bundled.data import ByteBatches, stdlib_text_bytes
+
+    data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=global_batch, seq_len=32, seed=0)
+    return [data.next() for _ in range(steps * accumulation)]
+
+
+def main(out: str, config: dict, steps: int, global_batch: int) -> None:
+    """Train: rank R of N feeds rows [R*B/N, (R+1)*B/N) of each global micro-batch."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation = config.get("optimizer", {}).get("accumulation_steps", 1)
+    torch.manual_seed(0)
+    model = ExampleLM(SHAPE)  # the same initial values on every rank; the owners' are the ones kept
+    model, optimizer = offload(model, config)
+    session = optimizer.session
+    keys = sorted(str(key) for key in session.store.keys())  # the state this rank keeps
+    fail = os.environ.get("RANKS_TEST_FAIL")  # "RANK:STEP:raise|kill": that rank fails in that step's backward
+    if fail is not None and int(fail.split(":")[0]) == rank:
+        fail_step, how = int(fail.split(":")[1]), fail.split(":")[2]
+
+        def hook(module: torch.nn.Module, grad_in: object, grad_out: object) -> None:
+            if state["step"] == fail_step:
+                if how == "kill":
+                    os._exit(9)
+                raise RuntimeError(f"test failure on rank {rank} in the backward of step {fail_step}")
+
+        model.layers[1].register_full_backward_hook(hook)
+    state = {"step": 0}
+    share = global_batch // world
+    losses = []
+    try:
+        for step in range(steps):
+            state["step"] = step
+            for x, y in global_batches(steps, accumulation, global_batch)[step * accumulation:(step + 1) * accumulation]:
+                loss = model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        weights = session.master_state_dict()
+    finally:
+        session.close()
+    torch.save({"losses": losses, "weights": weights, "keys": keys,
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,143 @@
+"""Several processes over gloo on the CPU (issue 42): N ranks at a per-rank batch B train as one process at N x B
+(DDP's semantics: the mean gradient over ranks), each block's state kept on one rank only ([Note: block ownership]).
+The ranks are separate processes started as torchrun starts them; offload() joins the process group itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+CHILD = Path(__file__).with_name("ranks_child.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(out: Path, world: int, config: dict, steps: int = 3, global_batch: int = 6,
+          extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start ``ranks_child.py`` as ``world`` ranks (one process when 1), as torchrun would."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+        if world > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(out), json.dumps(config), str(steps),
+                                       str(global_batch)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Each rank's output, once all have ended (killed past ``timeout_s``)."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outputs
+
+
+def launch(out: Path, world: int, config: dict, steps: int = 3, global_batch: int = 6, timeout_s: float = 180.0) -> list[dict]:
+    """Run ``ranks_child.py`` as ``world`` ranks (one process when 1) and return each rank's record."""
+    procs = start(out, world, config, steps, global_batch)
+    outputs = finish(procs, timeout_s)
+    for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} of {world} exited with {proc.returncode}:\n{text[-4000:]}"
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+
+
+LR = 1e-3
+
+
+def assert_nearly_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    """fp32 on the CPU: equal up to the order in which the gradients' mean over ranks is summed. AdamW divides by
+    the root of the second moment, so where a gradient element is near zero a difference in its last bit moves that
+    element's update by a visible part of lr: each element within 5% of one step's lr, and on average within 1e-4
+    of it (almost every element the same bits). A wrong mean (a missed micro-batch, an unscaled sum, one rank's
+    gradient alone) is off by a whole lr step in most elements."""
+    diff = (ours - theirs).abs()
+    assert diff.max() <= 0.05 * LR, f"{what}: differs by {diff.max():.3g} (more than 5% of lr {LR})"
+    assert diff.mean() <= 1e-4 * LR, f"{what}: differs by {diff.mean():.3g} on average (more than 1e-4 of lr {LR})"
+
+
+CONFIGS = {
+    "plain": {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}},
+    # each rank's .grad accumulates over the micro-batches; the step's last backward reduces the sum
+    "clip-accum": {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2}},
+    # each micro-batch's gradient reduced onto the owner, summed in its host memory
+    "host-sums": {"device": "cpu", "dtype": "fp32",
+                  "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
+    config = CONFIGS[name]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    [one] = launch(tmp_path / "one", 1, config)
+    ranks = launch(tmp_path / "many", world, config)
+    for rank, record in enumerate(ranks):
+        assert record["weights"].keys() == one["weights"].keys()
+        for param, value in one["weights"].items():
+            assert_nearly_equal(record["weights"][param], value, f"rank {rank}, {param}")
+        # close() hands every rank the whole trained model, as DDP's ranks each hold it
+        for param, value in record["params"].items():
+            assert_nearly_equal(value, one["weights"][param], f"rank {rank}, {param} after close()")
+    # One copy of the state: each block's on exactly one rank, together exactly the one process's
+    kept = [set(record["keys"]) for record in ranks]
+    assert set().union(*kept) == set(one["keys"]) and sum(len(k) for k in kept) == len(one["keys"])
+    assert all(any(key.endswith(".master") for key in k) for k in kept)  # every rank owns some block
+    # The training moved: the weights differ from the start by more than the tolerance
+    torch.manual_seed(0)
+    from runtime.bundled.example_model import ExampleLM
+    from tests.integration.ranks_child import SHAPE
+    start = dict(ExampleLM(SHAPE).named_parameters())
+    assert any((start[n].detach() - v).abs().max() > 1e-3 for n, v in one["weights"].items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_rank_failing_mid_backward_ends_every_rank_and_leaves_no_swap_file(tmp_path, tmpfs_dir, how):
+    """Rank 1 raises (or dies) in the backward of step 1: every rank ends, within the collective timeout per
+    collective it was in, with an error naming the failure, and no swap file is left on disk."""
+    config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}, "placement": {"moments": "nvme"},
+              "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
+    started = time.monotonic()
+    procs = start(tmp_path, 2, config, extra_env={"RANKS_TEST_FAIL": f"1:1:{how}", "TIERSTORE_COLLECTIVE_TIMEOUT_S": "15"})
+    outputs = finish(procs, timeout_s=120)
+    elapsed = time.monotonic() - started
+    assert all(proc.returncode not in (0, None) for proc in procs), outputs
+    assert elapsed < 100, f"the ranks took {elapsed:.0f} s to end"
+    if how == "raise":
+        assert "test failure on rank 1" in outputs[1]
+    assert "rank 0 of 2" in outputs[0] and "failed" in outputs[0], outputs[0][-3000:]
+    left = [p for p in tmpfs_dir.rglob("*") if p.is_file()]
+    assert not left, f"swap files left: {left}"
+
+
+def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path):
+    """fp16 (its loss scale is per process) and the loop's own clip (it sees one rank's gradients) are refused before
+    anything is allocated, on every rank, naming the setting."""
+    config = {"device": "cpu", "dtype": "fp16", "optimizer": {"user_grad_clip": True}}
+    procs = start(tmp_path, 2, config, extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "15"})
+    outputs = finish(procs, timeout_s=120)
+    for proc, text in zip(procs, outputs, strict=True):
+        assert proc.returncode != 0
+        assert "with several processes (2 ranks)" in text and "dtype: fp16" in text and "optimizer.user_grad_clip" in text
