@@ -33,7 +33,7 @@ from runtime.planning.block_plan import spilled_after
 from runtime.planning.measured_placement import FirstStepPlacement, RecomputeTrial, first_step_listener
 from runtime.planning.memory_plan import STATE_KINDS, Budgets, MemoryPlan, WeightSource
 from runtime.planning.oom_hint import install_oom_hint, reserve_hint
-from runtime.planning.ownership import assign_owners
+from runtime.planning.ownership import assign_owners, owned_blocks, rank_config
 from runtime.planning.peak_hint import PeakHint, cuda_peak, cuda_peak_reset, cuda_reserved_by_stream, cuda_step_peak
 from runtime.planning.placement import InForce, ResolvedPlan, adopted_plan, placement_at_reserve, plan_blocks, rates_needed
 from runtime.planning.settings import DTYPES, cpu_threads, host_grad_dtype, resolve_device
@@ -78,6 +78,13 @@ class OffloadSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def planned_blocks(self) -> list[Block]:
+        """The blocks whose state this process keeps and plans: all of them, or the ones it owns where several
+        processes run ([Note: block ownership] in runtime.planning.ownership)."""
+        table = self.controller.table
+        return [block for block in self.blocks if not table[block.index].remote]
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -365,17 +372,12 @@ def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | Non
 def _check_ranks(cfg: TierstoreConfig, resolved: ResolvedPlan, ranks: Ranks) -> None:
     """Refuse, before anything is allocated, what a run of several processes does not do yet, naming the setting to
     change (every rank refuses alike: the config and the plan are the same on each)."""
-    placement = resolved.placement
     refusals = []
     if cfg.dtype == "fp16":
         refusals.append("dtype: fp16 (its loss scaling is per process): use bf16")
     if cfg.optimizer.user_grad_clip:
         refusals.append("optimizer.user_grad_clip: true (the loop's own clip_grad_norm_ sees one rank's gradients): "
                         "let tierstore clip with optimizer.grad_clip: <max_norm>")
-    if placement.gpu_update_fraction or placement.gpu_stream_fraction:
-        refusals.append("updates on the GPU (optimizer.gpu_update_fraction "
-                        f"{placement.gpu_update_fraction:g}, gpu_stream_fraction {placement.gpu_stream_fraction:g}): "
-                        "set both to 0")
     if resolved.source is WeightSource.RESIDENT:
         refusals.append("placement.weights: gpu: write host")
     if refusals:
@@ -446,18 +448,23 @@ def _host_io(cfg: TierstoreConfig, device: torch.device, budgets: Budgets) -> tu
 
 
 def plan_model(model: nn.Module, cfg: TierstoreConfig, device: torch.device, *,
-               rates: Rates | None = None) -> tuple[list[Block], ResolvedPlan, Budgets]:
+               rates: Rates | None = None, rank: tuple[int, int] | None = None) -> tuple[list[Block], ResolvedPlan, Budgets]:
     """Blocks, placement and memory plan of ``model`` under ``cfg`` (``runtime.planning.placement.plan_blocks``), put
     through every check that can refuse them before anything is allocated. ``offload()`` and ``tierstore plan`` both
     call this (the latter on a meta-device model), so the two refuse the same configs with the same message. What
     planning is given it gathers here: the blocks, the machine's rates where the plan needs them (``rates``: these
     instead; default: ``runtime.update.rates.measure_rates``, once per process) and whether the layers can be
-    recomputed."""
+    recomputed. ``rank``: (rank, world size) of a run of several processes, whose plan is of the blocks that rank
+    owns under its share of the node's host and NVMe budgets (``runtime.planning.ownership``)."""
     blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
     if not blocks:
         raise ValueError("the model has no trainable parameters to offload")
+    planned = blocks
+    if rank is not None:
+        planned = owned_blocks(blocks, *rank)
+        cfg = rank_config(cfg, blocks, planned)
     rates = rates or machine_rates(cfg, device)  # before the GPU budget is read: the probe gives its memory back
-    resolved, budgets = plan_blocks(blocks, cfg, device, rates=rates, recomputable=recompute_refusal(blocks) is None)
+    resolved, budgets = plan_blocks(planned, cfg, device, rates=rates, recomputable=recompute_refusal(blocks) is None)
     return blocks, resolved, budgets
 
 
@@ -528,7 +535,8 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         device = ranks.device  # this rank's own GPU
     dtype = DTYPES[cfg.dtype]
     uninitialized = _prepare_parameters(model, cfg, device, init)
-    blocks, resolved, budgets = plan_model(model, cfg, device)
+    blocks, resolved, budgets = plan_model(model, cfg, device,
+                                           rank=None if ranks is None else (ranks.rank, ranks.world_size))
     _check_recompute(cfg, blocks, model)
     if ranks is not None:
         _check_ranks(cfg, resolved, ranks)
@@ -550,7 +558,7 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         _open_store(opened, StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes,
                                         host_budget_nbytes=budgets.host_nbytes, pin=pin if device.type == "cuda" else False,
                                         nvme_path=_rank_directory(cfg.tiers.nvme.path, ranks),
-                                        nvme_budget_nbytes=cfg.tiers.nvme.budget,
+                                        nvme_budget_nbytes=_rank_nvme_budget(cfg, blocks, ranks),
                                         io_threads=cfg.tiers.nvme.io_threads, io_block_nbytes=cfg.tiers.nvme.block_size,
                                         direct_io=str(direct)))
         store = opened[0]
@@ -620,7 +628,7 @@ def _listen(session: OffloadSession, resolved: ResolvedPlan, device: torch.devic
     elif (resolved.placement.activation_reserve_nbytes and device.type == "cuda"
           and cfg.optimizer.gpu_update_fraction == "auto" and cfg.tiers.gpu.activation_reserve == "auto"):
         # after the first steps: would a lower reserve put more on the GPU?
-        controller.step_listeners.append(PeakHint(placement_figures(session), session.blocks, placement_asker(session),
+        controller.step_listeners.append(PeakHint(placement_figures(session), session.planned_blocks, placement_asker(session),
                                                   cuda_peak(device)))
 
 
@@ -643,7 +651,7 @@ def placement_asker(session: OffloadSession, *, may_stream: bool = False) -> Cal
         live = alive()
         if live is None or live.closed:
             return None
-        return placement_at_reserve(live.blocks, live.config, live.store.device, in_force(live, may_stream=may_stream),
+        return placement_at_reserve(live.planned_blocks, live.config, live.store.device, in_force(live, may_stream=may_stream),
                                     reserve_nbytes)
 
     return ask
@@ -656,11 +664,11 @@ def _adopt_placement(session_ref: Callable[[], OffloadSession | None], placement
     if session is None or session.closed:
         return
     cfg, controller, options = session.config, session.controller, session.controller.options
-    spilled = spilled_after(session.blocks, cfg, options.homes, options.weight_source, options.spilled_blocks, placement,
+    spilled = spilled_after(session.planned_blocks, cfg, options.homes, options.weight_source, options.spilled_blocks, placement,
                             session.store.tiers[TierName.HOST].capacity_nbytes)
     controller.adopt_placement(placement.gpu_update_fraction, placement.gpu_stream_fraction,
                                placement.keep_for_backward_nbytes, spilled)
-    session.plan = adopted_plan(session.blocks, cfg, options.homes, options.weight_source, placement,
+    session.plan = adopted_plan(session.planned_blocks, cfg, options.homes, options.weight_source, placement,
                                 spilled=len(controller.options.spilled_blocks), spares=session.plan.pre_commit_buffers)
     session.placement = placement
 
@@ -720,6 +728,13 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
 
 
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
+
+
+def _rank_nvme_budget(cfg: TierstoreConfig, blocks: list[Block], ranks: Ranks | None) -> int:
+    """``tiers.nvme.budget``: the node's, or this rank's share of it where several processes run."""
+    if ranks is None:
+        return cfg.tiers.nvme.budget
+    return rank_config(cfg, blocks, owned_blocks(blocks, ranks.rank, ranks.world_size)).tiers.nvme.budget
 
 
 def _rank_directory(path: str | None, ranks: Ranks | None) -> str | None:

@@ -64,8 +64,10 @@ class Controller:
         self.options = options
         self.device = store.device
         # One record per block: its update site and spill, and its place in the step in progress.
-        self.table = BlockTable(blocks, gpu_updated_blocks(blocks, options.gpu_update_fraction),
-                                gpu_streamed_blocks(blocks, options.gpu_update_fraction, options.gpu_stream_fraction),
+        # The placement's fractions count this process's blocks: all of them, or those it owns among several.
+        owned = [block for block in blocks if block.index not in options.remote()]
+        self.table = BlockTable(blocks, gpu_updated_blocks(owned, options.gpu_update_fraction),
+                                gpu_streamed_blocks(owned, options.gpu_update_fraction, options.gpu_stream_fraction),
                                 options.spilled_blocks, options.remote())
         register_state(store, blocks, self.table, options, fill_block)
         try:

@@ -137,8 +137,9 @@ class Relocation:
         Waits for every committed update first. The device's share only grows (a block updated on the device stays
         there) and the spill only shrinks. Returns the options of the new placement."""
         options, table = self.view.options, self.table
-        updated = gpu_updated_blocks(self.blocks, update_fraction)
-        streamed = gpu_streamed_blocks(self.blocks, update_fraction, stream_fraction)
+        owned = [block for block in self.blocks if not table[block.index].remote]  # the fractions count these
+        updated = gpu_updated_blocks(owned, update_fraction)
+        streamed = gpu_streamed_blocks(owned, update_fraction, stream_fraction)
         spilled_now = options.spilled_blocks
         staying = (spilled_now if spilled_blocks is None else spilled_blocks) - updated
         self._check(updated, streamed, staying)

@@ -35,14 +35,15 @@ def plan_of(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName
     """The memory plan with the blocks ``updated`` on the GPU and the ``streamed`` first of the others streamed
     (``plan_for`` with the counts given, as auto placement tries them)."""
     host_updated = [b for b in blocks if b.index not in updated]
+    by_index = {b.index: b for b in blocks}  # blocks may be some of the model's (one rank's: runtime.planning.ownership)
     moment_dtype = cfg.optimizer.moment_dtype
     return make_plan([b.numel for b in host_updated], {k: v.value for k, v in homes.items()},
                      source.value, compute_itemsize(cfg), cfg.prefetch.depth,
-                     cfg.optimizer.accumulation_steps, gpu_updated_numels=[blocks[i].numel for i in sorted(updated)],
+                     cfg.optimizer.accumulation_steps, gpu_updated_numels=[by_index[i].numel for i in sorted(updated)],
                      spilled=spilled, streamed=streamed, spares=spares, host_sums=host_sums,
                      grad_itemsize=host_grad_dtype(cfg, host_sums).itemsize, moment_dtype=moment_dtype,
                      moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in b.slots]) for b in host_updated],
-                     gpu_moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in blocks[i].slots])
+                     gpu_moment_nbytes=[stored_moment_nbytes(moment_dtype, [slot.numel for slot in by_index[i].slots])
                                         for i in sorted(updated)])
 
 
@@ -82,7 +83,8 @@ def spill(blocks: list[Block], cfg: TierstoreConfig, homes: dict[str, TierName],
         return plan_for(blocks, cfg, homes, source, count, placement=placement)
 
     spilled = spill_moments(make, spillable, limit)
-    order = spill_order([blocks[i].numel for i in host_updated], len(streamed))
+    numels = {b.index: b.numel for b in blocks}
+    order = spill_order([numels[i] for i in host_updated], len(streamed))
     spilled_blocks = frozenset(host_updated[p] for p in order[:spilled])
     return spilled_blocks, len(host_updated), spilled < spillable or make(spilled).host_nbytes <= limit
 

@@ -18,6 +18,12 @@ differ, and their PCIe links work at once). Pure arithmetic, the same on every r
 
 from __future__ import annotations
 
+import dataclasses
+
+from runtime.config.loader import TierstoreConfig
+from runtime.core.blocks import Block
+from runtime.planning.hostmem import host_memory
+
 
 def assign_owners(numels: list[int], world_size: int) -> list[int]:
     """The owning rank of each block (by position in ``numels``, the blocks' sizes in forward order)."""
@@ -40,3 +46,22 @@ def imbalance(numels: list[int], owners: list[int], world_size: int) -> float:
         loads[owner] += numel
     mean = sum(loads) / world_size
     return max(loads) / mean if mean else 1.0
+
+
+def owned_blocks(blocks: list[Block], rank: int, world_size: int) -> list[Block]:
+    """The blocks ``rank`` of ``world_size`` owns (their own indices kept: planning takes any such list)."""
+    owners = assign_owners([block.numel for block in blocks], world_size)
+    return [block for block in blocks if owners[block.index] == rank]
+
+
+def rank_config(cfg: TierstoreConfig, blocks: list[Block], owned: list[Block]) -> TierstoreConfig:
+    """``cfg`` as one rank plans with it: the node's ``tiers.host.budget`` and ``tiers.nvme.budget`` shared in
+    proportion to the parameters the rank owns (under ``auto``, the RAM available now, which every rank of the node
+    sees whole). The rest of the config is the node's."""
+    total = sum(block.numel for block in blocks)
+    share = sum(block.numel for block in owned) / total if total else 1.0
+    host = cfg.tiers.host
+    node_host = host_memory().usable_nbytes if host.budget == "auto" else int(host.budget)
+    tiers = dataclasses.replace(cfg.tiers, host=dataclasses.replace(host, budget=int(node_host * share)),
+                                nvme=dataclasses.replace(cfg.tiers.nvme, budget=int(cfg.tiers.nvme.budget * share)))
+    return dataclasses.replace(cfg, tiers=tiers)

@@ -31,3 +31,28 @@ def test_more_ranks_than_blocks_leaves_some_ranks_without_state():
 def test_a_bad_world_size_is_refused():
     with pytest.raises(ValueError, match="world_size"):
         assign_owners([1], 0)
+
+
+def test_each_rank_plans_with_its_share_of_the_node_budgets():
+    """tiers.host.budget and tiers.nvme.budget are the node's: each rank plans with the part its parameters take."""
+    import torch
+
+    from runtime.bundled.example_model import ExampleLM, ModelShape
+    from runtime.config.loader import load_config
+    from runtime.core.blocks import build_blocks
+    from runtime.planning.ownership import owned_blocks, rank_config
+
+    model = ExampleLM(ModelShape(vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, ffn_size=64))
+    blocks = build_blocks(model, min_block_nbytes=1 << 30)
+    cfg = load_config({"device": "cpu", "tiers": {"host": {"budget": "1GiB"}, "nvme": {"budget": "4GiB"}}})
+    total = sum(b.numel for b in blocks)
+    shares = []
+    for rank in range(3):
+        owned = owned_blocks(blocks, rank, 3)
+        ours = rank_config(cfg, blocks, owned)
+        share = sum(b.numel for b in owned) / total
+        assert ours.tiers.host.budget == int((1 << 30) * share) and ours.tiers.nvme.budget == int((4 << 30) * share)
+        assert ours.optimizer == cfg.optimizer  # the rest is the node's
+        shares.append(share)
+    assert abs(sum(shares) - 1.0) < 1e-9
+    assert torch.tensor(shares).min() > 0
