@@ -18,7 +18,7 @@ from runtime.config.loader import ConfigError, TierstoreConfig, load_config
 from runtime.config.schema import clip_threshold, consistency_problems
 from runtime.config.units import approx_size
 from runtime.core.blocks import Block, build_blocks
-from runtime.core.ranks import Ranks, join_ranks
+from runtime.core.ranks import Ranks, bind_cores, join_ranks
 from runtime.core.signals import Terminated, defers_interrupts, handle_signals
 from runtime.engine.controller import Controller, RuntimeOptions
 from runtime.integrations.safetensors_export import save_sharded  # needs safetensors only when called
@@ -533,6 +533,7 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
     ranks = join_ranks(device)  # None: one process
     if ranks is not None:
         device = ranks.device  # this rank's own GPU
+        bind_cores(ranks)  # before the threads are counted and started
     dtype = DTYPES[cfg.dtype]
     uninitialized = _prepare_parameters(model, cfg, device, init)
     blocks, resolved, budgets = plan_model(model, cfg, device,

@@ -107,3 +107,24 @@ def join_ranks(device: torch.device) -> Ranks | None:
     if device.type == "cuda":  # this rank's own GPU (torchrun's LOCAL_RANK, or the one the program chose)
         device = torch.device("cuda", torch.cuda.current_device())
     return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def bind_cores(ranks: Ranks) -> list[int] | None:
+    """Give this rank its own share of the host's cores (the ranks of one host split them evenly, in order of their
+    local rank), so the ranks' CPU updates do not compete for the same cores: the default thread count
+    (``optimizer.cpu_threads: auto``) then counts this share. Left alone (None) where the launcher or the program
+    already restricted the process's cores, or where there are fewer cores than ranks. Applies to this thread and the
+    threads it starts afterwards (the optimizer worker, torch's intra-op pool)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", ranks.rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
+    cores = sorted(os.sched_getaffinity(0))
+    if local_world <= 1 or len(cores) < local_world or len(cores) < (os.cpu_count() or 0):
+        return None
+    per_rank = len(cores) // local_world
+    mine = cores[local_rank * per_rank:(local_rank + 1) * per_rank]
+    os.sched_setaffinity(0, mine)
+    log.info("rank %d: CPU cores %d-%d of %d (its share of the host's, for its updates)", ranks.rank, mine[0], mine[-1],
+             len(cores))
+    return mine

@@ -35,6 +35,7 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
     model, optimizer = offload(model, config)
     session = optimizer.session
     keys = sorted(str(key) for key in session.store.keys())  # the state this rank keeps
+    cores = sorted(os.sched_getaffinity(0))
     fail = os.environ.get("RANKS_TEST_FAIL")  # "RANK:STEP:raise|kill": that rank fails in that step's backward
     if fail is not None and int(fail.split(":")[0]) == rank:
         fail_step, how = int(fail.split(":")[1]), fail.split(":")[2]
@@ -61,7 +62,7 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
         weights = session.master_state_dict()
     finally:
         session.close()
-    torch.save({"losses": losses, "weights": weights, "keys": keys,
+    torch.save({"losses": losses, "weights": weights, "keys": keys, "cores": cores,
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                os.path.join(out, f"rank{rank}.pt"))
 

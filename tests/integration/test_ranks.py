@@ -111,6 +111,10 @@ def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
     kept = [set(state(record["keys"])) for record in ranks]
     assert set().union(*kept) == set(state(one["keys"])) and sum(len(k) for k in kept) == len(state(one["keys"]))
     assert all(any(key.endswith(".master") for key in k) for k in kept)  # every rank owns some block
+    # Each rank runs its updates on its own cores where there are enough to share
+    if len(os.sched_getaffinity(0)) >= world and len(os.sched_getaffinity(0)) == os.cpu_count():
+        cores = [set(record["cores"]) for record in ranks]
+        assert all(not a & b for i, a in enumerate(cores) for b in cores[i + 1:]), cores
     # The training moved: the weights differ from the start by more than the tolerance
     torch.manual_seed(0)
     from runtime.bundled.example_model import ExampleLM
