@@ -6,6 +6,7 @@ import functools
 import gc
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -122,16 +123,13 @@ class OffloadSession:
         values: dict[str, torch.Tensor] | None = None
         failure: BaseException | None = None
         dtypes = {s.name: s.dtype for b in self.blocks for s in b.slots}
+        ranks = self.controller.options.ranks
+        leaving = sys.exc_info()[1]  # close() on the way out of an exception (a `finally`, a `with`)
+        if ranks is not None and leaving is not None and ranks.broken is None:
+            # This rank is failing: no collective more (the others are inside another one); they learn why.
+            ranks.fail(repr(leaving))
         try:
-            if self.controller.step_pending:
-                self.controller.discard_pending()
-                if self.controller.interrupted is None:
-                    log.warning("close(): a backward ran since the last optimizer.step(); that step is dropped")
-            if self.controller.interrupted is not None:  # the user must not take them for the last step's weights
-                log.error("close(): the weights handed back are not the last committed step's (training would "
-                          "have refused to go on): %s", self.controller.interrupted)
-            self.access.mixed_steps_allowed = True
-            values = self.access.slot_values("master", dtypes)
+            values = self._trained_values(dtypes)
         except MemoryError as exc:
             log.warning("close(): the trained weights do not fit in host memory, the parameters are left on the meta "
                         "device (%s)", exc)
@@ -172,6 +170,24 @@ class OffloadSession:
         gc.collect()
         if failure is not None:
             raise failure
+
+    def _trained_values(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """close(): the step in progress dropped, the masters to give back (where several processes failed, only
+        this rank's own blocks': no collective can gather the others' now)."""
+        controller, ranks = self.controller, self.controller.options.ranks
+        if controller.step_pending:
+            controller.discard_pending()
+            if controller.interrupted is None:
+                log.warning("close(): a backward ran since the last optimizer.step(); that step is dropped")
+        if controller.interrupted is not None:  # the user must not take them for the last step's weights
+            log.error("close(): the weights handed back are not the last committed step's (training would "
+                      "have refused to go on): %s", controller.interrupted)
+        self.access.mixed_steps_allowed = True
+        if ranks is not None and ranks.broken is not None:
+            log.warning("close(): the run of %d processes failed (%s): rank %d gives back the parameters of the blocks it "
+                        "owns; the others are left on the meta device", ranks.world_size, ranks.broken, ranks.rank)
+            return self.access.own_values("master", self.planned_blocks, dtypes)
+        return self.access.slot_values("master", dtypes)
 
     def _sweep_dead_ranks(self) -> None:
         """Several processes whose collectives failed: a rank that was killed could not remove its swap files; the

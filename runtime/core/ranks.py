@@ -52,14 +52,43 @@ class Ranks:
     def _call(self, what: str, call: Callable[[], object]) -> None:
         if self.broken is not None:
             raise RuntimeError(f"rank {self.rank} of {self.world_size}: {what} not attempted, an earlier collective failed "
-                               f"({self.broken})")
+                               f"or this rank failed ({self.broken})")
         try:
             call()
         except Exception as error:
+            causes = self._published_failures()
             self.broken = f"{what} on rank {self.rank} of {self.world_size}: {error!r}"
-            raise RuntimeError(f"rank {self.rank} of {self.world_size}: {what} failed: another rank stopped, raised or "
-                               f"took another path (after {COLLECTIVE_TIMEOUT_S:g} s at most: "
-                               f"TIERSTORE_COLLECTIVE_TIMEOUT_S): {error}") from error
+            because = "; ".join(causes) if causes else \
+                f"another rank stopped, raised or took another path (after {COLLECTIVE_TIMEOUT_S:g} s at most: " \
+                "TIERSTORE_COLLECTIVE_TIMEOUT_S)"
+            raise RuntimeError(f"rank {self.rank} of {self.world_size}: {what} failed: {because} ({error})") from error
+
+    def fail(self, cause: str) -> None:
+        """This rank is ending on an error (``close()`` during an exception): it takes part in no collective from now
+        on, and says why where the other ranks' failed collectives read it (the process group's store), so their
+        error names this rank and the cause. Its leaving (the process ends, its connections close) ends their
+        collectives under gloo at once; under NCCL they end at the timeout."""
+        if self.broken is None:
+            self.broken = f"rank {self.rank} failed: {cause}"
+        store = _default_store()
+        if store is not None:
+            try:
+                store.set(f"{_FAILED_KEY}{self.rank}", cause[:2000])
+            except Exception as error:  # the store's host may be gone already: the others then time out, unnamed
+                log.warning("rank %d could not tell the others why it failed: %r", self.rank, error)
+
+    def _published_failures(self) -> list[str]:
+        """What other ranks said of their failure (``fail``), by rank: none where the store cannot be read."""
+        store = _default_store()
+        found = []
+        for rank in range(self.world_size):
+            key = f"{_FAILED_KEY}{rank}"
+            try:
+                if rank != self.rank and store is not None and store.check([key]):
+                    found.append(f"rank {rank} failed: {store.get(key).decode(errors='replace')}")
+            except Exception:  # the store's host may be the rank that died
+                continue
+        return found
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Make ``tensor`` on every rank equal to ``src``'s (in place; stream-ordered on a GPU)."""
@@ -75,6 +104,19 @@ class Ranks:
     def sum(self, tensor: torch.Tensor) -> None:
         """Every rank's ``tensor`` becomes the sum over ranks (in place)."""
         self._call("a sum over ranks", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM))
+
+
+_FAILED_KEY = "tierstore/failed/rank"
+
+
+def _default_store() -> dist.Store | None:
+    """The process group's key-value store (torch.distributed's rendezvous store), or None."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
 
 
 def world_size_requested() -> int:

@@ -274,6 +274,16 @@ class StateAccess:
             out.update(self.block_values(block, kind, dtypes))
         return out
 
+    def own_values(self, kind: str, blocks: list[Block], dtypes: dict[str, torch.dtype] | None = None
+                   ) -> dict[str, torch.Tensor]:
+        """``slot_values`` of ``blocks``, read here with no collective: this process's own blocks, after a run of
+        several processes failed (``close()``)."""
+        self.settle(read_only=True)
+        out: dict[str, torch.Tensor] = {}
+        for block in blocks:
+            out.update(self.block_values(block, kind, dtypes, here_only=True))
+        return out
+
     def salvage_masters(self, dtypes: dict[str, torch.dtype]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """After the optimizer worker failed (``close()``): every block's master that can be read, as CPU tensors by
         parameter name cast to ``dtypes[name]``, without waiting for updates that will never run; and, by parameter
@@ -308,9 +318,10 @@ class StateAccess:
                 notes.update({slot.name: doubt for slot in block.slots})
         return values, notes
 
-    def block_values(self, block: Block, kind: str, dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    def block_values(self, block: Block, kind: str, dtypes: dict[str, torch.dtype] | None = None, *,
+                     here_only: bool = False) -> dict[str, torch.Tensor]:
         """Block's parameters' tensors of one kind as CPU copies by name (cast to ``dtypes[name]`` when given).
-        Call ``settle()`` first."""
+        Call ``settle()`` first. ``here_only``: read this process's copy, with no collective (a block it owns)."""
         out: dict[str, torch.Tensor] = {}
 
         def take(flat: torch.Tensor) -> None:
@@ -318,6 +329,9 @@ class StateAccess:
                 view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 out[slot.name] = view.to(device="cpu", dtype=dtypes[slot.name] if dtypes else view.dtype, copy=True)
 
-        self.read_state(block, kind, take)
+        if here_only:
+            self._with_state(block, kind, self._decoded(block, kind, take, write=False), write=False)
+        else:
+            self.read_state(block, kind, take)
         return out
 

@@ -136,8 +136,10 @@ def test_a_rank_failing_mid_backward_ends_every_rank_and_leaves_no_swap_file(tmp
     elapsed = time.monotonic() - started
     assert all(proc.returncode not in (0, None) for proc in procs), outputs
     assert elapsed < 100, f"the ranks took {elapsed:.0f} s to end"
-    if how == "raise":
+    if how == "raise":  # the survivor's error names the rank that failed and why
         assert "test failure on rank 1" in outputs[1]
+        assert "rank 1 failed: RuntimeError('test failure on rank 1 in the backward of step 1')" in outputs[0], \
+            outputs[0][-3000:]
     assert "rank 0 of 2" in outputs[0] and "failed" in outputs[0], outputs[0][-3000:]
     left = [p for p in tmpfs_dir.rglob("*") if p.is_file()]
     assert not left, f"swap files left: {left}"
