@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-dir", type=_path, metavar="DIR", help="save checkpoints under DIR")
     train.add_argument("--save-every", type=int, metavar="N", help="save a checkpoint every N steps")
     train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --checkpoint-dir")
+    train.add_argument("--nproc", type=_at_least_one, metavar="N",
+                       help="train as N processes of this host (one per GPU; without CUDA, N processes over gloo), with "
+                            "DDP's result: each micro-batch (--micro-batch, a multiple of N) is split between them and "
+                            "each block's training state lives in one of them (docs/design.md, several GPUs)")
     train.add_argument("--overwrite", action="store_true",
                        help="let this run replace and prune checkpoints already in --checkpoint-dir (without it, "
                             "a directory holding another run's checkpoints is refused), and replace a model already "
@@ -158,6 +163,10 @@ def _bench_train_arguments(btrain: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tierstore`` console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "train" and (args.nproc or 1) > 1 and "RANK" not in os.environ:
+        from runtime.cli.launch import launch  # the launcher itself: each rank it starts runs the lines below
+
+        return launch(sys.argv[1:] if argv is None else argv, args.nproc)
     handler = logging.StreamHandler()
     handler.setFormatter((logging.Formatter if args.verbose else _NoTracebacks)("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])

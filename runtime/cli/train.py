@@ -11,6 +11,7 @@ import argparse
 import copy
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,7 +97,9 @@ class Progress:
         self.tty = sys.stderr.isatty()
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        """Show step / total, the loss and the throughput."""
+        """Show step / total, the loss and the throughput (rank 0 only, where several ranks run)."""
+        if rank_and_world()[0] != 0:
+            return
         width = 30
         filled = int(width * step / self.total)
         line = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s / 1e3:.1f}k tok/s"
@@ -173,11 +176,12 @@ def main(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag} goes with --model DIR (a local HF model directory); without --model, "
                                  "tierstore train trains the bundled example model on its own data")
     cfg = settings(args)
+    _check_ranks(args, cfg)
     if args.resume and cfg.train.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
     if cfg.profile.dir:  # refused now, not after the run's steps
         check_profile_dir(cfg.profile.dir)
-    print(f"tierstore train: config: {config_source(args)}", file=sys.stderr)
+    _say(f"tierstore train: config: {config_source(args)}")
     if model_dir is not None:
         check_hf_inputs(args)  # a wrong DIR, FILE or --output is said before anything is made
     # Opened before the model is built, so a used or busy checkpoint root is refused before anything is allocated
@@ -189,6 +193,56 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if root is not None:
             root.close()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks (0 and 1 in a run of one process; torchrun's environment else)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _say(line: str, end: str = "\n") -> None:
+    """Print for the person running the command: rank 0's lines only, where several ranks run."""
+    if rank_and_world()[0] == 0:
+        print(line, end=end, file=sys.stderr, flush=True)
+
+
+def _check_ranks(args: argparse.Namespace, cfg: TierstoreConfig) -> None:
+    """Several ranks (``--nproc``): refuse, before anything is built, what they cannot do (yet), naming the flag."""
+    world = rank_and_world()[1]
+    if world <= 1:
+        return
+    if cfg.train.batch_size % world:
+        raise ValueError(f"--micro-batch {cfg.train.batch_size} does not split between {world} processes (--nproc "
+                         f"{world}): give a multiple of {world}")
+    for flag, value in (("--checkpoint-dir", cfg.train.checkpoint_dir), ("--resume", args.resume),
+                        ("--profile", cfg.profile.dir), ("--output", getattr(args, "output", None))):
+        if value:
+            raise ValueError(f"{flag} does not work with --nproc yet: train with one process to use it")
+
+
+def rank_rows(batch: Any, rank: int, world: int) -> Any:
+    """This rank's rows of a micro-batch (tensors, or tuples / dicts of them, split along their first dimension):
+    every rank reads the same stream of micro-batches and trains on its own part of each, so the step's gradient is
+    the mean over the whole micro-batch, as one process would have it."""
+    if world <= 1:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        share = batch.shape[0] // world
+        return batch[rank * share:(rank + 1) * share]
+    if isinstance(batch, tuple | list):
+        return type(batch)(rank_rows(part, rank, world) for part in batch)
+    if isinstance(batch, dict):
+        return {key: rank_rows(value, rank, world) for key, value in batch.items()}
+    raise TypeError(f"cannot split a micro-batch of {type(batch).__name__} between ranks")
+
+
+def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    """The micro-batch's loss as one process would report it: the mean of the ranks' (a collective: every rank)."""
+    if world <= 1:
+        return loss.item()
+    total = loss.detach().float().reshape(1).clone()
+    torch.distributed.all_reduce(total)
+    return total.item() / world
 
 
 def bundled_job(cfg: TierstoreConfig) -> TrainJob:
@@ -207,15 +261,17 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     """Offload the job's model, train (resuming from ``root`` when asked), report."""
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     accumulation = cfg.optimizer.accumulation_steps
-    print(f"tierstore train: {sum(p.numel() for p in job.model.parameters()):,} parameters, {counted(steps, 'step')} "
-          f"of {accumulation} x {batch} x {seq} tokens, dtype {cfg.dtype}", file=sys.stderr)
+    rank, world = rank_and_world()
+    _say(f"tierstore train: {sum(p.numel() for p in job.model.parameters()):,} parameters, {counted(steps, 'step')} "
+         f"of {accumulation} x {batch} x {seq} tokens, dtype {cfg.dtype}"
+         + (f", {world} processes ({batch // world} sequences of each micro-batch each)" if world > 1 else ""))
     model, optimizer = offload(job.model, cfg, init=job.init)
     if job.after_offload is not None:
         job.after_offload()
     session = optimizer.session  # type: ignore[attr-defined]
     device = session.store.device
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no CUDA found)'}; "
-          f"NVMe IO: {session.store.nvme_io_mode or 'no NVMe tier'}", file=sys.stderr)
+    _say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no CUDA found)'}; "
+         f"NVMe IO: {session.store.nvme_io_mode or 'no NVMe tier'}")
     traffic = TrafficCounter(device.type)  # a CPU run's paths say device, not GPU
     session.store.bus.subscribe(traffic)
     # --profile DIR: ceilings measured now (see runtime.profiler.ceilings), then listen until the session is closed.
@@ -241,12 +297,12 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
         for step in range(begin + 1, steps + 1):
             step_start = time.perf_counter()
             for _ in range(accumulation):
-                loss = job.loss(model, data.next(), device)
+                loss = job.loss(model, rank_rows(data.next(), rank, world), device)
                 optimizer.scale_loss(loss / accumulation).backward()
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
-            last_loss = loss.item()
+            last_loss = _mean_over_ranks(loss, world)
             first_loss = last_loss if step == begin + 1 else first_loss
             elapsed = time.perf_counter() - step_start
             progress.update(step, last_loss, accumulation * batch * seq / elapsed)
@@ -259,16 +315,16 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     finally:
         session.close()
     num_tokens = (steps - begin) * accumulation * batch * seq
-    print(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({num_tokens / total_s / 1e3:.1f}k tok/s)",
-          file=sys.stderr)
+    _say(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({num_tokens / total_s / 1e3:.1f}k tok/s)")
     if failed_saves:
         latest = read_latest(root.path) if root is not None else None
         print(f"warning: {counted(failed_saves, 'checkpoint save')} failed (see above); latest checkpoint: {latest or 'none'}",
               file=sys.stderr)
-    print(traffic.summary(), file=sys.stderr)
+    whose = f" (rank 0 of {world}: its own blocks' traffic)" if world > 1 else ""
+    _say(traffic.summary() + whose)
     stats = session.controller.schedule.stats
-    print(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "
-          f"on fetches {session.controller.stats.wait_fetch_s:.2f} s", file=sys.stderr)
+    _say(f"prefetch hit rate {stats.hit_rate:.2f}; host time waiting on updates {session.controller.stats.wait_update_s:.2f} s, "
+         f"on fetches {session.controller.stats.wait_fetch_s:.2f} s{whose}")
     if profiler is not None:
         profiler.stop()  # after close(): the last write-backs are in the totals
         saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=cfg.profile.plot is not False)

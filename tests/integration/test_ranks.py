@@ -89,7 +89,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
     config = CONFIGS[name]
     (tmp_path / "one").mkdir()

@@ -1,0 +1,53 @@
+"""``tierstore train --nproc N``: the bundled example trained as N processes (torchrun's launcher, gloo on the CPU)
+reports the losses one process reports at the same micro-batch, and what several processes cannot do yet is
+refused before anything is built, naming the flag."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tierstore(*args: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+
+
+def losses(text: str) -> tuple[float, float]:
+    found = re.search(r"done: loss (\d+\.\d+) -> (\d+\.\d+)", text)
+    assert found, text[-3000:]
+    return float(found.group(1)), float(found.group(2))
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_at_the_same_micro_batch():
+    one = tierstore("train", "--steps", "3", "--micro-batch", "4")
+    two = tierstore("train", "--nproc", "2", "--steps", "3", "--micro-batch", "4")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 processes (2 sequences of each micro-batch each)" in two.stderr
+    (first_one, last_one), (first_two, last_two) = losses(one.stderr), losses(two.stderr)
+    assert abs(first_two - first_one) <= 1e-3  # the same weights and micro-batch: the mean of the halves' losses
+    assert abs(last_two - last_one) <= 0.01 * last_one  # bf16 compute: within its rounding after 3 steps
+    assert last_two < first_two - 0.5  # it trained
+    assert two.stderr.count("done: loss") == 1  # one report, rank 0's
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--micro-batch", "3"], "--micro-batch 3 does not split between 2 processes"),
+    pytest.param(["--checkpoint-dir", "ck"], "--checkpoint-dir does not work with --nproc yet", marks=pytest.mark.slow),
+])
+def test_what_several_processes_cannot_do_is_refused_naming_the_flag(tmp_path, flags, said):
+    done = tierstore("train", "--nproc", "2", "--steps", "1", *[str(tmp_path / f) if f == "ck" else f for f in flags])
+    assert done.returncode != 0
+    assert said in done.stderr, done.stderr[-3000:]
