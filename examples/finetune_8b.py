@@ -98,6 +98,11 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return for_training(model, args)
 
 
+def accumulation_steps(args: argparse.Namespace) -> int:
+    """Micro-batches each rank runs per optimizer step: ``--global-batch`` sequences over the ranks' micro-batches."""
+    return args.global_batch // (args.micro_batch * rank_and_world()[1])
+
+
 def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
     """The scenario's config: weights and master in pinned memory, moments there as far as the budget allows;
     then each ``--set`` on top."""
@@ -107,7 +112,7 @@ def tierstore_config(args: argparse.Namespace, cuda: bool) -> dict:
     # the CPU's updates or the weight fetches.
     config = {
         "dtype": "bf16" if cuda else "fp32",
-        "optimizer": {"lr": args.lr, "grad_clip": 1.0, "accumulation_steps": args.global_batch // args.micro_batch,
+        "optimizer": {"lr": args.lr, "grad_clip": 1.0, "accumulation_steps": accumulation_steps(args),
                       "gpu_stream_fraction": 0},
         "prefetch": {"keep_for_backward": 0},
         "placement": {"weights": "host", "master": "host", "moments": "auto"},
@@ -170,8 +175,10 @@ def add_scenario_args(parser: argparse.ArgumentParser) -> None:
 
 def check_scenario_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse a global batch that micro-batches do not divide; sizes to bytes."""
-    if args.global_batch % args.micro_batch:
-        parser.error(f"--global-batch {args.global_batch} is not a multiple of --micro-batch {args.micro_batch}")
+    world = rank_and_world()[1]
+    if args.global_batch % (args.micro_batch * world):
+        parser.error(f"--global-batch {args.global_batch} is not a multiple of --micro-batch {args.micro_batch}"
+                     + (f" times the {world} ranks" if world > 1 else ""))
     args.gpu_cap = parse_size(args.gpu_cap)
 
 
@@ -231,9 +238,25 @@ def prepare_process(args: argparse.Namespace) -> bool:
     for name in ("runtime.session", "runtime.engine", "runtime.planning.measured_placement", "runtime.planning.peak_hint"):
         logging.getLogger(name).setLevel(logging.INFO)
     # the cap holds for everything the process allocates: tierstore's tiers and the activations
+    if cuda:  # under torchrun, this rank's own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if cuda and not getattr(args, "compute_bound", False):
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(0).total_memory))
+        index = torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap / torch.cuda.get_device_properties(index).total_memory),
+                                                   index)
     return cuda
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks: torchrun --nproc-per-node N runs the scenario on N GPUs, each
+    rank taking its part of every micro-batch (0 and 1 without torchrun)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def say(line: str, end: str = "\n") -> None:
+    """A line for the person running the example: rank 0's only, where several ranks run."""
+    if rank_and_world()[0] == 0:
+        print(line, end=end, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args)
     num_params = sum(p.numel() for p in model.parameters())
     config = tierstore_config(args, cuda)
-    print(f"model: {num_params:,} parameters (Llama, {args.layers} layers, hidden {args.hidden}, "
-          f"{args.kv_heads} KV heads, vocab {args.vocab}); sequence {args.seq}, {args.global_batch} sequences per "
-          f"step in micro-batches of {args.micro_batch}; GPU cap {approx_size(args.gpu_cap)}, host budget "
-          f"{approx_size(args.host_budget)}", file=sys.stderr)
+    world = rank_and_world()[1]
+    say(f"model: {num_params:,} parameters (Llama, {args.layers} layers, hidden {args.hidden}, "
+        f"{args.kv_heads} KV heads, vocab {args.vocab}); sequence {args.seq}, {args.global_batch} sequences per "
+        f"step in micro-batches of {args.micro_batch}"
+        + (f" on each of {world} ranks (GPU cap and micro-batches per GPU, host budget per node)" if world > 1 else "")
+        + f"; GPU cap {approx_size(args.gpu_cap)}, host budget {approx_size(args.host_budget)}")
     if args.plan_only:
         return plan_only(model, config)
     if args.compute_bound:
@@ -254,11 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     model, optimizer = offload(model, config, init=seeded_normal_init)
     session = optimizer.session
-    print(session.plan.table(), file=sys.stderr)
-    print(f"setup (init, pin, write spilled moments) {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    say(session.plan.table())
+    say(f"setup (init, pin, write spilled moments) {time.perf_counter() - start:.1f} s")
     losses = train(model, optimizer, args, num_params)
     ok = bool(losses) and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}: {'finite and falling' if ok else 'NOT falling'}", file=sys.stderr)
+    say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}: {'finite and falling' if ok else 'NOT falling'}")
     return 0 if ok else 1
 
 
@@ -320,8 +345,10 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
     """The scenario's loop on the bundled text; prints progress and the profiler's split. Returns the step losses."""
     session = optimizer.session  # type: ignore[attr-defined]
     device = session.store.device
-    data = ByteBatches(stdlib_text_bytes(1 << 24), batch_size=args.micro_batch, seq_len=args.seq, seed=0)
-    accumulation = args.global_batch // args.micro_batch
+    rank, world = rank_and_world()
+    # Every rank reads the same stream of micro-batches of all ranks' sequences and trains on its own rows.
+    data = ByteBatches(stdlib_text_bytes(1 << 24), batch_size=args.micro_batch * world, seq_len=args.seq, seed=0)
+    accumulation = accumulation_steps(args)
     disk = {"read": 0, "write": 0}
 
     def count_disk(event: object) -> None:
@@ -343,27 +370,27 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argpar
                     if args.trace and step == args.steps and micro in (2, 4):
                         tracer = _trace(tracer if micro == 4 else None, args.trace)
                     tokens, _ = data.next()
-                    tokens = tokens.to(device)
+                    tokens = tokens[rank * args.micro_batch:(rank + 1) * args.micro_batch].to(device)
                     loss = micro_batch_loss(model, tokens, args)
                     (loss / accumulation).backward()
                     total += loss.detach()  # no .item() per micro-batch: it would wait for the GPU each time
-                    print(f"\rstep {step}/{args.steps}: micro-batch {micro}/{accumulation}", end="", file=sys.stderr,
-                          flush=True)
+                    say(f"\rstep {step}/{args.steps}: micro-batch {micro}/{accumulation}", end="")
                 optimizer.step()
                 optimizer.zero_grad()
-                losses.append(total.item() / accumulation)
+                losses.append(_mean_over_ranks(total, world) / accumulation)
                 seconds = time.perf_counter() - t0
                 summed = [after - b for after, b in zip(_sum_counters(session), summed, strict=True)]
-                print(f"\r{step_line(args, step, losses[-1], seconds, num_params)}, NVMe "
-                      f"{(disk['read'] - before['read']) / 1e9:.1f} GB read / {(disk['write'] - before['write']) / 1e9:.1f} GB "
-                      "written", file=sys.stderr)
+                line = step_line(args, step, losses[-1], seconds, num_params)  # a collective where several ranks run
+                say(f"\r{line}, NVMe {(disk['read'] - before['read']) / 1e9:.1f} GB read / "
+                    f"{(disk['write'] - before['write']) / 1e9:.1f} GB written" + (" (rank 0's)" if world > 1 else ""))
                 if session.controller.sums is not None:
-                    print(f"  host gradient sums: {summed[0]:.1f} s of CPU summing, the backward waited {summed[1]:.1f} s "
-                          f"for a sum buffer, {summed[2] / 1e9:.1f} GB off the GPU", file=sys.stderr)
+                    say(f"  host gradient sums: {summed[0]:.1f} s of CPU summing, the backward waited {summed[1]:.1f} s "
+                        f"for a sum buffer, {summed[2] / 1e9:.1f} GB off the GPU" + (" (rank 0's)" if world > 1 else ""))
             optimizer.synchronize()  # type: ignore[attr-defined]
             profiler.stop()
             saved = profiler.save(profile_dir, trace=False, plot=False)
-            print((saved.directory / "report.txt").read_text())
+            if rank == 0:
+                print((saved.directory / "report.txt").read_text())
     finally:
         session.close()
     return losses
@@ -377,10 +404,23 @@ def step_line(args: argparse.Namespace, step: int, loss: float, seconds: float, 
     peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     peak_held = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    world = rank_and_world()[1]
+    if world > 1:  # the node's: every rank's peak, summed (a collective)
+        rss = _mean_over_ranks(torch.tensor(rss, device=torch.cuda.current_device() if cuda else "cpu"), world) * world
     return (f"step {step}/{args.steps}: loss {loss:.4f}, {seconds:.1f} s, {tokens_per_s:,.0f} tokens/s, "
             f"{6 * num_params * tokens_per_s / 1e12:.1f} model TFLOP/s, peak GPU {peak_gpu:.1f} GiB ({peak_held:.1f} "
-            f"held by the allocator, {retries} allocation retries so far), peak RSS "
-            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
+            f"held by the allocator, {retries} allocation retries so far)" + (" on rank 0" if world > 1 else "")
+            + f", peak RSS {rss:.1f} GiB" + (f" (the node's {world} ranks)" if world > 1 else ""))
+
+
+def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
+    """``value`` averaged over the ranks (a collective: every rank calls it); itself in one process."""
+    if world <= 1:
+        return float(value)
+    total = value.detach().float().reshape(1).clone()
+    torch.distributed.all_reduce(total)
+    return float(total) / world
 
 
 def _trace(running, path: str):  # type: ignore[no-untyped-def]

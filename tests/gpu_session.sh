@@ -4,7 +4,7 @@
 # under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
 # train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
 # writes more than 8. Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|moments|quality|ab|ab-bench|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|moments|quality|ranks|ab|ab-bench|all]
 # Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
 # options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options), LOSSES (trainer: the
@@ -101,6 +101,16 @@ if [[ $what == moments ]]; then  # issue 43 on one GPU: the CPU AdamW table per 
     tag=${run%%:*}; args=${run#*:}
     python3 examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b --steps ${STEPS:-2} $args ${FT_ARGS:-} 2>&1 | tr '\r' '\n' > "$OUT/moments8b_$tag.log" || status=$(( status ? status : $? ))
     grep -E "^step [0-9]+/[0-9]+: loss|memory plan|nvme|host .*GiB|Error|error" "$OUT/moments8b_$tag.log" | head -40 | sed "s/^/$tag: /"
+    rm -rf /var/tmp/ts-8b/*
+  done
+fi
+if [[ $what == ranks ]]; then  # issue 42: the 8B scenario on N GPUs of this host (NPROCS, default "1 2"), one after the
+  # other in this call (each rank: 24 GiB cap, its micro-batches; host budget 100 GiB for the node), then its tests over NCCL
+  mkdir -p /var/tmp/ts-8b
+  for n in ${NPROCS:-1 2}; do
+    python3 -m torch.distributed.run --nproc-per-node $n --standalone examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b \
+      --steps ${STEPS:-3} ${FT_ARGS:-} 2>&1 | tr '\r' '\n' > "$OUT/ranks_$n.log" || status=$(( status ? status : $? ))
+    grep -E "^step [0-9]+/[0-9]+: loss|^model:|Error|error" "$OUT/ranks_$n.log" | sed "s/^/$n GPUs: /"
     rm -rf /var/tmp/ts-8b/*
   done
 fi

@@ -162,7 +162,9 @@ class Fetcher:
             self.schedule.record_fetch(True)
             return
         # Only a block not fetched yet can miss; its cause is read before the on-demand fetch stages it.
-        cause = self._fetch_stall_cause(index) if self.stall_listeners and not self.weights.is_fetched(index) else None
+        # (a block another rank owns comes by broadcast, not by a fetch of ours: its wait has no fetch cause)
+        cause = self._fetch_stall_cause(index) if self.stall_listeners and not self.weights.is_fetched(index) \
+            and not self.weights.is_remote(index) else None
         t1 = time.perf_counter()
         hit = self.weights.wait(index)
         waited = time.perf_counter() - t1 if not hit else 0.0

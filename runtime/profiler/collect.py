@@ -204,7 +204,7 @@ class Profiler:
         peak = self._gpu_peak if self._gpu_peak and self._gpu_peak > (self._gpu_peak_at_start or 0) else None
         memory = {**meta.get("memory", {}), "gpu_peak_nbytes": peak}
         memory["reserve_probe"] = None if peak is None else reserve_probe(
-            meta.get("config") or {}, peak, self.session.blocks, placement_asker(self.session))
+            meta.get("config") or {}, peak, self.session.planned_blocks, placement_asker(self.session))
         meta["memory"] = memory
         return meta
 
@@ -239,7 +239,7 @@ def session_meta(session: OffloadSession) -> dict[str, Any]:
     cfg = session.config
     controller = session.controller
     store = session.store
-    blocks = session.blocks
+    blocks = session.planned_blocks  # this process's own (every block, in one process)
     homes = dict(session.plan.homes)  # kind -> tier; "host+nvme" when placement.moments: auto spilled some
     moment_nbytes = sum(store.record(b.key(kind)).meta.nbytes for b in blocks if b.index not in controller.gpu_updated
                         for kind in ("exp_avg", "exp_avg_sq") if store.record(b.key(kind)).home is TierName.NVME)

@@ -244,3 +244,31 @@ def test_compute_bound_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a GPU"):
         example.main(SMALL + ["--compute-bound"])
+
+
+@pytest.mark.slow
+def test_under_torchrun_two_ranks_report_the_one_process_losses(tmp_path):
+    """torchrun --nproc-per-node 2 examples/finetune_8b.py (issue 42): each rank takes its rows of every micro-batch
+    of the same stream, so in fp32 on the CPU the two ranks' step losses are the one process's at the same global
+    batch, and the swap files of both ranks are gone at the end."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    flags = SMALL + ["--global-batch", "8", "--micro-batch", "2", "--steps", "3", "--lr", "3e-3", "--host-budget", "1GiB"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+
+    def step_losses(*launcher: str, nvme: Path) -> list[str]:
+        done = subprocess.run([sys.executable, *launcher, str(root / "examples" / "finetune_8b.py"), *flags,
+                               "--nvme-dir", str(nvme)], env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert not [p for p in nvme.rglob("*") if p.is_file()], "swap files left"
+        return re.findall(r"step \d/3: loss (\d+\.\d+)", done.stderr.replace("\r", "\n"))
+
+    one = step_losses(nvme=tmp_path / "one")
+    two = step_losses("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", nvme=tmp_path / "two")
+    assert len(one) == 3 and two == one
