@@ -478,7 +478,7 @@ def plan_model(model: nn.Module, cfg: TierstoreConfig, device: torch.device, *,
     planned = blocks
     if rank is not None:
         planned = owned_blocks(blocks, *rank)
-        cfg = rank_config(cfg, blocks, planned)
+        cfg = rank_config(cfg, blocks, planned, device)
     rates = rates or machine_rates(cfg, device)  # before the GPU budget is read: the probe gives its memory back
     resolved, budgets = plan_blocks(planned, cfg, device, rates=rates, recomputable=recompute_refusal(blocks) is None)
     return blocks, resolved, budgets
@@ -751,7 +751,7 @@ def _rank_nvme_budget(cfg: TierstoreConfig, blocks: list[Block], ranks: Ranks | 
     """``tiers.nvme.budget``: the node's, or this rank's share of it where several processes run."""
     if ranks is None:
         return cfg.tiers.nvme.budget
-    return rank_config(cfg, blocks, owned_blocks(blocks, ranks.rank, ranks.world_size)).tiers.nvme.budget
+    return rank_config(cfg, blocks, owned_blocks(blocks, ranks.rank, ranks.world_size), ranks.device).tiers.nvme.budget
 
 
 def _rank_directory(path: str | None, ranks: Ranks | None) -> str | None:

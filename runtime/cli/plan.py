@@ -75,6 +75,11 @@ def add_arguments(plan: argparse.ArgumentParser, size: Callable[[str], int], pat
                               f"this machine's GPU has free, else {DEFAULT_GPU_MEMORY})")
     machine.add_argument("--host-memory", type=size, metavar="SIZE",
                          help="the machine's RAM (default: this machine's); the plan may pin all but 10%% or 2 GiB of it")
+    machine.add_argument("--nproc", type=at_least_one, metavar="N", default=1,
+                         help="plan a node of N GPUs trained by N processes (tierstore train --nproc N, torchrun "
+                              "--nproc-per-node N): --gpu-memory is each GPU's, --host-memory and --nvme-size the "
+                              "node's, shared by the ranks as the blocks they own; each rank's CPU updates get 1/N of "
+                              "the cores. Prints the plan of the rank that keeps the most state and the node's totals")
     machine.add_argument("--nvme", type=path, metavar="PATH",
                          help="directory for swap files (tiers.nvme.path): moments that do not fit in host memory go "
                               "there; it must exist on this machine (its modes and free space are checked)")
@@ -240,6 +245,8 @@ def plan_model_dir(args: argparse.Namespace) -> ModelPlan:
                    f"layers; sequence {work.seq}, micro-batch {work.micro_batch}, accumulation {work.accumulation} "
                    f"({work.tokens:,} tokens a step); activations reserved "
                    f"{approx_size(int(cfg.tiers.gpu.activation_reserve)) if cfg.tiers.gpu.activation_reserve != 'auto' else 'auto'}")
+    if args.nproc > 1:
+        return plan_ranks(args, model, cfg, device, rates, description, raw)
     try:
         blocks, resolved = resolve(model, cfg, device, rates, args.host_memory)
     except PlanError as refusal:
@@ -252,20 +259,55 @@ def plan_model_dir(args: argparse.Namespace) -> ModelPlan:
     return ModelPlan(description, raw, resolved.plan.table(), None, prediction, rates)
 
 
+def plan_ranks(args: argparse.Namespace, model: torch.nn.Module, cfg: TierstoreConfig, device: torch.device,
+               rates: StepRates, description: str, raw: dict[str, Any]) -> ModelPlan:
+    """``plan --model --nproc N``: each rank's plan (the blocks it owns, its share of the node's host and NVMe
+    budgets and of the cores), refused where one rank's does not fit; the table of the rank keeping the most state,
+    and the node's totals. No step time is predicted for several GPUs yet."""
+    import dataclasses
+
+    from runtime.planning.memory_plan import PlanError
+
+    nproc = args.nproc
+    rank_rates = dataclasses.replace(rates, cpu_adam_params_per_s=rates.cpu_adam_params_per_s / nproc)
+    plans = []
+    for rank in range(nproc):
+        try:
+            blocks, resolved = resolve(model, cfg, device, rank_rates, args.host_memory, rank=(rank, nproc))
+        except PlanError as refusal:
+            return ModelPlan(description, raw, None, with_flags(f"rank {rank} of {nproc}: {refusal}"), None, rates)
+        plans.append(resolved.plan)
+    busiest = max(range(nproc), key=lambda r: plans[r].host_nbytes)
+    node = (f"node: {nproc} GPUs, one rank each; host {approx_size(sum(p.host_nbytes for p in plans))} pinned in all "
+            f"(ranks {', '.join(approx_size(p.host_nbytes) for p in plans)}), NVMe "
+            f"{approx_size(sum(p.nvme_nbytes for p in plans))}, GPU up to {approx_size(max(p.gpu_nbytes for p in plans))} "
+            f"a rank; each rank's CPU updates on 1/{nproc} of the cores. The table: rank {busiest}'s")
+    return ModelPlan(description + "\n" + node, raw, plans[busiest].table(), None, None, rates)
+
+
 def resolve(model: torch.nn.Module, cfg: TierstoreConfig, device: torch.device, rates: StepRates,
-            host_memory: int | None) -> tuple[list[Block], ResolvedPlan]:
-    """``runtime.session.plan_model``'s plan and checks, with the stated rates and ``--host-memory``'s RAM."""
+            host_memory: int | None, rank: tuple[int, int] | None = None) -> tuple[list[Block], ResolvedPlan]:
+    """``runtime.session.plan_model``'s plan and checks, with the stated rates and ``--host-memory``'s RAM; ``rank``:
+    (rank, number of ranks) of a node of several GPUs, planned as ``offload()`` plans that rank (the blocks it owns,
+    its share of the node's budgets and RAM)."""
     from runtime.core.blocks import build_blocks
     from runtime.model.recompute import recompute_refusal
     from runtime.planning.auto_placement import Rates
     from runtime.planning.memory_plan import check_fits
+    from runtime.planning.ownership import owned_blocks, rank_config
     from runtime.planning.placement import resolve_plan
 
     blocks = build_blocks(model, cfg.blocks.min_block_size, list(cfg.blocks.modules) if cfg.blocks.modules else None)
+    planned, share = blocks, 1.0
+    if rank is not None:
+        planned = owned_blocks(blocks, *rank)
+        share = sum(b.numel for b in planned) / sum(b.numel for b in blocks)
+        cfg = rank_config(cfg, blocks, planned, device)
     placement_rates = Rates(adam_params_per_s=rates.cpu_adam_params_per_s, h2d_bytes_per_s=rates.h2d_bytes_per_s,
                             d2h_bytes_per_s=rates.d2h_bytes_per_s)
-    resolved = resolve_plan(blocks, cfg, device, rates=placement_rates, recomputable=recompute_refusal(blocks) is None)
-    check_fits(resolved.plan, cfg, device, memory=None if host_memory is None else stated_host(host_memory))
+    resolved = resolve_plan(planned, cfg, device, rates=placement_rates, recomputable=recompute_refusal(blocks) is None)
+    memory = None if host_memory is None else stated_host(int(host_memory * share))
+    check_fits(resolved.plan, cfg, device, memory=memory)
     return blocks, resolved
 
 
@@ -401,11 +443,14 @@ def main(args: argparse.Namespace) -> int:
         return _plan_example(args)
     result = plan_model_dir(args)
     print(result.description)
-    if result.refusal is not None or result.prediction is None:
+    if result.refusal is not None:
         print(f"does not fit: {result.refusal}")
         return 1
     print(result.table)
     print("the plan fits")
+    if result.prediction is None:  # several GPUs: no step time yet
+        print("(no step time is predicted for several GPUs yet)")
+        return 0
     print(f"rates: {result.rates.describe()}")
     if not result.rates.measured:
         print("  (the figures below are for these stated rates, not measured on this machine: it has no GPU, or "

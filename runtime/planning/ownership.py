@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from runtime.config.loader import TierstoreConfig
 from runtime.core.blocks import Block
 from runtime.planning.hostmem import host_memory
+from runtime.planning.settings import sums_on_host
 
 
 def assign_owners(numels: list[int], world_size: int) -> list[int]:
@@ -54,14 +57,18 @@ def owned_blocks(blocks: list[Block], rank: int, world_size: int) -> list[Block]
     return [block for block in blocks if owners[block.index] == rank]
 
 
-def rank_config(cfg: TierstoreConfig, blocks: list[Block], owned: list[Block]) -> TierstoreConfig:
+def rank_config(cfg: TierstoreConfig, blocks: list[Block], owned: list[Block], device: torch.device) -> TierstoreConfig:
     """``cfg`` as one rank plans with it: the node's ``tiers.host.budget`` and ``tiers.nvme.budget`` shared in
     proportion to the parameters the rank owns (under ``auto``, the RAM available now, which every rank of the node
-    sees whole). The rest of the config is the node's."""
+    sees whole), and ``optimizer.accumulate_on: auto`` decided from the whole model's gradients (every rank's
+    ``.grad`` holds them all where they accumulate on the device). The rest of the config is the node's."""
     total = sum(block.numel for block in blocks)
     share = sum(block.numel for block in owned) / total if total else 1.0
     host = cfg.tiers.host
     node_host = host_memory().usable_nbytes if host.budget == "auto" else int(host.budget)
     tiers = dataclasses.replace(cfg.tiers, host=dataclasses.replace(host, budget=int(node_host * share)),
                                 nvme=dataclasses.replace(cfg.tiers.nvme, budget=int(cfg.tiers.nvme.budget * share)))
-    return dataclasses.replace(cfg, tiers=tiers)
+    optimizer = cfg.optimizer
+    if optimizer.accumulate_on == "auto":
+        optimizer = dataclasses.replace(optimizer, accumulate_on="host" if sums_on_host(blocks, cfg, device) else "gpu")
+    return dataclasses.replace(cfg, tiers=tiers, optimizer=optimizer)

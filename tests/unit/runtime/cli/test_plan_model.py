@@ -171,3 +171,20 @@ def test_a_chunked_loss_lets_the_8b_scenario_fit_the_24_gib_card(capsys):
     assert "does not fit: gpu:" in out and "--loss-piece 1024" in out
     assert cli_main([*work, "--loss-piece", "1024"]) == 0
     assert "the plan fits" in capsys.readouterr().out
+
+
+def test_a_node_of_several_gpus_is_planned_rank_by_rank(capsys):
+    """--nproc 2: each rank plans the blocks it owns with half the node's host memory; the node's totals are printed.
+    Every rank's .grad holds the whole model's gradients where they accumulate on the device, so accumulate_on auto
+    is decided from the whole model (an 8B's bf16 gradients, 16 GB, are more than a quarter of 24 GiB: host sums)."""
+    code = cli_main(["plan", "--model", "llama-3-8b", "--seq", "4096", "--micro-batch", "1", "--accumulation", "8",
+                     "--gpu-memory", "24GiB", "--host-memory", "256GiB", "--nproc", "2", "--loss-piece", "1024", *STATED])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "node: 2 GPUs, one rank each" in out and "no step time is predicted for several GPUs" in out
+    assert "optimizer.accumulate_on: host" in out or "gradient sum buffers" in out, out
+    # a quarter of the node's RAM is not enough for the rank that owns the most: refused, naming the rank
+    code = cli_main(["plan", "--model", "llama-3-8b", "--seq", "4096", "--micro-batch", "1", "--accumulation", "8",
+                     "--gpu-memory", "24GiB", "--host-memory", "64GiB", "--nproc", "4", "--loss-piece", "1024", *STATED])
+    out = capsys.readouterr().out
+    assert code == 1 and re.search(r"rank \d of 4", out), out

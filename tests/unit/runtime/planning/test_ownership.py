@@ -49,10 +49,10 @@ def test_each_rank_plans_with_its_share_of_the_node_budgets():
     shares = []
     for rank in range(3):
         owned = owned_blocks(blocks, rank, 3)
-        ours = rank_config(cfg, blocks, owned)
+        ours = rank_config(cfg, blocks, owned, torch.device("cpu"))
         share = sum(b.numel for b in owned) / total
         assert ours.tiers.host.budget == int((1 << 30) * share) and ours.tiers.nvme.budget == int((4 << 30) * share)
-        assert ours.optimizer == cfg.optimizer  # the rest is the node's
+        assert ours.placement == cfg.placement and ours.optimizer.lr == cfg.optimizer.lr  # the rest is the node's
         shares.append(share)
     assert abs(sum(shares) - 1.0) < 1e-9
     assert torch.tensor(shares).min() > 0
