@@ -184,6 +184,7 @@ class Commit:
         self.held.drop()
         self.table.reset_step()
         self.device_updates.fresh.clear()
+        self.grads.drop_sums()
         self.clipper.reset()
         with torch._C.DisableTorchFunctionSubclass():  # not through the guard: no host sum to drop, no wait
             for block in self.blocks:

@@ -21,7 +21,7 @@ from torch import nn
 
 from runtime.core.blocks import Block
 from runtime.core.events import STALL_GRAD_SUM, StallEvent
-from runtime.engine.block_state import BlockTable, UpdateSite
+from runtime.engine.block_state import BlockTable
 from runtime.engine.clipping import GradClipper, real_grad
 from runtime.engine.held_grads import HeldGrads
 from runtime.engine.host_sums import HostGradSums
@@ -108,6 +108,9 @@ class Gradients:
         # Several processes: the owner's mean gradient of each block reduced this backward (flat fp32, device), and
         # which parameters any rank had a gradient for; _assemble and _present serve from it ([Note: block ownership]).
         self._reduced: dict[int, tuple[torch.Tensor, list[bool]]] = {}
+        # Several processes, micro-batches reduced one by one: the sums so far of the blocks this rank owns and updates
+        # on the device, in the compute dtype (their .grad would hold them in one process), with their presence.
+        self._device_sums: dict[int, tuple[torch.Tensor, list[bool]]] = {}
 
     @property
     def holds_at_all(self) -> bool:
@@ -121,12 +124,15 @@ class Gradients:
         micro-batch adds them to the host sum (when the block sums there; on the device ``.grad`` accumulates)."""
         sums = self.host.sums
         if self.view.options.ranks is not None:
-            if not last_micro and not self._summed_on_host(block):
+            if not last_micro and not self._reduced_each_micro_batch():
                 return  # .grad accumulates on each rank's device; the step's last backward reduces the sum
-            if not self._reduce_to_owner(block):
+            summing_on_device = not last_micro and self.table[block.index].on_device
+            if not self._reduce_to_owner(block, summing_on_device):
                 if last_micro:
                     self._remote_done(block)
                 return
+            if summing_on_device:
+                return  # added to the owner's sum on its device (_device_sums)
         try:
             if last_micro:
                 self.offload(block)
@@ -135,11 +141,13 @@ class Gradients:
         finally:
             self._reduced.pop(block.index, None)
 
-    def _reduce_to_owner(self, block: Block) -> bool:
+    def _reduce_to_owner(self, block: Block, keep_summing: bool = False) -> bool:
         """Several processes: reduce the block's gradient of this backward onto its owner (the mean over ranks, in
         fp32, with each parameter's presence on any rank), taking it off the parameters. Returns whether this rank
-        owns the block (its mean gradient then waits in ``_reduced`` for the rest of ``block_done``). Every rank
-        calls it for the same blocks in the same order ([Note: collectives in program order])."""
+        owns the block; there its mean gradient (plus what earlier micro-batches summed on the device) waits in
+        ``_reduced`` for the rest of ``block_done``, or, ``keep_summing`` (a micro-batch before the step's last, of a
+        block updated on the device), is added to that sum. Every rank calls it for the same blocks in the same order
+        ([Note: collectives in program order])."""
         ranks, owner = self.view.options.ranks, self.view.options.owners[block.index]
         assert ranks is not None
         present = [slot.param.grad is not None for slot in block.slots]
@@ -152,15 +160,30 @@ class Gradients:
         ranks.reduce_mean(flat, owner)
         if owner != ranks.rank:
             return False
-        self._reduced[block.index] = (flat[:numel], (flat[numel:] > 0).tolist())
+        grad, present = flat[:numel], (flat[numel:] > 0).tolist()
+        earlier = self._device_sums.pop(block.index, None)
+        if earlier is not None:  # the step's earlier micro-batches, summed in the compute dtype as .grad would be
+            grad = grad.to(earlier[0].dtype).add_(earlier[0]).float()
+            present = [a or b for a, b in zip(present, earlier[1], strict=True)]
+        if keep_summing:
+            self._device_sums[block.index] = (grad.to(self.view.options.compute_dtype), present)
+        else:
+            self._reduced[block.index] = (grad, present)
         return True
 
-    def _summed_on_host(self, block: Block) -> bool:
-        """Whether the block's micro-batch gradients are summed in its owner's host memory ([Note: host gradient
-        sums]): then each micro-batch's is reduced onto the owner as it is done, since only the owner has a sum to add
-        it to. Decided from the placement alone, so every rank decides alike."""
+    def _reduced_each_micro_batch(self) -> bool:
+        """Several processes whose micro-batches' gradients are summed on the host ([Note: host gradient sums]): then
+        every block's gradient is reduced onto its owner as each micro-batch's backward is done, so that no rank holds
+        the whole model's gradients between micro-batches (they would not fit beside the rest; the owner sums its
+        blocks', on the host or, for a block updated on the device, there). Otherwise .grad accumulates on every
+        rank and the step's last backward reduces it. Decided from the config alone, so every rank decides alike."""
         options = self.view.options
-        return options.host_sums and options.accumulation_steps > 1 and self.table[block.index].site is UpdateSite.HOST
+        return options.host_sums and options.accumulation_steps > 1
+
+    def drop_sums(self) -> None:
+        """A dropped step: the gradients reduced or summed on the device for it go."""
+        self._reduced.clear()
+        self._device_sums.clear()
 
     def _remote_done(self, block: Block) -> None:
         """The step's last backward of a block another rank owns and updates: no state here to update, but the

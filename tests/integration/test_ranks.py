@@ -82,6 +82,11 @@ CONFIGS = {
     # each rank updates the first half of its own blocks' parameters on the device, streams the next 30%
     "device-updates": {"device": "cpu", "dtype": "fp32",
                        "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "gpu_update_fraction": 0.5, "gpu_stream_fraction": 0.3}},
+    # each micro-batch's gradient reduced onto the owner, summed in its host memory or, for the blocks it updates on
+    # the device, there
+    "device-host-sums": {"device": "cpu", "dtype": "fp32",
+                         "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "gpu_update_fraction": 0.5, "gpu_stream_fraction": 0.3,
+                                       "accumulation_steps": 2, "accumulate_on": "host"}},
     # each micro-batch's gradient reduced onto the owner, summed in its host memory
     "host-sums": {"device": "cpu", "dtype": "fp32",
                   "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}},
