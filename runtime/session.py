@@ -385,6 +385,32 @@ def _move_rest(model: nn.Module, device: torch.device, offloaded: set[int] | Non
                     p.data = p.data.to(device)
 
 
+def _planned(model: nn.Module, cfg: TierstoreConfig, device: torch.device,
+             ranks: Ranks | None) -> tuple[list[Block], ResolvedPlan, Budgets]:
+    """``plan_model`` and the checks before anything is allocated. With several processes each rank plans its own
+    blocks, and every rank learns whether every other's plan was accepted: one rank's refusal stops them all here,
+    each naming it, rather than leaving the others to wait for it at their first exchange."""
+    refusal: Exception | None = None
+    try:
+        blocks, resolved, budgets = plan_model(model, cfg, device,
+                                               rank=None if ranks is None else (ranks.rank, ranks.world_size))
+        _check_recompute(cfg, blocks, model)
+        if ranks is not None:
+            _check_ranks(cfg, resolved, ranks)
+    except Exception as error:
+        if ranks is None:
+            raise
+        refusal = error
+    if ranks is not None:
+        others = ranks.others_refusing(None if refusal is None else f"{type(refusal).__name__}: {refusal}")
+        if refusal is not None:
+            raise refusal
+        if others:
+            raise ValueError("; ".join(f"rank {rank} of {ranks.world_size} refused its plan ({why})" for rank, why in others)
+                             + f"; rank {ranks.rank} stops too, before allocating anything")
+    return blocks, resolved, budgets
+
+
 def _check_ranks(cfg: TierstoreConfig, resolved: ResolvedPlan, ranks: Ranks) -> None:
     """Refuse, before anything is allocated, what a run of several processes does not do yet, naming the setting to
     change (every rank refuses alike: the config and the plan are the same on each)."""
@@ -552,11 +578,7 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         bind_cores(ranks)  # before the threads are counted and started
     dtype = DTYPES[cfg.dtype]
     uninitialized = _prepare_parameters(model, cfg, device, init)
-    blocks, resolved, budgets = plan_model(model, cfg, device,
-                                           rank=None if ranks is None else (ranks.rank, ranks.world_size))
-    _check_recompute(cfg, blocks, model)
-    if ranks is not None:
-        _check_ranks(cfg, resolved, ranks)
+    blocks, resolved, budgets = _planned(model, cfg, device, ranks)
     # Before anything is pinned: a `compiled` kernel that cannot build refuses the run with nothing to undo.
     int8_kernel = cpu_int8_kernel(cfg, device, resolved.placement.gpu_update_fraction)
     plan = resolved.plan

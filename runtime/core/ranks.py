@@ -63,6 +63,13 @@ class Ranks:
                 "TIERSTORE_COLLECTIVE_TIMEOUT_S)"
             raise RuntimeError(f"rank {self.rank} of {self.world_size}: {what} failed: {because} ({error})") from error
 
+    def others_refusing(self, own: str | None) -> list[tuple[int, str]]:
+        """Every rank says whether it refuses to go on (``own``: why, or None); returns the other ranks' refusals
+        (rank, why). Called by every rank before anything is allocated, so all stop together."""
+        said: list[str | None] = [None] * self.world_size
+        self._call("the ranks' plans compared", lambda: dist.all_gather_object(said, own))
+        return [(rank, why) for rank, why in enumerate(said) if why is not None and rank != self.rank]
+
     def fail(self, cause: str) -> None:
         """This rank is ending on an error (``close()`` during an exception): it takes part in no collective from now
         on, and says why where the other ranks' failed collectives read it (the process group's store), so their

@@ -159,3 +159,17 @@ def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path)
     for proc, text in zip(procs, outputs, strict=True):
         assert proc.returncode != 0
         assert "with several processes (2 ranks)" in text and "dtype: fp16" in text and "optimizer.user_grad_clip" in text
+
+
+def test_a_plan_refused_on_one_rank_stops_every_rank_before_anything_is_allocated(tmp_path):
+    """Rank 1's host budget cannot hold its blocks: it refuses its plan, and rank 0, whose plan fits, stops too at
+    once, naming rank 1 and why (not at its first exchange with rank 1, after the collective timeout)."""
+    config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}}
+    started = time.monotonic()
+    procs = start(tmp_path, 2, config, extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "60",
+                                                  "RANKS_TEST_CONFIG_RANK1": json.dumps({**config, "tiers": {"host": {"budget": "64KiB"}}})})
+    outputs = finish(procs, timeout_s=120)
+    assert all(proc.returncode not in (0, None) for proc in procs), outputs
+    assert time.monotonic() - started < 50  # not the collective timeout
+    assert "tiers.host.budget" in outputs[1], outputs[1][-2000:]
+    assert "rank 1 of 2 refused its plan" in outputs[0] and "tiers.host.budget" in outputs[0], outputs[0][-2000:]
