@@ -31,6 +31,7 @@ def without_nproc(argv: list[str]) -> list[str]:
 def launch(argv: list[str], nproc: int) -> int:
     """Run ``tierstore`` with ``argv`` (less ``--nproc``) as ``nproc`` ranks of this host; the exit status of the first
     rank that failed, else 0."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -41,4 +42,9 @@ def launch(argv: list[str], nproc: int) -> int:
     except ChildFailedError as failed:
         first = failed.get_first_failure()[1]
         return first.exitcode if first.exitcode and first.exitcode > 0 else 1
+    except SignalException as signalled:  # SIGTERM / SIGINT to the launcher: it sent it on to every rank, which each
+        # abandoned its step, closed its session and removed its swap files (runtime.core.signals)
+        log.warning("tierstore train --nproc %d: stopped by signal %d; every rank was sent it and closed its session",
+                    nproc, int(signalled.sigval))
+        return 128 + int(signalled.sigval)
     return 0

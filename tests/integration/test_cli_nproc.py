@@ -51,3 +51,27 @@ def test_what_several_processes_cannot_do_is_refused_naming_the_flag(tmp_path, f
     done = tierstore("train", "--nproc", "2", "--steps", "1", *[str(tmp_path / f) if f == "ck" else f for f in flags])
     assert done.returncode != 0
     assert said in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_ends_every_rank_and_leaves_no_swap_file(tmp_path, tmpfs_dir):
+    """SIGTERM to `tierstore train --nproc 2` (a scheduler's): the launcher sends it on, each rank abandons its step
+    and removes its swap files, and the command ends with 143."""
+    import signal
+    import time
+
+    config = tmp_path / "tiers.yaml"
+    config.write_text(f"tiers:\n  nvme:\n    path: {tmpfs_dir}\nplacement:\n  moments: nvme\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "train", "--nproc", "2", "--config", str(config),
+                             "--steps", "100000", "--micro-batch", "2"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(tmpfs_dir.rglob("*.tsw")):
+        time.sleep(0.2)  # both ranks' swap files exist: training is under way
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, err[-3000:]
+    assert not [p for p in tmpfs_dir.rglob("*") if p.is_file()], "swap files left"
