@@ -166,8 +166,9 @@ def test_a_plan_refused_on_one_rank_stops_every_rank_before_anything_is_allocate
     once, naming rank 1 and why (not at its first exchange with rank 1, after the collective timeout)."""
     config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}}
     started = time.monotonic()
+    too_small = {**config, "tiers": {"host": {"budget": "64KiB"}}}
     procs = start(tmp_path, 2, config, extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "60",
-                                                  "RANKS_TEST_CONFIG_RANK1": json.dumps({**config, "tiers": {"host": {"budget": "64KiB"}}})})
+                                                  "RANKS_TEST_CONFIG_RANK1": json.dumps(too_small)})
     outputs = finish(procs, timeout_s=120)
     assert all(proc.returncode not in (0, None) for proc in procs), outputs
     assert time.monotonic() - started < 50  # not the collective timeout
