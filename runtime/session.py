@@ -717,6 +717,12 @@ def _recompute_trial(session: OffloadSession, recompute: Recompute, device: torc
     activations are then kept and the log says why, under ``recompute`` the layers already are)."""
     if session.config.placement.activations != "auto":
         return None
+    if session.controller.options.ranks is not None:
+        # Several processes: each rank would decide from its own timings, and ranks recomputing and not recomputing
+        # fetch their blocks in different orders ([Note: collectives in program order] in runtime.core.ranks).
+        log.info("placement.activations auto: activations are kept with several processes (the model's own "
+                 "checkpointing still recomputes; placement.activations: recompute turns tierstore's on)")
+        return None
     blocks, controller = session.blocks, session.controller
     refusal = recompute_refusal(blocks, recompute.model)
     if refusal:
