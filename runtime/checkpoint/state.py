@@ -492,8 +492,9 @@ def _load_ranks(session: OffloadSession, ranks: Ranks, directory: str | os.PathL
     bad = failed(statuses)
     if bad and error is None:  # this rank loaded its blocks, another did not: the run holds a mix of two states
         cause = RuntimeError(f"rank {bad[0].rank}'s part of the load failed")
-        effect = _mark_cut_short(session.controller, checked.path, cause, "this rank's part loaded, another's not")
-        raise_remote(ranks, "loading a checkpoint", bad, effect)
+        _mark_cut_short(session.controller, checked.path, cause, "this rank's part loaded, another's not")
+        raise_remote(ranks, "loading a checkpoint", bad, "this rank loaded its blocks and refuses to train, save or hand "
+                     "out its state too until a load completes")
     raise_failure(ranks, "loading a checkpoint", statuses, error)
     return step
 

@@ -2,7 +2,8 @@
 the one process it is compared with. Launched as torchrun would (``test_ranks.start``), with a JSON plan in place of
 ranks_child.py's config (the steps argument is not used, the global batch is):
 
-- ``load``: a checkpoint root to load first (``resume_training``: every rank, the same root), or null;
+- ``load``: a checkpoint root to load first (``resume_training``: every rank, the same root), or null; when the load
+  fails, one training step is tried (the session refuses it) and nothing else is done;
 - ``train``: optimizer steps, then ``save`` (a root, or null), then ``more`` steps;
 - ``fail_save``: ``"RANK:raise|kill"``, that rank fails while it writes its files (after its first one is durable);
 - ``optimizer_round_trip``: read ``optimizer.state_dict()``, load it with ``exp_avg`` doubled, read it, load the
@@ -10,7 +11,7 @@ ranks_child.py's config (the steps argument is not used, the global batch is):
 
 The data is the global batch stream (``ByteBatches``, seeded, restored by the load); rank R of N trains on rows
 [R*B/N, (R+1)*B/N) of each batch. Writes ``<out>/rank<R>.pt``: the final master weights (``master_state_dict()``),
-the saved path, the optimizer's state_dicts, or the error the save raised (then exits with 3)."""
+the saved path, the optimizer's state_dicts, or the error the load or save raised (then exits with 3)."""
 
 from __future__ import annotations
 
@@ -75,9 +76,17 @@ def main(out: str, plan: dict[str, Any], global_batch: int) -> None:
 
     try:
         if plan.get("load"):
-            record["loaded_step"] = resume_training(session, plan["load"], data)
-        train(plan.get("train", 0))
-        if plan.get("save"):
+            try:
+                record["loaded_step"] = resume_training(session, plan["load"], data)
+            except Exception as error:
+                record["error"] = f"{type(error).__name__}: {error}"
+                try:
+                    train(1)
+                except Exception as refusal:  # the session refuses to train until a load completes
+                    record["train_error"] = f"{type(refusal).__name__}: {refusal}"
+        if "error" not in record:
+            train(plan.get("train", 0))
+        if plan.get("save") and "error" not in record:
             try:
                 record["saved"] = str(save_checkpoint(session, plan["save"], data,
                                                       progress=_failing_progress(rank, plan.get("fail_save"))))

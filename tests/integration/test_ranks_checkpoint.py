@@ -112,3 +112,24 @@ def test_a_rank_failing_mid_save_publishes_nothing_and_fails_every_rank(tmp_path
     else:
         assert "rank 0 of 2" in outputs[0] and "failed" in outputs[0], outputs[0][-3000:]
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".tierstore")) == []
+
+
+@pytest.mark.slow
+def test_a_file_of_one_rank_failing_its_hash_fails_the_load_on_every_rank(tmp_path, monkeypatch):
+    """A block file of rank 1's corrupted after the save: rank 1 refuses it as it reads it, rank 0 (which loaded its
+    blocks) raises too, and both refuse to train until a load completes."""
+    two = launch(monkeypatch, tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a")})
+    name = f"{sorted(key for key in two[1]['keys'] if key.endswith('.master'))[0]}.bin"
+    target = Path(two[1]["saved"]) / name
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    target.write_bytes(bytes(raw))
+    procs = start(monkeypatch, tmp_path / "load", 2, {"load": str(tmp_path / "a")})
+    outputs = finish(procs, timeout_s=120)
+    assert all(proc.returncode == 3 for proc in procs), outputs
+    records = [torch.load(tmp_path / "load" / f"rank{rank}.pt") for rank in range(2)]
+    assert records[1]["error"].startswith("DamagedCheckpointError") and name in records[1]["error"]
+    assert records[0]["error"].startswith("DamagedCheckpointError"), records[0]["error"]
+    assert "failed on rank 1" in records[0]["error"] and name in records[0]["error"]
+    for record in records:
+        assert "a checkpoint load was cut short" in record["train_error"], record
