@@ -1,13 +1,14 @@
 """How the processes of a run agree while they save or load one checkpoint together (``runtime.core.ranks``).
 
-[Note: checkpoints of several processes] One checkpoint per step, whatever the number of ranks, and the same files
-a single process writes: one per block tensor, so it loads at any number of ranks. Every rank calls
+[Note: checkpoints of several processes] One checkpoint per step, whatever the number of ranks, with the block files
+a single process writes (one per block tensor), so it loads at any number of ranks. Every rank calls
 ``save_checkpoint`` / ``load_checkpoint`` with the same arguments at the same point of its program (they are
 collective, as ``optimizer.state_dict()`` is). A save: rank 0 holds the root's lock and makes the scratch
 directory; each rank writes (and fsyncs) the files of the blocks it owns ([Note: block ownership] in
 runtime.planning.ownership) into it; rank 0 gathers every rank's manifest entries, tensor descriptions and step
-counters, writes meta.json with its own RNG and data states, then the manifest, and publishes with the one rename.
-A load: each rank checks the whole listing and meta.json, and reads (hashing) only the files of the blocks it owns;
+counters, and each rank's RNG and data states (``ranks`` in meta.json; rank 0's are also meta.json's own ``rng`` and
+``data``, which one process or another number of ranks restores), writes meta.json, then the manifest, and publishes
+with the one rename. A load: each rank checks the whole listing and meta.json, and reads (hashing) only the files of the blocks it owns;
 every rank restores the step counters of every block (a rank counts the updates of the blocks it does not own).
 Between the phases the ranks exchange a status: a failure on any rank (a refused root, a full disk, a corrupt
 file, a rank that died: the exchange times out) is an error on every rank, and no checkpoint is published (rank 0

@@ -110,9 +110,9 @@ def save_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     Several processes (``torchrun``): call it on every rank with the same arguments (a path, or on rank 0 the
     CheckpointRoot it holds and its path on the others); it writes one checkpoint, each rank the files of the blocks
     it owns, and rank 0 publishes it once every rank's files are durable; each rank returns its path. A failure on
-    any rank publishes nothing and raises on every rank. The RNG states and ``data``'s position saved are rank 0's
-    (a resumed run at any number of ranks restores them on every rank). See [Note: checkpoints of several
-    processes] in runtime.checkpoint.ranks."""
+    any rank publishes nothing and raises on every rank. Each rank's RNG states and ``data`` position are saved: a
+    run resumed at as many ranks restores each rank's own, at another number (or in one process) rank 0's. See
+    [Note: checkpoints of several processes] in runtime.checkpoint.ranks."""
     if sys.byteorder != "little":
         raise NotImplementedError("checkpoints are little-endian raw files; big-endian hosts are not supported")
     if isinstance(directory, CheckpointRoot) and overwrite:
@@ -192,9 +192,12 @@ def _write_blocks(session: OffloadSession, blocks: list[Block], pending: Pending
 
 
 def _publish(session: OffloadSession, root: CheckpointRoot, pending: PendingCheckpoint, tensors: dict[str, dict[str, Any]],
-             blocks: list[dict[str, Any]], args: _SaveArgs) -> Path:
-    """Write meta.json (with ``tensors`` and ``blocks``, its entries), the config and the small files, and publish."""
+             blocks: list[dict[str, Any]], args: _SaveArgs, other_ranks: list[Any] | None = None) -> Path:
+    """Write meta.json (with ``tensors`` and ``blocks``, its entries), the config and the small files, and publish.
+    ``other_ranks``: the RNG and data states of ranks 1.. (several processes), recorded with rank 0's as ``ranks``."""
     meta = _scalar_state(session, session.controller, tensors, blocks, args.data, pending)
+    if other_ranks is not None:
+        meta["ranks"] = [{"rng": rng, "data": data} for rng, data in [(meta["rng"], meta["data"]), *other_ranks]]
     meta.update(lineage=root.lineage, writer=session.store.instance_id)  # which run may prune it (checkpoint_root)
     meta.update(_optimizer_state(session, args.scheduler))
     pending.write_bytes(CONFIG_NAME, dump_config(session.config).encode())
@@ -233,7 +236,9 @@ def _save_ranks(session: OffloadSession, ranks: Ranks, directory: str | os.PathL
         written = None
         try:
             tensors = _write_blocks(session, owned, mine, args)
-            written = (tensors, _block_entries(controller, owned), {} if mine is pending else mine.files)
+            # Rank 0's RNG and data states are meta.json's own (what one process, or another number of ranks, loads).
+            randoms = None if mine is pending else _random_state(args.data, mine, f".rank{rank}")
+            written = (tensors, _block_entries(controller, owned), {} if mine is pending else mine.files, randoms)
         except Exception as exc:
             error = exc
         statuses = exchange(ranks, "a checkpoint's files", status(ranks, error, written))
@@ -258,13 +263,13 @@ def _save_ranks(session: OffloadSession, ranks: Ranks, directory: str | os.PathL
 
 
 def _publish_gathered(session: OffloadSession, root: CheckpointRoot, pending: PendingCheckpoint,
-                      written: list[tuple[dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, FileEntry]]],
+                      written: list[tuple[dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, FileEntry], Any]],
                       args: _SaveArgs) -> Path:
     """Rank 0: add the other ranks' files to the manifest (a file written twice is refused), and publish with every
-    rank's tensor entries and step counters."""
+    rank's tensor entries, step counters, RNG and data states."""
     tensors: dict[str, dict[str, Any]] = {}
     blocks: dict[int, dict[str, Any]] = {}
-    for rank_tensors, rank_blocks, files in written:
+    for rank_tensors, rank_blocks, files, _ in written:
         tensors.update(rank_tensors)
         blocks.update((entry["index"], entry) for entry in rank_blocks)
         for name, entry in files.items():
@@ -272,7 +277,8 @@ def _publish_gathered(session: OffloadSession, root: CheckpointRoot, pending: Pe
     missing = [block.name for block in session.blocks if block.index not in blocks]
     if missing:
         raise RuntimeError(f"no rank saved the state of {', '.join(missing)}: the ranks disagree on who owns which block")
-    return _publish(session, root, pending, tensors, [blocks[block.index] for block in session.blocks], args)
+    return _publish(session, root, pending, tensors, [blocks[block.index] for block in session.blocks], args,
+                    [randoms for *_, randoms in written[1:]])
 
 
 def _check_same(ranks: Ranks, what: str, values: list[tuple[int, Any]], rule: str) -> None:
@@ -365,28 +371,35 @@ def _scalar_state(session: OffloadSession, controller: Controller, tensors: dict
     scaler = None
     if controller.scaler is not None:
         scaler = {"scale": float(controller.scaler.scale.item()), "growth_tracker": int(controller.scaler.growth_tracker.item())}
-    pending.write_bytes("rng.torch_cpu.bin", _bytes_of(torch.get_rng_state()))
-    cuda_files = []
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            cuda_files.append(f"rng.cuda{i}.bin")
-            pending.write_bytes(cuda_files[-1], _bytes_of(state))
-    py_version, py_internal, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-    data_meta = None
-    if data is not None:
-        pending.write_bytes("data.generator.bin", _bytes_of(data.generator.get_state()))
-        data_meta = {"position": int(data.position), "generator": "data.generator.bin",
-                     "batch_size": getattr(data, "batch_size", None), "seq_len": getattr(data, "seq_len", None)}
+    rng, data_meta = _random_state(data, pending)
     return {
         "format": FORMAT, "version": VERSION, "byte_order": "little", "step": controller.optimizer_step,
         "created_unix_s": time.time(), "torch_version": torch.__version__, "lr": controller.hyper_source()[0].lr,
         "config": CONFIG_NAME, "blocks": blocks, "tensors": tensors, "scaler": scaler, "data": data_meta,
         "moment_dtype": controller.options.moment_dtype,  # how the moment files are stored (runtime.update.moments)
-        "rng": {"torch_cpu": "rng.torch_cpu.bin", "cuda": cuda_files,
-                "python": [py_version, list(py_internal), py_gauss],
-                "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_gauss)]},
+        "rng": rng,
     }
+
+
+def _random_state(data: ResumableData | None, pending: PendingFiles, suffix: str = "") -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This process's RNG states and ``data``'s position as meta.json records them (``rng``, ``data``); writes their
+    raw files on the way, named with ``suffix`` (another rank's: ``.rank1``)."""
+    pending.write_bytes(f"rng.torch_cpu{suffix}.bin", _bytes_of(torch.get_rng_state()))
+    cuda_files = []
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            cuda_files.append(f"rng.cuda{i}{suffix}.bin")
+            pending.write_bytes(cuda_files[-1], _bytes_of(state))
+    py_version, py_internal, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    data_meta = None
+    if data is not None:
+        pending.write_bytes(f"data.generator{suffix}.bin", _bytes_of(data.generator.get_state()))
+        data_meta = {"position": int(data.position), "generator": f"data.generator{suffix}.bin",
+                     "batch_size": getattr(data, "batch_size", None), "seq_len": getattr(data, "seq_len", None)}
+    rng = {"torch_cpu": f"rng.torch_cpu{suffix}.bin", "cuda": cuda_files, "python": [py_version, list(py_internal), py_gauss],
+           "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_gauss)]}
+    return rng, data_meta
 
 
 def _optimizer_state(session: OffloadSession, scheduler: Any) -> dict[str, Any]:
@@ -449,6 +462,8 @@ class _Checked(NamedTuple):
     files: dict[str, FileEntry]
     meta: dict[str, Any]
     small: dict[str, bytes]
+    rng: dict[str, Any]  # the RNG states and data position this process restores (meta.json's entries)
+    data: dict[str, Any] | None
 
 
 def _prepare_load(session: OffloadSession, directory: str | os.PathLike[str] | CheckpointRoot, scheduler: Any,
@@ -459,12 +474,30 @@ def _prepare_load(session: OffloadSession, directory: str | os.PathLike[str] | C
         files = check_listing(path)
         meta = read_meta(path, files)
     _check_compatible(session, meta=meta, path=path, files=files, scheduler=scheduler, remote=remote)
-    with _damaged():
-        small = _read_small_files(meta, path, files)
     controller = session.controller
+    rng, data = _random_to_restore(meta, controller.options.ranks, path)
+    with _damaged():
+        small = _read_small_files(rng, data, path, files)
     _require_between_steps(controller, "load")
     controller.synchronize()
-    return _Checked(path, files, meta, small)
+    return _Checked(path, files, meta, small, rng, data)
+
+
+def _random_to_restore(meta: dict[str, Any], ranks: Ranks | None, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The RNG states and data position this process restores: its own rank's when the checkpoint was saved at as many
+    ranks, else rank 0's (or the one process's), said once."""
+    saved = meta.get("ranks")
+    world = 1 if ranks is None else ranks.world_size
+    if saved is not None and len(saved) == world:
+        entry = saved[0 if ranks is None else ranks.rank]
+        return entry["rng"], entry.get("data")
+    if saved is not None or ranks is not None:
+        if ranks is None or ranks.rank == 0:
+            log.warning("%s was saved by %s, this run has %s: every one restores %s RNG states and data position", path,
+                        f"{len(saved)} ranks" if saved is not None else "one process",
+                        f"{world} ranks" if ranks is not None else "one process",
+                        "rank 0's" if saved is not None else "the one process's")
+    return meta["rng"], meta.get("data")
 
 
 def _load_ranks(session: OffloadSession, ranks: Ranks, directory: str | os.PathLike[str] | CheckpointRoot,
@@ -504,7 +537,7 @@ def _restore(session: OffloadSession, checked: _Checked, data: ResumableData | N
     """Load a checked checkpoint into the session: the tensors of the blocks this process owns (not ``remote``), every
     block's step counters and the rest; returns its step."""
     controller = session.controller
-    path, files, meta, small = checked
+    path, files, meta, small = checked.path, checked.files, checked.meta, checked.small
     _log_config_changes(session, small.get(CONFIG_NAME), path, saved_groups=meta.get("param_groups"))
     step = int(meta["step"])
     _release_fetched_weights(controller)  # only drops cached copies: nothing is lost if it raises
@@ -530,9 +563,9 @@ def _restore(session: OffloadSession, checked: _Checked, data: ResumableData | N
         _restore_counters(controller, session.blocks, meta["blocks"], step)
         _restore_scaler(controller, meta.get("scaler"), path)
         _restore_optimizer_state(session, meta, scheduler)
-        _restore_rng(meta["rng"], path, small)
+        _restore_rng(checked.rng, path, small)
         if data is not None:
-            _restore_data(data, meta.get("data"), path, small)
+            _restore_data(data, checked.data, path, small)
     except BaseException as exc:
         # Some tensors are the checkpoint's, the rest the session's: training on, or saving, would make a
         # checkpoint of neither. The session refuses both until a load completes.
@@ -592,10 +625,10 @@ def _restore_counters(controller: Controller, blocks: list[Block], saved_blocks:
     controller.worker.set_updated_step(step)
 
 
-def _read_small_files(meta: dict[str, Any], path: Path, files: dict[str, FileEntry]) -> dict[str, bytes]:
-    """The config and the raw RNG / generator states, read and hashed before anything is restored."""
-    rng = meta["rng"]
-    names = [rng.get("torch_cpu"), *rng.get("cuda", [])] + ([meta["data"].get("generator")] if meta.get("data") else [])
+def _read_small_files(rng: dict[str, Any], data: dict[str, Any] | None, path: Path, files: dict[str, FileEntry]) -> dict[str, bytes]:
+    """The config and the raw RNG / generator states to restore (``rng``, ``data``: their meta.json entries), read and
+    hashed before anything is restored."""
+    names = [rng.get("torch_cpu"), *rng.get("cuda", [])] + ([data.get("generator")] if data else [])
     for name in names:
         if name not in files:
             raise CheckpointError(f"{path / str(name)}: named by meta.json but not in the manifest")

@@ -6,6 +6,7 @@ ranks_child.py's config (the steps argument is not used, the global batch is):
   fails, one training step is tried (the session refuses it) and nothing else is done;
 - ``train``: optimizer steps, then ``save`` (a root, or null), then ``more`` steps;
 - ``fail_save``: ``"RANK:raise|kill"``, that rank fails while it writes its files (after its first one is durable);
+- ``per_rank_data``: each rank draws from its own data stream (seeded by its rank), not its rows of the global one;
 - ``optimizer_round_trip``: read ``optimizer.state_dict()``, load it with ``exp_avg`` doubled, read it, load the
   original back and read it again (each collective).
 
@@ -63,14 +64,19 @@ def main(out: str, plan: dict[str, Any], global_batch: int) -> None:
     torch.manual_seed(0)
     model, optimizer = offload(ExampleLM(SHAPE), plan["config"])
     session = optimizer.session
-    data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=global_batch, seq_len=32, seed=0)
-    share = data.batch_size // world
+    if plan.get("per_rank_data"):  # each rank all of its own stream of global_batch / world rows (seeded by rank)
+        data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=global_batch // world, seq_len=32, seed=rank)
+        rows = slice(None)
+    else:
+        data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=global_batch, seq_len=32, seed=0)
+        share = global_batch // world
+        rows = slice(rank * share, (rank + 1) * share)
     record: dict[str, Any] = {"keys": sorted(str(key) for key in session.store.keys())}
 
     def train(steps: int) -> None:
         for _ in range(steps):
             x, y = data.next()
-            model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]).backward()
+            model(x[rows], y[rows]).backward()
             optimizer.step()
             optimizer.zero_grad()
 

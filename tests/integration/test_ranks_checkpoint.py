@@ -4,6 +4,7 @@ nothing and fails every rank ([Note: checkpoints of several processes] in runtim
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,11 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process_and_back(tmp_path, mon
     process's checkpoint loads at 2 ranks exactly (weights and optimizer state), whose state_dict round-trips."""
     two = launch(monkeypatch, tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a"), "more": 2})
     assert two[0]["saved"] == two[1]["saved"] == str(tmp_path / "a" / "step-000002")
-    assert_one_checkpoint(tmp_path / "a", 2, two)
+    path = assert_one_checkpoint(tmp_path / "a", 2, two)
+    meta = json.loads((path / "meta.json").read_text())
+    assert [entry["data"]["position"] for entry in meta["ranks"]] == [2, 2]  # each rank's data state, rank 0's first
+    assert meta["ranks"][0] == {"rng": meta["rng"], "data": meta["data"]}
+    assert meta["ranks"][1]["data"]["generator"] == "data.generator.rank1.bin"
     kept = [set(record["keys"]) for record in two]
     assert kept[0] and kept[1] and not kept[0] & kept[1]  # each rank wrote its own blocks' files
 
@@ -95,6 +100,18 @@ def test_a_checkpoint_of_two_ranks_resumes_at_three(tmp_path, monkeypatch):
         assert record["loaded_step"] == 2
         for name, value in two[0]["weights"].items():
             assert_nearly_equal(record["weights"][name], value, f"rank {rank} of 3 resumed at step 2, {name}")
+
+
+@pytest.mark.slow
+def test_each_rank_resumes_its_own_data_stream_at_as_many_ranks(tmp_path, monkeypatch):
+    """Each rank draws from its own data stream: resumed at 2 ranks, each continues its own (a rank given rank 0's
+    stream would train on other batches: the weights would differ by whole lr steps)."""
+    plan = {"per_rank_data": True}
+    two = launch(monkeypatch, tmp_path / "two", 2, {**plan, "train": 2, "save": str(tmp_path / "a"), "more": 2})
+    resumed = launch(monkeypatch, tmp_path / "resumed", 2, {**plan, "load": str(tmp_path / "a"), "train": 2})
+    for rank, record in enumerate(resumed):
+        for name, value in two[0]["weights"].items():
+            assert_nearly_equal(record["weights"][name], value, f"rank {rank} resumed at step 2, {name}")
 
 
 @pytest.mark.parametrize("how", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
