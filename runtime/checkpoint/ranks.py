@@ -26,6 +26,12 @@ import torch.distributed as dist
 
 from runtime.checkpoint.files import CheckpointError, DamagedCheckpointError
 from runtime.core.ranks import Ranks
+from tierstore import TierStoreError
+
+# What the other ranks raise when one failed: the failure's own family, so that a caller that handles it (the CLI's
+# save_or_warn: a failed save warns and training goes on) does the same on every rank. Most specific first.
+_KINDS: tuple[tuple[str, type[Exception]], ...] = (
+    ("damaged", DamagedCheckpointError), ("checkpoint", CheckpointError), ("os", OSError), ("tierstore", TierStoreError))
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class Status:
 
     rank: int
     error: str | None = None
-    kind: str = "runtime"  # which error the other ranks raise: "damaged", "checkpoint" or "runtime"
+    kind: str = "runtime"  # which error the other ranks raise: one of _KINDS, else a RuntimeError
     payload: Any = None
 
 
@@ -42,8 +48,7 @@ def status(ranks: Ranks, error: BaseException | None, payload: Any = None) -> St
     """This rank's status, from the exception it caught (None: it went well)."""
     if error is None:
         return Status(ranks.rank, payload=payload)
-    kind = "damaged" if isinstance(error, DamagedCheckpointError) else \
-        "checkpoint" if isinstance(error, CheckpointError) else "runtime"
+    kind = next((name for name, family in _KINDS if isinstance(error, family)), "runtime")
     return Status(ranks.rank, f"{type(error).__name__}: {error}", kind, payload)
 
 
@@ -89,5 +94,4 @@ def raise_remote(ranks: Ranks, what: str, bad: list[Status], effect: str = "") -
     others = "".join(f"; rank {s.rank}: {s.error}" for s in bad[1:])
     message = (f"rank {ranks.rank} of {ranks.world_size}: {what} failed on rank {first.rank} ({first.error}{others}), "
                "so on every rank" + (f": {effect}" if effect else ""))
-    error_type = {"damaged": DamagedCheckpointError, "checkpoint": CheckpointError}.get(first.kind, RuntimeError)
-    raise error_type(message)
+    raise dict(_KINDS).get(first.kind, RuntimeError)(message)
