@@ -491,12 +491,11 @@ def _random_to_restore(meta: dict[str, Any], ranks: Ranks | None, path: Path) ->
     if saved is not None and len(saved) == world:
         entry = saved[0 if ranks is None else ranks.rank]
         return entry["rng"], entry.get("data")
-    if saved is not None or ranks is not None:
-        if ranks is None or ranks.rank == 0:
-            log.warning("%s was saved by %s, this run has %s: every one restores %s RNG states and data position", path,
-                        f"{len(saved)} ranks" if saved is not None else "one process",
-                        f"{world} ranks" if ranks is not None else "one process",
-                        "rank 0's" if saved is not None else "the one process's")
+    if (saved is not None or ranks is not None) and (ranks is None or ranks.rank == 0):
+        log.warning("%s was saved by %s, this run has %s: %s restores %s RNG states and data position", path,
+                    f"{len(saved)} ranks" if saved is not None else "one process",
+                    f"{world} ranks" if ranks is not None else "one process",
+                    "every rank" if ranks is not None else "it", "rank 0's" if saved is not None else "the one process's")
     return meta["rng"], meta.get("data")
 
 
