@@ -71,7 +71,8 @@ def main(out: str, plan: dict[str, Any], global_batch: int) -> None:
         data = ByteBatches(stdlib_text_bytes(1 << 20), batch_size=global_batch, seq_len=32, seed=0)
         share = global_batch // world
         rows = slice(rank * share, (rank + 1) * share)
-    record: dict[str, Any] = {"keys": sorted(str(key) for key in session.store.keys())}
+    record: dict[str, Any] = {"keys": sorted(str(key) for key in session.store.keys()),
+                              "homes": {str(key): session.store.record(key).home.name for key in session.store.keys()}}
 
     def train(steps: int) -> None:
         for _ in range(steps):

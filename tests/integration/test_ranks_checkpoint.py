@@ -93,11 +93,15 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process_and_back(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_ranks_resumes_at_three(tmp_path, monkeypatch):
+def test_a_checkpoint_of_two_ranks_resumes_at_three(tmp_path, monkeypatch, tmpfs_dir):
+    """Saved at 2 ranks with every state in host memory, loaded at 3 with the moments in swap files (each rank's
+    own): 2 more steps give the weights of 4 steps at 2 ranks."""
     two = launch(monkeypatch, tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a"), "more": 2})
-    three = launch(monkeypatch, tmp_path / "three", 3, {"load": str(tmp_path / "a"), "train": 2})
+    spilled = {**CONFIG, "placement": {"moments": "nvme"}, "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
+    three = launch(monkeypatch, tmp_path / "three", 3, {"load": str(tmp_path / "a"), "train": 2, "config": spilled})
     for rank, record in enumerate(three):
         assert record["loaded_step"] == 2
+        assert {home for key, home in record["homes"].items() if key.endswith(".exp_avg")} == {"NVME"}
         for name, value in two[0]["weights"].items():
             assert_nearly_equal(record["weights"][name], value, f"rank {rank} of 3 resumed at step 2, {name}")
 
