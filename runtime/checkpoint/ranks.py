@@ -19,9 +19,11 @@ What it leaves out: the files and what they hold (``runtime.checkpoint.state``, 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from runtime.checkpoint.files import CheckpointError, DamagedCheckpointError
@@ -57,15 +59,23 @@ def exchange(ranks: Ranks, what: str, mine: Status) -> list[Status]:
     (it died, or took another path) makes it raise after the collective timeout, and the run is broken then."""
     out: list[Any] = [None] * ranks.world_size
     # Ranks._call: the object collective fails as the engine's collectives do, and marks the run broken.
-    ranks._call(f"the exchange of {what}", lambda: dist.all_gather_object(out, mine))
+    with _this_ranks_device(ranks):
+        ranks._call(f"the exchange of {what}", lambda: dist.all_gather_object(out, mine))
     return out
 
 
 def from_first(ranks: Ranks, what: str, mine: Status) -> Status:
     """Rank 0's status on every rank (a collective)."""
     box: list[Any] = [mine]
-    ranks._call(f"the broadcast of {what} from rank 0", lambda: dist.broadcast_object_list(box, src=0))
+    with _this_ranks_device(ranks):
+        ranks._call(f"the broadcast of {what} from rank 0", lambda: dist.broadcast_object_list(box, src=0))
     return box[0]
+
+
+def _this_ranks_device(ranks: Ranks) -> contextlib.AbstractContextManager[Any]:
+    """Under NCCL, object collectives stage through the current CUDA device: this rank's own, even where the program
+    joined the group itself without ``torch.cuda.set_device``."""
+    return torch.cuda.device(ranks.device) if ranks.device.type == "cuda" else contextlib.nullcontext()
 
 
 def failed(statuses: list[Status]) -> list[Status]:
