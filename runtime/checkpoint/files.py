@@ -63,6 +63,12 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, tampered with, or does not fit the session; names the file."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are not what its manifest lists (missing, truncated, changed, unparseable): an
+    earlier checkpoint in the same root may still be intact. A checkpoint that does not fit the session is a
+    plain CheckpointError."""
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One manifest entry: the file's exact size and sha256 (hex)."""
@@ -255,21 +261,24 @@ def json_bytes(obj: Any) -> bytes:
 
 
 # ---- writing a checkpoint --------------------------------------------------------------------------
-class PendingCheckpoint:
-    """A checkpoint being written in ``root/.tmp-step-NNNNNN-<pid>/``; ``commit`` publishes it atomically.
+class PendingFiles:
+    """The files written so far into a checkpoint's scratch directory ``tmp`` (which exists), by name.
 
     Files are added by name (thread-safe, so several files can be written at once); each must already be
-    fsynced (the ``write_*`` helpers do that). The root must exist and the caller must hold its lock
-    (runtime.checkpoint.root), which makes anything already at the scratch name a dead leftover."""
+    fsynced (the ``write_*`` helpers do that). In a run of several processes, each rank but the first writes its
+    blocks' files through one of these into the directory rank 0's :class:`PendingCheckpoint` made, and hands
+    the entries to rank 0, which adds them to its own before it commits (``runtime.checkpoint.ranks``)."""
 
-    def __init__(self, root: Path, step: int):
-        self.root = root
-        self.name = step_dir_name(step)
-        self.tmp = root / f".tmp-{self.name}-{os.getpid()}"
-        remove_path(self.tmp)
-        self.tmp.mkdir(mode=0o700)
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
         self._files: dict[str, FileEntry] = {}
         self._lock = threading.Lock()
+
+    @property
+    def files(self) -> dict[str, FileEntry]:
+        """A copy of the entries added so far."""
+        with self._lock:
+            return dict(self._files)
 
     def path(self, name: str) -> Path:
         """Where file ``name`` of this checkpoint is written."""
@@ -288,6 +297,21 @@ class PendingCheckpoint:
         entry = write_buffer(self.path(name), data)
         self.add(name, entry)
         return entry
+
+
+class PendingCheckpoint(PendingFiles):
+    """A checkpoint being written in ``root/.tmp-step-NNNNNN-<pid>/``; ``commit`` publishes it atomically.
+
+    The root must exist and the caller must hold its lock (runtime.checkpoint.root), which makes anything already
+    at the scratch name a dead leftover."""
+
+    def __init__(self, root: Path, step: int):
+        self.root = root
+        self.name = step_dir_name(step)
+        tmp = root / f".tmp-{self.name}-{os.getpid()}"
+        remove_path(tmp)
+        tmp.mkdir(mode=0o700)
+        super().__init__(tmp)
 
     def commit(self, progress: Callable[[str], None] | None = None) -> Path:
         """Write the manifest, make everything durable, rename into place, repoint ``latest``. A directory

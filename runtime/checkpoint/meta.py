@@ -94,12 +94,21 @@ def _check_values(meta: dict[str, Any], meta_path: Path) -> None:
     if scaler is not None:
         _number(meta_path, "scaler.scale", scaler.get("scale"), math.ulp(0.0))  # > 0
         _int(meta_path, "scaler.growth_tracker", scaler.get("growth_tracker"), 0, MAX_STEP)
-    data = _optional_mapping(meta_path, "data", meta.get("data"))
-    if data is not None:
-        _int(meta_path, "data.position", data.get("position"), 0, MAX_STEP)
+    _check_data(meta.get("data"), meta_path, "data")
     if meta.get("moment_dtype", "fp32") not in MOMENT_DTYPES:  # absent: written before compact moments, fp32
         raise _bad(meta_path, "moment_dtype", meta.get("moment_dtype"), f"one of {', '.join(MOMENT_DTYPES)}")
     _check_rng(_mapping(meta_path, "rng", meta.get("rng")), meta_path)
+    if "ranks" in meta:  # several processes: each rank's RNG states and data position, rank 0's first
+        for rank, entry in enumerate(_list(meta_path, "ranks", meta["ranks"])):
+            entry = _mapping(meta_path, f"ranks[{rank}]", entry)
+            _check_rng(_mapping(meta_path, f"ranks[{rank}].rng", entry.get("rng")), meta_path, f"ranks[{rank}].rng")
+            _check_data(entry.get("data"), meta_path, f"ranks[{rank}].data")
+
+
+def _check_data(value: Any, meta_path: Path, key: str) -> None:
+    data = _optional_mapping(meta_path, key, value)
+    if data is not None:
+        _int(meta_path, f"{key}.position", data.get("position"), 0, MAX_STEP)
 
 
 def saved_moment_dtype(meta: dict[str, Any]) -> str:
@@ -107,22 +116,22 @@ def saved_moment_dtype(meta: dict[str, Any]) -> str:
     return str(meta.get("moment_dtype", "fp32"))
 
 
-def _check_rng(rng: dict[str, Any], meta_path: Path) -> None:
+def _check_rng(rng: dict[str, Any], meta_path: Path, key: str = "rng") -> None:
     """Python's and NumPy's Mersenne Twister states, as ``random.getstate`` / ``np.random.get_state`` give them."""
-    _list(meta_path, "rng.cuda", rng.get("cuda"))
-    version, internal, gauss = _list(meta_path, "rng.python", rng.get("python"), 3)
-    _int(meta_path, "rng.python[0]", version, 0, 1 << 16)
-    words = _list(meta_path, "rng.python[1]", internal, _MT_WORDS + 1)
+    _list(meta_path, f"{key}.cuda", rng.get("cuda"))
+    version, internal, gauss = _list(meta_path, f"{key}.python", rng.get("python"), 3)
+    _int(meta_path, f"{key}.python[0]", version, 0, 1 << 16)
+    words = _list(meta_path, f"{key}.python[1]", internal, _MT_WORDS + 1)
     for k, word in enumerate(words[:-1]):
-        _int(meta_path, f"rng.python[1][{k}]", word, 0, (1 << 32) - 1)
-    _int(meta_path, f"rng.python[1][{_MT_WORDS}]", words[-1], 0, _MT_WORDS)
+        _int(meta_path, f"{key}.python[1][{k}]", word, 0, (1 << 32) - 1)
+    _int(meta_path, f"{key}.python[1][{_MT_WORDS}]", words[-1], 0, _MT_WORDS)
     if gauss is not None:
-        _number(meta_path, "rng.python[2]", gauss, -math.inf)
-    name, keys, pos, has_gauss, cached = _list(meta_path, "rng.numpy", rng.get("numpy"), 5)
+        _number(meta_path, f"{key}.python[2]", gauss, -math.inf)
+    name, keys, pos, has_gauss, cached = _list(meta_path, f"{key}.numpy", rng.get("numpy"), 5)
     if name != "MT19937":
-        raise _bad(meta_path, "rng.numpy[0]", name, "'MT19937'")
-    for k, word in enumerate(_list(meta_path, "rng.numpy[1]", keys, _MT_WORDS)):
-        _int(meta_path, f"rng.numpy[1][{k}]", word, 0, (1 << 32) - 1)
-    _int(meta_path, "rng.numpy[2]", pos, 0, _MT_WORDS)
-    _int(meta_path, "rng.numpy[3]", has_gauss, 0, 1)
-    _number(meta_path, "rng.numpy[4]", cached, -math.inf)
+        raise _bad(meta_path, f"{key}.numpy[0]", name, "'MT19937'")
+    for k, word in enumerate(_list(meta_path, f"{key}.numpy[1]", keys, _MT_WORDS)):
+        _int(meta_path, f"{key}.numpy[1][{k}]", word, 0, (1 << 32) - 1)
+    _int(meta_path, f"{key}.numpy[2]", pos, 0, _MT_WORDS)
+    _int(meta_path, f"{key}.numpy[3]", has_gauss, 0, 1)
+    _number(meta_path, f"{key}.numpy[4]", cached, -math.inf)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -39,8 +39,10 @@ from runtime.checkpoint.files import (
     MANIFEST_NAME,
     META_NAME,
     CheckpointError,
+    DamagedCheckpointError,
     FileEntry,
     PendingCheckpoint,
+    PendingFiles,
     check_listing,
     copy_range,
     find_checkpoint,
@@ -54,6 +56,7 @@ from runtime.checkpoint.files import (
     write_buffer,
 )
 from runtime.checkpoint.meta import FORMAT, VERSION, read_meta, saved_moment_dtype
+from runtime.checkpoint.ranks import exchange, failed, from_first, raise_failure, raise_remote, status
 from runtime.checkpoint.root import CheckpointRoot
 from runtime.config.loader import dump_config
 from runtime.core.signals import defers_interrupts
@@ -65,6 +68,7 @@ from tierstore import HEADER_NBYTES, CorruptFileError, Record, TierName, TierSto
 
 if TYPE_CHECKING:
     from runtime.core.blocks import Block
+    from runtime.core.ranks import Ranks
     from runtime.engine.controller import Controller
     from runtime.session import OffloadSession
 
@@ -101,65 +105,187 @@ def save_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     optimizer's param_groups hyper-parameters always are). ``keep_last``: checkpoints kept; older ones are deleted only after
     the new one is in place. ``threads``: files written at once. ``progress`` is called with each file
     name once it is durable, then with "manifest.json", "renamed" and "latest" (a progress bar, or a test
-    that needs time to pass inside a save). Returns the checkpoint directory."""
+    that needs time to pass inside a save). Returns the checkpoint directory.
+
+    Several processes (``torchrun``): call it on every rank with the same arguments (a path, or on rank 0 the
+    CheckpointRoot it holds and its path on the others); it writes one checkpoint, each rank the files of the blocks
+    it owns, and rank 0 publishes it once every rank's files are durable; each rank returns its path. A failure on
+    any rank publishes nothing and raises on every rank. Each rank's RNG states and ``data`` position are saved: a
+    run resumed at as many ranks restores each rank's own, at another number (or in one process) rank 0's. See
+    [Note: checkpoints of several processes] in runtime.checkpoint.ranks."""
     if sys.byteorder != "little":
         raise NotImplementedError("checkpoints are little-endian raw files; big-endian hosts are not supported")
     if isinstance(directory, CheckpointRoot) and overwrite:
         raise ValueError("overwrite is decided when the CheckpointRoot is opened: pass it to CheckpointRoot(...)")
-    controller = session.controller
-    _require_between_steps(controller, "save")
-    controller.check_not_interrupted()  # never a checkpoint whose blocks are at different steps
-    controller.synchronize()
-    _refuse_swap_overlap(session.store, directory.path if isinstance(directory, CheckpointRoot) else Path(directory))
+    path = directory.path if isinstance(directory, CheckpointRoot) else Path(directory)
+    ranks = session.controller.options.ranks
+    if ranks is not None:
+        return _save_ranks(session, ranks, directory, path, _SaveArgs(data, keep_last, threads, progress, scheduler),
+                           overwrite)
+    _prepare_save(session, path)
     root = directory if isinstance(directory, CheckpointRoot) else \
         CheckpointRoot(directory, overwrite=overwrite, writer=session.store.instance_id)
     try:
-        return _save(session, root, data, keep_last, threads, progress, scheduler)
+        return _save(session, root, _SaveArgs(data, keep_last, threads, progress, scheduler))
     finally:
         if root is not directory:
             root.close()
 
 
-def _save(session: OffloadSession, root: CheckpointRoot, data: ResumableData | None, keep_last: int, threads: int,
-          progress: Callable[[str], None] | None, scheduler: Any = None) -> Path:
+class _SaveArgs(NamedTuple):
+    """What save_checkpoint was asked to save besides the session, and how."""
+
+    data: ResumableData | None
+    keep_last: int
+    threads: int
+    progress: Callable[[str], None] | None
+    scheduler: Any
+
+
+def _prepare_save(session: OffloadSession, path: Path) -> None:
+    """Refuse a save now (mid-step, blocks at two steps, a root inside the swap directory); wait for every update."""
     controller = session.controller
+    _require_between_steps(controller, "save")
+    controller.check_not_interrupted()  # never a checkpoint whose blocks are at different steps
+    controller.synchronize()
+    _refuse_swap_overlap(session.store, path)
     if session.store.device.type == "cuda":
         torch.cuda.synchronize(session.store.device)  # device updates are stream-ordered; copies below run on other threads
-    step = controller.optimizer_step
+
+
+def _save(session: OffloadSession, root: CheckpointRoot, args: _SaveArgs) -> Path:
+    controller = session.controller
     start = time.perf_counter()
-    pending = root.begin(step)
+    pending = root.begin(controller.optimizer_step)
     try:
-        jobs: list[tuple[str, Callable[[Path], FileEntry]]] = []
-        tensors: dict[str, dict[str, Any]] = {}
-        for block in session.blocks:
-            for kind in STATE_KINDS:
-                key = block.key(kind)
-                record = session.store.record(key)
-                name = f"{key}.bin"
-                tensors[key] = {"file": name, "dtype": _DTYPE_NAMES[record.meta.dtype], "numel": record.meta.numel}
-                jobs.append((name, _tensor_writer(session.store, record)))
-
-        def run(job: tuple[str, Callable[[Path], FileEntry]]) -> None:
-            name, write = job
-            pending.add(name, write(pending.path(name)))
-            if progress is not None:
-                progress(name)
-
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            list(pool.map(run, jobs))  # list(): re-raise the first failure
-        meta = _scalar_state(session, controller, tensors, data, pending)
-        meta.update(lineage=root.lineage, writer=session.store.instance_id)  # which run may prune it (checkpoint_root)
-        meta.update(_optimizer_state(session, scheduler))
-        pending.write_bytes(CONFIG_NAME, dump_config(session.config).encode())
-        pending.write_bytes(META_NAME, json_bytes(meta))
-        if progress is not None:
-            progress(META_NAME)
-        final = root.publish(pending, keep_last, progress)
+        tensors = _write_blocks(session, session.blocks, pending, args)
+        final = _publish(session, root, pending, tensors, _block_entries(controller, session.blocks), args)
     except BaseException:
         pending.abort()
         raise
     log.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - start)
     return final
+
+
+def _write_blocks(session: OffloadSession, blocks: list[Block], pending: PendingFiles, args: _SaveArgs) -> dict[str, dict[str, Any]]:
+    """Write the state files of ``blocks`` into ``pending`` (``args.threads`` at once); returns meta.json's tensor
+    entries for them."""
+    jobs: list[tuple[str, Callable[[Path], FileEntry]]] = []
+    tensors: dict[str, dict[str, Any]] = {}
+    for block in blocks:
+        for kind in STATE_KINDS:
+            key = block.key(kind)
+            record = session.store.record(key)
+            name = f"{key}.bin"
+            tensors[key] = {"file": name, "dtype": _DTYPE_NAMES[record.meta.dtype], "numel": record.meta.numel}
+            jobs.append((name, _tensor_writer(session.store, record)))
+
+    def run(job: tuple[str, Callable[[Path], FileEntry]]) -> None:
+        name, write = job
+        pending.add(name, write(pending.path(name)))
+        if args.progress is not None:
+            args.progress(name)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.threads)) as pool:
+        list(pool.map(run, jobs))  # list(): re-raise the first failure
+    return tensors
+
+
+def _publish(session: OffloadSession, root: CheckpointRoot, pending: PendingCheckpoint, tensors: dict[str, dict[str, Any]],
+             blocks: list[dict[str, Any]], args: _SaveArgs, other_ranks: list[Any] | None = None) -> Path:
+    """Write meta.json (with ``tensors`` and ``blocks``, its entries), the config and the small files, and publish.
+    ``other_ranks``: the RNG and data states of ranks 1.. (several processes), recorded with rank 0's as ``ranks``."""
+    meta = _scalar_state(session, session.controller, tensors, blocks, args.data, pending)
+    if other_ranks is not None:
+        meta["ranks"] = [{"rng": rng, "data": data} for rng, data in [(meta["rng"], meta["data"]), *other_ranks]]
+    meta.update(lineage=root.lineage, writer=session.store.instance_id)  # which run may prune it (checkpoint_root)
+    meta.update(_optimizer_state(session, args.scheduler))
+    pending.write_bytes(CONFIG_NAME, dump_config(session.config).encode())
+    pending.write_bytes(META_NAME, json_bytes(meta))
+    if args.progress is not None:
+        args.progress(META_NAME)
+    return root.publish(pending, args.keep_last, args.progress)
+
+
+def _save_ranks(session: OffloadSession, ranks: Ranks, directory: str | os.PathLike[str] | CheckpointRoot, path: Path,
+                args: _SaveArgs, overwrite: bool) -> Path:
+    """save_checkpoint in a run of several processes, called by every rank ([Note: checkpoints of several processes]
+    in runtime.checkpoint.ranks): rank 0 opens the root (``directory``: a path, or on rank 0 the CheckpointRoot it
+    holds), each rank writes its blocks' files, rank 0 publishes. Three exchanges, whatever fails."""
+    controller, rank = session.controller, ranks.rank
+    root: CheckpointRoot | None = None
+    pending: PendingCheckpoint | None = None
+    error: Exception | None = None
+    start = time.perf_counter()
+    try:
+        _prepare_save(session, path)
+        if rank == 0:
+            root = directory if isinstance(directory, CheckpointRoot) else \
+                CheckpointRoot(directory, overwrite=overwrite, writer=session.store.instance_id)
+            pending = root.begin(controller.optimizer_step)
+    except Exception as exc:
+        error = exc
+    try:
+        here = (controller.optimizer_step, os.path.realpath(path), None if pending is None else str(pending.tmp))
+        statuses = exchange(ranks, "a checkpoint's start", status(ranks, error, here))
+        raise_failure(ranks, "saving a checkpoint", statuses, error)
+        _check_same(ranks, "saving a checkpoint", [(s.rank, s.payload[:2]) for s in statuses],
+                    "every rank must save at the same step into the same directory (optimizer step, directory)")
+        mine = pending if pending is not None else PendingFiles(Path(statuses[0].payload[2]))
+        owned = [block for block in session.blocks if block.index not in controller.options.remote()]
+        written = None
+        try:
+            tensors = _write_blocks(session, owned, mine, args)
+            # Rank 0's RNG and data states are meta.json's own (what one process, or another number of ranks, loads).
+            randoms = None if mine is pending else _random_state(args.data, mine, f".rank{rank}")
+            written = (tensors, _block_entries(controller, owned), {} if mine is pending else mine.files, randoms)
+        except Exception as exc:
+            error = exc
+        statuses = exchange(ranks, "a checkpoint's files", status(ranks, error, written))
+        raise_failure(ranks, "saving a checkpoint", statuses, error)
+        final = None
+        if root is not None and pending is not None:  # rank 0
+            try:
+                final = str(_publish_gathered(session, root, pending, [s.payload for s in statuses], args))
+            except Exception as exc:
+                error = exc
+        outcome = from_first(ranks, "the published checkpoint", status(ranks, error, final))
+        raise_failure(ranks, "saving a checkpoint", [outcome], error)
+    except BaseException:
+        if pending is not None:
+            pending.abort()  # nothing published (or already renamed: then there is nothing left to remove)
+        raise
+    finally:
+        if root is not None and root is not directory:
+            root.close()
+    log.info("checkpoint %s saved by %d ranks in %.2f s", outcome.payload, ranks.world_size, time.perf_counter() - start)
+    return Path(outcome.payload)
+
+
+def _publish_gathered(session: OffloadSession, root: CheckpointRoot, pending: PendingCheckpoint,
+                      written: list[tuple[dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, FileEntry], Any]],
+                      args: _SaveArgs) -> Path:
+    """Rank 0: add the other ranks' files to the manifest (a file written twice is refused), and publish with every
+    rank's tensor entries, step counters, RNG and data states."""
+    tensors: dict[str, dict[str, Any]] = {}
+    blocks: dict[int, dict[str, Any]] = {}
+    for rank_tensors, rank_blocks, files, _ in written:
+        tensors.update(rank_tensors)
+        blocks.update((entry["index"], entry) for entry in rank_blocks)
+        for name, entry in files.items():
+            pending.add(name, entry)
+    missing = [block.name for block in session.blocks if block.index not in blocks]
+    if missing:
+        raise RuntimeError(f"no rank saved the state of {', '.join(missing)}: the ranks disagree on who owns which block")
+    return _publish(session, root, pending, tensors, [blocks[block.index] for block in session.blocks], args,
+                    [randoms for *_, randoms in written[1:]])
+
+
+def _check_same(ranks: Ranks, what: str, values: list[tuple[int, Any]], rule: str) -> None:
+    """Refuse on every rank (each sees the same ``values``, by rank) when the ranks' values differ."""
+    if any(value != values[0][1] for _, value in values):
+        shown = ", ".join(f"rank {r}: {value}" for r, value in values)
+        raise CheckpointError(f"rank {ranks.rank} of {ranks.world_size}: {what}: {rule}; {shown}")
 
 
 def _require_between_steps(controller: Controller, what: str) -> None:
@@ -229,39 +355,51 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
-def _scalar_state(session: OffloadSession, controller: Controller, tensors: dict[str, dict[str, Any]],
-                  data: ResumableData | None, pending: PendingCheckpoint) -> dict[str, Any]:
-    """meta.json's content; writes the small raw files (RNG and generator states) on the way."""
-    blocks = []
-    for block in session.blocks:
+def _block_entries(controller: Controller, blocks: list[Block]) -> list[dict[str, Any]]:
+    """meta.json's entries of ``blocks``: names, sizes and the parameters' AdamW step counters."""
+    entries = []
+    for block in blocks:
         steps = controller.gpu_param_steps.get(block.index) or controller.worker.param_steps[block.index]
-        blocks.append({"index": block.index, "name": block.name, "numel": block.numel,
-                       "params": [slot.name for slot in block.slots], "param_steps": [float(s.item()) for s in steps]})
+        entries.append({"index": block.index, "name": block.name, "numel": block.numel,
+                        "params": [slot.name for slot in block.slots], "param_steps": [float(s.item()) for s in steps]})
+    return entries
+
+
+def _scalar_state(session: OffloadSession, controller: Controller, tensors: dict[str, dict[str, Any]],
+                  blocks: list[dict[str, Any]], data: ResumableData | None, pending: PendingCheckpoint) -> dict[str, Any]:
+    """meta.json's content; writes the small raw files (RNG and generator states) on the way."""
     scaler = None
     if controller.scaler is not None:
         scaler = {"scale": float(controller.scaler.scale.item()), "growth_tracker": int(controller.scaler.growth_tracker.item())}
-    pending.write_bytes("rng.torch_cpu.bin", _bytes_of(torch.get_rng_state()))
-    cuda_files = []
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            cuda_files.append(f"rng.cuda{i}.bin")
-            pending.write_bytes(cuda_files[-1], _bytes_of(state))
-    py_version, py_internal, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-    data_meta = None
-    if data is not None:
-        pending.write_bytes("data.generator.bin", _bytes_of(data.generator.get_state()))
-        data_meta = {"position": int(data.position), "generator": "data.generator.bin",
-                     "batch_size": getattr(data, "batch_size", None), "seq_len": getattr(data, "seq_len", None)}
+    rng, data_meta = _random_state(data, pending)
     return {
         "format": FORMAT, "version": VERSION, "byte_order": "little", "step": controller.optimizer_step,
         "created_unix_s": time.time(), "torch_version": torch.__version__, "lr": controller.hyper_source()[0].lr,
         "config": CONFIG_NAME, "blocks": blocks, "tensors": tensors, "scaler": scaler, "data": data_meta,
         "moment_dtype": controller.options.moment_dtype,  # how the moment files are stored (runtime.update.moments)
-        "rng": {"torch_cpu": "rng.torch_cpu.bin", "cuda": cuda_files,
-                "python": [py_version, list(py_internal), py_gauss],
-                "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_gauss)]},
+        "rng": rng,
     }
+
+
+def _random_state(data: ResumableData | None, pending: PendingFiles, suffix: str = "") -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This process's RNG states and ``data``'s position as meta.json records them (``rng``, ``data``); writes their
+    raw files on the way, named with ``suffix`` (another rank's: ``.rank1``)."""
+    pending.write_bytes(f"rng.torch_cpu{suffix}.bin", _bytes_of(torch.get_rng_state()))
+    cuda_files = []
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            cuda_files.append(f"rng.cuda{i}{suffix}.bin")
+            pending.write_bytes(cuda_files[-1], _bytes_of(state))
+    py_version, py_internal, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    data_meta = None
+    if data is not None:
+        pending.write_bytes(f"data.generator{suffix}.bin", _bytes_of(data.generator.get_state()))
+        data_meta = {"position": int(data.position), "generator": f"data.generator{suffix}.bin",
+                     "batch_size": getattr(data, "batch_size", None), "seq_len": getattr(data, "seq_len", None)}
+    rng = {"torch_cpu": f"rng.torch_cpu{suffix}.bin", "cuda": cuda_files, "python": [py_version, list(py_internal), py_gauss],
+           "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_gauss)]}
+    return rng, data_meta
 
 
 def _optimizer_state(session: OffloadSession, scheduler: Any) -> dict[str, Any]:
@@ -306,17 +444,99 @@ def load_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     :class:`DamagedCheckpointError`. ``scheduler``: the LR scheduler to restore (saved with
     ``save_checkpoint(..., scheduler=)``); the optimizer's param_groups hyper-parameters are restored either
     way, over the config's (as torch's ``optimizer.load_state_dict`` does). The tier layout, NVMe path and
-    device may differ from the saving run's. Call between steps."""
+    device may differ from the saving run's. Call between steps.
+
+    Several processes: call it on every rank with the same arguments; each rank checks the checkpoint and loads the
+    blocks it owns, whatever number of ranks (or one process) saved it. A refusal or failure on any rank raises on
+    every rank (one cut short part-way leaves every rank refusing to train until a load completes)."""
+    remote = session.controller.options.remote()
+    if session.controller.options.ranks is not None:
+        return _load_ranks(session, session.controller.options.ranks, directory, data, scheduler, remote)
+    return _restore(session, _prepare_load(session, directory, scheduler, remote), data, scheduler, remote)
+
+
+class _Checked(NamedTuple):
+    """A checkpoint checked for a load (listing, meta.json, fit) and its small files, read and hashed."""
+
+    path: Path
+    files: dict[str, FileEntry]
+    meta: dict[str, Any]
+    small: dict[str, bytes]
+    rng: dict[str, Any]  # the RNG states and data position this process restores (meta.json's entries)
+    data: dict[str, Any] | None
+
+
+def _prepare_load(session: OffloadSession, directory: str | os.PathLike[str] | CheckpointRoot, scheduler: Any,
+                  remote: frozenset[int]) -> _Checked:
+    """Everything load_checkpoint checks before it changes anything; ``remote``: the blocks another rank loads."""
     path = resolve_checkpoint(directory.path if isinstance(directory, CheckpointRoot) else directory)
     with _damaged():
         files = check_listing(path)
         meta = read_meta(path, files)
-    _check_compatible(session, meta=meta, path=path, files=files, scheduler=scheduler)
-    with _damaged():
-        small = _read_small_files(meta, path, files)
+    _check_compatible(session, meta=meta, path=path, files=files, scheduler=scheduler, remote=remote)
     controller = session.controller
+    rng, data = _random_to_restore(meta, controller.options.ranks, path)
+    with _damaged():
+        small = _read_small_files(rng, data, path, files)
     _require_between_steps(controller, "load")
     controller.synchronize()
+    return _Checked(path, files, meta, small, rng, data)
+
+
+def _random_to_restore(meta: dict[str, Any], ranks: Ranks | None, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The RNG states and data position this process restores: its own rank's when the checkpoint was saved at as many
+    ranks, else rank 0's (or the one process's), said once."""
+    saved = meta.get("ranks")
+    world = 1 if ranks is None else ranks.world_size
+    if saved is not None and len(saved) == world:
+        entry = saved[0 if ranks is None else ranks.rank]
+        return entry["rng"], entry.get("data")
+    if (saved is not None or ranks is not None) and (ranks is None or ranks.rank == 0):
+        log.warning("%s was saved by %s, this run has %s: %s restores %s RNG states and data position", path,
+                    f"{len(saved)} ranks" if saved is not None else "one process",
+                    f"{world} ranks" if ranks is not None else "one process",
+                    "every rank" if ranks is not None else "it", "rank 0's" if saved is not None else "the one process's")
+    return meta["rng"], meta.get("data")
+
+
+def _load_ranks(session: OffloadSession, ranks: Ranks, directory: str | os.PathLike[str] | CheckpointRoot,
+                data: ResumableData | None, scheduler: Any, remote: frozenset[int]) -> int:
+    """load_checkpoint in a run of several processes, called by every rank ([Note: checkpoints of several processes]
+    in runtime.checkpoint.ranks): every rank checks the checkpoint, the ranks agree, each loads the blocks it owns,
+    the ranks agree again (a rank that loaded while another failed refuses to train too)."""
+    checked: _Checked | None = None
+    error: Exception | None = None
+    try:
+        checked = _prepare_load(session, directory, scheduler, remote)
+    except Exception as exc:
+        error = exc
+    statuses = exchange(ranks, "the checkpoint to load", status(ranks, error, None if checked is None else str(checked.path)))
+    raise_failure(ranks, "loading a checkpoint", statuses, error)
+    _check_same(ranks, "loading a checkpoint", [(s.rank, s.payload) for s in statuses],
+                "every rank must load the same checkpoint")
+    assert checked is not None  # else raise_failure raised
+    step = 0
+    try:
+        step = _restore(session, checked, data, scheduler, remote)
+    except Exception as exc:
+        error = exc
+    statuses = exchange(ranks, "the load", status(ranks, error))
+    bad = failed(statuses)
+    if bad and error is None:  # this rank loaded its blocks, another did not: the run holds a mix of two states
+        cause = RuntimeError(f"rank {bad[0].rank}'s part of the load failed")
+        _mark_cut_short(session.controller, checked.path, cause, "this rank's part loaded, another's not")
+        raise_remote(ranks, "loading a checkpoint", bad, "this rank loaded its blocks and refuses to train, save or hand "
+                     "out its state too until a load completes")
+    raise_failure(ranks, "loading a checkpoint", statuses, error)
+    return step
+
+
+def _restore(session: OffloadSession, checked: _Checked, data: ResumableData | None, scheduler: Any,
+             remote: frozenset[int]) -> int:
+    """Load a checked checkpoint into the session: the tensors of the blocks this process owns (not ``remote``), every
+    block's step counters and the rest; returns its step."""
+    controller = session.controller
+    path, files, meta, small = checked.path, checked.files, checked.meta, checked.small
     _log_config_changes(session, small.get(CONFIG_NAME), path, saved_groups=meta.get("param_groups"))
     step = int(meta["step"])
     _release_fetched_weights(controller)  # only drops cached copies: nothing is lost if it raises
@@ -327,8 +547,9 @@ def load_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
         log.info("%s holds %s Adam moments, this run stores them as %s (optimizer.moment_dtype): each is decoded and "
                  "encoded as it is loaded (%s)", path, saved, ours,
                  "exact" if ours == "fp32" else f"approximate: the saved values are rounded to {ours}")
+    owned = [block for block in session.blocks if block.index not in remote]
     try:
-        for block in session.blocks:
+        for block in owned:
             for kind in STATE_KINDS:
                 entry = meta["tensors"][block.key(kind)]
                 after = (lambda master, b=block: refresh_compute_weights(controller, b, master, step)) if kind == "master" else None
@@ -341,13 +562,13 @@ def load_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
         _restore_counters(controller, session.blocks, meta["blocks"], step)
         _restore_scaler(controller, meta.get("scaler"), path)
         _restore_optimizer_state(session, meta, scheduler)
-        _restore_rng(meta["rng"], path, small)
+        _restore_rng(checked.rng, path, small)
         if data is not None:
-            _restore_data(data, meta.get("data"), path, small)
+            _restore_data(data, checked.data, path, small)
     except BaseException as exc:
         # Some tensors are the checkpoint's, the rest the session's: training on, or saving, would make a
         # checkpoint of neither. The session refuses both until a load completes.
-        effect = _mark_cut_short(controller, path, exc, f"{loaded} of {len(session.blocks) * len(STATE_KINDS)} tensors loaded")
+        effect = _mark_cut_short(controller, path, exc, f"{loaded} of {len(owned) * len(STATE_KINDS)} tensors loaded")
         if isinstance(exc, CheckpointError):  # a tensor file failed its hash as it was read
             raise DamagedCheckpointError(f"{exc}; {effect}") from exc
         if isinstance(exc, KeyboardInterrupt):
@@ -358,12 +579,6 @@ def load_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     controller.clear_interrupted()  # every block is at the loaded step again
     log.info("resumed from %s (step %d)", path, step)
     return step
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint's files are not what its manifest lists (missing, truncated, changed, unparseable): an
-    earlier checkpoint in the same root may still be intact. A checkpoint that does not fit the session is a
-    plain CheckpointError."""
 
 
 @contextlib.contextmanager
@@ -409,10 +624,10 @@ def _restore_counters(controller: Controller, blocks: list[Block], saved_blocks:
     controller.worker.set_updated_step(step)
 
 
-def _read_small_files(meta: dict[str, Any], path: Path, files: dict[str, FileEntry]) -> dict[str, bytes]:
-    """The config and the raw RNG / generator states, read and hashed before anything is restored."""
-    rng = meta["rng"]
-    names = [rng.get("torch_cpu"), *rng.get("cuda", [])] + ([meta["data"].get("generator")] if meta.get("data") else [])
+def _read_small_files(rng: dict[str, Any], data: dict[str, Any] | None, path: Path, files: dict[str, FileEntry]) -> dict[str, bytes]:
+    """The config and the raw RNG / generator states to restore (``rng``, ``data``: their meta.json entries), read and
+    hashed before anything is restored."""
+    names = [rng.get("torch_cpu"), *rng.get("cuda", [])] + ([data.get("generator")] if data else [])
     for name in names:
         if name not in files:
             raise CheckpointError(f"{path / str(name)}: named by meta.json but not in the manifest")
@@ -421,10 +636,11 @@ def _read_small_files(meta: dict[str, Any], path: Path, files: dict[str, FileEnt
 
 
 def _check_compatible(session: OffloadSession, *, meta: dict[str, Any], path: Path, files: dict[str, FileEntry],
-                      scheduler: Any) -> None:
+                      scheduler: Any, remote: frozenset[int] = frozenset()) -> None:
     """The checkpoint holds this model's state (same blocks, parameters and sizes) and what the optimizer and
     ``scheduler`` restore, and every file it refers to is in the manifest with the size its dtype and numel
-    imply. Runs before anything is restored: a refusal here leaves the session as it was."""
+    imply (for the blocks another rank loads, ``remote``, that rank checks the sizes: this one keeps no record of
+    them). Runs before anything is restored: a refusal here leaves the session as it was."""
     meta_path = path / META_NAME
     groups, num_groups = meta.get("param_groups"), len(session.optimizer.param_groups)
     if groups is not None and len(groups) != num_groups:
@@ -455,6 +671,8 @@ def _check_compatible(session: OffloadSession, *, meta: dict[str, Any], path: Pa
             name = entry.get("file")
             if name not in files:
                 raise CheckpointError(f"{path / str(name)}: named by meta.json for {key} but not in the manifest")
+            if block.index in remote:
+                continue
             # A moment is stored as the saving run's moment_dtype says (converted at load when it is not this run's).
             dtype, numel = saved_storage(session, meta, block, kind)
             if _DTYPES.get(entry.get("dtype")) != dtype or entry.get("numel") != numel:
