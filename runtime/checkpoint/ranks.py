@@ -60,7 +60,7 @@ def exchange(ranks: Ranks, what: str, mine: Status) -> list[Status]:
     out: list[Any] = [None] * ranks.world_size
     # Ranks._call: the object collective fails as the engine's collectives do, and marks the run broken.
     with _this_ranks_device(ranks):
-        ranks._call(f"the exchange of {what}", lambda: dist.all_gather_object(out, mine))
+        ranks.call(f"the exchange of {what}", lambda: dist.all_gather_object(out, mine))
     return out
 
 
@@ -68,7 +68,7 @@ def from_first(ranks: Ranks, what: str, mine: Status) -> Status:
     """Rank 0's status on every rank (a collective)."""
     box: list[Any] = [mine]
     with _this_ranks_device(ranks):
-        ranks._call(f"the broadcast of {what} from rank 0", lambda: dist.broadcast_object_list(box, src=0))
+        ranks.call(f"the broadcast of {what} from rank 0", lambda: dist.broadcast_object_list(box, src=0))
     return box[0]
 
 

@@ -124,7 +124,7 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ResumableData, step: int, train: TrainConfig,
+def save_or_warn(session: OffloadSession, root: CheckpointRoot | Path, data: ResumableData, step: int, train: TrainConfig,
                  scheduler: Any = None) -> Path | None:
     """Save a checkpoint after ``step``; returns its directory, or None when the save failed.
 
@@ -136,7 +136,7 @@ def save_or_warn(session: OffloadSession, root: CheckpointRoot, data: ResumableD
         return save_checkpoint(session, root, data, keep_last=train.keep_last, scheduler=scheduler)
     except (OSError, CheckpointError, TierStoreError) as exc:
         try:
-            latest = read_latest(root.path)
+            latest = read_latest(root.path if isinstance(root, CheckpointRoot) else root)
         except CheckpointError:
             latest = None
         kept = f"{latest} stays the latest checkpoint" if latest else "there is no checkpoint yet"
@@ -186,13 +186,41 @@ def main(args: argparse.Namespace) -> int:
         check_hf_inputs(args)  # a wrong DIR, FILE or --output is said before anything is made
     # Opened before the model is built, so a used or busy checkpoint root is refused before anything is allocated
     # (or a large --data file tokenized); held (locked) for the whole run.
-    root = (CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
-            if cfg.train.checkpoint_dir is not None else None)
+    root = _checkpoint_root(cfg, args)
     try:
         return _run(cfg, args, root, hf_job(args, cfg) if model_dir is not None else bundled_job(cfg))
     finally:
-        if root is not None:
+        if isinstance(root, CheckpointRoot):
             root.close()
+
+
+def _checkpoint_root(cfg: TierstoreConfig, args: argparse.Namespace) -> CheckpointRoot | Path | None:
+    """``--checkpoint-dir``, claimed (locked) for the run: by this process, or, where several ranks run, by rank 0,
+    the others taking its path (``save_checkpoint`` and ``resume_training`` are collective, rank 0 publishing). The
+    ranks learn together whether rank 0 could claim it, before anything is built."""
+    if cfg.train.checkpoint_dir is None:
+        return None
+    rank, world = rank_and_world()
+    if world <= 1:
+        return CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
+    from runtime.core.ranks import join_ranks
+    from runtime.planning.settings import resolve_device
+
+    ranks = join_ranks(resolve_device(cfg))
+    assert ranks is not None  # WORLD_SIZE > 1
+    root: CheckpointRoot | Path = Path(cfg.train.checkpoint_dir)
+    refusal: Exception | None = None
+    if rank == 0:
+        try:
+            root = CheckpointRoot(cfg.train.checkpoint_dir, resume=args.resume, overwrite=args.overwrite)
+        except Exception as error:
+            refusal = error
+    others = ranks.others_refusing(None if refusal is None else f"{type(refusal).__name__}: {refusal}")
+    if refusal is not None:
+        raise refusal
+    if others:
+        raise ValueError(f"--checkpoint-dir {cfg.train.checkpoint_dir}: rank 0 could not claim it ({others[0][1]})")
+    return root
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -214,8 +242,7 @@ def _check_ranks(args: argparse.Namespace, cfg: TierstoreConfig) -> None:
     if cfg.train.batch_size % world:
         raise ValueError(f"--micro-batch {cfg.train.batch_size} does not split between {world} processes (--nproc "
                          f"{world}): give a multiple of {world}")
-    for flag, value in (("--checkpoint-dir", cfg.train.checkpoint_dir), ("--resume", args.resume),
-                        ("--profile", cfg.profile.dir), ("--output", getattr(args, "output", None))):
+    for flag, value in (("--profile", cfg.profile.dir), ("--output", getattr(args, "output", None))):
         if value:
             raise ValueError(f"{flag} does not work with --nproc yet: train with one process to use it")
 
@@ -257,7 +284,7 @@ def bundled_job(cfg: TierstoreConfig) -> TrainJob:
                     loss)
 
 
-def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | None, job: TrainJob) -> int:
+def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | Path | None, job: TrainJob) -> int:
     """Offload the job's model, train (resuming from ``root`` when asked), report."""
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
     accumulation = cfg.optimizer.accumulation_steps
@@ -317,7 +344,7 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     num_tokens = (steps - begin) * accumulation * batch * seq
     _say(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {total_s:.1f} s ({num_tokens / total_s / 1e3:.1f}k tok/s)")
     if failed_saves:
-        latest = read_latest(root.path) if root is not None else None
+        latest = read_latest(root.path if isinstance(root, CheckpointRoot) else root) if root is not None else None
         print(f"warning: {counted(failed_saves, 'checkpoint save')} failed (see above); latest checkpoint: {latest or 'none'}",
               file=sys.stderr)
     whose = f" (rank 0 of {world}: its own blocks' traffic)" if world > 1 else ""

@@ -49,7 +49,10 @@ class Ranks:
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, world_size={self.world_size}, device={self.device})"
 
-    def _call(self, what: str, call: Callable[[], object]) -> None:
+    def call(self, what: str, call: Callable[[], object]) -> None:
+        """Make one collective call (``what`` names it in errors): refused at once where an earlier one failed; a
+        failure marks the run broken and raises naming the rank, the call and, where another rank said why it
+        failed (``fail``), that."""
         if self.broken is not None:
             raise RuntimeError(f"rank {self.rank} of {self.world_size}: {what} not attempted, an earlier collective failed "
                                f"or this rank failed ({self.broken})")
@@ -67,7 +70,7 @@ class Ranks:
         """Every rank says whether it refuses to go on (``own``: why, or None); returns the other ranks' refusals
         (rank, why). Called by every rank before anything is allocated, so all stop together."""
         said: list[str | None] = [None] * self.world_size
-        self._call("the ranks' plans compared", lambda: dist.all_gather_object(said, own))
+        self.call("the ranks' plans compared", lambda: dist.all_gather_object(said, own))
         return [(rank, why) for rank, why in enumerate(said) if why is not None and rank != self.rank]
 
     def fail(self, cause: str) -> None:
@@ -99,18 +102,18 @@ class Ranks:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Make ``tensor`` on every rank equal to ``src``'s (in place; stream-ordered on a GPU)."""
-        self._call(f"a broadcast from rank {src}", lambda: dist.broadcast(tensor, src=src))
+        self.call(f"a broadcast from rank {src}", lambda: dist.broadcast(tensor, src=src))
 
     def reduce_mean(self, tensor: torch.Tensor, dst: int) -> None:
         """``dst``'s ``tensor`` becomes the mean over ranks of every rank's (in place; the others' are left
         undefined). The sum is divided by the number of ranks on ``dst`` only: DDP's averaged gradient."""
-        self._call(f"a reduction onto rank {dst}", lambda: dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM))
+        self.call(f"a reduction onto rank {dst}", lambda: dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM))
         if self.rank == dst:
             tensor.div_(self.world_size)
 
     def sum(self, tensor: torch.Tensor) -> None:
         """Every rank's ``tensor`` becomes the sum over ranks (in place)."""
-        self._call("a sum over ranks", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM))
+        self.call("a sum over ranks", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM))
 
 
 _FAILED_KEY = "tierstore/failed/rank"

@@ -45,7 +45,7 @@ def test_two_processes_train_as_one_at_the_same_micro_batch():
 
 @pytest.mark.parametrize(("flags", "said"), [
     (["--micro-batch", "3"], "--micro-batch 3 does not split between 2 processes"),
-    pytest.param(["--checkpoint-dir", "ck"], "--checkpoint-dir does not work with --nproc yet", marks=pytest.mark.slow),
+    pytest.param(["--profile", "ck"], "--profile does not work with --nproc yet", marks=pytest.mark.slow),
 ])
 def test_what_several_processes_cannot_do_is_refused_naming_the_flag(tmp_path, flags, said):
     done = tierstore("train", "--nproc", "2", "--steps", "1", *[str(tmp_path / f) if f == "ck" else f for f in flags])
@@ -75,3 +75,19 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_leaves_no_swap_file(tmp_pat
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 143, err[-3000:]
     assert not [p for p in tmpfs_dir.rglob("*") if p.is_file()], "swap files left"
+
+
+@pytest.mark.slow
+def test_two_processes_stop_and_resume_from_their_checkpoint_exactly(tmp_path):
+    """--nproc 2 with --checkpoint-dir: rank 0 claims the directory, both ranks save each checkpoint (one checkpoint
+    of both ranks' blocks); stopped at step 4 and resumed to 6 is the uninterrupted 6-step run's loss."""
+    ck = str(tmp_path / "ck")
+    first = tierstore("train", "--nproc", "2", "--steps", "4", "--micro-batch", "4", "--checkpoint-dir", ck, "--save-every", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = tierstore("train", "--nproc", "2", "--steps", "6", "--micro-batch", "4", "--checkpoint-dir", ck,
+                        "--save-every", "2", "--resume")
+    whole = tierstore("train", "--nproc", "2", "--steps", "6", "--micro-batch", "4")
+    assert resumed.returncode == 0 and whole.returncode == 0, resumed.stderr[-3000:] + whole.stderr[-3000:]
+    assert losses(resumed.stderr)[1] == losses(whole.stderr)[1]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")) == \
+        ["step-000002", "step-000004", "step-000006"]

@@ -26,8 +26,8 @@ def _free_port() -> int:
 
 
 def start(out: Path, world: int, config: dict, steps: int = 3, global_batch: int = 6,
-          extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """Start ``ranks_child.py`` as ``world`` ranks (one process when 1), as torchrun would."""
+          extra_env: dict[str, str] | None = None, child: Path = CHILD) -> list[subprocess.Popen]:
+    """Start ``child`` (default ``ranks_child.py``) as ``world`` ranks (one process when 1), as torchrun would."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -35,7 +35,7 @@ def start(out: Path, world: int, config: dict, steps: int = 3, global_batch: int
         if world > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(out), json.dumps(config), str(steps),
+        procs.append(subprocess.Popen([sys.executable, str(child), str(out), json.dumps(config), str(steps),
                                        str(global_batch)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

@@ -22,19 +22,18 @@ CHILD = Path(__file__).with_name("ranks_checkpoint_child.py")
 CONFIG = {"device": os.environ.get("RANKS_CHECKPOINT_DEVICE", "cpu"), "dtype": "fp32", "optimizer": {"lr": 1e-3}}
 
 
-def start(monkeypatch: pytest.MonkeyPatch, out: Path, world: int, plan: dict[str, Any],
+def start(out: Path, world: int, plan: dict[str, Any],
           extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Start ``ranks_checkpoint_child.py`` as ``world`` ranks (one process when 1), as torchrun would: test_ranks'
     launcher, given this child and the plan in place of a config."""
-    monkeypatch.setattr(test_ranks, "CHILD", CHILD)
     out.mkdir(parents=True, exist_ok=True)
-    return test_ranks.start(out, world, {"config": CONFIG, **plan}, extra_env=extra_env)
+    return test_ranks.start(out, world, {"config": CONFIG, **plan}, extra_env=extra_env, child=CHILD)
 
 
-def launch(monkeypatch: pytest.MonkeyPatch, out: Path, world: int, plan: dict[str, Any],
+def launch(out: Path, world: int, plan: dict[str, Any],
            timeout_s: float = 180.0) -> list[dict[str, Any]]:
     """Run the plan at ``world`` ranks; each rank's record."""
-    procs = start(monkeypatch, out, world, plan)
+    procs = start(out, world, plan)
     outputs = finish(procs, timeout_s)
     for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} of {world} exited with {proc.returncode}:\n{text[-4000:]}"
@@ -59,10 +58,10 @@ def assert_one_checkpoint(root: Path, step: int, records: list[dict[str, Any]]) 
     return path
 
 
-def test_a_checkpoint_of_two_ranks_resumes_in_one_process_and_back(tmp_path, monkeypatch):
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process_and_back(tmp_path):
     """Saved at 2 ranks after 2 steps, loaded in one process, 2 more steps: the weights of 4 steps at 2 ranks. That
     process's checkpoint loads at 2 ranks exactly (weights and optimizer state), whose state_dict round-trips."""
-    two = launch(monkeypatch, tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a"), "more": 2})
+    two = launch(tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a"), "more": 2})
     assert two[0]["saved"] == two[1]["saved"] == str(tmp_path / "a" / "step-000002")
     path = assert_one_checkpoint(tmp_path / "a", 2, two)
     meta = json.loads((path / "meta.json").read_text())
@@ -72,14 +71,14 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process_and_back(tmp_path, mon
     kept = [set(record["keys"]) for record in two]
     assert kept[0] and kept[1] and not kept[0] & kept[1]  # each rank wrote its own blocks' files
 
-    [one] = launch(monkeypatch, tmp_path / "one", 1, {"load": str(tmp_path / "a"), "train": 2, "save": str(tmp_path / "b"),
+    [one] = launch(tmp_path / "one", 1, {"load": str(tmp_path / "a"), "train": 2, "save": str(tmp_path / "b"),
                                         "optimizer_round_trip": True})
     assert one["loaded_step"] == 2
     for name, value in two[0]["weights"].items():
         assert_nearly_equal(one["weights"][name], value, f"one process resumed at step 2, {name}")
     assert_one_checkpoint(tmp_path / "b", 4, [one])
 
-    back = launch(monkeypatch, tmp_path / "back", 2, {"load": str(tmp_path / "b"), "optimizer_round_trip": True})
+    back = launch(tmp_path / "back", 2, {"load": str(tmp_path / "b"), "optimizer_round_trip": True})
     for rank, record in enumerate(back):
         assert record["loaded_step"] == 4
         for name, value in one["weights"].items():
@@ -95,12 +94,12 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process_and_back(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_ranks_resumes_at_three(tmp_path, monkeypatch, tmpfs_dir):
+def test_a_checkpoint_of_two_ranks_resumes_at_three(tmp_path, tmpfs_dir):
     """Saved at 2 ranks with every state in host memory, loaded at 3 with the moments in swap files (each rank's
     own): 2 more steps give the weights of 4 steps at 2 ranks."""
-    two = launch(monkeypatch, tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a"), "more": 2})
+    two = launch(tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a"), "more": 2})
     spilled = {**CONFIG, "placement": {"moments": "nvme"}, "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
-    three = launch(monkeypatch, tmp_path / "three", 3, {"load": str(tmp_path / "a"), "train": 2, "config": spilled})
+    three = launch(tmp_path / "three", 3, {"load": str(tmp_path / "a"), "train": 2, "config": spilled})
     for rank, record in enumerate(three):
         assert record["loaded_step"] == 2
         assert {home for key, home in record["homes"].items() if key.endswith(".exp_avg")} == {"NVME"}
@@ -109,23 +108,23 @@ def test_a_checkpoint_of_two_ranks_resumes_at_three(tmp_path, monkeypatch, tmpfs
 
 
 @pytest.mark.slow
-def test_each_rank_resumes_its_own_data_stream_at_as_many_ranks(tmp_path, monkeypatch):
+def test_each_rank_resumes_its_own_data_stream_at_as_many_ranks(tmp_path):
     """Each rank draws from its own data stream: resumed at 2 ranks, each continues its own (a rank given rank 0's
     stream would train on other batches: the weights would differ by whole lr steps)."""
     plan = {"per_rank_data": True}
-    two = launch(monkeypatch, tmp_path / "two", 2, {**plan, "train": 2, "save": str(tmp_path / "a"), "more": 2})
-    resumed = launch(monkeypatch, tmp_path / "resumed", 2, {**plan, "load": str(tmp_path / "a"), "train": 2})
+    two = launch(tmp_path / "two", 2, {**plan, "train": 2, "save": str(tmp_path / "a"), "more": 2})
+    resumed = launch(tmp_path / "resumed", 2, {**plan, "load": str(tmp_path / "a"), "train": 2})
     for rank, record in enumerate(resumed):
         for name, value in two[0]["weights"].items():
             assert_nearly_equal(record["weights"][name], value, f"rank {rank} resumed at step 2, {name}")
 
 
 @pytest.mark.parametrize("how", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
-def test_a_rank_failing_mid_save_publishes_nothing_and_fails_every_rank(tmp_path, monkeypatch, how):
+def test_a_rank_failing_mid_save_publishes_nothing_and_fails_every_rank(tmp_path, how):
     """Rank 1 fails after writing its first file: no checkpoint, no scratch directory, an error on every rank (rank 0
     naming rank 1's failure; after a kill, rank 0's exchange times out)."""
     root = tmp_path / "root"
-    procs = start(monkeypatch, tmp_path / "out", 2, {"train": 1, "save": str(root), "fail_save": f"1:{how}"},
+    procs = start(tmp_path / "out", 2, {"train": 1, "save": str(root), "fail_save": f"1:{how}"},
                   extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "15"})
     outputs = finish(procs, timeout_s=120)
     assert all(proc.returncode not in (0, None) for proc in procs), outputs
@@ -138,16 +137,16 @@ def test_a_rank_failing_mid_save_publishes_nothing_and_fails_every_rank(tmp_path
 
 
 @pytest.mark.slow
-def test_a_file_of_one_rank_failing_its_hash_fails_the_load_on_every_rank(tmp_path, monkeypatch):
+def test_a_file_of_one_rank_failing_its_hash_fails_the_load_on_every_rank(tmp_path):
     """A block file of rank 1's corrupted after the save: rank 1 refuses it as it reads it, rank 0 (which loaded its
     blocks) raises too, and both refuse to train until a load completes."""
-    two = launch(monkeypatch, tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a")})
+    two = launch(tmp_path / "two", 2, {"train": 2, "save": str(tmp_path / "a")})
     name = f"{sorted(key for key in two[1]['keys'] if key.endswith('.master'))[0]}.bin"
     target = Path(two[1]["saved"]) / name
     raw = bytearray(target.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     target.write_bytes(bytes(raw))
-    procs = start(monkeypatch, tmp_path / "load", 2, {"load": str(tmp_path / "a")})
+    procs = start(tmp_path / "load", 2, {"load": str(tmp_path / "a")})
     outputs = finish(procs, timeout_s=120)
     assert all(proc.returncode == 3 for proc in procs), outputs
     records = [torch.load(tmp_path / "load" / f"rank{rank}.pt") for rank in range(2)]
