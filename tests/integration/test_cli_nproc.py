@@ -44,7 +44,7 @@ def test_two_processes_train_as_one_at_the_same_micro_batch():
 
 
 @pytest.mark.parametrize(("flags", "said"), [
-    (["--micro-batch", "3"], "--micro-batch 3 does not split between 2 processes"),
+    pytest.param(["--micro-batch", "3"], "--micro-batch 3 does not split between 2 processes", marks=pytest.mark.slow),
     pytest.param(["--profile", "ck"], "--profile does not work with --nproc yet", marks=pytest.mark.slow),
 ])
 def test_what_several_processes_cannot_do_is_refused_naming_the_flag(tmp_path, flags, said):

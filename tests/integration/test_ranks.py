@@ -93,7 +93,10 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+QUICK = ("plain", "device-host-sums")  # the default suite's; the others, and 3 ranks, in the slow one (CI runs both)
+
+
+@pytest.mark.parametrize("name", [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow) for name in CONFIGS])
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
     config = CONFIGS[name]
