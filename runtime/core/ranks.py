@@ -8,8 +8,9 @@ three collective calls the engine makes; it decides nothing.
 [Note: collectives in program order] Every rank must issue the same collective calls in the same order, or the
 run hangs (NCCL) or mixes up tensors. The engine issues them only from events every rank reaches in the same order:
 a block's weights are broadcast from its owner each time a hook acquires the block (never by a prefetch, whose
-timing differs between ranks, and whatever the block's residency on this rank), a block's gradient is reduced to
-its owner when its backward is done, and the gradient norm is summed at the commit. A rank whose model takes another
+timing differs between ranks, and whatever the block's residency on this rank), or started one acquire ahead for the
+block the prefetch schedule's trace expects next (the trace is made of the hooks' events alone), a block's gradient
+is reduced to its owner when its backward is done, and the gradient norm is summed at the commit. A rank whose model takes another
 path (a different block order) breaks this, as it breaks DDP.
 
 What it leaves out: which rank owns which block (planning), when the calls are made (the engine).
@@ -21,6 +22,7 @@ import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,6 +106,13 @@ class Ranks:
         """Make ``tensor`` on every rank equal to ``src``'s (in place; stream-ordered on a GPU)."""
         self.call(f"a broadcast from rank {src}", lambda: dist.broadcast(tensor, src=src))
 
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
+        """``broadcast`` started now, ended by the returned work's ``wait()`` (on a GPU, the current stream then waits
+        for it; on the CPU, the caller does)."""
+        works: list[Any] = []
+        self.call(f"a broadcast from rank {src}", lambda: works.append(dist.broadcast(tensor, src=src, async_op=True)))
+        return _Work(self, works[0], f"a broadcast from rank {src}")
+
     def reduce_mean(self, tensor: torch.Tensor, dst: int) -> None:
         """``dst``'s ``tensor`` becomes the mean over ranks of every rank's (in place; the others' are left
         undefined). The sum is divided by the number of ranks on ``dst`` only: DDP's averaged gradient."""
@@ -114,6 +123,17 @@ class Ranks:
     def sum(self, tensor: torch.Tensor) -> None:
         """Every rank's ``tensor`` becomes the sum over ranks (in place)."""
         self.call("a sum over ranks", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM))
+
+
+class _Work:
+    """An asynchronous collective's handle: its ``wait()`` fails as ``Ranks.call`` does."""
+
+    def __init__(self, ranks: Ranks, work: Any, what: str):
+        self.ranks, self.work, self.what = ranks, work, what
+
+    def wait(self) -> None:
+        """Wait for the collective (on a GPU: the current stream waits)."""
+        self.ranks.call(f"the end of {self.what}", self.work.wait)
 
 
 _FAILED_KEY = "tierstore/failed/rank"

@@ -213,6 +213,7 @@ class Commit:
             record.carried = False
         for state in self.weights.states:
             state.users = 0
+        self.weights.drop_gathers()
         self.fetch.release_unused()
         self.weights.release_refreshes()
 

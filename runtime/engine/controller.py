@@ -376,6 +376,7 @@ class Controller:
             raise refusals.step_count_mismatch(self.micro, self.options.accumulation_steps)
         self.hypers.warn_if_changed_since_backward()
         self.commit.run(self.discard_pending)
+        self.weights.drop_gathers()  # broadcasts started ahead and not used: the weights change now
         self.clipper.reset()
         self._set_phase(StepPhase.IDLE)
         for index in self.table.updating():  # a copy fetched for a read before the commit holds pre-step weights

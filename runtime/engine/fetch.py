@@ -69,6 +69,21 @@ class Fetcher:
             else:
                 self.weights.states[index].users += 1
         self.prefetch()
+        if self.view.options.ranks is not None:
+            self._gather_next(indices)
+
+    def _gather_next(self, acquired: list[int]) -> None:
+        """Several processes: start the broadcast of the block the trace expects next, so that it overlaps the
+        compute of the blocks just acquired ([Note: collectives in program order]: the trace is the same on every
+        rank). Not a block in use now (its weights are on every device already), and only once its update of the
+        committed step has landed (the owner's weights are then current)."""
+        upcoming = self.schedule.next_use()
+        if upcoming is None or upcoming in acquired:
+            return
+        if self.weights.states[upcoming].users > 0 or self.table[upcoming].in_backward:
+            return
+        self.worker.wait_updated(upcoming, self.view.optimizer_step)
+        self.weights.gather_ahead(upcoming)
 
     def release_after_forward(self, indices: list[int], phase: str) -> None:
         """A module's forward ended: drop the weights unless the schedule needs them again soon."""

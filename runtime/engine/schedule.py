@@ -129,6 +129,14 @@ class PrefetchSchedule:
             total += nbytes
         return picked, total, len(picked) < limit
 
+    def next_use(self) -> int | None:
+        """The block the trace expects next, whatever its placement (None: no trace, or its end). Depends only on the
+        uses observed, so ranks that run the same model path agree on it ([Note: collectives in program order])."""
+        trace = self._traces.get(self._signature) if self._signature else None
+        if trace is None or self._cursor >= len(trace.uses):
+            return None
+        return trace.uses[self._cursor][0]
+
     def needed_within(self, block: int, num_uses: int) -> bool:
         """True when block is expected again within the next num_uses uses (so releasing it would waste a fetch)."""
         trace = self._traces.get(self._signature) if self._signature else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ class WeightManager:
         # ownership] in runtime.planning.ownership, [Note: collectives in program order] in runtime.core.ranks).
         self.ranks = ranks
         self.owners = owners
+        # Broadcasts started ahead of their block's acquire (gather_ahead), by block: the wait that acquire makes.
+        self._gathers: dict[int, Callable[[], None]] = {}
+        self.gathered_ahead = 0  # acquires whose broadcast had been started ahead (several processes)
         self.store = store
         self.device = store.device
         self.compute_dtype = compute_dtype
@@ -225,23 +229,69 @@ class WeightManager:
         with self._lock:
             if self.ranks is None:
                 return self._wait(index)
-            state = self.states[index]
-            owner = self.owners[index]
-            hit = True
-            if owner == self.ranks.rank:
-                hit = self._wait(index)
-            elif not state.resident:
-                self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
-                try:
-                    state.flat.untyped_storage().resize_(self.nbytes(index))
-                except BaseException:
-                    self._gpu_tier.unreserve(self.nbytes(index))
-                    raise
-                state.resident = True
-                hit = False
+            gathered = self._gathers.pop(index, None)
+            if gathered is not None:  # its broadcast was started ahead (gather_ahead): its end is all there is to wait for
+                gathered()
+                self.gathered_ahead += 1
+                return True
+            hit = self._ready_to_broadcast(index)
+            state, owner = self.states[index], self.owners[index]
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
                 self.ranks.broadcast(state.flat, owner)
             return hit
+
+    def _ready_to_broadcast(self, index: int) -> bool:
+        """Several processes: the owner's weights on the device (fetched, the current stream waiting for them), or
+        room for them on the other ranks. Returns whether they were there already."""
+        assert self.ranks is not None
+        state = self.states[index]
+        if self.owners[index] == self.ranks.rank:
+            return self._wait(index)
+        if state.resident:
+            return True
+        self._gpu_tier.reserve(self.nbytes(index), f"{state.block.name} weights")
+        try:
+            state.flat.untyped_storage().resize_(self.nbytes(index))
+        except BaseException:
+            self._gpu_tier.unreserve(self.nbytes(index))
+            raise
+        state.resident = True
+        return False
+
+    def gather_ahead(self, index: int) -> None:
+        """Several processes: start block index's broadcast now, so that it overlaps the compute of the block in use;
+        its acquire then only waits for it. Every rank calls this at the same point of the same model path (the next
+        use the prefetch schedule's trace expects: ``PrefetchSchedule.next_use``). On a GPU the broadcast runs
+        after the work queued so far on the compute stream (whose memory the weights may take) and, on the owner, after
+        its copy of the weights, but before the compute queued next."""
+        assert self.ranks is not None
+        with self._lock:
+            if index in self._gathers:
+                return
+            state, owner = self.states[index], self.owners[index]
+            copy_stream = self.store.engine.h2d_stream
+            if copy_stream is not None and self.device.type == "cuda":
+                compute = torch.cuda.current_stream(self.device)
+                copy_stream.wait_stream(compute)
+                with torch.cuda.stream(copy_stream):
+                    self._ready_to_broadcast(index)  # the owner's wait for its copy: on the copy stream, not compute's
+                    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
+                        work = self.ranks.broadcast_async(state.flat, owner)
+                self._gathers[index] = lambda: work.wait()  # the current stream waits for it (not the host)
+            else:
+                self._ready_to_broadcast(index)
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
+                    work = self.ranks.broadcast_async(state.flat, owner)
+                self._gathers[index] = lambda: work.wait()
+
+    def drop_gathers(self) -> None:
+        """The step commits or is dropped: broadcasts started ahead and not used are waited for and their blocks
+        released (the weights may change now). Every rank calls this at the same point."""
+        with self._lock:
+            pending, self._gathers = self._gathers, {}
+            for index, wait in pending.items():
+                wait()
+                self._release(index)
 
     def _wait(self, index: int) -> bool:
         state = self.states[index]
@@ -268,8 +318,8 @@ class WeightManager:
 
     def _release(self, index: int) -> None:
         state = self.states[index]
-        if self.source is WeightSource.RESIDENT or index in self.gpu_updated or state.users > 0:
-            return
+        if self.source is WeightSource.RESIDENT or index in self.gpu_updated or state.users > 0 or index in self._gathers:
+            return  # (a broadcast started ahead writes into it: its acquire is next)
         if state.handle is not None:  # prefetched but never used: the copy must end before the bytes go
             try:
                 state.handle.wait_stream()

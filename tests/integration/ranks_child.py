@@ -63,9 +63,10 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
             optimizer.step()
             optimizer.zero_grad()
         weights = session.master_state_dict()
+        gathered_ahead = session.controller.weights.gathered_ahead
     finally:
         session.close()
-    torch.save({"losses": losses, "weights": weights, "keys": keys, "cores": cores,
+    torch.save({"losses": losses, "weights": weights, "keys": keys, "cores": cores, "gathered_ahead": gathered_ahead,
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                os.path.join(out, f"rank{rank}.pt"))
 

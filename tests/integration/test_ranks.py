@@ -111,6 +111,8 @@ def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
         # close() hands every rank the whole trained model, as DDP's ranks each hold it
         for param, value in record["params"].items():
             assert_nearly_equal(value, one["weights"][param], f"rank {rank}, {param} after close()")
+    # After the first step (its trace learned), blocks' broadcasts start ahead of their acquire, overlapping compute
+    assert all(record["gathered_ahead"] > 0 for record in ranks)
     # One copy of the state (master and moments: a block's host gradient buffer depends on where its update runs,
     # which each rank's placement decides over its own blocks): each block's on exactly one rank
     def state(keys: list[str]) -> list[str]:
