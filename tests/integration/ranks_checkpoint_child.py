@@ -77,7 +77,8 @@ def main(out: str, plan: dict[str, Any], global_batch: int) -> None:
     def train(steps: int) -> None:
         for _ in range(steps):
             x, y = data.next()
-            model(x[rows], y[rows]).backward()
+            device = next(model.parameters()).device  # the compute device (a rank's GPU under NCCL)
+            model(x[rows].to(device), y[rows].to(device)).backward()
             optimizer.step()
             optimizer.zero_grad()
 

@@ -57,7 +57,8 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
         for step in range(steps):
             state["step"] = step
             for x, y in global_batches(steps, accumulation, global_batch)[step * accumulation:(step + 1) * accumulation]:
-                loss = model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
+                device = next(model.parameters()).device  # the compute device (a rank's GPU under NCCL)
+                loss = model(x[rank * share:(rank + 1) * share].to(device), y[rank * share:(rank + 1) * share].to(device))
                 loss.backward()
                 losses.append(loss.item())
             optimizer.step()

@@ -62,6 +62,9 @@ def launch(out: Path, world: int, config: dict, steps: int = 3, global_batch: in
 
 
 LR = 1e-3
+# RANKS_TEST_DEVICE=cuda runs the same tests over NCCL, one GPU per rank (3 ranks need 3 GPUs): the lent multi-GPU
+# machines (tests/gpu_session.sh ranks).
+DEVICE = os.environ.get("RANKS_TEST_DEVICE", "cpu")
 
 
 def assert_nearly_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
@@ -76,19 +79,19 @@ def assert_nearly_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> 
 
 
 CONFIGS = {
-    "plain": {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}},
+    "plain": {"device": DEVICE, "dtype": "fp32", "optimizer": {"lr": 1e-3}},
     # each rank's .grad accumulates over the micro-batches; the step's last backward reduces the sum
-    "clip-accum": {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2}},
+    "clip-accum": {"device": DEVICE, "dtype": "fp32", "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2}},
     # each rank updates the first half of its own blocks' parameters on the device, streams the next 30%
-    "device-updates": {"device": "cpu", "dtype": "fp32",
+    "device-updates": {"device": DEVICE, "dtype": "fp32",
                        "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "gpu_update_fraction": 0.5, "gpu_stream_fraction": 0.3}},
     # each micro-batch's gradient reduced onto the owner, summed in its host memory or, for the blocks it updates on
     # the device, there
-    "device-host-sums": {"device": "cpu", "dtype": "fp32",
+    "device-host-sums": {"device": DEVICE, "dtype": "fp32",
                          "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "gpu_update_fraction": 0.5, "gpu_stream_fraction": 0.3,
                                        "accumulation_steps": 2, "accumulate_on": "host"}},
     # each micro-batch's gradient reduced onto the owner, summed in its host memory
-    "host-sums": {"device": "cpu", "dtype": "fp32",
+    "host-sums": {"device": DEVICE, "dtype": "fp32",
                   "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}},
 }
 
@@ -138,7 +141,7 @@ def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
 def test_a_rank_failing_mid_backward_ends_every_rank_and_leaves_no_swap_file(tmp_path, tmpfs_dir, how):
     """Rank 1 raises (or dies) in the backward of step 1: every rank ends, within the collective timeout per
     collective it was in, with an error naming the failure, and no swap file is left on disk."""
-    config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}, "placement": {"moments": "nvme"},
+    config = {"device": DEVICE, "dtype": "fp32", "optimizer": {"lr": 1e-3}, "placement": {"moments": "nvme"},
               "tiers": {"nvme": {"path": str(tmpfs_dir)}}}
     started = time.monotonic()
     procs = start(tmp_path, 2, config, extra_env={"RANKS_TEST_FAIL": f"1:1:{how}", "TIERSTORE_COLLECTIVE_TIMEOUT_S": "15"})
@@ -158,7 +161,7 @@ def test_a_rank_failing_mid_backward_ends_every_rank_and_leaves_no_swap_file(tmp
 def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path):
     """fp16 (its loss scale is per process) and the loop's own clip (it sees one rank's gradients) are refused before
     anything is allocated, on every rank, naming the setting."""
-    config = {"device": "cpu", "dtype": "fp16", "optimizer": {"user_grad_clip": True}}  # two refusals, one message
+    config = {"device": DEVICE, "dtype": "fp16", "optimizer": {"user_grad_clip": True}}  # two refusals, one message
     procs = start(tmp_path, 2, config, extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "15"})
     outputs = finish(procs, timeout_s=120)
     for proc, text in zip(procs, outputs, strict=True):
@@ -169,7 +172,7 @@ def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path)
 def test_a_plan_refused_on_one_rank_stops_every_rank_before_anything_is_allocated(tmp_path):
     """Rank 1's host budget cannot hold its blocks: it refuses its plan, and rank 0, whose plan fits, stops too at
     once, naming rank 1 and why (not at its first exchange with rank 1, after the collective timeout)."""
-    config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}}
+    config = {"device": DEVICE, "dtype": "fp32", "optimizer": {"lr": 1e-3}}
     started = time.monotonic()
     too_small = {**config, "tiers": {"host": {"budget": "64KiB"}}}
     procs = start(tmp_path, 2, config, extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "60",

@@ -18,8 +18,8 @@ from tests.integration import test_ranks
 from tests.integration.test_ranks import assert_nearly_equal, finish
 
 CHILD = Path(__file__).with_name("ranks_checkpoint_child.py")
-# RANKS_CHECKPOINT_DEVICE=cuda runs the same tests over NCCL, one GPU per rank (the 3-rank test needs 3 GPUs).
-CONFIG = {"device": os.environ.get("RANKS_CHECKPOINT_DEVICE", "cpu"), "dtype": "fp32", "optimizer": {"lr": 1e-3}}
+# RANKS_TEST_DEVICE=cuda runs the same tests over NCCL, one GPU per rank (the 3-rank test needs 3 GPUs).
+CONFIG = {"device": os.environ.get("RANKS_TEST_DEVICE", "cpu"), "dtype": "fp32", "optimizer": {"lr": 1e-3}}
 
 
 def start(out: Path, world: int, plan: dict[str, Any],
