@@ -119,11 +119,12 @@ def scratch_nbytes(threads: int | None = None) -> int:
 class MomentScratch:
     """fp32 scratch for one piece's decoded moments and the maps' temporaries; reused across calls by whoever keeps
     it (one per thread that updates: the buffers are written by each call). Grows to the largest piece asked.
-    ``int8_kernel`` (:meth:`Int8Kernel.build`): int8 updates of CPU tensors run it instead of torch ops."""
+    ``int8_kernel`` (:meth:`Int8Kernel.build`, the compiled kernel of int8 and bf16 moments; the engine's name for
+    it): int8 and bf16 updates of CPU tensors run it instead of torch ops."""
 
     def __init__(self, device: torch.device | str = "cpu", int8_kernel: Int8Kernel | None = None):
         self.device = torch.device(device)
-        self.int8_kernel = int8_kernel  # opt-in: int8 updates of CPU tensors run the compiled kernel
+        self.int8_kernel = int8_kernel  # opt-in: int8 and bf16 updates of CPU tensors run the compiled kernel
         self.numel = 0
         self._buffers: tuple[torch.Tensor, torch.Tensor, DecodeScratch] | None = None
 
@@ -229,9 +230,16 @@ def adamw_update_block(
     if steps:
         torch._foreach_add_(steps, 1)  # once, before every piece: the reference increments before the update
     kernel = scratch.int8_kernel if scratch is not None else None
-    if moment_dtype == "int8" and kernel is not None and master.device.type == "cpu":
-        kernel.update(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers,
-                      out if out is not None else (master, exp_avg, exp_avg_sq))
+    if kernel is not None and master.device.type == "cpu":
+        target = out if out is not None else (master, exp_avg, exp_avg_sq)
+        if moment_dtype == "int8":
+            kernel.update(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers, target)
+            return
+        if steps:  # bf16: the torch-ops path's bits, its rounding offsets computed here as below
+            table_offsets = {kind: rounding_offsets(torch.stack(steps), rounding_seed, kind)
+                             for kind in BF16_STOCHASTIC_KINDS}
+            kernel.update_bf16(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers, target,
+                               table_offsets)
         return
     if not pieces:
         return
