@@ -101,6 +101,13 @@ class Int8Kernel:
         self._module.adamw_int8(master, grad, m_codes, m_scales, v_codes, v_scales, out[0], out_m_codes, out_m_scales,
                                 out_v_codes, out_v_scales, torch.cat(blocks).contiguous(), _hyper_rows(steps, hypers))
 
+    @functools.cached_property
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stochastic rounding's two tables as int16 (their values are 16 bits; the kernel reads them as
+        uint16): half the bytes of the int32 tables, which a chunk reads once over."""
+        first, second = rounding_tables(torch.device("cpu"))
+        return first.to(torch.int16), second.to(torch.int16)
+
     def update_bf16(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     sizes: list[int], keep: list[bool], steps: list[torch.Tensor], hypers: list[AdamWHyper],
                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -123,7 +130,7 @@ class Int8Kernel:
         nearest = torch.full((kept, 2), -1, dtype=torch.int64)
         table_offsets = torch.cat([offsets.get(kind, nearest).to(torch.int64).reshape(kept, 2)
                                    for kind in MOMENT_KINDS], dim=1).contiguous()
-        table1, table2 = rounding_tables(torch.device("cpu"))
+        table1, table2 = self._tables
         self._module.adamw_bf16(master, grad, exp_avg, exp_avg_sq, out[0], out[1], out[2],
                                 torch.tensor(rows, dtype=torch.int64), _hyper_rows(steps, hypers), steps,
                                 table_offsets, table1, table2, chunk)

@@ -211,12 +211,25 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
   });
 }
 
-// bfloat16 -> float: exact, the bits moved up (restrict arguments: the loop vectorizes).
-static inline void widen(const uint16_t* __restrict bf16, float* __restrict values, int64_t n) {
-  uint32_t* __restrict bits = reinterpret_cast<uint32_t*>(values);
-  #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    bits[i] = (uint32_t)bf16[i] << 16;
+// Both moments' bfloat16 -> float: exact, the bits moved up, the two streams read together (restrict arguments: the
+// loop vectorizes), and the same stretch of the next chunk asked for (``ahead`` values further on; 0: none): its
+// moments reach the cache while torch's kernel runs on this chunk, where each chunk's reads would otherwise start
+// cold (two short streams a chunk: the hardware's prefetch ramps up again on each).
+static inline void widen(const uint16_t* __restrict m16, const uint16_t* __restrict v16, float* __restrict m,
+                         float* __restrict v, int64_t n, int64_t ahead) {
+  uint32_t* __restrict m_bits = reinterpret_cast<uint32_t*>(m);
+  uint32_t* __restrict v_bits = reinterpret_cast<uint32_t*>(v);
+  for (int64_t start = 0; start < n; start += 32) {  // a cache line of bf16 values at a time
+    if (ahead) {
+      __builtin_prefetch(m16 + start + ahead);
+      __builtin_prefetch(v16 + start + ahead);
+    }
+    const int64_t end = std::min(n, start + 32);
+    #pragma omp simd
+    for (int64_t i = start; i < end; ++i) {
+      m_bits[i] = (uint32_t)m16[i] << 16;
+      v_bits[i] = (uint32_t)v16[i] << 16;
+    }
   }
 }
 
@@ -235,21 +248,21 @@ static inline void narrow_nearest(const float* __restrict values, uint16_t* __re
 // any offset below P is one contiguous slice: the loop takes such runs, as moment_formats.rounding_bits does.
 static inline void narrow_stochastic(const float* __restrict values, uint16_t* __restrict out, int64_t n,
                                      int64_t start, int64_t o1, int64_t o2,
-                                     const int32_t* __restrict t1, int64_t p1,
-                                     const int32_t* __restrict t2, int64_t p2) {
+                                     const uint16_t* __restrict t1, int64_t p1,
+                                     const uint16_t* __restrict t2, int64_t p2) {
   int64_t first = (start + o1) % p1, second = (start + o2) % p2;
   const int64_t most = std::min(p1, p2);
   for (int64_t done = 0; done < n;) {
     const int64_t length = std::min(most, n - done);
-    const int32_t* __restrict a = t1 + first;
-    const int32_t* __restrict b = t2 + second;
+    const uint16_t* __restrict a = t1 + first;
+    const uint16_t* __restrict b = t2 + second;
     const float* __restrict x = values + done;
     uint16_t* __restrict y = out + done;
     #pragma omp simd
     for (int64_t i = 0; i < length; ++i) {
       uint32_t u;
       std::memcpy(&u, &x[i], 4);
-      y[i] = (uint16_t)((u + (uint32_t)(a[i] ^ b[i])) >> 16);
+      y[i] = (uint16_t)((u + (uint32_t)(uint16_t)(a[i] ^ b[i])) >> 16);
     }
     done += length;
     first = (first + length) % p1;
@@ -276,8 +289,9 @@ void adamw_bf16(torch::Tensor master, torch::Tensor grad, torch::Tensor m_in, to
   const int64_t* desc = params.data_ptr<int64_t>();
   const double* hy = hypers.data_ptr<double>();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  const int32_t* t1 = table1.data_ptr<int32_t>();
-  const int32_t* t2 = table2.data_ptr<int32_t>();
+  // The tables' 16-bit values as uint16 (int16 tensors): half the bytes of moment_formats' int32 tables to read.
+  const uint16_t* t1 = reinterpret_cast<const uint16_t*>(table1.data_ptr<int16_t>());
+  const uint16_t* t2 = reinterpret_cast<const uint16_t*>(table2.data_ptr<int16_t>());
   const int64_t p1 = table1.numel() / 2, p2 = table2.numel() / 2;
   const bool in_place = p_in == p_out;
   // The chunks: (parameter row, first value), each at most chunk values, at multiples of chunk from the start.
@@ -300,8 +314,9 @@ void adamw_bf16(torch::Tensor master, torch::Tensor grad, torch::Tensor m_in, to
       const int64_t r = chunks[c].first, start = chunks[c].second;
       const int64_t flat = desc[3 * r] + start, n = std::min(chunk, desc[3 * r + 1] - start), k = desc[3 * r + 2];
       const double* h = hy + 6 * k;
-      widen(m_src + flat, m, n);
-      widen(v_src + flat, v, n);
+      // the next chunk of this thread's range, where it continues this one's values (nothing to ask for else)
+      const bool next_follows = c + 1 < end && desc[3 * chunks[c + 1].first] + chunks[c + 1].second == flat + n;
+      widen(m_src + flat, v_src + flat, m, v, n, next_follows ? n : 0);
       if (!in_place) {
         std::memcpy(p_out + flat, p_in + flat, n * sizeof(float));
       }
