@@ -6,21 +6,29 @@ building, choosing and calling it (``moment_kernel``), the formats it reads and 
 maps, the same layout, the same stochastic-rounding tables).
 
 - ``adamw_int8``: decode, AdamW and encode of one QUANT_BLOCK at a time in registers and a thread's L1. Its
-  arithmetic is its own (not bit-identical to torch ops: codes within one of theirs). Why it is written as it is:
-  the update is compute bound (about 16 bytes a parameter from memory, and square roots and a division an
-  element), so every element costs three square roots and one division (the first version: four and two): the
-  second moment's root is taken once, for AdamW's denominator, and kept for the encode (``(v / s)^(1/4)`` is
-  ``sqrt(sqrt(v) / sqrt(s))``, ``sqrt(s)`` once a block); a block's bias corrections and the reciprocals a block
-  needs are computed once per kept parameter or per block, never per element; the largest magnitudes are taken in
-  the same pass as the update (integer maxima of the bits: they vectorize where a float one would need
-  -ffast-math); float, never double, per element; no branch in an element loop.
+  arithmetic is its own (not bit-identical to torch ops: codes within one of theirs; on the kernel test's block,
+  the same codes). Why it is written as it is: per element it is compute bound (16 bytes a parameter from memory,
+  and a few dozen vector operations), so it spends one square root and one division an element, AdamW's own (the
+  first version spent four and two: square roots are 6-12 cycles a vector on server cores where a multiply is
+  one): the encode's roots (``sqrt(|m| / s)``, and ``(v / s)^(1/4)`` as ``sqrt(sqrt(v) / sqrt(s))`` from AdamW's
+  ``sqrt(v)``, kept for it) are ``x * rsqrt(x)`` from vrsqrt14ps and one Newton step where the build machine has
+  AVX-512, else from the bits and three Newton steps (:c:func:`root`), both to a few ulps; the codes leave through
+  a rounding conversion and a narrowing store (AVX-512) or int32 (elsewhere), not the dozen permutes a vector the
+  compiler writes for a float-to-byte conversion; the bias corrections, ``1 - beta`` (in double, rounded once, as
+  torch: ``1 - 0.999f`` is 1.3e-5 off) and the block's reciprocals are computed once per parameter or block, never
+  per element; the largest magnitudes are taken in the update's pass (integer maxima of the bits: they vectorize
+  where a float one would need -ffast-math); float, never double, per element; no branch in an element loop.
 - ``adamw_bf16``: widen a chunk of the moments into a thread's fp32 scratch, run torch's own fused AdamW
   (``at::_fused_adamw_``) on the chunk, narrow back (to nearest even, or stochastically with the tables' bits:
   [Note: bf16 stochastic rounding] in ``moment_formats``). torch's kernel, not a copy of its arithmetic, so the
   result is the torch-ops path's bit for bit on every CPU torch runs on (its vector width and its compiler's
-  fused multiply-adds included). A chunk splits a parameter only at multiples of its size from the parameter's
-  start (a multiple of 64): torch's kernel takes the same elements through its vector loop and its scalar tail as
-  over the whole tensor.
+  fused multiply-adds included): a copy of the arithmetic would have to match the contractions of each of torch's
+  builds (AVX2, AVX-512) and could not be tested on the machines that matter. A chunk splits a parameter only at
+  multiples of its size from the parameter's start (a multiple of 64): torch's kernel takes the same elements
+  through its vector loop and its scalar tail as over the whole tensor. Its cost beside fp32's: the fused
+  kernel's arithmetic (on one core that is what fp32's update spends: there bf16 cannot be faster) plus the
+  widening and narrowing in cache; where many cores share memory, fp32 waits on its 28 bytes a parameter and bf16
+  moves 20.
 """
 
 from __future__ import annotations

@@ -22,10 +22,13 @@ core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.
 2.15 G parameters/s, bf16 0.56x of it (0.40x with its v's stochastic rounding, three int32 passes more a piece:
 one core of the 2-core box, 7.1 M parameters), int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
 also wait thirty times for the slowest thread: on cores shared with other busy processes that cost far more than
-the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``,
-a :class:`MomentScratch` holding an :class:`Int8Kernel`): decode, AdamW and encode of a block in one pass, one parallel
-region for the whole update; on the same core 0.61x fp32 (3.6x the torch ops); on both cores, where fp32 is
-memory-bound, 1.07x fp32 (bf16 in torch ops 0.88x).
+the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``, a
+:class:`MomentScratch` holding an :class:`Int8Kernel`, which serves bf16 too): one parallel region for the whole
+update, each block decoded, updated and encoded while in cache (bf16: torch's own fused AdamW on a widened chunk,
+the same bits as here). CPU time of one update of 16 Mi parameters on one EPYC core (2026-11-29): fp32 7.7 ms,
+int8 kernel 11.1 ms (its first version 12.8), bf16 kernel 14.7 ms, bf16 in torch ops 20.3 ms; there fp32's update
+is bound by its own arithmetic, which bf16 repeats; where many cores share memory bandwidth, fp32's 28 bytes a
+parameter are what it waits for.
 (torch.compile was tried first: 2.3x faster maps alone, the whole piece slower than eager, on this CPU.)
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
