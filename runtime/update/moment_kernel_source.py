@@ -315,7 +315,11 @@ void adamw_bf16(torch::Tensor master, torch::Tensor grad, torch::Tensor m_in, to
     // torch's kernel below runs on this thread (a parallel_for inside a parallel region runs inline), without
     // autograd's bookkeeping: these are plain buffers.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::vector<float> scratch(2 * chunk);
+    // the thread's scratch, kept from call to call (a fresh 512 KiB would be mapped and faulted in every update)
+    static thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < 2 * chunk) {
+      scratch.resize(2 * chunk);
+    }
     float* m = scratch.data();
     float* v = m + chunk;
     for (int64_t c = begin; c < end; ++c) {
