@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its own
     print(format_table(rows, args.threads, piece_numel))
+    if kernel is not None:
+        print(f"compiled kernel: {kernel.describe()}")
     return 0
 
 

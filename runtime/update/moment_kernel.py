@@ -65,8 +65,12 @@ class Int8Kernel:
 
         flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing"]
         self._module: Any = load_inline(name="tierstore_moments", cpp_sources=[kernel_source(QUANT_BLOCK, MIN_SCALE)],
-                                        functions=["adamw_int8", "adamw_bf16"], extra_cflags=flags,
+                                        functions=["adamw_int8", "adamw_bf16", "build_info"], extra_cflags=flags,
                                         extra_ldflags=["-fopenmp"], verbose=False)
+
+    def describe(self) -> str:
+        """What the build chose where the machine decides (the int8 encode's instructions), for a table's header."""
+        return str(self._module.build_info())
 
     @classmethod
     def build(cls) -> Int8Kernel | None:

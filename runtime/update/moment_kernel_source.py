@@ -40,6 +40,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -98,6 +99,15 @@ static inline void encode_block(const float* __restrict m, const float* __restri
   }
 }
 #endif
+
+// What the build chose, for the bench's table: the int8 encode's instructions.
+std::string build_info() {
+#if defined(__AVX512F__)
+  return "int8 encode: AVX-512 (vrsqrt14ps)";
+#else
+  return "int8 encode: portable loops (no AVX-512 on the build machine)";
+#endif
+}
 
 // What a kept parameter's step needs, in float, computed once per call in double and rounded once, as torch's CPU
 // kernel does (1 - beta2 taken in float would be 1.3e-5 off for 0.999: 1 - 0.999f is not 0.001f).

@@ -143,7 +143,9 @@ def test_the_bench_has_the_kernel_row(kernel, capsys):
     from runtime.bench.adam_bench import main
 
     assert main(["--numel", "200000", "--threads", "1", "--repeat", "1"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:-1]]
+    assert lines[-1].startswith("compiled kernel: int8 encode: ")  # which instructions the build took
     assert [row[0] for row in rows] == ["fp32", "bf16", "int8", "bf16", "int8"]
     assert rows[3][1] == rows[4][1] == "kernel"
     assert rows[3][2] == rows[1][1] and rows[4][2] == rows[2][1]  # the same bytes a parameter

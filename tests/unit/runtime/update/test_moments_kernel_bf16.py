@@ -37,30 +37,37 @@ class ChunkedKernel(Int8Kernel):
         super().update_bf16(*args, **kwargs, chunk=self.chunk)
 
 
+# Block layouts: test_moments_update's six parameters, and one of a long parameter (many chunks, a remainder of
+# 200003 - 3 * 65536 = 3395 values, not a multiple of a piece or of torch's vector) between two short ones.
+LAYOUTS = {"six": (SIZES, HYPERS), "long": ([7, 200_003, 64], [HYPERS[0], HYPERS[2], HYPERS[4]])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_kernel_equals_the_torch_ops_path_and_the_reference_bit_for_bit(kernel, chunk, threads):
+def test_bf16_kernel_equals_the_torch_ops_path_and_the_reference_bit_for_bit(kernel, chunk, threads, layout):
+    sizes, hypers = LAYOUTS[layout]
     calls = []
     chunked = ChunkedKernel(kernel, chunk)
     real = chunked.update_bf16
     chunked.update_bf16 = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)  # type: ignore[method-assign]
-    by_kernel = Block("bf16", SIZES, seed=3)
+    by_kernel = Block("bf16", sizes, seed=3)
     by_ops, ref = by_kernel.clone(), by_kernel.clone()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for step in range(1, 6):
-            grad = _grads(step)
-            keep = [True, step != 3, step % 2 == 0, True, True, step != 2]
-            by_kernel.update(grad, keep, HYPERS, scratch=MomentScratch(int8_kernel=chunked))
-            by_ops.update(grad, keep, HYPERS, piece_numel=8 * 2048)  # pieces that split parameter 1 too
-            _reference_step(ref, grad, keep, HYPERS)
+            grad = _grads(step, sizes)
+            keep = [True, step != 3, step % 2 == 0, True, True, step != 2][: len(sizes)]
+            by_kernel.update(grad, keep, hypers, scratch=MomentScratch(int8_kernel=chunked))
+            by_ops.update(grad, keep, hypers, piece_numel=8 * 2048)  # pieces that split the long parameters too
+            _reference_step(ref, grad, keep, hypers)
             assert by_kernel.same(by_ops), f"step {step}"
             assert by_kernel.same(ref), f"step {step}"
     finally:
         torch.set_num_threads(previous)
     assert len(calls) == 5  # every step ran the kernel
-    assert by_kernel.exp_avg_sq.float().abs().sum() > 0 and float(by_kernel.steps[2]) == 2.0
+    assert by_kernel.exp_avg_sq.float().abs().sum() > 0 and float(by_kernel.steps[2]) == 2.0  # kept steps 2 and 4
 
 
 def test_the_block_seed_reaches_the_rounding(kernel):
