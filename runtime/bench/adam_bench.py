@@ -2,7 +2,7 @@
 block, the same cores, in one run.
 
 ``python -m runtime.bench.adam_bench [--numel N] [--threads T] [--repeat R]`` prints one table: for each moment
-format (and int8 with the compiled kernel, ``runtime.update.moment_kernel``, where it builds), the bytes a parameter
+format (and bf16 and int8 with the compiled kernel, ``runtime.update.moment_kernel``, where it builds), the bytes a parameter
 moves (master read and written, gradient read, both moments read and written), the median seconds of one update
 over the whole block, parameters a second, the effective GB/s, and the ratio to fp32 moments. The block is shaped
 like a transformer layer (four square matrices, three 8/3-wide ones, two norm weights), scaled to ``--numel``; every
@@ -72,8 +72,9 @@ def bytes_per_param(moment_dtype: str, sizes: list[int]) -> float:
     return 4 * 2 + 4 + 2 * 2 * moment_nbytes(moment_dtype, sizes) / sum(sizes)
 
 
-# A row of the table: its label, its moment_dtype, and whether it runs the compiled int8 kernel.
-KERNEL_ROW = ("int8 kernel", "int8", True)
+# Rows of the table: a label, a moment_dtype, and whether it runs the compiled kernel (bf16, int8: after the torch-ops
+# rows, where the kernel builds).
+KERNEL_ROWS = (("bf16 kernel", "bf16", True), ("int8 kernel", "int8", True))
 
 
 class Setup:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--piece-numel", type=int, default=None,
                         help=f"elements a piece (a multiple of {QUANT_BLOCK}; default {PIECE_NUMEL_PER_THREAD} a thread)")
     parser.add_argument("--no-kernel", action="store_true",
-                        help="leave out the compiled int8 kernel's row (built on first use, cached after)")
+                        help="leave out the compiled kernel's rows (built on first use, cached after)")
     parser.add_argument("--moment-dtype", action="append", choices=MOMENT_DTYPES,
                         help="measure only these (repeatable; default all)")
     args = parser.parse_args(argv)
@@ -153,14 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes = layer_sizes(args.numel)
         wanted = [(d, d, False) for d in (args.moment_dtype or MOMENT_DTYPES)]
-        kernel = None if args.no_kernel or "int8" not in [d for _, d, _ in wanted] else Int8Kernel.build()
+        kernel_rows = [row for row in KERNEL_ROWS if row[1] in [d for _, d, _ in wanted]]
+        kernel = None if args.no_kernel or not kernel_rows else Int8Kernel.build()
         if kernel is not None:
-            wanted.append(KERNEL_ROW)
+            wanted.extend(kernel_rows)
         rows = measure(wanted, sizes, args.repeat, piece_numel=args.piece_numel, kernel=kernel)
         piece_numel = args.piece_numel or default_piece_numel()
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its own
     print(format_table(rows, args.threads, piece_numel))
+    if kernel is not None:
+        print(f"compiled kernel: {kernel.describe()}")
     return 0
 
 

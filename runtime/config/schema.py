@@ -313,14 +313,16 @@ class OptimizerConfig:
         "loads into a run with another.", "bf16")
     moment_kernel: str = _leaf(
         ChoiceSpec(choices=("auto", "torch", "compiled")), "auto",
-        "How the CPU updates `int8` moments (`moment_dtype: int8`; other formats and updates on the GPU always use "
-        "torch ops). `compiled`: a C++ kernel that decodes, updates and encodes each block in one pass (about 4x "
-        "int8 in torch ops, as fast as fp32 moments where the CPU update is memory-bound), built with torch's "
-        "cpp_extension when the run starts: it needs a C++ compiler and ninja (`pip install -e '.[kernel]'`), and "
-        "the run refuses to start where it cannot build. The first build on a machine takes tens of seconds to a "
-        "minute (logged, with its time); later runs load it from torch's extension cache (~/.cache/torch_extensions). "
-        "Not bit-identical to torch ops: the same maps and per-block scales, codes within one of each other. `auto` "
-        "(the default): `compiled` where it builds, else torch ops with one warning. `torch`: never the kernel.",
+        "How the CPU updates compact moments (`moment_dtype: bf16` or `int8`; fp32 moments and updates on the GPU "
+        "always use torch ops). `compiled`: a C++ kernel that updates each block in one parallel pass over it, "
+        "built with torch's cpp_extension when the run starts: it needs a C++ compiler and ninja "
+        "(`pip install -e '.[kernel]'`), and the run refuses to start where it cannot build. The first build on a "
+        "machine takes tens of seconds to a minute (logged, with its time); later runs load it from torch's "
+        "extension cache (~/.cache/torch_extensions). `bf16`: torch's own fused AdamW on a cached chunk of widened "
+        "moments, narrowed back as the torch-ops path does: the same bits. `int8`: decode, AdamW and encode of each "
+        "block in registers; not bit-identical to torch ops (the same maps and per-block scales, codes within one "
+        "of each other). `auto` (the default): `compiled` where it builds, else torch ops with one warning. "
+        "`torch`: never the kernel.",
         "compiled")
     loss_scale: LossScaleConfig = _section(LossScaleConfig, "fp16 loss scaling.")
 
@@ -506,12 +508,12 @@ def consistency_problems(cfg: TierstoreConfig, written: Callable[[str], bool] | 
             "(`auto`: no clip of tierstore's beside the loop's) or set it to null. (A config that tierstore wrote "
             "before 2026-11-28 holds grad_clip: 1.0, the default then: runs with it clipped each step twice, and "
             "without it a resumed run clips once.)", ("optimizer.user_grad_clip",)))
-    if opt.moment_kernel == "compiled" and opt.moment_dtype != "int8":
+    if opt.moment_kernel == "compiled" and opt.moment_dtype not in ("bf16", "int8"):
         problems.append(Problem(
             "bad_value", "optimizer.moment_kernel",
-            f"optimizer.moment_kernel: compiled asks for the compiled int8 kernel, but optimizer.moment_dtype is "
-            f"{opt.moment_dtype}: only int8 moments have one, so it would never run. Set moment_dtype: int8, or leave "
-            "moment_kernel out (auto).", ("optimizer.moment_dtype",)))
+            f"optimizer.moment_kernel: compiled asks for the compiled moment kernel, but optimizer.moment_dtype is "
+            f"{opt.moment_dtype}: only bf16 and int8 moments have one, so it would never run. Set moment_dtype: bf16 "
+            "or int8, or leave moment_kernel out (auto).", ("optimizer.moment_dtype",)))
     # `auto` is resolved at offload time (runtime.planning.auto_placement), where these rules hold by construction.
     update_fraction, stream_fraction = opt.gpu_update_fraction, opt.gpu_stream_fraction
     if isinstance(update_fraction, float) and isinstance(stream_fraction, float) and update_fraction + stream_fraction > 1.0:

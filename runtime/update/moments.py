@@ -22,10 +22,13 @@ core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.
 2.15 G parameters/s, bf16 0.56x of it (0.40x with its v's stochastic rounding, three int32 passes more a piece:
 one core of the 2-core box, 7.1 M parameters), int8 0.17x. Each torch op is one parallel region, so int8's thirty a piece
 also wait thirty times for the slowest thread: on cores shared with other busy processes that cost far more than
-the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``,
-a :class:`MomentScratch` holding an :class:`Int8Kernel`): decode, AdamW and encode of a block in one pass, one parallel
-region for the whole update; on the same core 0.61x fp32 (3.6x the torch ops); on both cores, where fp32 is
-memory-bound, 1.07x fp32 (bf16 in torch ops 0.88x).
+the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kernel (``runtime.update.moment_kernel``, a
+:class:`MomentScratch` holding an :class:`Int8Kernel`, which serves bf16 too): one parallel region for the whole
+update, each block decoded, updated and encoded while in cache (bf16: torch's own fused AdamW on a widened chunk,
+the same bits as here). CPU time of one update of 16 Mi parameters on one EPYC core (2026-11-29): fp32 7.7 ms,
+int8 kernel 11.1 ms (its first version 12.8), bf16 kernel 14.7 ms, bf16 in torch ops 20.3 ms; there fp32's update
+is bound by its own arithmetic, which bf16 repeats; where many cores share memory bandwidth, fp32's 28 bytes a
+parameter are what it waits for.
 (torch.compile was tried first: 2.3x faster maps alone, the whole piece slower than eager, on this CPU.)
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
@@ -119,11 +122,12 @@ def scratch_nbytes(threads: int | None = None) -> int:
 class MomentScratch:
     """fp32 scratch for one piece's decoded moments and the maps' temporaries; reused across calls by whoever keeps
     it (one per thread that updates: the buffers are written by each call). Grows to the largest piece asked.
-    ``int8_kernel`` (:meth:`Int8Kernel.build`): int8 updates of CPU tensors run it instead of torch ops."""
+    ``int8_kernel`` (:meth:`Int8Kernel.build`, the compiled kernel of int8 and bf16 moments; the engine's name for
+    it): int8 and bf16 updates of CPU tensors run it instead of torch ops."""
 
     def __init__(self, device: torch.device | str = "cpu", int8_kernel: Int8Kernel | None = None):
         self.device = torch.device(device)
-        self.int8_kernel = int8_kernel  # opt-in: int8 updates of CPU tensors run the compiled kernel
+        self.int8_kernel = int8_kernel  # opt-in: int8 and bf16 updates of CPU tensors run the compiled kernel
         self.numel = 0
         self._buffers: tuple[torch.Tensor, torch.Tensor, DecodeScratch] | None = None
 
@@ -229,9 +233,16 @@ def adamw_update_block(
     if steps:
         torch._foreach_add_(steps, 1)  # once, before every piece: the reference increments before the update
     kernel = scratch.int8_kernel if scratch is not None else None
-    if moment_dtype == "int8" and kernel is not None and master.device.type == "cpu":
-        kernel.update(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers,
-                      out if out is not None else (master, exp_avg, exp_avg_sq))
+    if kernel is not None and master.device.type == "cpu":
+        target = out if out is not None else (master, exp_avg, exp_avg_sq)
+        if moment_dtype == "int8":
+            kernel.update(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers, target)
+            return
+        if steps:  # bf16: the torch-ops path's bits, its rounding offsets computed here as below
+            table_offsets = {kind: rounding_offsets(torch.stack(steps), rounding_seed, kind)
+                             for kind in BF16_STOCHASTIC_KINDS}
+            kernel.update_bf16(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers, target,
+                               table_offsets)
         return
     if not pieces:
         return

@@ -1,6 +1,7 @@
-"""Training with int8 moments through the compiled kernel (``optimizer.moment_kernel: compiled``) equals training
-through torch ops within the codes' rounding, and the loss falls. Slow: builds the kernel (a minute the first time
-on a machine, cached after)."""
+"""Training through the compiled kernel (``optimizer.moment_kernel: compiled``): with int8 moments it equals training
+through torch ops within the codes' rounding, and the loss falls; with bf16 moments it equals the plain loop keeping
+bf16 moments bit for bit, as the torch-ops path does (early, out-of-place updates under a clip included). Slow:
+builds the kernel (a minute the first time on a machine, cached after)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import pytest
 import torch
 
 from runtime.bundled.example_model import ExampleLM
+from runtime.update.moment_formats import MOMENT_KINDS
 from runtime.update.moment_kernel import Int8Kernel
-from tests.integration.test_compact_moments import INT8_STEPS, config_of, train_offloaded
-from tests.integration.test_parity import SHAPE
+from tests.integration.test_compact_moments import (
+    INT8_STEPS,
+    bf16_moment_reference,
+    config_of,
+    early_jobs_run_before_their_verdict,
+    train_offloaded,
+)
+from tests.integration.test_parity import SHAPE, assert_identical
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +55,30 @@ def test_int8_training_through_the_kernel_equals_torch_ops_within_the_codes_roun
     apart = distance(kernel_masters, ops_masters)
     assert apart <= KERNEL_UPDATE_SHARE * distance(fp32_masters, init)
     assert apart <= KERNEL_OF_INT8 * distance(ops_masters, fp32_masters)
+
+
+@pytest.mark.parametrize("grad_clip", [None, 0.05], ids=["streaming", "early-redone"])
+def test_bf16_training_through_the_kernel_equals_the_plain_loop_bit_for_bit(monkeypatch, grad_clip):
+    calls = []
+    update = Int8Kernel.update_bf16
+    monkeypatch.setattr(Int8Kernel, "update_bf16",
+                        lambda self, *args, **kwargs: calls.append(1) or update(self, *args, **kwargs))
+    torch.manual_seed(0)
+    reference = bf16_moment_reference(ExampleLM(SHAPE), grad_clip)
+    seen = {}
+
+    def inspect(session, optimizer):
+        seen["state"] = optimizer.state_dict()["state"]
+
+    prepare = early_jobs_run_before_their_verdict if grad_clip is not None else None
+    config = config_of("bf16", grad_clip=grad_clip, moment_kernel="compiled")
+    _, masters = train_offloaded(config, 5, reference, inspect=inspect, prepare=prepare)
+    assert len(calls) >= 5  # every step's updates ran the kernel (one call a block)
+    assert_identical(masters, reference)
+    theirs = [reference.optimizer.state[p] for p in reference.masters]
+    for index, state in seen["state"].items():
+        for kind in MOMENT_KINDS:
+            assert torch.equal(state[kind], theirs[index][kind]), (index, kind)
 
 
 @pytest.mark.gpu

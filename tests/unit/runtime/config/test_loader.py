@@ -272,7 +272,7 @@ def test_message_matches_brief_example(tmp_path: Path) -> None:
     ("tiers:\n\tgpu: {}\n", "tabs"),
     ("train:\n  model:\n    hidden_size: 250\n", "num_heads 4"),
     ("", "`{}`"),
-    ("optimizer:\n  moment_kernel: compiled\n", "only int8 moments have one"),  # fp32 moments: it would never run
+    ("optimizer:\n  moment_kernel: compiled\n", "only bf16 and int8 moments have one"),  # fp32 moments: it would never run
 ])
 def test_messages_say_what_to_write(tmp_path: Path, text: str, needle: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -1,4 +1,4 @@
-"""``optimizer.moment_kernel``: which kernel the CPU's int8 updates run, built once per process; ``compiled`` refuses
+"""``optimizer.moment_kernel``: which kernel the CPU's bf16 and int8 updates run, built once per process; ``compiled`` refuses
 the run (naming the key and what is missing) where the kernel cannot build, ``auto`` falls back to torch ops with
 one warning, ``torch`` never builds. Quick: the builds here are made to fail or are never reached (the slow
 test_moment_kernel_training builds the real one)."""
@@ -42,9 +42,9 @@ def failing_build(monkeypatch):
 
 
 @pytest.mark.parametrize(("choice", "moment_dtype", "cpu_updates"),
-                         [("torch", "int8", True), ("compiled", "fp32", True), ("auto", "bf16", True),
-                          ("compiled", "int8", False)])
-def test_nothing_is_built_where_no_int8_update_runs_on_the_cpu(failing_build, choice, moment_dtype, cpu_updates):
+                         [("torch", "int8", True), ("torch", "bf16", True), ("compiled", "fp32", True),
+                          ("auto", "fp32", True), ("compiled", "int8", False), ("auto", "bf16", False)])
+def test_nothing_is_built_where_no_compact_update_runs_on_the_cpu(failing_build, choice, moment_dtype, cpu_updates):
     assert int8_kernel_for(choice, moment_dtype, cpu_updates=cpu_updates) is None
     assert not failing_build  # the build was not even tried
 
@@ -83,6 +83,15 @@ def test_a_kernel_is_built_once_per_process(monkeypatch):
     monkeypatch.setattr(Int8Kernel, "__init__", lambda self: built.append(self))
     first = int8_kernel_for("auto", "int8")
     assert first is not None and int8_kernel_for("compiled", "int8") is first and len(built) == 1
+    # bf16 moments run the same extension (its adamw_bf16): the same kernel, no second build
+    assert int8_kernel_for("auto", "bf16") is first and int8_kernel_for("compiled", "bf16") is first
+    assert len(built) == 1
+
+
+def test_compiled_with_bf16_refuses_naming_bf16(failing_build):
+    with pytest.raises(ConfigError, match="compiled: the bf16 AdamW kernel cannot be built") as raised:
+        int8_kernel_for("compiled", "bf16")
+    assert raised.value.yaml_path == "optimizer.moment_kernel" and len(failing_build) == 1
 
 
 def test_offload_refuses_compiled_before_it_pins_anything(failing_build, monkeypatch):
@@ -102,8 +111,10 @@ def test_the_worker_runs_the_kernel_offload_built(monkeypatch):
     """offload() hands the kernel it built to the update thread's scratch (with torch: none)."""
     sentinel = object.__new__(Int8Kernel)  # never called: no step is taken
     monkeypatch.setattr(moment_kernel, "_built_once", lambda: (sentinel, ""))
-    for choice, expected in (("auto", sentinel), ("torch", None)):
-        config = {"dtype": "fp32", "device": "cpu", "optimizer": {"moment_dtype": "int8", "moment_kernel": choice}}
+    for moment_dtype, choice, expected in (("int8", "auto", sentinel), ("int8", "torch", None),
+                                           ("bf16", "compiled", sentinel), ("fp32", "auto", None)):
+        config = {"dtype": "fp32", "device": "cpu",
+                  "optimizer": {"moment_dtype": moment_dtype, "moment_kernel": choice}}
         _model, optimizer = offload(ExampleLM(SHAPE), config)
         with optimizer.session as session:
             assert session.controller.options.int8_kernel is expected

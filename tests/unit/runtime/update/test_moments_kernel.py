@@ -1,6 +1,7 @@
 """The compiled int8 kernel (opt-in, built with torch's cpp_extension): one step from the same state lands where the
 torch-ops path lands (codes within one, scales and master to fp32 rounding), skipped parameters keep every byte,
-out= leaves the inputs, and it trains as well. Slow: the first build takes a minute (cached after)."""
+out= leaves the inputs, and it trains as well; the kernel's updates (int8 and bf16) run without the GIL. (The bf16
+update's bit equality: test_moments_kernel_bf16.) Slow: the first build takes a minute (cached after)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def test_it_trains_as_well_as_fp32(kernel):
     assert int8 == pytest.approx(fp32, rel=0.03) and fp32 < first / 10
 
 
-def test_the_kernel_runs_without_the_gil(kernel):
+@pytest.mark.parametrize("moment_dtype", ["int8", "bf16"])
+def test_the_kernel_runs_without_the_gil(kernel, moment_dtype):
     """The worker thread's update must not stop the training thread's Python: while the kernel runs on another
     thread, this one keeps running (holding the GIL, this thread would stop for the whole call)."""
     import sys
@@ -108,7 +110,7 @@ def test_the_kernel_runs_without_the_gil(kernel):
 
     numel = 1 << 25
     master, grad = torch.randn(numel), torch.randn(numel)
-    dtype, stored_numel = moment_storage("int8", [numel])
+    dtype, stored_numel = moment_storage(moment_dtype, [numel])
     exp_avg, exp_avg_sq = torch.zeros(stored_numel, dtype=dtype), torch.zeros(stored_numel, dtype=dtype)
     scratch = MomentScratch(int8_kernel=kernel)
     threads, interval = torch.get_num_threads(), sys.getswitchinterval()
@@ -118,7 +120,7 @@ def test_the_kernel_runs_without_the_gil(kernel):
     def update() -> float:
         start = time.perf_counter()
         adamw_update_block(master, grad, exp_avg, exp_avg_sq, [numel], [True], [torch.zeros(())], [AdamWHyper()],
-                           "int8", scratch=scratch)
+                           moment_dtype, scratch=scratch)
         return time.perf_counter() - start
 
     try:
@@ -141,6 +143,9 @@ def test_the_bench_has_the_kernel_row(kernel, capsys):
     from runtime.bench.adam_bench import main
 
     assert main(["--numel", "200000", "--threads", "1", "--repeat", "1"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [row[0] for row in rows] == ["fp32", "bf16", "int8", "int8"] and rows[3][1] == "kernel"
-    assert rows[3][2] == rows[2][1]  # the same bytes a parameter
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:-1]]
+    assert lines[-1].startswith("compiled kernel: int8 encode: ")  # which instructions the build took
+    assert [row[0] for row in rows] == ["fp32", "bf16", "int8", "bf16", "int8"]
+    assert rows[3][1] == rows[4][1] == "kernel"
+    assert rows[3][2] == rows[1][1] and rows[4][2] == rows[2][1]  # the same bytes a parameter

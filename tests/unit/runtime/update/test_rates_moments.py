@@ -61,7 +61,8 @@ def test_machine_rates_asks_for_the_runs_update(monkeypatch):
     monkeypatch.setattr(moment_kernel, "_built_once", lambda: (kernel, ""))
     cuda = torch.device("cuda", 0)
     for moment_dtype, choice, expected in (("fp32", "auto", None), ("int8", "torch", None), ("int8", "auto", kernel),
-                                           ("bf16", "auto", None)):  # (compiled with bf16: refused at load)
+                                           ("bf16", "auto", kernel), ("bf16", "torch", None)):  # (compiled with fp32:
+        # refused at load)
         cfg = load_config({"optimizer": {"moment_dtype": moment_dtype, "moment_kernel": choice, "cpu_threads": 3}})
         assert session_module.machine_rates(cfg, cuda) == "rates"
         assert asked[-1]["moment_dtype"] == moment_dtype and asked[-1]["int8_kernel"] is expected

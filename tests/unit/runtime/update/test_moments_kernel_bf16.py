@@ -1,0 +1,105 @@
+"""The compiled kernel's bf16 update (``adamw_bf16``: torch's fused AdamW on a cached chunk of widened moments,
+narrowed as the torch-ops path narrows): bit for bit the torch-ops path and the plain-torch reference, over several
+steps, every chunk size (a parameter split into chunks with a remainder, several parameters per call, parameters
+shorter than torch's vector), out of place, skipped parameters, any thread count. Its GIL-free run:
+test_moments_kernel's. Slow: the first build takes a minute (cached after)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.update.moment_kernel import BF16_CHUNK
+from runtime.update.moments import Int8Kernel, MomentScratch
+from tests.unit.runtime.update.test_moments_update import HYPERS, SIZES, Block, _grads, _reference_step
+
+pytestmark = pytest.mark.slow
+
+# Chunks: the default (parameter 1's 70001 values split into 65536 and a remainder of 4465, not a multiple of torch's
+# vector), 64 (the smallest: every parameter in many chunks), and one of 3 * 64 that is not a power of two.
+CHUNKS = [BF16_CHUNK, 64, 192]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Int8Kernel:
+    built = Int8Kernel.build()
+    assert built is not None, "the moment kernel did not build (see the log): a C++ compiler is needed"
+    return built
+
+
+class ChunkedKernel(Int8Kernel):
+    """The built kernel, its bf16 update run with chunks of ``chunk`` values."""
+
+    def __init__(self, built: Int8Kernel, chunk: int):  # no build: the module is the built one's
+        self._module, self.chunk = built._module, chunk
+
+    def update_bf16(self, *args, **kwargs) -> None:
+        super().update_bf16(*args, **kwargs, chunk=self.chunk)
+
+
+# Block layouts: test_moments_update's six parameters, and one of a long parameter (many chunks, a remainder of
+# 200003 - 3 * 65536 = 3395 values, not a multiple of a piece or of torch's vector) between two short ones.
+LAYOUTS = {"six": (SIZES, HYPERS), "long": ([7, 200_003, 64], [HYPERS[0], HYPERS[2], HYPERS[4]])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_kernel_equals_the_torch_ops_path_and_the_reference_bit_for_bit(kernel, chunk, threads, layout):
+    sizes, hypers = LAYOUTS[layout]
+    calls = []
+    chunked = ChunkedKernel(kernel, chunk)
+    real = chunked.update_bf16
+    chunked.update_bf16 = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)  # type: ignore[method-assign]
+    by_kernel = Block("bf16", sizes, seed=3)
+    by_ops, ref = by_kernel.clone(), by_kernel.clone()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(1, 6):
+            grad = _grads(step, sizes)
+            keep = [True, step != 3, step % 2 == 0, True, True, step != 2][: len(sizes)]
+            by_kernel.update(grad, keep, hypers, scratch=MomentScratch(int8_kernel=chunked))
+            by_ops.update(grad, keep, hypers, piece_numel=8 * 2048)  # pieces that split the long parameters too
+            _reference_step(ref, grad, keep, hypers)
+            assert by_kernel.same(by_ops), f"step {step}"
+            assert by_kernel.same(ref), f"step {step}"
+    finally:
+        torch.set_num_threads(previous)
+    assert len(calls) == 5  # every step ran the kernel
+    assert by_kernel.exp_avg_sq.float().abs().sum() > 0 and float(by_kernel.steps[2]) == 2.0  # kept steps 2 and 4
+
+
+def test_the_block_seed_reaches_the_rounding(kernel):
+    """The block's rounding seed picks the stochastic-rounding bits, as in the torch-ops path: other seeds, other
+    exp_avg_sq bits, each equal to the torch-ops path's under the same seed."""
+    results = []
+    for seed in (0, 7):
+        by_kernel = Block("bf16", SIZES, seed=1)
+        by_ops = by_kernel.clone()
+        for step in range(1, 3):
+            grad = _grads(step)
+            by_kernel.update(grad, [True] * len(SIZES), HYPERS, scratch=MomentScratch(int8_kernel=kernel),
+                             rounding_seed=seed)
+            by_ops.update(grad, [True] * len(SIZES), HYPERS, rounding_seed=seed)
+        assert by_kernel.same(by_ops), f"seed {seed}"
+        results.append(by_kernel.exp_avg_sq)
+    assert not torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("keep", [[True] * 6, [True, False, True, True, False, True], [False] * 6])
+def test_bf16_kernel_out_of_place_leaves_the_inputs_and_lands_the_in_place_result(kernel, keep):
+    block = Block("bf16", SIZES, seed=2)
+    block.update(_grads(1), [True] * len(SIZES), HYPERS)
+    in_place, before = block.clone(), block.clone()
+    grad = _grads(2)
+    in_place.update(grad, keep, HYPERS, scratch=MomentScratch(int8_kernel=kernel))
+    out = tuple(torch.full_like(t, 3) for t in (block.master, block.exp_avg, block.exp_avg_sq))
+    block.update(grad, keep, HYPERS, out=out, scratch=MomentScratch(int8_kernel=kernel))
+    assert torch.equal(block.master, before.master) and torch.equal(block.exp_avg, before.exp_avg)
+    assert torch.equal(block.exp_avg_sq, before.exp_avg_sq)
+    assert [float(s) for s in block.steps] == [float(s) for s in in_place.steps]
+    assert torch.equal(out[0], in_place.master) and torch.equal(out[1], in_place.exp_avg)
+    assert torch.equal(out[2], in_place.exp_avg_sq)
+    if any(keep):
+        assert not in_place.same(before)
