@@ -216,7 +216,7 @@ def tierstore_config(moment_dtype: str, args: argparse.Namespace, setup: Setup) 
     optimizer: dict[str, Any] = {"lr": args.lr, "betas": [args.beta1, args.beta2], "eps": args.eps,
                                  "weight_decay": args.weight_decay, "grad_clip": args.clip,
                                  "moment_dtype": moment_dtype}
-    if moment_dtype == "int8":  # (the key is refused beside other formats: only int8 has a compiled kernel)
+    if moment_dtype != "fp32":  # (the key is refused beside fp32, which has no compiled kernel)
         optimizer["moment_kernel"] = args.moment_kernel
     config: dict[str, Any] = {"device": setup.device.type, "dtype": "bf16", "seed": args.seed, "optimizer": optimizer}
     if resident(args, setup):

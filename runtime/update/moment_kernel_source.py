@@ -5,19 +5,12 @@ Owns: the source text and the two values the Python side substitutes into it (:f
 building, choosing and calling it (``moment_kernel``), the formats it reads and writes (``moment_formats``: the same
 maps, the same layout, the same stochastic-rounding tables).
 
-- ``adamw_int8``: decode, AdamW and encode of one QUANT_BLOCK at a time in registers and a thread's L1. Its
-  arithmetic is its own (not bit-identical to torch ops: codes within one of theirs; on the kernel test's block,
-  the same codes). Why it is written as it is: per element it is compute bound (16 bytes a parameter from memory,
-  and a few dozen vector operations), so it spends one square root and one division an element, AdamW's own (the
-  first version spent four and two: square roots are 6-12 cycles a vector on server cores where a multiply is
-  one): the encode's roots (``sqrt(|m| / s)``, and ``(v / s)^(1/4)`` as ``sqrt(sqrt(v) / sqrt(s))`` from AdamW's
-  ``sqrt(v)``, kept for it) are ``x * rsqrt(x)`` from vrsqrt14ps and one Newton step where the build machine has
-  AVX-512, else from the bits and three Newton steps (:c:func:`root`), both to a few ulps; the codes leave through
-  a rounding conversion and a narrowing store (AVX-512) or int32 (elsewhere), not the dozen permutes a vector the
-  compiler writes for a float-to-byte conversion; the bias corrections, ``1 - beta`` (in double, rounded once, as
-  torch: ``1 - 0.999f`` is 1.3e-5 off) and the block's reciprocals are computed once per parameter or block, never
-  per element; the largest magnitudes are taken in the update's pass (integer maxima of the bits: they vectorize
-  where a float one would need -ffast-math); float, never double, per element; no branch in an element loop.
+- ``adamw_int8``: decode, AdamW and encode of one QUANT_BLOCK at a time in registers and a thread's L1, plain loops
+  the compiler vectorizes (``-O3 -march=native``). Its arithmetic is its own (not bit-identical to torch ops: codes
+  within one of theirs). On the H200 machine's 16 cores (2026-11-29, ``runtime.bench.adam_bench``): 0.88x the fp32
+  update. A rewrite with one root an element (``vrsqrt14ps`` and Newton steps, codes through narrowing stores,
+  ``1 - beta`` in double) was faster on one core of an EPYC (0.77x fp32 against 0.62x) but 0.39x at 16 threads on
+  the H200 machine, the same call: it was not kept (branch h-kernel has it).
 - ``adamw_bf16``: widen a chunk of the moments into a thread's fp32 scratch, run torch's own fused AdamW
   (``at::_fused_adamw_``) on the chunk, narrow back (to nearest even, or stochastically with the tables' bits:
   [Note: bf16 stochastic rounding] in ``moment_formats``). torch's kernel, not a copy of its arithmetic, so the
@@ -42,95 +35,20 @@ _SOURCE = r"""
 #include <cstring>
 #include <string>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 constexpr int64_t kBlock = QUANT_BLOCK_VALUE;
 constexpr float kMinScale = MIN_SCALE_VALUE;
 
-// sqrt(x) of a finite x >= 0 in multiplies and fused multiply-adds: a first 1/sqrt from the bits (within 3.4%), three
-// Newton steps (1.7e-3, 4.6e-6, then a few ulps), times x. The encode takes two roots an element, and vsqrtps costs
-// 6-12 cycles a vector on server cores where a multiply costs one. 0 gives 0 (0 times a finite first guess); a
-// denormal x gets a root that is too small but still far below what rounds to code 1 (the encode's only use).
-static inline float root(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits = 0x5f375a86u - (bits >> 1);
-  float r;
-  std::memcpy(&r, &bits, 4);
-  const float half = 0.5f * x;
-  r = r * (1.5f - half * r * r);
-  r = r * (1.5f - half * r * r);
-  r = r * (1.5f - half * r * r);
-  return x * r;
-}
-
-#if defined(__AVX512F__)
-// root() for 16 values: vrsqrt14ps (14 bits) and one Newton step instead of the bit trick's three; 0 gives 0.
-static inline __m512 root16(__m512 x) {
-  const __m512 r = _mm512_rsqrt14_ps(x);
-  const __m512 half_x = _mm512_mul_ps(x, _mm512_set1_ps(0.5f));
-  const __m512 step = _mm512_fnmadd_ps(_mm512_mul_ps(half_x, r), r, _mm512_set1_ps(1.5f));
-  const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-  return _mm512_maskz_mul_ps(positive, x, _mm512_mul_ps(r, step));
-}
-
-// The encode of a whole block (values past the parameter's end are zero: their codes are the padding's zeros):
-// the same codes as the scalar loops below, a conversion to int32 rounding to nearest even and a narrowing store
-// (saturating to 255 for v) in place of the compiler's dozen permutes a vector.
-static inline void encode_block(const float* __restrict m, const float* __restrict r, float m_inv, float r_inv,
-                                int8_t* __restrict mco, uint8_t* __restrict vco) {
-  const __m512 zero = _mm512_setzero_ps(), m_scale = _mm512_set1_ps(m_inv), r_scale = _mm512_set1_ps(r_inv);
-  const __m512 levels_m = _mm512_set1_ps(127.0f), levels_v = _mm512_set1_ps(255.0f);
-  const __m512i one = _mm512_set1_epi32(1), none = _mm512_setzero_si512();
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  for (int64_t i = 0; i < kBlock; i += 16) {
-    const __m512 mv = _mm512_load_ps(m + i);
-    const __m512 y = _mm512_mul_ps(root16(_mm512_mul_ps(_mm512_abs_ps(mv), m_scale)), levels_m);
-    __m512i c = _mm512_cvt_roundps_epi32(y, kNearest);
-    c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(mv, zero, _CMP_LT_OQ), none, c);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(mco + i), _mm512_cvtepi32_epi8(c));
-    const __m512 rv = _mm512_load_ps(r + i);
-    const __m512 z = _mm512_mul_ps(root16(_mm512_mul_ps(rv, r_scale)), levels_v);
-    __m512i d = _mm512_cvt_roundps_epi32(z, kNearest);
-    d = _mm512_mask_max_epi32(d, _mm512_cmp_ps_mask(rv, zero, _CMP_GT_OQ), d, one);  // a positive v: code 1 at least
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(vco + i), _mm512_cvtusepi32_epi8(d));
-  }
-}
-#endif
-
-// What the build chose, for the bench's table: the int8 encode's instructions.
 std::string build_info() {
 #if defined(__AVX512F__)
-  return "int8 encode: AVX-512 (vrsqrt14ps)";
+  return "int8 encode: loops compiled -O3 -march=native (AVX-512)";
 #else
-  return "int8 encode: portable loops (no AVX-512 on the build machine)";
+  return "int8 encode: loops compiled -O3 -march=native";
 #endif
 }
 
-// What a kept parameter's step needs, in float, computed once per call in double and rounded once, as torch's CPU
-// kernel does (1 - beta2 taken in float would be 1.3e-5 off for 0.999: 1 - 0.999f is not 0.001f).
-struct Step {
-  float one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_bc2_sqrt;
-};
-
-static std::vector<Step> step_constants(const torch::Tensor& hypers) {
-  // hypers: float64 [h, 6] = (lr, beta1, beta2, eps, weight_decay, step) (step already incremented)
-  const double* hy = hypers.data_ptr<double>();
-  std::vector<Step> out(hypers.size(0));
-  for (int64_t k = 0; k < hypers.size(0); ++k) {
-    const double* h = hy + 6 * k;
-    const double bc1 = 1.0 - std::pow(h[1], h[5]);
-    const double bc2_sqrt = std::sqrt(1.0 - std::pow(h[2], h[5]));
-    out[k] = Step{(float)(1.0 - h[1]), (float)h[2], (float)(1.0 - h[2]), (float)h[3], (float)(1.0 - h[0] * h[4]),
-                  (float)(h[0] / bc1), (float)(1.0 / bc2_sqrt)};
-  }
-  return out;
-}
-
-// blocks: int64 [n, 4] = (flat offset of the block's first value, code offset (a block multiple), valid values,
-// the parameter's row of hypers).
+// blocks: int64 [n, 4] = (flat offset of the block's first value, code offset (a block multiple), valid values, hyper row)
+// hypers: float64 [h, 6] = (lr, beta1, beta2, eps, weight_decay, step) of each kept parameter (step already incremented)
 void adamw_int8(torch::Tensor master, torch::Tensor grad,
                 torch::Tensor m_codes, torch::Tensor m_scales, torch::Tensor v_codes, torch::Tensor v_scales,
                 torch::Tensor out_master, torch::Tensor out_m_codes, torch::Tensor out_m_scales,
@@ -148,8 +66,7 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
   uint8_t* vc_out = out_v_codes.data_ptr<uint8_t>();
   float* vs_out = out_v_scales.data_ptr<float>();
   const int64_t* desc = blocks.data_ptr<int64_t>();
-  const std::vector<Step> constants = step_constants(hypers);
-  const Step* steps = constants.data();
+  const double* hy = hypers.data_ptr<double>();
   // The update runs on the worker thread while the training thread runs Python: without the GIL.
   pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, blocks.size(0), 1, [=](int64_t begin, int64_t end) {
@@ -162,72 +79,65 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
     int8_t* __restrict mco = mc_out;
     uint8_t* __restrict vco = vc_out;
     alignas(64) float m[kBlock];
-    alignas(64) float r[kBlock];  // sqrt(v): AdamW's denominator's, and the encode's
+    alignas(64) float v[kBlock];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t flat = desc[4 * b], code = desc[4 * b + 1], n = desc[4 * b + 2];
-      const Step s = steps[desc[4 * b + 3]];
+      const double* h = hy + 6 * desc[4 * b + 3];
       const int64_t sb = code / kBlock;
-      const float m_factor = ms_in[sb] * (1.0f / (127.0f * 127.0f));
-      const float v_factor = vs_in[sb] * (1.0f / (255.0f * 255.0f * 255.0f * 255.0f));
-      // The largest magnitudes as integers: a non-negative float's bits order as it does (NaN above infinity, so
-      // it propagates), and an integer max reduction vectorizes where a float one would need -ffast-math.
-      uint32_t m_top = 0, v_top = 0;
-      #pragma omp simd reduction(max: m_top, v_top)
-      for (int64_t i = 0; i < n; ++i) {  // decode, AdamW, the block's largest: one pass, no branch
+      const float lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];
+      const double step = h[5];
+      const float bc1 = 1.0 - std::pow((double)beta1, step);
+      const float bc2_sqrt = std::sqrt(1.0 - std::pow((double)beta2, step));
+      const float step_size = lr / bc1;
+      const float decay = 1.0f - lr * wd;
+      const float m_factor = ms_in[sb] / (127.0f * 127.0f);
+      const float v_factor = vs_in[sb] / (255.0f * 255.0f * 255.0f * 255.0f);
+      for (int64_t i = 0; i < n; ++i) {  // decode, AdamW: no reduction here, so the loop vectorizes
         const float c = (float)mci[code + i];
         const float d = (float)vci[code + i];
         const float d2 = d * d;
         float mi = c * std::fabs(c) * m_factor;
         float vi = d2 * d2 * v_factor;
         const float g = gi[flat + i];
-        mi = mi + s.one_minus_beta1 * (g - mi);
-        vi = s.beta2 * vi + s.one_minus_beta2 * g * g;
-        const float vr = std::sqrt(vi);  // exact, as torch's: the step's denominator
-        const float denom = vr * s.inv_bc2_sqrt + s.eps;
-        po[flat + i] = pi[flat + i] * s.decay - s.step_size * mi / denom;
+        mi = mi + (1.0f - beta1) * (g - mi);
+        vi = beta2 * vi + (1.0f - beta2) * g * g;
+        const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+        po[flat + i] = pi[flat + i] * decay - step_size * mi / denom;
         m[i] = mi;
-        r[i] = vr;
-        uint32_t mb, vb;
-        std::memcpy(&mb, &mi, 4);
-        std::memcpy(&vb, &vi, 4);
-        m_top = std::max(m_top, mb & 0x7fffffffu);
-        v_top = std::max(v_top, vb & 0x7fffffffu);
+        v[i] = vi;
+      }
+      // The largest magnitudes as integers: a non-negative float's bits order as it does (NaN above infinity, so
+      // it propagates), and an integer max reduction vectorizes where a float one would need -ffast-math.
+      const uint32_t* m_bits = reinterpret_cast<const uint32_t*>(m);
+      const uint32_t* v_bits = reinterpret_cast<const uint32_t*>(v);
+      uint32_t m_top = 0, v_top = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        m_top = std::max(m_top, m_bits[i] & 0x7fffffffu);
+        v_top = std::max(v_top, v_bits[i] & 0x7fffffffu);
       }
       float m_max, v_max;
       std::memcpy(&m_max, &m_top, 4);
       std::memcpy(&v_max, &v_top, 4);
       const float ms = std::max(m_max, kMinScale), vs = std::max(v_max, kMinScale);
-      const float m_inv = 1.0f / ms, r_inv = 1.0f / std::sqrt(vs);
-#if defined(__AVX512F__)
-      for (int64_t i = n; i < kBlock; ++i) {  // the padding of a parameter's last block: zero codes
-        m[i] = 0.0f;
-        r[i] = 0.0f;
-      }
-      encode_block(m, r, m_inv, r_inv, mco + code, vco + code);
-#else
-      // encode: c = 127 sign(m) sqrt(|m| / s), d = 255 (sqrt(v) / sqrt(s))^(1/2), both to nearest even as int32,
-      // then narrowed (the float-to-byte conversions GCC writes otherwise take a dozen permutes a vector).
-      #pragma omp simd
+      const float m_inv = 1.0f / ms, v_inv = 1.0f / vs;
       for (int64_t i = 0; i < n; ++i) {
-        const int32_t c = (int32_t)std::rint(127.0f * root(std::fabs(m[i]) * m_inv));
-        mco[code + i] = (int8_t)(m[i] < 0.0f ? -c : c);
-      }
-      #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const int32_t d = (int32_t)std::rint(255.0f * root(r[i] * r_inv));
-        // at most 255 (rounding may lift the largest a hair above 1); a positive v never gets code 0
-        vco[code + i] = (uint8_t)std::max(std::min(d, 255), (int32_t)(r[i] > 0.0f));
+        const float y = std::rint(127.0f * std::sqrt(std::fabs(m[i]) * m_inv));
+        mco[code + i] = (int8_t)std::copysign(y, m[i]);
+        float z = std::rint(255.0f * std::sqrt(std::sqrt(v[i] * v_inv)));
+        z = z > 255.0f ? 255.0f : z;
+        z = (v[i] > 0.0f && z < 1.0f) ? 1.0f : z;  // a positive v never gets code 0
+        vco[code + i] = (uint8_t)z;
       }
       for (int64_t i = n; i < kBlock; ++i) {  // the padding of a parameter's last block stays zero
         mco[code + i] = 0;
         vco[code + i] = 0;
       }
-#endif
       ms_out[sb] = ms;
       vs_out[sb] = vs;
     }
   });
 }
+
 
 // Both moments' bfloat16 -> float: exact, the bits moved up, the two streams read together (restrict arguments: the
 // loop vectorizes), and the same stretch of the next chunk asked for (``ahead`` values further on; 0: none): its

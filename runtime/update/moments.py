@@ -26,9 +26,10 @@ the work (2 threads of 2 busy cores: int8 0.04x). Hence the opt-in compiled kern
 :class:`MomentScratch` holding an :class:`Int8Kernel`, which serves bf16 too): one parallel region for the whole
 update, each block decoded, updated and encoded while in cache (bf16: torch's own fused AdamW on a widened chunk,
 the same bits as here). CPU time of one update of 16 Mi parameters on one EPYC core (2026-11-29): fp32 7.7 ms,
-int8 kernel 11.1 ms (its first version 12.8), bf16 kernel 14.7 ms, bf16 in torch ops 20.3 ms; there fp32's update
-is bound by its own arithmetic, which bf16 repeats; where many cores share memory bandwidth, fp32's 28 bytes a
-parameter are what it waits for.
+int8 kernel 12.8 ms, bf16 kernel 14.7 ms, bf16 in torch ops 20.3 ms; there fp32's update is bound by its own
+arithmetic, which bf16 repeats; where many cores share memory bandwidth, fp32's 28 bytes a parameter are what it
+waits for. On the H200 machine's 16 cores: int8 kernel 0.88x fp32, bf16 kernel 0.79x (a rewrite of the int8 kernel
+that reached 11.1 ms on the EPYC core ran at 0.39x there: not kept).
 (torch.compile was tried first: 2.3x faster maps alone, the whole piece slower than eager, on this CPU.)
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
