@@ -10,7 +10,7 @@ maps, the same layout, the same stochastic-rounding tables).
   within one of theirs). On the H200 machine's 16 cores (2026-11-29, ``runtime.bench.adam_bench``): 0.88x the fp32
   update. A rewrite with one root an element (``vrsqrt14ps`` and Newton steps, codes through narrowing stores,
   ``1 - beta`` in double) was faster on one core of an EPYC (0.77x fp32 against 0.62x) but 0.39x at 16 threads on
-  the H200 machine, the same call: it was not kept (branch h-kernel has it).
+  the H200 machine in a later call (where fp32 ran 3.8 G parameters/s): it was not kept (branch h-kernel has it).
 - ``adamw_bf16``: widen a chunk of the moments into a thread's fp32 scratch, run torch's own fused AdamW
   (``at::_fused_adamw_``) on the chunk, narrow back (to nearest even, or stochastically with the tables' bits:
   [Note: bf16 stochastic rounding] in ``moment_formats``). torch's kernel, not a copy of its arithmetic, so the
