@@ -2,16 +2,18 @@
 
 Several processes train one model (``torchrun --nproc-per-node N``, one per GPU, or N over gloo on the CPU): each
 rank owns whole blocks' training state (``runtime.planning.ownership`` decides which) and the ranks exchange the
-owned blocks' compute weights and gradients. This module says who this process is (``Ranks``) and issues the
-three collective calls the engine makes; it decides nothing.
+owned blocks' compute weights and gradients. This module says who this process is (``Ranks``, joining the process
+group where the program did not), makes the collective calls the engine, the session and checkpoints ask for, and
+gives each rank of a host its share of the cores (``bind_cores``); it decides nothing about what they carry.
 
 [Note: collectives in program order] Every rank must issue the same collective calls in the same order, or the
 run hangs (NCCL) or mixes up tensors. The engine issues them only from events every rank reaches in the same order:
 a block's weights are broadcast from its owner each time a hook acquires the block (never by a prefetch, whose
 timing differs between ranks, and whatever the block's residency on this rank), or started one acquire ahead for the
 block the prefetch schedule's trace expects next (the trace is made of the hooks' events alone), a block's gradient
-is reduced to its owner when its backward is done, and the gradient norm is summed at the commit. A rank whose model takes another
-path (a different block order) breaks this, as it breaks DDP.
+is reduced to its owner when its backward is done, the gradient norm is summed at the commit, and the ranks' plans
+are compared once before anything is allocated. A rank whose model takes another path (a different block order)
+breaks this, as it breaks DDP.
 
 What it leaves out: which rank owns which block (planning), when the calls are made (the engine).
 """
