@@ -179,6 +179,10 @@ def join_ranks(device: torch.device) -> Ranks | None:
         dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         log.info("joined the process group (%s): rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
     if device.type == "cuda":  # this rank's own GPU (torchrun's LOCAL_RANK, or the one the program chose)
+        local = os.environ.get("LOCAL_RANK", "0")
+        if torch.cuda.current_device() == 0 and local.isdigit() and int(local) != 0:
+            # a program that made the group but never chose a GPU: every rank on GPU 0 would hang NCCL's calls
+            torch.cuda.set_device(int(local))
         device = torch.device("cuda", torch.cuda.current_device())
     return Ranks(dist.get_rank(), dist.get_world_size(), device)
 
