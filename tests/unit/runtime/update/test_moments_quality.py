@@ -125,11 +125,12 @@ def test_compact_moments_train_the_bundled_lm():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
-def test_compact_moments_train_the_bundled_lm_1000_steps():
-    """The same, 1,000 steps (about 2 minutes on one core): the issue's goals, bf16 within 1% of fp32 and int8
-    within 2%. Measured: fp32 1.3445; bf16 +0.31% (rounding seed 1: +0.35%; v rounded to nearest: -0.82%), int8
-    +0.16%."""
-    fp32 = _train_lm("fp32", 3e-3, 1000)
-    assert fp32 < 1.5
-    assert _train_lm("bf16", 3e-3, 1000) == pytest.approx(fp32, rel=0.01)
-    assert _train_lm("int8", 3e-3, 1000) == pytest.approx(fp32, rel=0.02)
+def test_compact_moments_train_the_bundled_lm_500_steps():
+    """The same, 500 steps (about 50 s on one core): the issue's goals, bf16 within 1% of fp32 and int8 within 2%,
+    over a run long enough for a rounding bias to accumulate. At 1,000 steps (2026-11-28): fp32 1.3445; bf16 +0.31%
+    (rounding seed 1: +0.35%; v rounded to nearest: -0.82%), int8 +0.16%; 1,000 steps of a 504M Llama on real text
+    are measured on the GPU machine (docs/benchmarks.md: bf16 0.998x, int8 1.003x)."""
+    fp32 = _train_lm("fp32", 3e-3, 500)
+    assert fp32 < 1.7
+    assert _train_lm("bf16", 3e-3, 500) == pytest.approx(fp32, rel=0.01)
+    assert _train_lm("int8", 3e-3, 500) == pytest.approx(fp32, rel=0.02)
