@@ -29,20 +29,6 @@ def losses(text: str) -> tuple[float, float]:
     return float(found.group(1)), float(found.group(2))
 
 
-@pytest.mark.slow
-def test_two_processes_train_as_one_at_the_same_micro_batch():
-    one = tierstore("train", "--steps", "3", "--micro-batch", "4")
-    two = tierstore("train", "--nproc", "2", "--steps", "3", "--micro-batch", "4")
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 processes (2 sequences of each micro-batch each)" in two.stderr
-    (first_one, last_one), (first_two, last_two) = losses(one.stderr), losses(two.stderr)
-    assert abs(first_two - first_one) <= 1e-3  # the same weights and micro-batch: the mean of the halves' losses
-    assert abs(last_two - last_one) <= 0.01 * last_one  # bf16 compute: within its rounding after 3 steps
-    assert last_two < first_two - 0.5  # it trained
-    assert two.stderr.count("done: loss") == 1  # one report, rank 0's
-
-
 @pytest.mark.parametrize(("flags", "said"), [
     pytest.param(["--micro-batch", "3"], "--micro-batch 3 does not split between 2 processes", marks=pytest.mark.slow),
     pytest.param(["--profile", "ck"], "--profile does not work with --nproc yet", marks=pytest.mark.slow),
@@ -78,16 +64,25 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_leaves_no_swap_file(tmp_pat
 
 
 @pytest.mark.slow
-def test_two_processes_stop_and_resume_from_their_checkpoint_exactly(tmp_path):
-    """--nproc 2 with --checkpoint-dir: rank 0 claims the directory, both ranks save each checkpoint (one checkpoint
-    of both ranks' blocks); stopped at step 4 and resumed to 6 is the uninterrupted 6-step run's loss."""
+def test_two_processes_train_as_one_and_stop_and_resume_from_their_checkpoint_exactly(tmp_path):
+    """--nproc 2 reports one process's losses at the same micro-batch; with --checkpoint-dir rank 0 claims the
+    directory, both ranks save each checkpoint (one checkpoint of both ranks' blocks), and stopped at step 4 and
+    resumed to 6 is the uninterrupted 6-step run's loss."""
     ck = str(tmp_path / "ck")
     first = tierstore("train", "--nproc", "2", "--steps", "4", "--micro-batch", "4", "--checkpoint-dir", ck, "--save-every", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = tierstore("train", "--nproc", "2", "--steps", "6", "--micro-batch", "4", "--checkpoint-dir", ck,
                         "--save-every", "2", "--resume")
     whole = tierstore("train", "--nproc", "2", "--steps", "6", "--micro-batch", "4")
+    one = tierstore("train", "--steps", "6", "--micro-batch", "4")
     assert resumed.returncode == 0 and whole.returncode == 0, resumed.stderr[-3000:] + whole.stderr[-3000:]
+    assert one.returncode == 0, one.stderr[-3000:]
     assert losses(resumed.stderr)[1] == losses(whole.stderr)[1]
+    # two processes train as one at the same micro-batch: the mean of the halves' losses, bf16 compute
+    assert "2 processes (2 sequences of each micro-batch each)" in whole.stderr
+    assert whole.stderr.count("done: loss") == 1  # one report, rank 0's
+    (first_one, last_one), (first_two, last_two) = losses(one.stderr), losses(whole.stderr)
+    assert abs(first_two - first_one) <= 1e-3 and abs(last_two - last_one) <= 0.01 * last_one
+    assert last_two < first_two - 0.5  # it trained
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")) == \
         ["step-000002", "step-000004", "step-000006"]

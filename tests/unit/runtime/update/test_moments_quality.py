@@ -116,21 +116,10 @@ def test_compact_moments_train_the_bundled_lm():
     """The tiny ExampleLM, byte tokens (rare bytes' embedding rows get tiny v beside common ones: the int8 map's
     corner), lr 3e-3. Measured (torch 2.13, CPU): bf16 +0.07% (its v by stochastic rounding; with v rounded to
     nearest +0.97%: it cannot record v's 0.1% decay a step, below half a bf16 ulp, so v stays high), int8 +0.02%.
-    The rounding seed moves bf16 by about 0.2-0.3% either way; the bound keeps that margin below the 1% goal."""
+    The rounding seed moves bf16 by about 0.2-0.3% either way; the bound keeps that margin below the 1% goal. At
+    1,000 steps (2026-11-28, no longer run here: CI's time): bf16 +0.31%, int8 +0.16%; 1,000 steps of a 504M Llama on
+    real text are measured on the GPU machine (docs/benchmarks.md: bf16 0.998x, int8 1.003x)."""
     fp32 = _train_lm("fp32", 3e-3)
     assert fp32 < 2.2  # from ln(256) = 5.5: it trained
     assert _train_lm("bf16", 3e-3) == pytest.approx(fp32, rel=0.005)
     assert _train_lm("int8", 3e-3) == pytest.approx(fp32, rel=0.02)
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("one_thread")
-def test_compact_moments_train_the_bundled_lm_500_steps():
-    """The same, 500 steps (about 50 s on one core): the issue's goals, bf16 within 1% of fp32 and int8 within 2%,
-    over a run long enough for a rounding bias to accumulate. At 1,000 steps (2026-11-28): fp32 1.3445; bf16 +0.31%
-    (rounding seed 1: +0.35%; v rounded to nearest: -0.82%), int8 +0.16%; 1,000 steps of a 504M Llama on real text
-    are measured on the GPU machine (docs/benchmarks.md: bf16 0.998x, int8 1.003x)."""
-    fp32 = _train_lm("fp32", 3e-3, 500)
-    assert fp32 < 1.7
-    assert _train_lm("bf16", 3e-3, 500) == pytest.approx(fp32, rel=0.01)
-    assert _train_lm("int8", 3e-3, 500) == pytest.approx(fp32, rel=0.02)
