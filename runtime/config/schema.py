@@ -62,6 +62,9 @@ def _section(cls: type, doc: str) -> Any:
 
 
 MOMENT_DTYPES = ("fp32", "bf16", "int8")  # optimizer.moment_dtype (runtime.update.moment_formats stores each)
+# optimizer.moment_kernel: `auto` runs the compiled kernel where it builds, `torch` never, `compiled` always (a run
+# refuses to start where it cannot build; runtime.update.moment_kernel)
+MOMENT_KERNELS = ("auto", "torch", "compiled")
 _STATE_TIER = ("auto", "host", "nvme")  # optimizer state: on the GPU only through optimizer.gpu_update_fraction
 _STATE_NOTE = ("Optimizer state is not placed on the GPU this way: optimizer.gpu_update_fraction updates the first "
                "blocks on the GPU, their master and moments there.")
@@ -312,7 +315,7 @@ class OptimizerConfig:
         "`optimizer.state_dict()` gives fp32 moments either way, and a checkpoint written with one `moment_dtype` "
         "loads into a run with another.", "bf16")
     moment_kernel: str = _leaf(
-        ChoiceSpec(choices=("auto", "torch", "compiled")), "auto",
+        ChoiceSpec(choices=MOMENT_KERNELS), "auto",
         "How the CPU updates compact moments (`moment_dtype: bf16` or `int8`; fp32 moments and updates on the GPU "
         "always use torch ops). `compiled`: a C++ kernel that updates each block in one parallel pass over it, "
         "built with torch's cpp_extension when the run starts: it needs a C++ compiler and ninja "

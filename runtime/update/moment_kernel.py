@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from runtime.config.loader import ConfigError
+from runtime.config.schema import MOMENT_KERNELS
 from runtime.update.adam import AdamWHyper
 from runtime.update.moment_formats import (
     MIN_SCALE,
@@ -140,9 +141,6 @@ class Int8Kernel:
                                 table_offsets, table1, table2, chunk)
 
 
-#: ``optimizer.moment_kernel``: ``auto`` runs the compiled kernel where it builds, ``torch`` never, ``compiled`` always
-#: (a run refuses to start where it cannot build).
-MOMENT_KERNELS = ("auto", "torch", "compiled")
 KERNEL_KEY = "optimizer.moment_kernel"
 
 

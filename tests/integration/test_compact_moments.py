@@ -19,7 +19,7 @@ from runtime.update.moment_formats import round_bf16_stochastic, rounding_bits, 
 from runtime.update.moments import BF16_STOCHASTIC_KINDS, decode_moment, encode_moment, moment_nbytes, moment_storage
 from tests.integration.checkpoint_training import tiny_config, train
 from tests.integration.reference_loop import ReferenceTrainer
-from tests.integration.test_parity import SHAPE, assert_identical, make_batches, nbytes_moved
+from tests.integration.test_parity import SHAPE, assert_identical, make_batches, nbytes_moved, steps_and_check
 from tests.integration.test_speculation import early_jobs_run_before_their_verdict
 from tierstore import HEADER_NBYTES, TierName, align_up
 
@@ -338,15 +338,7 @@ def test_bf16_moments_stay_exact_in_other_layouts(layout, tmpfs_dir):
             assert 0 < len(session.controller.options.spilled_blocks) < len(session.blocks)
         batches = make_batches(4 * micro)
         for step in range(4):
-            micro_batches = batches[step * micro : (step + 1) * micro]
-            ours = []
-            for x, y in micro_batches:
-                loss = model(x, y)
-                loss.backward()
-                ours.append(loss.item())
-            optimizer.step()
-            optimizer.zero_grad()
-            assert ours == reference.train_step(micro_batches), f"step {step + 1}"
+            steps_and_check(model, optimizer, reference, batches[step * micro : (step + 1) * micro], f"step {step + 1}")
         assert_identical(session.master_state_dict(), reference)
 
 

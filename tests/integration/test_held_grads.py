@@ -13,7 +13,15 @@ from runtime.bundled.example_model import ExampleLM
 from runtime.engine.held_grads import HeldGrads
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_host_sums import train_both
-from tests.integration.test_parity import SHAPE, assert_identical, make_batches, run_both, step_and_check, train_with_the_users_clip
+from tests.integration.test_parity import (
+    SHAPE,
+    assert_identical,
+    make_batches,
+    run_both,
+    step_and_check,
+    steps_and_check,
+    train_with_the_users_clip,
+)
 
 
 def _host_updated(session) -> int:
@@ -286,14 +294,7 @@ def test_a_drop_whose_cleanup_fails_refuses_the_next_step_until_a_checkpoint_loa
     batches = make_batches(3 * accumulation)
 
     def step(micro) -> None:
-        losses = []
-        for x, y in micro:
-            loss = model(x, y)
-            loss.backward()
-            losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
-        assert losses == reference.train_step(micro)
+        steps_and_check(model, optimizer, reference, micro)
 
     with session:
         controller = session.controller

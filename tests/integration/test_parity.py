@@ -74,11 +74,20 @@ def run_both(config: dict, shape: ModelShape = SHAPE, steps: int = STEPS, checkp
 
 def step_and_check(model, optimizer, reference: ReferenceTrainer, x: torch.Tensor, y: torch.Tensor) -> None:
     """One offloaded training step and one reference step on the same batch; their losses must be equal."""
-    loss = model(x, y)
-    loss.backward()
+    steps_and_check(model, optimizer, reference, [(x, y)])
+
+
+def steps_and_check(model, optimizer, reference: ReferenceTrainer, micro_batches: list, what: str = "") -> None:
+    """One offloaded optimizer step over ``micro_batches`` (a backward each) and the reference's over the same; each
+    micro-batch's loss must be equal."""
+    ours = []
+    for x, y in micro_batches:
+        loss = model(x, y)
+        loss.backward()
+        ours.append(loss.item())
     optimizer.step()
     optimizer.zero_grad()
-    assert loss.item() == reference.train_step([(x, y)])[0]
+    assert ours == reference.train_step(micro_batches), what
 
 
 def train_with_the_users_clip(max_norm: float, prepare=None):
