@@ -105,14 +105,17 @@ class Ranks:
         return found
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """Make ``tensor`` on every rank equal to ``src``'s (in place; stream-ordered on a GPU)."""
-        self.call(f"a broadcast from rank {src}", lambda: dist.broadcast(tensor, src=src))
+        """Make ``tensor`` on every rank equal to ``src``'s (in place; stream-ordered on a GPU). Tensors autograd
+        saved views of (a block's compute weights) keep their version: the values written are the owner's same ones."""
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
+            self.call(f"a broadcast from rank {src}", lambda: dist.broadcast(tensor, src=src))
 
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
         """``broadcast`` started now, ended by the returned work's ``wait()`` (on a GPU, the current stream then waits
         for it; on the CPU, the caller does)."""
         works: list[Any] = []
-        self.call(f"a broadcast from rank {src}", lambda: works.append(dist.broadcast(tensor, src=src, async_op=True)))
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):  # (autograd's saved views of it)
+            self.call(f"a broadcast from rank {src}", lambda: works.append(dist.broadcast(tensor, src=src, async_op=True)))
         return _Work(self, works[0], f"a broadcast from rank {src}")
 
     def reduce_mean(self, tensor: torch.Tensor, dst: int) -> None:

@@ -235,9 +235,7 @@ class WeightManager:
                 self.gathered_ahead += 1
                 return True
             hit = self._ready_to_broadcast(index)
-            state, owner = self.states[index], self.owners[index]
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
-                self.ranks.broadcast(state.flat, owner)
+            self.ranks.broadcast(self.states[index].flat, self.owners[index])
             return hit
 
     def _ready_to_broadcast(self, index: int) -> bool:
@@ -268,21 +266,13 @@ class WeightManager:
         with self._lock:
             if index in self._gathers:
                 return
-            state, owner = self.states[index], self.owners[index]
             copy_stream = self.store.engine.h2d_stream
-            if copy_stream is not None and self.device.type == "cuda":
-                compute = torch.cuda.current_stream(self.device)
-                copy_stream.wait_stream(compute)
-                with torch.cuda.stream(copy_stream):
-                    self._ready_to_broadcast(index)  # the owner's wait for its copy: on the copy stream, not compute's
-                    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
-                        work = self.ranks.broadcast_async(state.flat, owner)
-                self._gathers[index] = lambda: work.wait()  # the current stream waits for it (not the host)
-            else:
+            if copy_stream is not None:
+                copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with self._copy_stream_context():  # the owner's wait for its copy: on the copy stream, not compute's
                 self._ready_to_broadcast(index)
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(state.flat):
-                    work = self.ranks.broadcast_async(state.flat, owner)
-                self._gathers[index] = lambda: work.wait()
+                work = self.ranks.broadcast_async(self.states[index].flat, self.owners[index])
+            self._gathers[index] = work.wait  # the current stream waits for it on a GPU (not the host)
 
     def drop_gathers(self) -> None:
         """The step commits or is dropped: broadcasts started ahead and not used are waited for and their blocks
