@@ -1,6 +1,8 @@
 """Updates that run before their step commits (clipping, fp16, the user's clip): bit-identical to the plain loop
 whether the commit keeps the early result (coefficient exactly 1) or redoes it (a clip below 1, an overflow),
-and the early runs really happen (counted by the worker)."""
+and the early runs really happen (counted by the worker). Tests that count published or redone runs let each early
+job start before its verdict (``early_jobs_run_before_their_verdict``): which path a job takes must not depend on how
+busy the machine is."""
 
 from __future__ import annotations
 
@@ -122,7 +124,8 @@ def test_steps_that_clip_and_steps_that_do_not_mix_exactly():
     if not norms[0] > max(norms[1:4]):
         pytest.fail(f"this model's gradient norms {norms} do not start with the largest: the test's premise is wrong")
     threshold = (norms[0] + max(norms[1:4])) / 2
-    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": threshold}}, steps=6)
+    ours, theirs, weights, reference, _, stats = run_both({"dtype": "fp32", "optimizer": {"grad_clip": threshold}}, steps=6,
+                                                          prepare=early_jobs_run_before_their_verdict)
     assert ours == theirs
     assert_identical(weights, reference)
     worker = worker_stats(stats)
@@ -131,7 +134,7 @@ def test_steps_that_clip_and_steps_that_do_not_mix_exactly():
 
 def test_accumulation_with_clipping_publishes_early_updates_exactly():
     config = {"dtype": "fp32", "optimizer": {"grad_clip": 1e6, "accumulation_steps": 2}}
-    ours, theirs, weights, reference, _, stats = run_both(config)
+    ours, theirs, weights, reference, _, stats = run_both(config, prepare=early_jobs_run_before_their_verdict)
     assert ours == theirs
     assert_identical(weights, reference)
     assert worker_stats(stats).published > 0
@@ -140,7 +143,8 @@ def test_accumulation_with_clipping_publishes_early_updates_exactly():
 def test_fp16_overflow_discards_early_updates():
     # A loss scale of 2**16 overflows this model's fp16 gradients in its first step only.
     config = {"dtype": "fp16", "optimizer": {"grad_clip": 1e6, "loss_scale": {"initial": 2.0**16}}}
-    ours, theirs, weights, reference, _, stats = run_both(config, steps=6, dtype=torch.float16, loss_scale=2.0**16)
+    ours, theirs, weights, reference, _, stats = run_both(config, steps=6, dtype=torch.float16, loss_scale=2.0**16,
+                                                          prepare=early_jobs_run_before_their_verdict)
     assert reference.skipped >= 1 and stats[0].skipped_steps == reference.skipped
     assert ours == theirs
     assert_identical(weights, reference)
@@ -150,7 +154,7 @@ def test_fp16_overflow_discards_early_updates():
 
 def test_weights_resident_refreshed_at_publish():
     config = {"dtype": "fp32", "placement": {"weights": "gpu"}, "optimizer": {"grad_clip": 1e6}}
-    ours, theirs, weights, reference, _, stats = run_both(config)
+    ours, theirs, weights, reference, _, stats = run_both(config, prepare=early_jobs_run_before_their_verdict)
     assert ours == theirs
     assert_identical(weights, reference)
     assert worker_stats(stats).published > 0
@@ -158,7 +162,7 @@ def test_weights_resident_refreshed_at_publish():
 
 @pytest.mark.parametrize("max_norm", [1e6, 0.05])
 def test_user_clip_in_the_loop_is_exact_with_early_updates(max_norm):
-    worker = train_with_the_users_clip(max_norm).controller.worker.stats
+    worker = train_with_the_users_clip(max_norm, prepare=early_jobs_run_before_their_verdict).controller.worker.stats
     assert (worker.published > 0) == (max_norm > 1) and (worker.redone > 0) == (max_norm < 1)
 
 
