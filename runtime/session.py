@@ -417,9 +417,6 @@ def _check_ranks(cfg: TierstoreConfig, resolved: ResolvedPlan, ranks: Ranks) -> 
     refusals = []
     if cfg.dtype == "fp16":
         refusals.append("dtype: fp16 (its loss scaling is per process): use bf16")
-    if cfg.optimizer.user_grad_clip:
-        refusals.append("optimizer.user_grad_clip: true (the loop's own clip_grad_norm_ sees one rank's gradients): "
-                        "let tierstore clip with optimizer.grad_clip: <max_norm>")
     if resolved.source is WeightSource.RESIDENT:
         refusals.append("placement.weights: gpu: write host")
     if refusals:
@@ -625,6 +622,8 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         # SIGTERM ends training like Ctrl-C while the session is open. Without close(), the worker, the store and its
         # IO threads close themselves at exit (tierstore.close_at_exit): not the session, whose close() would copy
         # every weight back into the model first.
+        if ranks is not None:
+            session.on_close.append(_reduced_here(model))
         session.on_close.append(leave_signals)
     except BaseException:  # the model as it was, the directory unlocked, no thread left; the error unchanged
         if session is not None:
@@ -632,6 +631,30 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         _undo_offload(blocks, opened[0] if opened else None, [*reversed(undo), *(session.on_close if session is not None else [])])
         raise
     return model, optimizer
+
+
+# What DistributedDataParallel and accelerate read of a module: the parameters DDP leaves alone, and "prepared
+# already" (accelerate >= 1.14 then returns the module as it is).
+_DDP_IGNORED = "_ddp_params_and_buffers_to_ignore"
+_ACCELERATE_PREPARED = "_is_accelerate_prepared"
+
+
+def _reduced_here(model: nn.Module) -> Callable[[], None]:
+    """Several processes: the ranks' gradients are reduced by tierstore (onto each block's owner), so the model is
+    not for DDP. The HF Trainer hands it to accelerate, which wraps a module in DDP when it runs in several processes:
+    that would reduce every gradient a second time and keep a bucket of the whole model's gradients on each GPU.
+    Marked as prepared, accelerate (>= 1.14) leaves the model as it is; older versions still call DDP, which finds
+    every parameter ignored and refuses ("DistributedDataParallel is not needed when a module doesn't have any
+    parameter that requires a gradient") instead of training wrongly. Returns what takes the marks off (at close)."""
+    setattr(model, _DDP_IGNORED, [name for name, _ in model.named_parameters()])
+    setattr(model, _ACCELERATE_PREPARED, True)
+
+    def unmark() -> None:
+        for name in (_DDP_IGNORED, _ACCELERATE_PREPARED):
+            if name in model.__dict__:
+                delattr(model, name)
+
+    return unmark
 
 
 @defers_interrupts

@@ -148,6 +148,7 @@ class GradClipper:
         self._proxies: dict[tuple[int, int], OffloadedGrad | None] = {}  # slots whose gradient left the device
         self._dropped: set[tuple[int, int]] = set()  # slots the user set p.grad = None for after backward
         self._last_norm: torch.Tensor | None = None  # the last committed step's global norm (read lazily: no sync)
+        self._shared = False  # several processes: _norms holds every rank's norms of the step (share_across_ranks)
 
     # ---- filled by the controller during backward -----------------------------------------------------
     def record(self, block: Block, has_grad: list[bool], norms: list[torch.Tensor] | None) -> None:
@@ -163,6 +164,34 @@ class GradClipper:
     def reset(self) -> None:
         """Forget the pending step (committed or discarded)."""
         self._norms, self._scales, self._proxies, self._dropped = {}, {}, {}, set()
+        self._shared = False
+
+    def share_across_ranks(self) -> None:
+        """Several processes whose loop clips (``optimizer.user_grad_clip``), at the step's last backward end: every
+        rank learns each parameter's gradient norm (its owner's, of the gradient reduced there) and whether any rank
+        gave it a gradient, so ``p.grad`` of a block another rank owns is a stand-in there too and the loop's
+        ``clip_grad_norm_`` computes the same norm and factor on every rank, as under DDP (where every rank holds the
+        averaged ``.grad``). One call per step, every rank at the same point ([Note: collectives in program order]).
+        The norms travel as they are (each is the sum of one owner's value and zeros: exact), the factors the loop
+        applies to another rank's blocks are kept and not used (their owner applies its own, the same)."""
+        ranks = self.view.options.ranks
+        if ranks is None or not self.view.options.hold_updates:
+            return
+        slots = [(block.index, position) for block in self.blocks for position in range(len(block.slots))]
+        own = [self._norms.get(slot) for slot in slots]
+        shared = torch.zeros(2 * len(slots), dtype=torch.float32, device=ranks.device)
+        present = [n for n, norm in enumerate(own) if norm is not None]
+        if present:
+            where = torch.tensor(present, device=ranks.device)
+            shared[where] = torch.stack([cast(torch.Tensor, own[n]) for n in present]).to(ranks.device, torch.float32)
+            shared[where + len(slots)] = 1.0
+        ranks.sum(shared)
+        norms, anywhere = shared[: len(slots)], (shared[len(slots):] > 0).tolist()
+        for n, slot in enumerate(slots):
+            if anywhere[n] and slot not in self._norms:
+                self._norms[slot] = norms[n]
+                self._proxies[slot] = None
+        self._shared = True
 
     # ---- the user's side ------------------------------------------------------------------------------
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -410,7 +439,7 @@ class GradClipper:
     def total_norm(self, scaled: bool = True) -> torch.Tensor | None:
         """The global 2-norm of the pending step's gradients, after the user's scaling or as backward left them
         (None: no norms were taken)."""
-        ranks = self.view.options.ranks
+        ranks = None if self._shared else self.view.options.ranks  # shared: _norms holds every rank's already
         if not self._norms and ranks is None:
             return None
         norms = [self._norm_of(slot, scaled) for slot in sorted(self._norms)]

@@ -323,6 +323,8 @@ class Controller:
         self.table.end_backward()
         self.fetch.carry_to_next_forward()  # [Note: prefetch across micro-batches]
         self.weights.release_refreshes()  # no-op unless a backward held them
+        if self.last_micro:
+            self.clipper.share_across_ranks()  # several processes, the loop clipping: every rank's norms (no-op else)
         self._set_phase(StepPhase.READY if self.last_micro else StepPhase.ACCUMULATING)
         self.micro += 1
         self.stats.backward_end_s.append(time.perf_counter())
@@ -428,6 +430,7 @@ class Controller:
         self.grads.begin_last_backward()
         self.grads.take_all()
         self.weights.release_refreshes()  # as at a backward's end: no-op unless the streamed state held them
+        self.clipper.share_across_ranks()
         self._set_phase(StepPhase.READY)
         self.micro += 1
 

@@ -36,8 +36,9 @@ DATA_SET = tensor_setter("data")
 
 
 def same_device(wanted: torch.device, tensor: torch.Tensor) -> bool:
-    """``wanted`` names the device tensor is on (an index left out matches any)."""
-    return wanted.type == tensor.device.type and wanted.index in (None, tensor.device.index)
+    """``wanted`` names the device tensor is on (an index left out matches any; the CPU's any index: there is one CPU
+    device, which accelerate calls ``cpu:<local rank>`` in several processes, and the HF Trainer moves the model to)."""
+    return wanted.type == tensor.device.type and (wanted.type == "cpu" or wanted.index in (None, tensor.device.index))
 
 
 def no_op_cuda(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -1,8 +1,9 @@
 """One rank of a several-process training run (tests/integration/test_ranks.py), or the one process it is compared
 with: the bundled example model trained through ``offload()`` on this rank's share of each global batch. Launched as
 torchrun would (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment), so ``offload()``
-joins the process group itself. Writes the losses and the final weights (every rank reads them through the
-collective ``master_state_dict()``) to ``<out>/rank<R>.pt``."""
+joins the process group itself. With ``optimizer.user_grad_clip`` the loop clips each step with
+``torch.nn.utils.clip_grad_norm_`` (the HF Trainer's way). Writes the losses, the clip's norms, and the final
+weights (every rank reads them through the collective ``master_state_dict()``) to ``<out>/rank<R>.pt``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from runtime import offload
 from runtime.bundled.example_model import ExampleLM, ModelShape
 
+USER_CLIP = 0.05  # the loop's clip_grad_norm_ threshold where the config has optimizer.user_grad_clip: below the norms
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64, max_seq_len=64)
 
 
@@ -52,7 +54,8 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
         model.layers[1].register_full_backward_hook(hook)
     state = {"step": 0}
     share = global_batch // world
-    losses = []
+    losses, norms = [], []
+    user_clip = config.get("optimizer", {}).get("user_grad_clip", False)  # the loop clips, as the HF Trainer does
     try:
         for step in range(steps):
             state["step"] = step
@@ -61,13 +64,15 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
                 loss = model(x[rank * share:(rank + 1) * share].to(device), y[rank * share:(rank + 1) * share].to(device))
                 loss.backward()
                 losses.append(loss.item())
+            if user_clip:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), USER_CLIP)))
             optimizer.step()
             optimizer.zero_grad()
         weights = session.master_state_dict()
         gathered_ahead = session.controller.weights.gathered_ahead
     finally:
         session.close()
-    torch.save({"losses": losses, "weights": weights, "keys": keys, "cores": cores, "gathered_ahead": gathered_ahead,
+    torch.save({"losses": losses, "norms": norms, "weights": weights, "keys": keys, "cores": cores, "gathered_ahead": gathered_ahead,
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                os.path.join(out, f"rank{rank}.pt"))
 

@@ -26,7 +26,8 @@ def _free_port() -> int:
 
 
 def start(out: Path, world: int, config: dict, steps: int = 3, global_batch: int = 6,
-          extra_env: dict[str, str] | None = None, child: Path = CHILD) -> list[subprocess.Popen]:
+          extra_env: dict[str, str] | None = None, child: Path = CHILD,
+          extra_args: list[str] | None = None) -> list[subprocess.Popen]:
     """Start ``child`` (default ``ranks_child.py``) as ``world`` ranks (one process when 1), as torchrun would."""
     port = _free_port()
     procs = []
@@ -36,7 +37,8 @@ def start(out: Path, world: int, config: dict, steps: int = 3, global_batch: int
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(child), str(out), json.dumps(config), str(steps),
-                                       str(global_batch)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                       str(global_batch), *(extra_args or [])],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 
@@ -90,13 +92,16 @@ CONFIGS = {
     "device-host-sums": {"device": DEVICE, "dtype": "fp32",
                          "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "gpu_update_fraction": 0.5, "gpu_stream_fraction": 0.3,
                                        "accumulation_steps": 2, "accumulate_on": "host"}},
+    # the loop clips (clip_grad_norm_ below the norms, as the HF Trainer does): every rank sees every block's norm
+    "user-clip": {"device": DEVICE, "dtype": "fp32",
+                  "optimizer": {"lr": 1e-3, "grad_clip": None, "user_grad_clip": True, "accumulation_steps": 2}},
     # each micro-batch's gradient reduced onto the owner, summed in its host memory
     "host-sums": {"device": DEVICE, "dtype": "fp32",
                   "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}},
 }
 
 
-QUICK = ("plain", "device-host-sums")  # the default suite's at 2 ranks; the other configs at 2 ranks and the last at
+QUICK = ("plain", "device-host-sums", "user-clip")  # the default suite's at 2 ranks; the other configs at 2 ranks and the last at
 # 3 in the slow suite (CI runs both)
 
 
@@ -120,6 +125,11 @@ def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
         # close() hands every rank the whole trained model, as DDP's ranks each hold it
         for param, value in record["params"].items():
             assert_nearly_equal(value, one["weights"][param], f"rank {rank}, {param} after close()")
+    # The loop's clip_grad_norm_ returned the same norm on every rank, the whole model's (one process's)
+    for record in ranks:
+        assert record["norms"] == ranks[0]["norms"]
+        assert record["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert len(one["norms"]) == (3 if config["optimizer"].get("user_grad_clip") else 0)
     # After the first step (its trace learned), blocks' broadcasts start ahead of their acquire, overlapping compute
     assert all(record["gathered_ahead"] > 0 for record in ranks)
     # One copy of the state (master and moments: a block's host gradient buffer depends on where its update runs,
@@ -165,14 +175,14 @@ def test_a_rank_failing_mid_backward_ends_every_rank_and_leaves_no_swap_file(tmp
 
 
 def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path):
-    """fp16 (its loss scale is per process) and the loop's own clip (it sees one rank's gradients) are refused before
-    anything is allocated, on every rank, naming the setting."""
-    config = {"device": DEVICE, "dtype": "fp16", "optimizer": {"user_grad_clip": True}}  # two refusals, one message
+    """fp16 (its loss scale is per process) and weights kept on the GPU are refused before anything is allocated, on
+    every rank, naming the setting."""
+    config = {"device": DEVICE, "dtype": "fp16", "placement": {"weights": "gpu"}}  # two refusals, one message
     procs = start(tmp_path, 2, config, extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "15"})
     outputs = finish(procs, timeout_s=120)
     for proc, text in zip(procs, outputs, strict=True):
         assert proc.returncode != 0
-        assert "with several processes (2 ranks)" in text and "dtype: fp16" in text and "optimizer.user_grad_clip" in text
+        assert "with several processes (2 ranks)" in text and "dtype: fp16" in text and "placement.weights: gpu" in text
 
 
 def test_a_plan_refused_on_one_rank_stops_every_rank_before_anything_is_allocated(tmp_path):

@@ -773,6 +773,7 @@ def test_model_to_device_is_a_no_op_and_a_dtype_change_is_refused(tmp_path):
     with optimizer.session:
         before = model.state_dict()
         assert model.to("cpu") is model  # what HF Trainer and accelerate call
+        assert model.to("cpu:1") is model  # their name for the CPU in several processes (cpu:<local rank>)
         assert_same(model.state_dict(), before)
         with pytest.raises(RuntimeError, match="before offload"):
             model.to(torch.float64)
