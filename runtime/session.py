@@ -107,8 +107,27 @@ class OffloadSession:
 
     def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_nbytes: int = 5 << 30) -> None:
         """Save the current weights as HF-style sharded safetensors (``from_pretrained`` reads them), one shard
-        of blocks in host memory at a time: the way to save a model too large for ``model.state_dict()``."""
-        save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
+        of blocks in host memory at a time: the way to save a model too large for ``model.state_dict()``.
+
+        With several processes it is collective: every rank calls it with the same directory; each block's weights
+        come from its owner, rank 0 writes the files, and every rank returns once they are written (or raises
+        rank 0's failure)."""
+        ranks = self.controller.options.ranks
+        if ranks is None:
+            save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
+            return
+        error: BaseException | None = None
+        try:
+            save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes, writes=ranks.rank == 0, read_all=True)
+        except Exception as exc:  # every rank learns it below
+            error = exc
+        others = ranks.others_refusing(None if error is None else f"{type(error).__name__}: {error}",
+                                       "the saved model's status")
+        if error is not None:
+            raise error
+        if others:
+            raise RuntimeError(f"rank {ranks.rank} of {ranks.world_size}: session.save_pretrained failed on "
+                               + "; ".join(f"rank {rank} ({why})" for rank, why in others))
 
     @defers_interrupts
     def close(self) -> None:

@@ -242,9 +242,8 @@ def _check_ranks(args: argparse.Namespace, cfg: TierstoreConfig) -> None:
     if cfg.train.batch_size % world:
         raise ValueError(f"--micro-batch {cfg.train.batch_size} does not split between {world} processes (--nproc "
                          f"{world}): give a multiple of {world}")
-    for flag, value in (("--profile", cfg.profile.dir), ("--output", getattr(args, "output", None))):
-        if value:
-            raise ValueError(f"{flag} does not work with --nproc yet: train with one process to use it")
+    if cfg.profile.dir:
+        raise ValueError("--profile does not work with --nproc yet: train with one process to use it")
 
 
 def rank_rows(batch: Any, rank: int, world: int) -> Any:

@@ -257,13 +257,16 @@ def hf_job(args: Any, cfg: TierstoreConfig) -> TrainJob:
     def finish(session: Any) -> None:
         if args.output is None:
             return
-        if args.overwrite:
+        ranks = session.controller.options.ranks
+        writes = ranks is None or ranks.rank == 0  # several processes: every rank reads, rank 0 writes the files
+        if args.overwrite and writes:
             clear_weights(args.output)
         model.config.use_cache = use_cache  # the saved config is for inference, as the model's own was
-        session.save_pretrained(args.output)
-        tokenizer.save_pretrained(str(args.output))
-        print(f"model and tokenizer written to {args.output}; load them with "
-              f"AutoModelForCausalLM.from_pretrained({str(args.output)!r})", file=sys.stderr)
+        session.save_pretrained(args.output)  # (collective: every rank returns once rank 0 wrote the weights)
+        if writes:
+            tokenizer.save_pretrained(str(args.output))
+            print(f"model and tokenizer written to {args.output}; load them with "
+                  f"AutoModelForCausalLM.from_pretrained({str(args.output)!r})", file=sys.stderr)
 
     return TrainJob(model, data, loss, init=init, after_offload=init.close if init is not None else None,
                     finish=finish)

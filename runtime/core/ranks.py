@@ -70,11 +70,12 @@ class Ranks:
                 "TIERSTORE_COLLECTIVE_TIMEOUT_S)"
             raise RuntimeError(f"rank {self.rank} of {self.world_size}: {what} failed: {because} ({error})") from error
 
-    def others_refusing(self, own: str | None) -> list[tuple[int, str]]:
+    def others_refusing(self, own: str | None, what: str = "the ranks' plans compared") -> list[tuple[int, str]]:
         """Every rank says whether it refuses to go on (``own``: why, or None); returns the other ranks' refusals
-        (rank, why). Called by every rank before anything is allocated, so all stop together."""
+        (rank, why). Called by every rank at the same point (before anything is allocated, at the end of a save
+        together), so all stop together; ``what`` names the exchange in errors."""
         said: list[str | None] = [None] * self.world_size
-        self.call("the ranks' plans compared", lambda: dist.all_gather_object(said, own))
+        self.call(what, lambda: dist.all_gather_object(said, own))
         return [(rank, why) for rank, why in enumerate(said) if why is not None and rank != self.rank]
 
     def fail(self, cause: str) -> None:

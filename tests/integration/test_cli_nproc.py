@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,3 +87,33 @@ def test_two_processes_train_as_one_and_stop_and_resume_from_their_checkpoint_ex
     assert last_two < first_two - 0.5  # it trained
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")) == \
         ["step-000002", "step-000004", "step-000006"]
+
+
+@pytest.mark.slow
+def test_two_processes_fine_tune_a_local_model_and_write_output_as_one_process(tmp_path):
+    """``--nproc 2 --model DIR --output OUT``: both ranks read each block from its owner and rank 0 writes OUT, which
+    ``from_pretrained`` loads with the weights one process trains at the same micro-batch (fp32: up to the order
+    of the mean over ranks), and the tokenizer beside them."""
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.runtime.cli.hf_model_dir import TEXT, make_model_dir
+
+    model_dir = make_model_dir(tmp_path / "model")
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT)
+    config = tmp_path / "fp32.yaml"
+    config.write_text("device: cpu\ndtype: fp32\n")
+    common = ["--model", str(model_dir), "--data", str(data), "--config", str(config), "--steps", "3", "--seq", "32",
+              "--micro-batch", "4", "--lr", "1e-3"]
+    two = tierstore("train", "--nproc", "2", *common, "--output", str(tmp_path / "two"))
+    one = tierstore("train", *common, "--output", str(tmp_path / "one"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:] + one.stderr[-3000:]
+    assert two.stderr.count("model and tokenizer written to") == 1  # rank 0's
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "two", local_files_only=True).state_dict()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one", local_files_only=True).state_dict()
+    start = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert (ours[name] - value).abs().max() <= 5e-5, name  # 5% of one lr step
+    assert any(not torch.equal(value, start[name]) for name, value in theirs.items())  # it trained
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "two", local_files_only=True)
+    assert tokenizer("the lazy dog")["input_ids"]

@@ -47,7 +47,7 @@ def test_an_unchanged_trainer_on_two_ranks_trains_as_one_process_at_the_global_b
         for name, value in one["weights"].items():
             assert_nearly_equal(record["weights"][name], value, f"rank {rank}, {name}")
     assert any(norm > 1.0 for _, norm in one["logs"])  # the Trainer's default clip (1.0) acted
-    # every rank saved together (each block from its owner): the files load into a plain model with the weights
+    # every rank saved together (each block from its owner, rank 0 writing): a plain model loads the weights
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "many" / "saved"))
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, ranks[0]["weights"][name]), name
