@@ -28,6 +28,7 @@ from runtime.model.materialize import ParamInit, block_filler, initialize, mater
 from runtime.model.optimizer import OffloadAdamW, check_param_groups, param_groups_of
 from runtime.model.param_guard import ParamGuard, is_offloaded
 from runtime.model.recompute import BufferWatch, ForwardTimer, Recompute, already_checkpointed, recompute_refusal
+from runtime.model.remote_reads import ReadService, RemoteReader
 from runtime.model.state_access import StateAccess
 from runtime.planning.auto_placement import Placement, Rates
 from runtime.planning.block_plan import spilled_after
@@ -67,6 +68,8 @@ class OffloadSession:
     recompute: Recompute | None = None  # the layers' recomputation (placement.activations; set by offload)
     closed: bool = False
     on_close: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run by close(), last
+    # Several processes: this rank's answers to the others' reads of its blocks ([Note: reads served by the owner]).
+    read_service: ReadService | None = field(default=None, repr=False)
 
     @property
     def activations_recomputed(self) -> bool:
@@ -164,6 +167,8 @@ class OffloadSession:
                     failure.__cause__ = self.controller.worker_error
                 except Exception as error:  # then the worker's failure is raised, once the rest is given back
                     log.error("close(): handing back the masters after the optimizer worker failed failed too: %r", error)
+        if self.read_service is not None:  # every rank is in close() now (its reads were collective), or failed
+            self.read_service.close()
         self.closed = True
         try:
             self.controller.close()
@@ -202,6 +207,7 @@ class OffloadSession:
             log.error("close(): the weights handed back are not the last committed step's (training would "
                       "have refused to go on): %s", controller.interrupted)
         self.access.mixed_steps_allowed = True
+        self.access.broadcast_reads = True  # every rank closes: the GPUs' broadcast, not the read services
         if ranks is not None and ranks.broken is not None:
             log.warning("close(): the run of %d processes failed (%s): rank %d gives back the parameters of the blocks it "
                         "owns; the others are left on the meta device", ranks.world_size, ranks.broken, ranks.rank)
@@ -643,6 +649,11 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         # every weight back into the model first.
         if ranks is not None:
             session.on_close.append(_reduced_here(model))
+            access.remote = RemoteReader(ranks)
+            session.on_close.append(access.remote.close)
+            session.read_service = ReadService(ranks, access.own_copy)
+            session.on_close.append(session.read_service.close)  # (a setup undone; close() stops it earlier)
+            session.read_service.start()
         session.on_close.append(leave_signals)
     except BaseException:  # the model as it was, the directory unlocked, no thread left; the error unchanged
         if session is not None:

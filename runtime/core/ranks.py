@@ -70,6 +70,11 @@ class Ranks:
                 "TIERSTORE_COLLECTIVE_TIMEOUT_S)"
             raise RuntimeError(f"rank {self.rank} of {self.world_size}: {what} failed: {because} ({error})") from error
 
+    def store(self) -> dist.Store | None:
+        """The process group's key-value store (torch.distributed's rendezvous store: ``runtime.model.remote_reads``
+        asks the owners of blocks through it), or None."""
+        return _default_store()
+
     def others_refusing(self, own: str | None, what: str = "the ranks' plans compared") -> list[tuple[int, str]]:
         """Every rank says whether it refuses to go on (``own``: why, or None); returns the other ranks' refusals
         (rank, why). Called by every rank at the same point (before anything is allocated, at the end of a save
@@ -125,6 +130,10 @@ class Ranks:
         self.call(f"a reduction onto rank {dst}", lambda: dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM))
         if self.rank == dst:
             tensor.div_(self.world_size)
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank has come here (``what`` names the point in errors)."""
+        self.call(what, lambda: dist.all_reduce(torch.zeros(1, device=self.device), op=dist.ReduceOp.SUM))
 
     def sum(self, tensor: torch.Tensor) -> None:
         """Every rank's ``tensor`` becomes the sum over ranks (in place)."""

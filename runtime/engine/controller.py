@@ -434,6 +434,12 @@ class Controller:
         self._set_phase(StepPhase.READY)
         self.micro += 1
 
+    def param_step(self, block_index: int, position: int) -> torch.Tensor:
+        """The AdamW step counter of a block's parameter (the tensor itself: a load fills it): the device's for a
+        block updated there, else the update worker's."""
+        steps = self.gpu_param_steps.get(block_index)
+        return steps[position] if steps is not None else self.worker.param_steps[block_index][position]
+
     def synchronize(self) -> None:
         """Block until every committed update has finished."""
         self.worker.synchronize(self.optimizer_step)

@@ -67,6 +67,9 @@ class StepView(Protocol):
     def check_open(self) -> None:
         """Raise, saying what to do, when the session was closed."""
 
+    def param_step(self, block_index: int, position: int) -> torch.Tensor:
+        """The AdamW step counter of a block's parameter (the tensor itself: a load fills it)."""
+
 
 class HostSumAccess(Protocol):
     """Between micro-batches, the gradients summed in host memory as ``p.grad`` serves them ([Note: host gradient

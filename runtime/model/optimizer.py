@@ -167,9 +167,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         return [(index, blocks[b], position, blocks[b].slots[position])
                 for index, (b, position) in enumerate(self.controller.param_slot[id(p)] for p in params)]
 
-    def _step_counter(self, block_index: int, position: int) -> torch.Tensor:
-        steps = self.controller.gpu_param_steps.get(block_index)
-        return steps[position] if steps is not None else self.controller.worker.param_steps[block_index][position]
 
     @defers_interrupts
     def state_dict(self) -> dict[str, Any]:
@@ -179,11 +176,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._follow_regrouping()
         self.access.settle(read_only=True)  # every committed update landed: its step counters and moments are final
         slots = self._slots()
-        updated = any(float(self._step_counter(block.index, position)) > 0 for _, block, position, _ in slots)
+        counters = {block.index: self.access.step_counters(block) for block in self.controller.blocks}
+        updated = any(float(counters[block.index][position]) > 0 for _, block, position, _ in slots)
         by_name = {kind: self.access.slot_values(kind) if updated else {} for kind in ("exp_avg", "exp_avg_sq")}
         state: dict[int, dict[str, torch.Tensor]] = {}
         for index, block, position, slot in slots:
-            step = self._step_counter(block.index, position)
+            step = counters[block.index][position]
             if float(step) == 0.0:
                 continue
             state[index] = {"step": step.detach().to("cpu", copy=True), "exp_avg": by_name["exp_avg"][slot.name],
@@ -222,7 +220,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             group.update({key: value for key, value in saved.items() if key != "params" and key not in IMPLEMENTATION_FLAGS})
         for block_index, entries in per_block.items():
             for position, _slot, entry in entries:
-                self._step_counter(block_index, position).fill_(float(entry.get("step", 0.0)))
+                self.controller.param_step(block_index, position).fill_(float(entry.get("step", 0.0)))
         for block in self.controller.blocks:
             entries = per_block.get(block.index, [])
             for kind in ("exp_avg", "exp_avg_sq"):

@@ -13,16 +13,20 @@ surface (``runtime.model.optimizer``).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from runtime.core.blocks import Block
+from runtime.core.ranks import COLLECTIVE_TIMEOUT_S
 from runtime.engine.step_phase import StepPhase
 from runtime.engine.step_view import StepView
 from runtime.engine.weights import WeightManager
 from runtime.engine.writeback import DeviceWritebacks
+from runtime.model.remote_reads import RemoteReader
 from runtime.planning.hostmem import host_memory
 from runtime.planning.memory_plan import MOMENT_KINDS, WeightSource
 from runtime.update.moments import decode_moment, encode_moment
@@ -30,6 +34,8 @@ from runtime.update.worker import UpdateWorker
 from tierstore import CapacityError, CopyState, TierName, TierStore
 
 log = logging.getLogger(__name__)
+
+STEPS = "steps"  # what own_copy gives for a block's AdamW step counters (one per parameter), beside its state kinds
 
 
 class StateHolder(Protocol):
@@ -84,6 +90,13 @@ class StateAccess:
         # their compute weights refreshed once, when the load ends (or before anything reads them).
         self._batch: set[int] | None = None
         self.mixed_steps_allowed = False  # close(): hand the weights back even when an abandoned step mixed them
+        # Several processes: blocks other ranks own are read through their read services ([Note: reads served by
+        # the owner]); close() reads them by broadcast instead (every rank closes together).
+        self.remote: RemoteReader | None = None
+        self.broadcast_reads = False
+        self.writes = [0] * len(blocks)  # between-step writes of each block so far (a remote block's counted too)
+        # Orders this rank's own reads and writes of its state with its read service's (another thread).
+        self._state_lock = threading.RLock()
 
     # ---- batched writes (load_state_dict) --------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -170,12 +183,18 @@ class StateAccess:
         staged from NVMe is released afterwards. Call ``settle()`` first."""
         self._check_one_step()
         options = self.view.options
-        if options.ranks is None:
+        served = options.ranks is not None and self.remote is not None and not self.broadcast_reads
+        if options.ranks is None or (served and options.owners[block.index] == options.ranks.rank):
             self._with_state(block, kind, self._decoded(block, kind, use, write=False), write=False)
             return
-        # Several processes: the owner's values, broadcast to every rank; each calls this for the same blocks in the
-        # same order, as for a state_dict() or close() ([Note: collectives in program order] in runtime.core.ranks).
+        # Several processes: a block another rank owns comes from its read service ([Note: reads served by the owner]),
+        # or, at close(), the owner's values are broadcast to every rank; each calls this for the same blocks in the
+        # same order then ([Note: collectives in program order] in runtime.core.ranks).
         ranks, owner = options.ranks, options.owners[block.index]
+        if served:
+            assert self.remote is not None
+            use(self.remote.read(owner, block.index, kind, self.view.optimizer_step, self.writes[block.index]))
+            return
         values = torch.empty(block.numel, dtype=torch.float32, device=ranks.device)
         if owner == ranks.rank:
 
@@ -214,18 +233,68 @@ class StateAccess:
         """Modify block's flat fp32 tensor of one kind in place through ``apply`` (a compact moment: its decoded
         values, encoded back after); it is written back to its home, and after a master write the compute weights
         derived from it are refreshed. Call ``settle()`` first."""
+        ranks = self.view.options.ranks
+        if ranks is not None and self.remote is not None:
+            # Every rank writes the same blocks in the same order (as DDP's ranks do). Here every rank has finished
+            # its reads of the block's state as it was before this write, which the owner now changes; a read after
+            # it waits in own_copy until the owner made this write too ([Note: reads served by the owner]).
+            ranks.barrier(f"the write of block {block.index}'s {kind} between steps (on every rank)")
         if self.weights.is_remote(block.index):  # another rank owns it and writes the same values there
+            self.writes[block.index] += 1  # (a read of it waits until its owner made as many: own_copy)
             return
         if kind == "master" and self._batch is not None:
             self._with_state(block, kind, apply, write=True, keep_staged=True)
             self._batch.add(block.index)
+            self.writes[block.index] += 1
             return
         self._with_state(block, kind, self._decoded(block, kind, apply, write=True), write=True)
+        self.writes[block.index] += 1
         if kind == "master":
             self._refresh_compute(block)
 
+    def step_counters(self, block: Block) -> list[torch.Tensor]:
+        """The AdamW step counters of block's parameters: this rank's, or, for a block another rank owns and updates,
+        its owner's ([Note: reads served by the owner]: this rank's count only the updates it saw). Call ``settle()``
+        first."""
+        options = self.view.options
+        if options.ranks is None or self.remote is None or not self.weights.is_remote(block.index):
+            return [self.view.param_step(block.index, position) for position in range(len(block.slots))]
+        owner = options.owners[block.index]
+        return list(self.remote.read(owner, block.index, STEPS, self.view.optimizer_step, self.writes[block.index]))
+
+    def own_copy(self, index: int, kind: str, step: int, writes: int) -> torch.Tensor:
+        """Several processes, for the read service (another thread): this rank's block ``index``'s fp32 values of
+        ``kind`` as a CPU tensor, once this rank has committed ``step``, the block's update to it is done and this
+        rank has made the ``writes`` writes of the block (``load_state_dict``, a parameter written between steps) the
+        requester made, as every rank makes them ([Note: reads served by the owner] in runtime.model.remote_reads)."""
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        # The requester committed the step and made the writes; this rank is finishing the same commit or writes.
+        while self.view.optimizer_step < step or self.writes[index] < writes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"block {index} was asked for at step {step} after {writes} writes of it; this rank is at step "
+                    f"{self.view.optimizer_step} after {self.writes[index]}: write parameters and load state on every "
+                    "rank, as DDP's ranks do")
+            time.sleep(0.001)
+        self.worker.wait_updated(index, step)
+        if self.store.device.type == "cuda":  # a device update (or its write-back) queued by the commit has run
+            torch.cuda.synchronize(self.store.device)
+        block = self.blocks[index]
+        if kind == STEPS:
+            return torch.stack([self.view.param_step(index, p).detach().to("cpu", torch.float32, copy=True)
+                                for p in range(len(block.slots))])
+        out: list[torch.Tensor] = []
+        self._with_state(block, kind, self._decoded(block, kind, lambda values: out.append(values.to("cpu", copy=True)),
+                                                    write=False), write=False)
+        return out[0]
+
     def _with_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool,
                     keep_staged: bool = False) -> None:
+        with self._state_lock:
+            self._with_state_locked(block, kind, use, write, keep_staged)
+
+    def _with_state_locked(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool,
+                           keep_staged: bool) -> None:
         store, key = self.store, block.key(kind)
         record = store.record(key)
         tier = TierName.GPU if record.home is TierName.GPU else TierName.HOST

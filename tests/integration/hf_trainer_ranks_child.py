@@ -3,8 +3,10 @@ process it is compared with: a tiny LlamaForCausalLM (built from a config: nothi
 the stock ``Trainer`` as its optimizer, exactly as in one process (docs/user-guide.md, "HF Trainer"). Launched as
 torchrun would; the Trainer's accelerate joins the process group (gloo on the CPU) and gives each rank its share of
 each batch, and its ``max_grad_norm`` clip runs in the loop on every rank. Writes the Trainer's logged losses and
-norms and the final weights (read on every rank through the collective ``master_state_dict()``) to
-``<out>/rank<R>.pt``; with ``save`` in argv, every rank also saves the model with ``session.save_pretrained``."""
+norms and the final weights (read on every rank: ``master_state_dict()``) to ``<out>/rank<R>.pt``. The Trainer
+saves a checkpoint at step 2 (``save_strategy="steps"``: the model and ``optimizer.state_dict()``, on rank 0 alone)
+and the model at the end (``trainer.save_model``); with ``save`` in argv, every rank also saves the model with
+``session.save_pretrained``."""
 
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config())
     args = transformers.TrainingArguments(
-        output_dir=os.path.join(out, f"trainer{rank}"), per_device_train_batch_size=global_batch // world // accumulation,
+        output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=global_batch // world // accumulation,
         gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, seed=0, lr_scheduler_type="linear", warmup_steps=1,
-        dataloader_drop_last=True)
+        save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0, lr_scheduler_type="linear",
+        warmup_steps=1, dataloader_drop_last=True)
     swap = os.path.join(out, "swap")
     os.makedirs(swap, exist_ok=True)
     model, optimizer = offload(model, {**config, "tiers": {"nvme": {"path": swap}}})
@@ -39,6 +41,7 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
         trainer.train()
         logs = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
         weights = session.master_state_dict()
+        trainer.save_model(os.path.join(out, "trainer-saved"))  # the Trainer's own save: rank 0 alone writes
         if "save" in sys.argv[5:]:
             session.save_pretrained(os.path.join(out, "saved"))
         wrapped = type(trainer.model_wrapped).__name__  # what accelerate made of the model

@@ -1,7 +1,8 @@
 """An unchanged HF Trainer over several processes (gloo on the CPU, started as torchrun starts them) trains as the
 same Trainer in one process at the global batch: DDP's semantics, with tierstore reducing the gradients itself
 (accelerate leaves the offloaded model unwrapped) and the Trainer's own clip (``max_grad_norm``) seeing every rank's
-gradients."""
+gradients); its saves (``save_model``, checkpoints with the optimizer's state) run on rank 0 alone and hold every
+rank's blocks."""
 
 from __future__ import annotations
 
@@ -52,3 +53,14 @@ def test_an_unchanged_trainer_on_two_ranks_trains_as_one_process_at_the_global_b
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, ranks[0]["weights"][name]), name
     assert json.loads((tmp_path / "many" / "saved" / "config.json").read_text())["num_hidden_layers"] == 3
+    # The Trainer's own saves, made on rank 0 alone ([Note: reads served by the owner]): the final model, and the
+    # checkpoint of step 2 with the optimizer's state, both as the one process's
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "many" / "trainer-saved"))
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, ranks[0]["weights"][name]), name
+    ours, theirs = (torch.load(tmp_path / run / "trainer" / "checkpoint-2" / "optimizer.pt") for run in ("many", "one"))
+    assert ours["state"].keys() == theirs["state"].keys() and len(ours["state"]) == len(one["weights"])
+    for index, state in theirs["state"].items():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            diff = (ours["state"][index][kind] - state[kind]).abs().max()
+            assert diff <= 1e-4 * state[kind].abs().max() + 1e-12, (index, kind, diff)

@@ -1,0 +1,160 @@
+"""Reads of another rank's blocks, answered by that rank's read service: no collective, so any rank may read alone.
+
+[Note: reads served by the owner] With several processes each block's master and moments live on its owner only
+([Note: block ownership] in runtime.planning.ownership). A read of a block this rank does not own between steps
+(``state_dict()``, ``optimizer.state_dict()``, ``session.save_pretrained``) was a broadcast from the owner, so every
+rank had to make the same reads in the same order. The HF Trainer saves on rank 0 alone (``save_model``, its
+checkpoints): rank 0's reads waited for ranks that never came. Instead each rank runs a read service, a thread that
+watches the process group's store for requests addressed to it. A request names a block, a kind (master, exp_avg,
+exp_avg_sq), the requester's committed step and count of the block's writes between steps (``load_state_dict``, a
+parameter written), and a file of this host's shared memory (``/dev/shm``: no disk). The owner waits until it has
+committed that step, its update of the block is done (it cannot be further on: its next commit needs the requester
+too) and it has made as many writes of it (every rank makes the same writes, as DDP's do), reads its copy as a read
+between steps does (``StateAccess.own_copy``, under the lock that orders it with the owner's own reads and writes),
+writes the fp32 values to the file and says so in the store; the requester loads the file and deletes it. A rank
+reading while the others train on (the Trainer's rank 0 saving while rank 1 starts the next step and waits there for
+rank 0) is served all the same: the service's thread does not need the owner's program, which is blocked in a
+collective. ``close()`` still reads by broadcast (every rank closes, and on GPUs the broadcast is faster than files).
+
+A request unanswered within ``TIERSTORE_COLLECTIVE_TIMEOUT_S`` (the owner died or stopped serving) raises naming
+the rank; an owner that cannot read the block answers with its error, which the requester raises.
+
+What it leaves out: what is read and when (``runtime.model.state_access``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from runtime.core.ranks import COLLECTIVE_TIMEOUT_S, Ranks
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "tierstore/read"
+_IDLE_POLL_S = 0.05  # how often an idle service looks for a request (a store lookup: cheap)
+_ANSWER_POLL_S = 0.002  # how often a requester looks for the answer
+
+
+def _request_key(owner: int, number: int) -> str:
+    return f"{_PREFIX}/{owner}/{number}"
+
+
+def _answer_key(owner: int, number: int) -> str:
+    return f"{_PREFIX}/{owner}/{number}/done"
+
+
+def _shared_directory() -> str | None:
+    """Where the files of one host's reads go: shared memory where there is some (no disk), else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class ReadService:
+    """This rank's answers to the other ranks' reads of its blocks: a daemon thread from ``start()`` to ``close()``.
+    ``read(index, kind, step, writes)`` gives the block's fp32 values of that kind at that step after that many writes
+    of it between steps (``StateAccess.own_copy``)."""
+
+    def __init__(self, ranks: Ranks, read: Callable[[int, str, int, int], torch.Tensor]):
+        self.ranks = ranks
+        self.read = read
+        self.served = 0  # requests answered (tests read it)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tierstore-reads-rank{ranks.rank}", daemon=True)
+
+    def start(self) -> None:
+        """Begin answering requests."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop answering (the thread ends within one poll)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * _IDLE_POLL_S + 5)
+
+    def _run(self) -> None:
+        store = self.ranks.store()
+        if store is None:
+            return
+        number = 1
+        while not self._stop.is_set():
+            key = _request_key(self.ranks.rank, number)
+            try:
+                if not store.check([key]):
+                    time.sleep(_IDLE_POLL_S)
+                    continue
+                request = json.loads(store.get(key).decode())
+            except Exception as error:  # the store's host (rank 0) is gone: nobody can ask any more
+                log.debug("rank %d: read service stops: %r", self.ranks.rank, error)
+                return
+            store.set(_answer_key(self.ranks.rank, number), self._answer(request))
+            number += 1
+
+    def _answer(self, request: dict) -> str:
+        """Read and write the requested block into the requester's file; '' when done, else the error."""
+        try:
+            values = self.read(int(request["block"]), str(request["kind"]), int(request["step"]), int(request["writes"]))
+            path = Path(request["path"])
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(values, tmp)
+            os.replace(tmp, path)
+            self.served += 1
+            return ""
+        except Exception as error:
+            log.warning("rank %d could not serve rank %s's read of block %s (%s): %r", self.ranks.rank,
+                        request.get("from"), request.get("block"), request.get("kind"), error)
+            return f"{type(error).__name__}: {error}"
+
+
+class RemoteReader:
+    """This rank's reads of blocks other ranks own, through their read services."""
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+        self._directory: str | None = None  # made at the first read, removed by close()
+
+    def read(self, owner: int, index: int, kind: str, step: int, writes: int) -> torch.Tensor:
+        """Block ``index``'s fp32 values of ``kind`` at ``step``, after ``writes`` writes of it between steps, from
+        rank ``owner`` (a CPU tensor)."""
+        store = self.ranks.store()
+        if store is None:
+            raise RuntimeError(f"rank {self.ranks.rank}: no process group store to ask rank {owner} for block {index}")
+        if self._directory is None:
+            self._directory = tempfile.mkdtemp(prefix=f"tierstore-reads-rank{self.ranks.rank}-", dir=_shared_directory())
+        number = store.add(f"{_PREFIX}/{owner}/count", 1)
+        path = Path(self._directory) / f"block{index}-{kind}-{number}.pt"
+        store.set(_request_key(owner, number), json.dumps(
+            {"block": index, "kind": kind, "step": step, "writes": writes, "path": str(path), "from": self.ranks.rank}))
+        answer = _answer_key(owner, number)
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        while not store.check([answer]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank {self.ranks.rank} of {self.ranks.world_size}: rank {owner} did not answer the read of block "
+                    f"{index} ({kind}) within {COLLECTIVE_TIMEOUT_S:g} s (TIERSTORE_COLLECTIVE_TIMEOUT_S): it stopped, "
+                    "or its session was closed")
+            time.sleep(_ANSWER_POLL_S)
+        failure = store.get(answer).decode()
+        for key in (_request_key(owner, number), answer):
+            store.delete_key(key)
+        if failure:
+            raise RuntimeError(f"rank {self.ranks.rank} of {self.ranks.world_size}: rank {owner} could not read block "
+                               f"{index} ({kind}) for it: {failure}")
+        try:
+            return torch.load(path, weights_only=True)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Remove the directory of this rank's reads."""
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
