@@ -6,7 +6,7 @@ each batch, and its ``max_grad_norm`` clip runs in the loop on every rank. Write
 norms and the final weights (read on every rank: ``master_state_dict()``) to ``<out>/rank<R>.pt``. The Trainer
 saves a checkpoint at step 2 (``save_strategy="steps"``: the model and ``optimizer.state_dict()``, on rank 0 alone)
 and the model at the end (``trainer.save_model``); with ``save`` in argv, every rank also saves the model with
-``session.save_pretrained``."""
+``session.save_pretrained``; with ``resume=DIR``, the Trainer resumes from its checkpoint DIR."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
     session = optimizer.session
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(), optimizers=(optimizer, None))
     try:
-        trainer.train()
+        resume = next((arg[len("resume="):] for arg in sys.argv[5:] if arg.startswith("resume=")), None)
+        trainer.train(resume_from_checkpoint=resume)  # (resume: the Trainer's checkpoint, loaded on every rank)
         logs = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
+        commits = session.controller.optimizer_step  # the steps this session committed
         weights = session.master_state_dict()
         trainer.save_model(os.path.join(out, "trainer-saved"))  # the Trainer's own save: rank 0 alone writes
         if "save" in sys.argv[5:]:
@@ -47,7 +49,8 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
         wrapped = type(trainer.model_wrapped).__name__  # what accelerate made of the model
     finally:
         session.close()
-    torch.save({"logs": logs, "weights": weights, "wrapped": wrapped}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save({"logs": logs, "weights": weights, "wrapped": wrapped, "commits": commits},
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -64,3 +64,12 @@ def test_an_unchanged_trainer_on_two_ranks_trains_as_one_process_at_the_global_b
         for kind in ("exp_avg", "exp_avg_sq"):
             diff = (ours["state"][index][kind] - state[kind]).abs().max()
             assert diff <= 1e-4 * state[kind].abs().max() + 1e-12, (index, kind, diff)
+    # Resumed from that checkpoint on 2 ranks (each loads the model and the optimizer's state), the third step gives
+    # the uninterrupted run's weights
+    resumed = run(tmp_path / "resumed", 2, f"resume={tmp_path / 'many' / 'trainer' / 'checkpoint-2'}")
+    for rank, record in enumerate(resumed):
+        assert record["commits"] == 1, record["commits"]  # it resumed: one step trained here
+        # the log of the checkpoint's two steps (the Trainer restores it), then the third step's, as before
+        assert record["logs"][-1] == pytest.approx(ranks[0]["logs"][-1], rel=1e-5)
+        for name, value in ranks[0]["weights"].items():
+            assert_nearly_equal(record["weights"][name], value, f"resumed rank {rank}, {name}")
