@@ -97,17 +97,22 @@ class Ranks:
             except Exception as error:  # the store's host may be gone already: the others then time out, unnamed
                 log.warning("rank %d could not tell the others why it failed: %r", self.rank, error)
 
+    def failure_of(self, rank: int) -> str | None:
+        """What ``rank`` said of its failure (``fail``), or None: it did not say, or the store cannot be read."""
+        store = _default_store()
+        key = f"{_FAILED_KEY}{rank}"
+        try:
+            return store.get(key).decode(errors="replace") if store is not None and store.check([key]) else None
+        except Exception:  # the store's host may be the rank that died
+            return None
+
     def _published_failures(self) -> list[str]:
         """What other ranks said of their failure (``fail``), by rank: none where the store cannot be read."""
-        store = _default_store()
         found = []
         for rank in range(self.world_size):
-            key = f"{_FAILED_KEY}{rank}"
-            try:
-                if rank != self.rank and store is not None and store.check([key]):
-                    found.append(f"rank {rank} failed: {store.get(key).decode(errors='replace')}")
-            except Exception:  # the store's host may be the rank that died
-                continue
+            cause = None if rank == self.rank else self.failure_of(rank)
+            if cause is not None:
+                found.append(f"rank {rank} failed: {cause}")
         return found
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 _PREFIX = "tierstore/read"
 _IDLE_POLL_S = 0.05  # how often an idle service looks for a request (a store lookup: cheap)
 _ANSWER_POLL_S = 0.002  # how often a requester looks for the answer
+_FAILURE_POLLS = 50  # and every this many looks, whether the owner said it failed (Ranks.fail)
 
 
 def _request_key(owner: int, number: int) -> str:
@@ -100,6 +101,8 @@ class ReadService:
 
     def _answer(self, request: dict) -> str:
         """Read and write the requested block into the requester's file; '' when done, else the error."""
+        if self.ranks.broken is not None:  # this rank failed (or saw a collective fail): its state is not for reading
+            return self.ranks.broken
         try:
             values = self.read(int(request["block"]), str(request["kind"]), int(request["step"]), int(request["writes"]))
             path = Path(request["path"])
@@ -135,12 +138,15 @@ class RemoteReader:
             {"block": index, "kind": kind, "step": step, "writes": writes, "path": str(path), "from": self.ranks.rank}))
         answer = _answer_key(owner, number)
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        polls = 0
         while not store.check([answer]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"rank {self.ranks.rank} of {self.ranks.world_size}: rank {owner} did not answer the read of block "
-                    f"{index} ({kind}) within {COLLECTIVE_TIMEOUT_S:g} s (TIERSTORE_COLLECTIVE_TIMEOUT_S): it stopped, "
-                    "or its session was closed")
+            polls += 1
+            failed = self.ranks.failure_of(owner) if polls % _FAILURE_POLLS == 0 else None
+            if failed is not None or time.monotonic() > deadline:
+                why = f"it failed: {failed}" if failed is not None else \
+                    f"not within {COLLECTIVE_TIMEOUT_S:g} s (TIERSTORE_COLLECTIVE_TIMEOUT_S): it stopped, or its session was closed"
+                raise RuntimeError(f"rank {self.ranks.rank} of {self.ranks.world_size}: rank {owner} did not answer the "
+                                   f"read of block {index} ({kind}): {why}")
             time.sleep(_ANSWER_POLL_S)
         failure = store.get(answer).decode()
         for key in (_request_key(owner, number), answer):

@@ -68,6 +68,11 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), USER_CLIP)))
             optimizer.step()
             optimizer.zero_grad()
+        lone = os.environ.get("RANKS_TEST_LONE_READ")  # "raise|kill": after training rank 1 fails, rank 0 reads alone
+        if lone is not None and rank == 1:
+            if lone == "kill":
+                os._exit(9)
+            raise RuntimeError("test failure on rank 1 after training")
         weights = session.master_state_dict()
         gathered_ahead = session.controller.weights.gathered_ahead
     finally:

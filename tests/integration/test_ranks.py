@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -172,6 +173,26 @@ def test_a_rank_failing_mid_backward_ends_every_rank_and_leaves_no_swap_file(tmp
     assert "rank 0 of 2" in outputs[0] and "failed" in outputs[0], outputs[0][-3000:]
     left = [p for p in tmpfs_dir.rglob("*") if p.is_file()]
     assert not left, f"swap files left: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_read_from_a_rank_that_failed_raises_naming_it(tmp_path, how):
+    """After training, rank 1 raises (or dies) and rank 0 reads the whole model alone (as the HF Trainer saves):
+    the reads of rank 1's blocks ask its read service ([Note: reads served by the owner]), which no longer answers;
+    rank 0 raises naming rank 1 (and its cause, where it said one) at once, or after the timeout when it was killed."""
+    started = time.monotonic()
+    procs = start(tmp_path, 2, CONFIGS["plain"], extra_env={"RANKS_TEST_LONE_READ": how,
+                                                            "TIERSTORE_COLLECTIVE_TIMEOUT_S": "10"})
+    outputs = finish(procs, timeout_s=120)
+    assert procs[0].returncode not in (0, None) and procs[1].returncode not in (0, None), outputs
+    assert time.monotonic() - started < 100
+    if how == "raise":  # its service answers with the failure, or the failure it published is read
+        assert re.search(r"rank 0 of 2: rank 1 (did not answer|could not read) .*test failure on rank 1 after training",
+                         outputs[0]), outputs[0][-3000:]
+    else:
+        assert "rank 0 of 2: rank 1 did not answer the read of block" in outputs[0], outputs[0][-3000:]
+        assert "not within 10 s" in outputs[0], outputs[0][-3000:]
 
 
 def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path):
