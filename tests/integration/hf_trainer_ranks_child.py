@@ -30,7 +30,8 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=global_batch // world // accumulation,
         gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3, logging_steps=1,
-        save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0, lr_scheduler_type="linear",
+        save_strategy="steps", save_steps=2, report_to=[], use_cpu=config.get("device") == "cpu", seed=0,
+        lr_scheduler_type="linear",
         warmup_steps=1, dataloader_drop_last=True)
     swap = os.path.join(out, "swap")
     os.makedirs(swap, exist_ok=True)

@@ -15,10 +15,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the HF integration is an optional extra: pip install -e '.[hf]'")
 accelerate = pytest.importorskip("accelerate")
 
-from tests.integration.test_ranks import assert_nearly_equal, finish, start  # noqa: E402
+from tests.integration.test_ranks import DEVICE, assert_nearly_equal, finish, start  # noqa: E402
 
 CHILD = Path(__file__).with_name("hf_trainer_ranks_child.py")
-CONFIG = {"device": "cpu", "dtype": "fp32", "placement": {"moments": "nvme"},
+# RANKS_TEST_DEVICE=cuda: one GPU per rank over NCCL (tests/gpu_session.sh ranks)
+CONFIG = {"device": DEVICE, "dtype": "fp32", "placement": {"moments": "nvme"},
           "optimizer": {"lr": 1e-3, "grad_clip": None, "user_grad_clip": True, "accumulation_steps": 2,
                         "accumulate_on": "host"}}
 STEPS = 3
