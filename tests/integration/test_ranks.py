@@ -96,6 +96,9 @@ CONFIGS = {
     # the loop clips (clip_grad_norm_ below the norms, as the HF Trainer does): every rank sees every block's norm
     "user-clip": {"device": DEVICE, "dtype": "fp32",
                   "optimizer": {"lr": 1e-3, "grad_clip": None, "user_grad_clip": True, "accumulation_steps": 2}},
+    # compact moments (issue 43's 70B on one node needs both): each owner's int8 moments, as one process's
+    "int8-moments": {"device": DEVICE, "dtype": "fp32",
+                     "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "moment_dtype": "int8", "moment_kernel": "torch"}},
     # each micro-batch's gradient reduced onto the owner, summed in its host memory
     "host-sums": {"device": DEVICE, "dtype": "fp32",
                   "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}},
