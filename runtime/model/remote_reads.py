@@ -85,6 +85,8 @@ class ReadService:
         store = self.ranks.store()
         if store is None:
             return
+        if self.ranks.device.type == "cuda":  # this thread's CUDA calls go to this rank's GPU, not GPU 0
+            torch.cuda.set_device(self.ranks.device)
         number = 1
         while not self._stop.is_set():
             key = _request_key(self.ranks.rank, number)
