@@ -90,7 +90,7 @@ class Ranks:
         collectives under gloo at once; under NCCL they end at the timeout."""
         if self.broken is None:
             self.broken = f"rank {self.rank} failed: {cause}"
-        store = _default_store()
+        store = self.store()
         if store is not None:
             try:
                 store.set(f"{_FAILED_KEY}{self.rank}", cause[:2000])
@@ -99,7 +99,7 @@ class Ranks:
 
     def failure_of(self, rank: int) -> str | None:
         """What ``rank`` said of its failure (``fail``), or None: it did not say, or the store cannot be read."""
-        store = _default_store()
+        store = self.store()
         key = f"{_FAILED_KEY}{rank}"
         try:
             return store.get(key).decode(errors="replace") if store is not None and store.check([key]) else None
