@@ -7,7 +7,8 @@ rank had to make the same reads in the same order. The HF Trainer saves on rank 
 checkpoints): rank 0's reads waited for ranks that never came. Instead each rank runs a read service, a thread that
 watches the process group's store for requests addressed to it. A request names a block, a kind (master, exp_avg,
 exp_avg_sq), the requester's committed step and count of the block's writes between steps (``load_state_dict``, a
-parameter written), and a file of this host's shared memory (``/dev/shm``: no disk). The owner waits until it has
+parameter written), and a file of this host's shared memory (``/dev/shm``: no disk; the temporary directory where
+it has no room, as in a container's 64 MiB). The owner waits until it has
 committed that step, its update of the block is done (it cannot be further on: its next commit needs the requester
 too) and it has made as many writes of it (every rank makes the same writes, as DDP's do), reads its copy as a read
 between steps does (``StateAccess.own_copy``, under the lock that orders it with the owner's own reads and writes),
@@ -54,9 +55,15 @@ def _answer_key(owner: int, number: int) -> str:
     return f"{_PREFIX}/{owner}/{number}/done"
 
 
-def _shared_directory() -> str | None:
-    """Where the files of one host's reads go: shared memory where there is some (no disk), else the temp dir."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+_SHM = "/dev/shm"
+
+
+def _room_in_shared_memory(nbytes: int) -> bool:
+    """Whether a file of ``nbytes`` fits in this host's shared memory (a container's is often 64 MiB)."""
+    try:
+        return os.access(_SHM, os.W_OK) and shutil.disk_usage(_SHM).free > 2 * nbytes
+    except OSError:
+        return False
 
 
 class ReadService:
@@ -124,18 +131,24 @@ class RemoteReader:
 
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
-        self._directory: str | None = None  # made at the first read, removed by close()
+        self._directories: dict[bool, str] = {}  # in shared memory or not -> the directory, made at first use
 
-    def read(self, owner: int, index: int, kind: str, step: int, writes: int) -> torch.Tensor:
-        """Block ``index``'s fp32 values of ``kind`` at ``step``, after ``writes`` writes of it between steps, from
-        rank ``owner`` (a CPU tensor)."""
+    def _directory(self, nbytes: int) -> str:
+        """Where a file of ``nbytes`` goes: shared memory (no disk) where it has room, else the temporary directory."""
+        shared = _room_in_shared_memory(nbytes)
+        if shared not in self._directories:
+            self._directories[shared] = tempfile.mkdtemp(prefix=f"tierstore-reads-rank{self.ranks.rank}-",
+                                                         dir=_SHM if shared else None)
+        return self._directories[shared]
+
+    def read(self, owner: int, index: int, kind: str, step: int, writes: int, nbytes: int = 0) -> torch.Tensor:
+        """Block ``index``'s fp32 values of ``kind`` (about ``nbytes``) at ``step``, after ``writes`` writes of it
+        between steps, from rank ``owner`` (a CPU tensor)."""
         store = self.ranks.store()
         if store is None:
             raise RuntimeError(f"rank {self.ranks.rank}: no process group store to ask rank {owner} for block {index}")
-        if self._directory is None:
-            self._directory = tempfile.mkdtemp(prefix=f"tierstore-reads-rank{self.ranks.rank}-", dir=_shared_directory())
         number = store.add(f"{_PREFIX}/{owner}/count", 1)
-        path = Path(self._directory) / f"block{index}-{kind}-{number}.pt"
+        path = Path(self._directory(nbytes)) / f"block{index}-{kind}-{number}.pt"
         store.set(_request_key(owner, number), json.dumps(
             {"block": index, "kind": kind, "step": step, "writes": writes, "path": str(path), "from": self.ranks.rank}))
         answer = _answer_key(owner, number)
@@ -162,7 +175,7 @@ class RemoteReader:
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Remove the directory of this rank's reads."""
-        if self._directory is not None:
-            shutil.rmtree(self._directory, ignore_errors=True)
-            self._directory = None
+        """Remove the directories of this rank's reads."""
+        for directory in self._directories.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        self._directories = {}

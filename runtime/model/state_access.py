@@ -193,7 +193,8 @@ class StateAccess:
         ranks, owner = options.ranks, options.owners[block.index]
         if served:
             assert self.remote is not None
-            use(self.remote.read(owner, block.index, kind, self.view.optimizer_step, self.writes[block.index]))
+            use(self.remote.read(owner, block.index, kind, self.view.optimizer_step, self.writes[block.index],
+                                 nbytes=4 * block.numel))
             return
         values = torch.empty(block.numel, dtype=torch.float32, device=ranks.device)
         if owner == ranks.rank:

@@ -52,10 +52,19 @@ def test_a_read_is_answered_with_the_owners_values_and_leaves_no_file(pair):
     for index in (3, 5):  # two requests in turn: each answered, in order
         assert torch.equal(reader.read(1, index, "exp_avg", 2, 7), torch.arange(4.0) + 10 * index + 2)
     assert asked == [(3, "exp_avg", 2, 7), (5, "exp_avg", 2, 7)] and service.served == 2
-    directory = reader._directory
-    assert directory is not None and os.listdir(directory) == []  # each file deleted once read
+    [directory] = reader._directories.values()
+    assert os.listdir(directory) == []  # each file deleted once read
     reader.close()
     assert not os.path.exists(directory)
+
+
+def test_a_file_too_large_for_shared_memory_goes_to_the_temporary_directory(pair, monkeypatch):
+    _, _, reader, _ = pair
+    monkeypatch.setattr(remote_reads, "_room_in_shared_memory", lambda nbytes: nbytes < 1000)
+    assert torch.equal(reader.read(1, 3, "master", 0, 0, nbytes=16), torch.arange(4.0) + 30)
+    assert torch.equal(reader.read(1, 3, "master", 0, 0, nbytes=10**12), torch.arange(4.0) + 30)
+    assert sorted(reader._directories) == [False, True]
+    assert reader._directories[True].startswith("/dev/shm/") and not reader._directories[False].startswith("/dev/shm/")
 
 
 def test_an_owner_that_cannot_read_answers_with_its_error(pair):
