@@ -112,18 +112,19 @@ class OffloadSession:
         """Save the current weights as HF-style sharded safetensors (``from_pretrained`` reads them), one shard
         of blocks in host memory at a time: the way to save a model too large for ``model.state_dict()``.
 
-        With several processes it is collective: every rank calls it with the same directory; each block's weights
-        come from its owner, rank 0 writes the files, and every rank returns once they are written (or raises
-        rank 0's failure)."""
+        With several processes it is collective: every rank calls it with the same directory; rank 0 reads each
+        block from its owner ([Note: reads served by the owner]) and writes the files, and every rank returns once
+        they are written (or raises rank 0's failure)."""
         ranks = self.controller.options.ranks
         if ranks is None:
             save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
             return
         error: BaseException | None = None
-        try:
-            save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes, writes=ranks.rank == 0, read_all=True)
-        except Exception as exc:  # every rank learns it below
-            error = exc
+        if ranks.rank == 0:  # (two ranks writing the same names would race)
+            try:
+                save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
+            except Exception as exc:  # every rank learns it below
+                error = exc
         others = ranks.others_refusing(None if error is None else f"{type(error).__name__}: {error}",
                                        "the saved model's status")
         if error is not None:
@@ -619,7 +620,7 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
         _open_store(opened, StoreConfig(device=str(device), gpu_budget_nbytes=budgets.gpu_nbytes,
                                         host_budget_nbytes=budgets.host_nbytes, pin=pin if device.type == "cuda" else False,
                                         nvme_path=_rank_directory(cfg.tiers.nvme.path, ranks),
-                                        nvme_budget_nbytes=_rank_nvme_budget(cfg, blocks, ranks),
+                                        nvme_budget_nbytes=budgets.nvme_nbytes,  # (a rank's: its share)
                                         io_threads=cfg.tiers.nvme.io_threads, io_block_nbytes=cfg.tiers.nvme.block_size,
                                         direct_io=str(direct)))
         store = opened[0]
@@ -826,13 +827,6 @@ def placement_figures(session: OffloadSession) -> dict[str, Any]:
 
 
 LONG_SETUP_NBYTES = 8 << 30  # pinned memory from which setup takes long enough to report its progress
-
-
-def _rank_nvme_budget(cfg: TierstoreConfig, blocks: list[Block], ranks: Ranks | None) -> int:
-    """``tiers.nvme.budget``: the node's, or this rank's share of it where several processes run."""
-    if ranks is None:
-        return cfg.tiers.nvme.budget
-    return rank_config(cfg, blocks, owned_blocks(blocks, ranks.rank, ranks.world_size), ranks.device).tiers.nvme.budget
 
 
 def _rank_directory(path: str | None, ranks: Ranks | None) -> str | None:

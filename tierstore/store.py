@@ -218,6 +218,34 @@ class TierStore:
             raise RuntimeError(f"{record.key} has no current copy on {tier.value} (state {copy.state.value}); fetch it first")
         return copy.allocation.tensor
 
+    def snapshot(self, key: TensorKey | str) -> torch.Tensor:
+        """A new flat CPU tensor holding key's current value, its copies left as they are (nothing staged, moved or
+        released): for a thread that reads key while another may move it (a rank's read service, runtime.model.
+        remote_reads). From the host copy where it is current (copied under the store's lock, so that no release
+        frees it meanwhile), else from the GPU copy (on the caller's current stream: the caller makes sure what wrote
+        it has run), else from the NVMe file once no write of it is in flight. Waits for a transfer filling a copy."""
+        record = self.record(key)
+        out = torch.empty(record.meta.numel, dtype=record.meta.dtype)
+        while True:
+            self.wait_written(key)  # an NVMe home's file is whole before it is read
+            with self._lock:
+                loading = None
+                for tier in (TierName.HOST, TierName.GPU, TierName.NVME):
+                    copy = record.copies[tier]
+                    self._settle(copy)
+                    if copy.state is CopyState.LOADING:
+                        loading = copy.handle
+                    elif copy.state.is_current and tier is not TierName.NVME:
+                        out.copy_(copy.held().require_tensor())
+                        return out
+                    elif copy.state.is_current and loading is None:
+                        self._nvme_dir.read(copy.held().require_swap(), out.view(torch.uint8),
+                                            expected_step=record.step)
+                        return out
+            if loading is None:
+                raise RuntimeError(f"{record.key} has no current copy to read")
+            loading._wait_complete()  # a copy on its way (outside the lock: its callbacks take it), then again
+
     # ---- movement ------------------------------------------------------------------------------------
     def fetch(self, key: TensorKey | str, to: TierName | str = TierName.GPU) -> Handle:
         """Bring a current copy of key to tier ``to`` (staging through host when it only lives on NVMe).

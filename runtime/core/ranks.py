@@ -20,6 +20,7 @@ What it leaves out: which rank owns which block (planning), when the calls are m
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -44,10 +45,13 @@ class Ranks:
     broken: every later call raises at once, naming the first failure, so that cleaning up (``close()``, which
     reads the owners' weights through collectives) ends in one timeout, not one per block."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device):
+    def __init__(self, rank: int, world_size: int, device: torch.device, serial: int = 0):
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        # Which session of this process group (every rank offloads as many times, in order): the store's keys a
+        # session writes carry it, so that a later session never reads an earlier one's.
+        self.serial = serial
         self.broken: str | None = None  # the first collective failure, once there was one
 
     def __repr__(self) -> str:
@@ -93,14 +97,14 @@ class Ranks:
         store = self.store()
         if store is not None:
             try:
-                store.set(f"{_FAILED_KEY}{self.rank}", cause[:2000])
+                store.set(self.key(f"{_FAILED_KEY}{self.rank}"), cause[:2000])
             except Exception as error:  # the store's host may be gone already: the others then time out, unnamed
                 log.warning("rank %d could not tell the others why it failed: %r", self.rank, error)
 
     def failure_of(self, rank: int) -> str | None:
         """What ``rank`` said of its failure (``fail``), or None: it did not say, or the store cannot be read."""
         store = self.store()
-        key = f"{_FAILED_KEY}{rank}"
+        key = self.key(f"{_FAILED_KEY}{rank}")
         try:
             return store.get(key).decode(errors="replace") if store is not None and store.check([key]) else None
         except Exception:  # the store's host may be the rank that died
@@ -137,8 +141,14 @@ class Ranks:
             tensor.div_(self.world_size)
 
     def barrier(self, what: str) -> None:
-        """Wait until every rank has come here (``what`` names the point in errors)."""
-        self.call(what, lambda: dist.all_reduce(torch.zeros(1, device=self.device), op=dist.ReduceOp.SUM))
+        """Return once every rank has come here (``what`` names the point in errors): this thread waits, on a GPU
+        too (NCCL's calls return before the GPUs have met; ``item()`` waits for them)."""
+        arrived = torch.zeros(1, device=self.device)
+        self.call(what, lambda: (dist.all_reduce(arrived, op=dist.ReduceOp.SUM), arrived.item()))
+
+    def key(self, name: str) -> str:
+        """A key of this session in the process group's store."""
+        return f"tierstore/s{self.serial}/{name}"
 
     def sum(self, tensor: torch.Tensor) -> None:
         """Every rank's ``tensor`` becomes the sum over ranks (in place)."""
@@ -156,7 +166,8 @@ class _Work:
         self.ranks.call(f"the end of {self.what}", self.work.wait)
 
 
-_FAILED_KEY = "tierstore/failed/rank"
+_FAILED_KEY = "failed/rank"
+_SESSIONS = itertools.count(1)  # join_ranks' serial numbers: the sessions of this process, in order
 
 
 def _default_store() -> dist.Store | None:
@@ -202,7 +213,7 @@ def join_ranks(device: torch.device) -> Ranks | None:
             # a program that made the group but never chose a GPU: every rank on GPU 0 would hang NCCL's calls
             torch.cuda.set_device(int(local))
         device = torch.device("cuda", torch.cuda.current_device())
-    return Ranks(dist.get_rank(), dist.get_world_size(), device)
+    return Ranks(dist.get_rank(), dist.get_world_size(), device, next(_SESSIONS))
 
 
 def bind_cores(ranks: Ranks) -> list[int] | None:

@@ -118,6 +118,10 @@ class Controller:
         self.host_sums = HostSumSlots(self, blocks, store, sums)
         self.clipper = GradClipper(self, blocks, self.param_slot, self.kept_grads, self.host_sums)
         self.optimizer_step = 0  # committed optimizer steps
+        # On a GPU, with several processes: recorded after each commit's device work was queued (its updates,
+        # their write-backs), which a read of the state from another thread waits for, and nothing queued later
+        # (runtime.model.remote_reads).
+        self.committed_event: torch.cuda.Event | None = None
         self.micro = 0  # backward passes since the last committed step
         self.forward_running = False  # between the model's forward pre-hook and its post-hook (runtime.model.hooks)
         self._phase = StepPhase.IDLE  # where the step in progress is (runtime.engine.step_phase); set only by _set_phase
@@ -387,6 +391,8 @@ class Controller:
         for record in self.table:
             record.updating = False
             record.carried = False
+        if self.options.ranks is not None and self.device.type == "cuda":
+            self.committed_event = torch.cuda.current_stream(self.device).record_event()
         self.optimizer_step += 1
         self.micro = 0
         self.kept_grads.step_committed(had_backward)

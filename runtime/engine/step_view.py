@@ -31,6 +31,10 @@ class StepView(Protocol):
         """Committed optimizer steps."""
 
     @property
+    def committed_event(self) -> torch.cuda.Event | None:
+        """On a GPU with several processes: the event recorded after the last commit's device work was queued."""
+
+    @property
     def phase(self) -> StepPhase:
         """Where the step in progress is."""
 

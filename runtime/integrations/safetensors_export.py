@@ -69,34 +69,15 @@ def plan_shards(blocks: list[Block], itemsize: int, max_shard_nbytes: int) -> li
 
 
 def save_sharded(session: OffloadedWeights, directory: str | os.PathLike[str], *,
-                 max_shard_nbytes: int = 5 << 30, dtype: torch.dtype | None = None, writes: bool = True,
-                 read_all: bool = False) -> Path:
+                 max_shard_nbytes: int = 5 << 30, dtype: torch.dtype | None = None) -> Path:
     """Write the session's current weights (the fp32 masters cast to ``dtype``, default the compute dtype) and
-    the model's other parameters and persistent buffers as HF-style safetensors shards; returns the index path.
-
-    Several processes save together: every rank reads every block (``weights_of`` is collective there), and only
-    the one that ``writes`` writes files (two ranks writing the same names would race). ``read_all``: a failed write
-    does not stop the reads, so the ranks' collectives stay in step; the failure is raised once all are read."""
+    the model's other parameters and persistent buffers as HF-style safetensors shards; returns the index path."""
     try:
         from safetensors.torch import save_file
     except ImportError as exc:
         raise ImportError("save_sharded needs safetensors: pip install -e '.[hf]'") from exc
     out = Path(directory)
-    failure: list[BaseException] = []
-
-    def write(tensors: dict[str, torch.Tensor], path: Path) -> int:
-        if not writes or failure:
-            return 0
-        try:
-            return _write(save_file, tensors, path)
-        except Exception as exc:
-            if not read_all:
-                raise
-            failure.append(exc)
-            return 0
-
-    if writes:
-        out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or session.compute_dtype
     shards = plan_shards(session.blocks, torch.empty((), dtype=dtype).itemsize, max_shard_nbytes)
     rest = _other_tensors(session)
@@ -108,13 +89,9 @@ def save_sharded(session: OffloadedWeights, directory: str | os.PathLike[str], *
         for block in blocks:
             tensors.update(session.weights_of(block, dtype))
         name = f"model-{number:05d}-of-{total:05d}.safetensors"
-        total_nbytes += write(tensors, out / name)
+        total_nbytes += _write(save_file, tensors, out / name)
         weight_map.update(dict.fromkeys(tensors, name))
         log.info("saved shard %d/%d (%d tensors)", number, total, len(tensors))
-    if failure:
-        raise failure[0]
-    if not writes:
-        return out / INDEX_NAME
     if rest:
         name = f"model-{total:05d}-of-{total:05d}.safetensors"
         total_nbytes += _write(save_file, rest, out / name)

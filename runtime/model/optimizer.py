@@ -216,11 +216,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                                      f"the parameter {tuple(slot.shape)}")
             per_block.setdefault(block.index, []).append((position, slot, entry))
         self.access.settle()
+        self.access.before_writes("optimizer.load_state_dict")
         for group, saved in zip(self.param_groups, groups, strict=False):
             group.update({key: value for key, value in saved.items() if key != "params" and key not in IMPLEMENTATION_FLAGS})
         for block_index, entries in per_block.items():
             for position, _slot, entry in entries:
                 self.controller.param_step(block_index, position).fill_(float(entry.get("step", 0.0)))
+            self.access.count_write(block_index)  # (the step counters: a read of them waits for the owner's too)
         for block in self.controller.blocks:
             entries = per_block.get(block.index, [])
             for kind in ("exp_avg", "exp_avg_sq"):

@@ -369,6 +369,8 @@ class ParamGuard:
             if other is not target and other_index is not None:
                 self.access.prepare_read(other_index)
         self.access.settle(writing=True)
+        if not self.access.in_batch:  # (a load's writes passed its barrier once, at its start)
+            self.access.before_writes(f"{getattr(func, '__name__', func)} on a parameter")
         block = self.blocks[index]
         size, stride, offset = target.size(), target.stride(), target.storage_offset()
 

@@ -6,16 +6,18 @@
 rank had to make the same reads in the same order. The HF Trainer saves on rank 0 alone (``save_model``, its
 checkpoints): rank 0's reads waited for ranks that never came. Instead each rank runs a read service, a thread that
 watches the process group's store for requests addressed to it. A request names a block, a kind (master, exp_avg,
-exp_avg_sq), the requester's committed step and count of the block's writes between steps (``load_state_dict``, a
-parameter written), and a file of this host's shared memory (``/dev/shm``: no disk; the temporary directory where
-it has no room, as in a container's 64 MiB). The owner waits until it has
-committed that step, its update of the block is done (it cannot be further on: its next commit needs the requester
-too) and it has made as many writes of it (every rank makes the same writes, as DDP's do), reads its copy as a read
-between steps does (``StateAccess.own_copy``, under the lock that orders it with the owner's own reads and writes),
-writes the fp32 values to the file and says so in the store; the requester loads the file and deletes it. A rank
-reading while the others train on (the Trainer's rank 0 saving while rank 1 starts the next step and waits there for
-rank 0) is served all the same: the service's thread does not need the owner's program, which is blocked in a
-collective. ``close()`` still reads by broadcast (every rank closes, and on GPUs the broadcast is faster than files).
+exp_avg_sq, or the step counters), the requester's committed step and its count of the block's writes between steps
+(``load_state_dict``, a parameter written), and a file in this host's shared memory (``/dev/shm``: no disk; the
+temporary directory where it has no room, as in a container's 64 MiB). The owner waits until it has committed that
+step and made as many writes (it cannot be further on: its next commit needs the requester's gradients, and every
+write starts with a barrier of all ranks, ``StateAccess.before_writes``, which the requester reaches only after its
+reads), until the block's update to that step is done and, on a GPU, until the device work queued by that commit and
+write has run (its events: nothing queued later, such as the next step's collectives, which wait for the requester);
+then it copies the state with ``TierStore.snapshot``, which stages, moves and releases nothing, so the owner's own
+threads may go on moving it, and writes the values to the file (on a CUDA stream of the service's own). The requester
+loads the file and deletes it. ``close()`` still gathers by broadcast (every rank closes, and on GPUs the broadcast
+is faster than files). The store's keys carry the session's serial number, so a later session in the same process
+group never reads an earlier one's.
 
 A request unanswered within ``TIERSTORE_COLLECTIVE_TIMEOUT_S`` (the owner died or stopped serving) raises naming
 the rank; an owner that cannot read the block answers with its error, which the requester raises.
@@ -34,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,18 +44,18 @@ from runtime.core.ranks import COLLECTIVE_TIMEOUT_S, Ranks
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "tierstore/read"
+_PREFIX = "read"  # under the session's keys (Ranks.key)
 _IDLE_POLL_S = 0.05  # how often an idle service looks for a request (a store lookup: cheap)
 _ANSWER_POLL_S = 0.002  # how often a requester looks for the answer
 _FAILURE_POLLS = 50  # and every this many looks, whether the owner said it failed (Ranks.fail)
 
 
-def _request_key(owner: int, number: int) -> str:
-    return f"{_PREFIX}/{owner}/{number}"
+def _request_key(ranks: Ranks, owner: int, number: int) -> str:
+    return ranks.key(f"{_PREFIX}/{owner}/{number}")
 
 
-def _answer_key(owner: int, number: int) -> str:
-    return f"{_PREFIX}/{owner}/{number}/done"
+def _answer_key(ranks: Ranks, owner: int, number: int) -> str:
+    return ranks.key(f"{_PREFIX}/{owner}/{number}/done")
 
 
 _SHM = "/dev/shm"
@@ -92,11 +95,19 @@ class ReadService:
         store = self.ranks.store()
         if store is None:
             return
-        if self.ranks.device.type == "cuda":  # this thread's CUDA calls go to this rank's GPU, not GPU 0
+        if self.ranks.device.type == "cuda":
+            # This thread's CUDA calls go to this rank's GPU, not GPU 0, and on a stream of its own: the default
+            # stream holds the owner's next collectives, queued already, which wait for the rank reading.
             torch.cuda.set_device(self.ranks.device)
+            with torch.cuda.stream(torch.cuda.Stream(self.ranks.device)):
+                self._serve(store)
+        else:
+            self._serve(store)
+
+    def _serve(self, store: Any) -> None:
         number = 1
         while not self._stop.is_set():
-            key = _request_key(self.ranks.rank, number)
+            key = _request_key(self.ranks, self.ranks.rank, number)
             try:
                 if not store.check([key]):
                     time.sleep(_IDLE_POLL_S)
@@ -105,24 +116,25 @@ class ReadService:
             except Exception as error:  # the store's host (rank 0) is gone: nobody can ask any more
                 log.debug("rank %d: read service stops: %r", self.ranks.rank, error)
                 return
-            store.set(_answer_key(self.ranks.rank, number), self._answer(request))
+            store.set(_answer_key(self.ranks, self.ranks.rank, number), self._answer(request))
             number += 1
 
     def _answer(self, request: dict) -> str:
         """Read and write the requested block into the requester's file; '' when done, else the error."""
         if self.ranks.broken is not None:  # this rank failed (or saw a collective fail): its state is not for reading
             return self.ranks.broken
+        path = Path(request["path"])
+        tmp = path.with_name(path.name + ".tmp")
         try:
             values = self.read(int(request["block"]), str(request["kind"]), int(request["step"]), int(request["writes"]))
-            path = Path(request["path"])
-            tmp = path.with_name(path.name + ".tmp")
             torch.save(values, tmp)
             os.replace(tmp, path)
             self.served += 1
             return ""
         except Exception as error:
+            tmp.unlink(missing_ok=True)
             log.warning("rank %d could not serve rank %s's read of block %s (%s): %r", self.ranks.rank,
-                        request.get("from"), request.get("block"), request.get("kind"), error)
+                        request.get("from"), request.get("block"), request.get("kind"), error, exc_info=True)
             return f"{type(error).__name__}: {error}"
 
 
@@ -147,11 +159,11 @@ class RemoteReader:
         store = self.ranks.store()
         if store is None:
             raise RuntimeError(f"rank {self.ranks.rank}: no process group store to ask rank {owner} for block {index}")
-        number = store.add(f"{_PREFIX}/{owner}/count", 1)
+        number = store.add(self.ranks.key(f"{_PREFIX}/{owner}/count"), 1)
         path = Path(self._directory(nbytes)) / f"block{index}-{kind}-{number}.pt"
-        store.set(_request_key(owner, number), json.dumps(
+        store.set(_request_key(self.ranks, owner, number), json.dumps(
             {"block": index, "kind": kind, "step": step, "writes": writes, "path": str(path), "from": self.ranks.rank}))
-        answer = _answer_key(owner, number)
+        answer = _answer_key(self.ranks, owner, number)
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
         polls = 0
         while not store.check([answer]):
@@ -160,11 +172,12 @@ class RemoteReader:
             if failed is not None or time.monotonic() > deadline:
                 why = f"it failed: {failed}" if failed is not None else \
                     f"not within {COLLECTIVE_TIMEOUT_S:g} s (TIERSTORE_COLLECTIVE_TIMEOUT_S): it stopped, or its session was closed"
+                path.unlink(missing_ok=True)  # (where it answers after all, its file goes with the directory)
                 raise RuntimeError(f"rank {self.ranks.rank} of {self.ranks.world_size}: rank {owner} did not answer the "
                                    f"read of block {index} ({kind}): {why}")
             time.sleep(_ANSWER_POLL_S)
         failure = store.get(answer).decode()
-        for key in (_request_key(owner, number), answer):
+        for key in (_request_key(self.ranks, owner, number), answer):
             store.delete_key(key)
         if failure:
             raise RuntimeError(f"rank {self.ranks.rank} of {self.ranks.world_size}: rank {owner} could not read block "

@@ -13,7 +13,6 @@ surface (``runtime.model.optimizer``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -36,6 +35,7 @@ from tierstore import CapacityError, CopyState, TierName, TierStore
 log = logging.getLogger(__name__)
 
 STEPS = "steps"  # what own_copy gives for a block's AdamW step counters (one per parameter), beside its state kinds
+OWNER_WAIT_S = COLLECTIVE_TIMEOUT_S / 2  # how long a read waits for this rank to reach the requester's state
 
 
 class StateHolder(Protocol):
@@ -95,14 +95,19 @@ class StateAccess:
         self.remote: RemoteReader | None = None
         self.broadcast_reads = False
         self.writes = [0] * len(blocks)  # between-step writes of each block so far (a remote block's counted too)
-        # Orders this rank's own reads and writes of its state with its read service's (another thread).
-        self._state_lock = threading.RLock()
+        self.written_event: torch.cuda.Event | None = None  # after the last write's device work (_note_device_writes)
 
     # ---- batched writes (load_state_dict) --------------------------------------------------------------
     def begin_batch(self) -> None:
         """Gather the master writes that follow until ``end_batch`` (or the next read)."""
         if self._batch is None:
+            self.before_writes("load_state_dict")
             self._batch = set()
+
+    @property
+    def in_batch(self) -> bool:
+        """Whether the writes of a ``load_state_dict`` are being gathered now."""
+        return self._batch is not None
 
     def end_batch(self) -> None:
         """Write back the gathered blocks' masters and refresh their compute weights."""
@@ -234,12 +239,6 @@ class StateAccess:
         """Modify block's flat fp32 tensor of one kind in place through ``apply`` (a compact moment: its decoded
         values, encoded back after); it is written back to its home, and after a master write the compute weights
         derived from it are refreshed. Call ``settle()`` first."""
-        ranks = self.view.options.ranks
-        if ranks is not None and self.remote is not None:
-            # Every rank writes the same blocks in the same order (as DDP's ranks do). Here every rank has finished
-            # its reads of the block's state as it was before this write, which the owner now changes; a read after
-            # it waits in own_copy until the owner made this write too ([Note: reads served by the owner]).
-            ranks.barrier(f"the write of block {block.index}'s {kind} between steps (on every rank)")
         if self.weights.is_remote(block.index):  # another rank owns it and writes the same values there
             self.writes[block.index] += 1  # (a read of it waits until its owner made as many: own_copy)
             return
@@ -252,6 +251,28 @@ class StateAccess:
         self.writes[block.index] += 1
         if kind == "master":
             self._refresh_compute(block)
+        self._note_device_writes()
+
+    def before_writes(self, what: str) -> None:
+        """Several processes: a write of the state between steps (``what``: a load, a parameter's write) is about to
+        start. Every rank makes the same writes in the same order, as DDP's ranks do; here every rank waits until all
+        have come, so every read another rank made of the state before it has been served ([Note: reads served by
+        the owner]): no owner moves past a state a reader still asks for. A read after it waits in ``own_copy``
+        until the owner has made as many writes of the block."""
+        ranks = self.view.options.ranks
+        if ranks is not None and self.remote is not None:
+            ranks.barrier(f"{what} (between steps, on every rank)")
+
+    def count_write(self, index: int) -> None:
+        """Block ``index``'s state changed between steps other than through ``write_state`` (a load's step
+        counters): a read after it waits until the owner did it too."""
+        self.writes[index] += 1
+
+    def _note_device_writes(self) -> None:
+        """On a GPU with several processes: the event after this write's device work, which a read from the read
+        service waits for (nothing queued later)."""
+        if self.remote is not None and self.store.device.type == "cuda":
+            self.written_event = torch.cuda.current_stream(self.store.device).record_event()
 
     def step_counters(self, block: Block) -> list[torch.Tensor]:
         """The AdamW step counters of block's parameters: this rank's, or, for a block another rank owns and updates,
@@ -265,37 +286,37 @@ class StateAccess:
 
     def own_copy(self, index: int, kind: str, step: int, writes: int) -> torch.Tensor:
         """Several processes, for the read service (another thread): this rank's block ``index``'s fp32 values of
-        ``kind`` as a CPU tensor, once this rank has committed ``step``, the block's update to it is done and this
-        rank has made the ``writes`` writes of the block (``load_state_dict``, a parameter written between steps) the
-        requester made, as every rank makes them ([Note: reads served by the owner] in runtime.model.remote_reads)."""
-        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
-        # The requester committed the step and made the writes; this rank is finishing the same commit or writes.
+        ``kind`` (or its step counters: ``STEPS``) as a CPU tensor, once this rank has committed ``step``, the block's
+        update to it is done and this rank has made the ``writes`` writes of the block the requester made, as every
+        rank makes them ([Note: reads served by the owner] in runtime.model.remote_reads). Read from a snapshot
+        (``TierStore.snapshot``): nothing is staged or released under the owner's own threads. Raises where this rank
+        is past that state (it cannot be, where every rank writes alike) or does not reach it in time."""
+        deadline = time.monotonic() + OWNER_WAIT_S  # (before the requester's: its error names why)
         while self.view.optimizer_step < step or self.writes[index] < writes:
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"block {index} was asked for at step {step} after {writes} writes of it; this rank is at step "
-                    f"{self.view.optimizer_step} after {self.writes[index]}: write parameters and load state on every "
-                    "rank, as DDP's ranks do")
+                    f"block {index} was asked for at step {step} after {writes} writes of it between steps; this rank "
+                    f"is at step {self.view.optimizer_step} after {self.writes[index]} after {OWNER_WAIT_S:g} s: write "
+                    "parameters and load state on every rank, as DDP's ranks do")
             time.sleep(0.001)
+        if self.view.optimizer_step > step or self.writes[index] > writes:
+            raise RuntimeError(f"block {index} was asked for at step {step} after {writes} writes of it; this rank has "
+                               f"moved on to step {self.view.optimizer_step} after {self.writes[index]}: read the state "
+                               "before the next step or write, on every rank")
         self.worker.wait_updated(index, step)
-        if self.store.device.type == "cuda":  # a device update (or its write-back) queued by the commit has run
-            torch.cuda.synchronize(self.store.device)
+        for event in (self.view.committed_event, self.written_event):  # the device work up to here, nothing later
+            if event is not None:
+                event.synchronize()
         block = self.blocks[index]
         if kind == STEPS:
             return torch.stack([self.view.param_step(index, p).detach().to("cpu", torch.float32, copy=True)
                                 for p in range(len(block.slots))])
         out: list[torch.Tensor] = []
-        self._with_state(block, kind, self._decoded(block, kind, lambda values: out.append(values.to("cpu", copy=True)),
-                                                    write=False), write=False)
+        self._decoded(block, kind, out.append, write=False)(self.store.snapshot(block.key(kind)))
         return out[0]
 
     def _with_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool,
                     keep_staged: bool = False) -> None:
-        with self._state_lock:
-            self._with_state_locked(block, kind, use, write, keep_staged)
-
-    def _with_state_locked(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool,
-                           keep_staged: bool) -> None:
         store, key = self.store, block.key(kind)
         record = store.record(key)
         tier = TierName.GPU if record.home is TierName.GPU else TierName.HOST

@@ -293,6 +293,7 @@ class Budgets:
 
     gpu_nbytes: int  # the GPU tier's budget (on the CPU: the explicit one, else unbounded)
     host_nbytes: int  # the pinned arena's size: the explicit budget, or exactly the plan's host bytes
+    nvme_nbytes: int = 0  # the swap files' budget (tiers.nvme.budget: a rank's share of the node's, where several run)
 
 
 def gpu_budget_nbytes(cfg: TierstoreConfig, device: torch.device) -> int:
@@ -318,7 +319,8 @@ def check_fits(plan: MemoryPlan, cfg: TierstoreConfig, device: torch.device, *, 
     plan.device_type = device.type  # the table names the "gpu" tier as what the device is
     budget = cfg.tiers.host.budget
     budgets = Budgets(gpu_nbytes=gpu_budget_nbytes(cfg, device),
-                      host_nbytes=plan.host_nbytes if budget == "auto" else int(budget))
+                      host_nbytes=plan.host_nbytes if budget == "auto" else int(budget),
+                      nvme_nbytes=cfg.tiers.nvme.budget)
     check_plan(plan, host_budget_nbytes=None if budget == "auto" else budgets.host_nbytes,
                gpu_budget_nbytes=budgets.gpu_nbytes, nvme_path=cfg.tiers.nvme.path,
                nvme_budget_nbytes=cfg.tiers.nvme.budget, memory=memory)

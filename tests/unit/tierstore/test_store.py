@@ -166,6 +166,27 @@ def test_fetch_of_a_current_copy_moves_nothing(make_store, nvme_dir: Path) -> No
     assert moved.count == events
 
 
+def test_a_snapshot_reads_the_current_value_and_moves_nothing(make_store, nvme_dir: Path) -> None:
+    """From the host copy, the device copy (after an update there) and the NVMe file (no host copy): the value,
+    bit for bit, with every copy's state as it was and no transfer made."""
+    store = make_store(nvme_path=str(nvme_dir))
+    moved = Moved(store)
+    value = random_tensor(torch.float32, 1000)
+    store.register("host", TensorMeta(torch.float32, 1000), "host", init=value)
+    store.register("disk", TensorMeta(torch.float32, 1000), "nvme", init=value * 2)
+    store.fetch("host", "gpu").wait()
+    store.tensor("host", "gpu").mul_(3)  # an update on the device: the GPU copy is the newest
+    store.mark_dirty("host", "gpu")
+    states = {(k, t): store.state(k, t) for k in ("host", "disk") for t in ("host", "gpu", "nvme")}
+    events = moved.count
+    assert same_bits(store.snapshot("host"), value * 3)
+    assert same_bits(store.snapshot("disk"), value * 2)
+    assert {(k, t): store.state(k, t) for k in ("host", "disk") for t in ("host", "gpu", "nvme")} == states
+    assert moved.count == events
+    store.evict("host", "gpu").wait()  # written back home: read from the host copy now
+    assert same_bits(store.snapshot("host"), value * 3)
+
+
 def test_a_copy_read_ahead_is_released_once_it_lands(make_store, nvme_dir: Path) -> None:
     store = make_store(nvme_path=str(nvme_dir))
     store.register("k", TensorMeta(torch.float32, 1000), "nvme", init=torch.ones(1000))

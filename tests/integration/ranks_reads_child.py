@@ -1,0 +1,75 @@
+"""One rank of tests/integration/test_ranks_reads.py: reads of the training state made by rank 0 alone while the other
+ranks go on ([Note: reads served by the owner]), as the HF Trainer's saves make them. Started as torchrun would; the
+scenario is argv[5] (after ranks_child's arguments, which it ignores); writes what rank 0 read to ``<out>/rank<R>.pt``.
+
+- ``load-after``: one step, every rank's ``optimizer.state_dict()``; a second step; rank 0 alone reads
+  ``optimizer.state_dict()`` while the others go straight on to load the first state back: rank 0's holds the second
+  step's state throughout (step counters and moments of one step), not the load's.
+- ``going-on``: moments in swap files; after each step rank 0 alone reads the optimizer's state and the weights while
+  the others go on to their next step (and wait there for rank 0); every read equals the same read made on every
+  rank at the end.
+- ``two-sessions``: offload, rank 0 reads alone, close; twice in one process group: the second session is served too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from runtime import offload
+from runtime.bundled.example_model import ExampleLM
+from tests.integration.ranks_child import SHAPE
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randint(0, 256, (2, 32), generator=generator), torch.randint(0, 256, (2, 32), generator=generator)
+
+
+def main(out: str, scenario: str) -> None:
+    rank = int(os.environ["RANK"])
+    record: dict = {}
+    sessions = 2 if scenario == "two-sessions" else 1
+    for attempt in range(sessions):
+        torch.manual_seed(0)
+        config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}}
+        if scenario == "going-on":
+            config.update(placement={"moments": "nvme"}, tiers={"nvme": {"path": os.path.join(out, "swap")}})
+        model, optimizer = offload(ExampleLM(SHAPE), config)
+        session = optimizer.session
+
+        def step(number: int, model: torch.nn.Module = model, optimizer: torch.optim.Optimizer = optimizer) -> None:
+            x, y = batch(number)
+            model(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        try:
+            if scenario == "load-after":
+                step(0)
+                first = optimizer.state_dict()
+                step(1)
+                if rank == 0:
+                    record["alone"], record["first"] = optimizer.state_dict(), first
+                optimizer.load_state_dict(first)
+            elif scenario == "going-on":
+                alone = []
+                for number in range(3):
+                    step(number)
+                    if rank == 0:
+                        alone.append((optimizer.state_dict(), session.master_state_dict()))
+                record["alone"] = alone[-1] if alone else None  # (rank 0 only)
+                record["together"] = (optimizer.state_dict(), session.master_state_dict())
+            else:
+                step(attempt)
+                if rank == 0:
+                    record[f"session{attempt}"] = session.master_state_dict()
+        finally:
+            session.close()
+    torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[5])
