@@ -428,6 +428,7 @@ def _planned(model: nn.Module, cfg: TierstoreConfig, device: torch.device,
             raise
         refusal = error
     if ranks is not None:
+        ranks.agree_on_serial()
         others = ranks.others_refusing(None if refusal is None else f"{type(refusal).__name__}: {refusal}")
         if refusal is not None:
             raise refusal

@@ -140,6 +140,13 @@ class Ranks:
         if self.rank == dst:
             tensor.div_(self.world_size)
 
+    def agree_on_serial(self) -> None:
+        """Every rank takes the highest of the ranks' session serial numbers (an ``offload()`` that failed on one rank
+        before it joined, and was tried again, leaves them apart), so their store keys match."""
+        serials: list[int] = [0] * self.world_size
+        self.call("the ranks' session numbers compared", lambda: dist.all_gather_object(serials, self.serial))
+        self.serial = max(serials)
+
     def barrier(self, what: str) -> None:
         """Return once every rank has come here (``what`` names the point in errors): this thread waits, on a GPU
         too (NCCL's calls return before the GPUs have met; ``item()`` waits for them)."""

@@ -118,10 +118,11 @@ class Controller:
         self.host_sums = HostSumSlots(self, blocks, store, sums)
         self.clipper = GradClipper(self, blocks, self.param_slot, self.kept_grads, self.host_sums)
         self.optimizer_step = 0  # committed optimizer steps
-        # On a GPU, with several processes: recorded after each commit's device work was queued (its updates,
-        # their write-backs), which a read of the state from another thread waits for, and nothing queued later
-        # (runtime.model.remote_reads).
-        self.committed_event: torch.cuda.Event | None = None
+        # On a GPU, with several processes: by step, the event recorded after that commit's device work was queued
+        # (its updates, their write-backs), which a read of the state from another thread waits for, and nothing
+        # queued later (runtime.model.remote_reads). The last two steps' are kept: the CPU may have committed the
+        # next step while its device work still waits for the rank reading.
+        self._committed_events: dict[int, torch.cuda.Event] = {}
         self.micro = 0  # backward passes since the last committed step
         self.forward_running = False  # between the model's forward pre-hook and its post-hook (runtime.model.hooks)
         self._phase = StepPhase.IDLE  # where the step in progress is (runtime.engine.step_phase); set only by _set_phase
@@ -392,7 +393,8 @@ class Controller:
             record.updating = False
             record.carried = False
         if self.options.ranks is not None and self.device.type == "cuda":
-            self.committed_event = torch.cuda.current_stream(self.device).record_event()
+            self._committed_events[self.optimizer_step + 1] = torch.cuda.current_stream(self.device).record_event()
+            self._committed_events.pop(self.optimizer_step - 1, None)
         self.optimizer_step += 1
         self.micro = 0
         self.kept_grads.step_committed(had_backward)
@@ -439,6 +441,11 @@ class Controller:
         self.clipper.share_across_ranks()
         self._set_phase(StepPhase.READY)
         self.micro += 1
+
+    def committed_event(self, step: int) -> torch.cuda.Event | None:
+        """On a GPU with several processes: the event recorded after commit ``step``'s device work was queued (None
+        elsewhere, or for a step more than one behind)."""
+        return self._committed_events.get(step)
 
     def param_step(self, block_index: int, position: int) -> torch.Tensor:
         """The AdamW step counter of a block's parameter (the tensor itself: a load fills it): the device's for a

@@ -30,9 +30,8 @@ class StepView(Protocol):
     def optimizer_step(self) -> int:
         """Committed optimizer steps."""
 
-    @property
-    def committed_event(self) -> torch.cuda.Event | None:
-        """On a GPU with several processes: the event recorded after the last commit's device work was queued."""
+    def committed_event(self, step: int) -> torch.cuda.Event | None:
+        """On a GPU with several processes: the event recorded after commit ``step``'s device work was queued."""
 
     @property
     def phase(self) -> StepPhase:

@@ -12,12 +12,13 @@ temporary directory where it has no room, as in a container's 64 MiB). The owner
 step and made as many writes (it cannot be further on: its next commit needs the requester's gradients, and every
 write starts with a barrier of all ranks, ``StateAccess.before_writes``, which the requester reaches only after its
 reads), until the block's update to that step is done and, on a GPU, until the device work queued by that commit and
-write has run (its events: nothing queued later, such as the next step's collectives, which wait for the requester);
+write has run (their events, waited on without blocking the device: nothing queued later, such as the next step's
+collectives, which wait for the requester; the owner's CPU may be a commit ahead, its device work waiting);
 then it copies the state with ``TierStore.snapshot``, which stages, moves and releases nothing, so the owner's own
 threads may go on moving it, and writes the values to the file (on a CUDA stream of the service's own). The requester
 loads the file and deletes it. ``close()`` still gathers by broadcast (every rank closes, and on GPUs the broadcast
 is faster than files). The store's keys carry the session's serial number, so a later session in the same process
-group never reads an earlier one's.
+group never reads an earlier one's (the ranks agree on it at setup, ``Ranks.agree_on_serial``).
 
 A request unanswered within ``TIERSTORE_COLLECTIVE_TIMEOUT_S`` (the owner died or stopped serving) raises naming
 the rank; an owner that cannot read the block answers with its error, which the requester raises.

@@ -240,18 +240,17 @@ class StateAccess:
         values, encoded back after); it is written back to its home, and after a master write the compute weights
         derived from it are refreshed. Call ``settle()`` first."""
         if self.weights.is_remote(block.index):  # another rank owns it and writes the same values there
-            self.writes[block.index] += 1  # (a read of it waits until its owner made as many: own_copy)
+            self.count_write(block.index)  # (a read of it waits until its owner made as many: own_copy)
             return
         if kind == "master" and self._batch is not None:
             self._with_state(block, kind, apply, write=True, keep_staged=True)
             self._batch.add(block.index)
-            self.writes[block.index] += 1
+            self.count_write(block.index)
             return
         self._with_state(block, kind, self._decoded(block, kind, apply, write=True), write=True)
-        self.writes[block.index] += 1
         if kind == "master":
             self._refresh_compute(block)
-        self._note_device_writes()
+        self.count_write(block.index)
 
     def before_writes(self, what: str) -> None:
         """Several processes: a write of the state between steps (``what``: a load, a parameter's write) is about to
@@ -264,15 +263,12 @@ class StateAccess:
             ranks.barrier(f"{what} (between steps, on every rank)")
 
     def count_write(self, index: int) -> None:
-        """Block ``index``'s state changed between steps other than through ``write_state`` (a load's step
-        counters): a read after it waits until the owner did it too."""
-        self.writes[index] += 1
-
-    def _note_device_writes(self) -> None:
-        """On a GPU with several processes: the event after this write's device work, which a read from the read
-        service waits for (nothing queued later)."""
+        """Block ``index``'s state was written between steps (by ``write_state``, or a load's step counters): a read
+        after it waits until the owner did it too. On a GPU with several processes the event after the write's
+        device work is recorded first, so a read that sees the count waits for that work too."""
         if self.remote is not None and self.store.device.type == "cuda":
             self.written_event = torch.cuda.current_stream(self.store.device).record_event()
+        self.writes[index] += 1
 
     def step_counters(self, block: Block) -> list[torch.Tensor]:
         """The AdamW step counters of block's parameters: this rank's, or, for a block another rank owns and updates,
@@ -299,21 +295,39 @@ class StateAccess:
                     f"is at step {self.view.optimizer_step} after {self.writes[index]} after {OWNER_WAIT_S:g} s: write "
                     "parameters and load state on every rank, as DDP's ranks do")
             time.sleep(0.001)
-        if self.view.optimizer_step > step or self.writes[index] > writes:
+        # Under NCCL this rank's CPU may have committed the next step already, its device work waiting for the rank
+        # reading (every step reduces every rank's gradients): the state is still the step asked for. A block the
+        # CPU updated past it, or a write more, is not.
+        ahead = self.view.optimizer_step - step
+        if ahead > 1 or self.writes[index] > writes or \
+                (self.worker.updated_step(index) > step and index not in self.view.gpu_updated):
             raise RuntimeError(f"block {index} was asked for at step {step} after {writes} writes of it; this rank has "
                                f"moved on to step {self.view.optimizer_step} after {self.writes[index]}: read the state "
                                "before the next step or write, on every rank")
         self.worker.wait_updated(index, step)
-        for event in (self.view.committed_event, self.written_event):  # the device work up to here, nothing later
-            if event is not None:
-                event.synchronize()
+        for event in (self.view.committed_event(step), self.written_event):  # that device work, nothing later
+            while event is not None and not event.query():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"block {index}: the device work of step {step} did not end in {OWNER_WAIT_S:g} s")
+                time.sleep(0.001)
         block = self.blocks[index]
         if kind == STEPS:
             return torch.stack([self.view.param_step(index, p).detach().to("cpu", torch.float32, copy=True)
                                 for p in range(len(block.slots))])
         out: list[torch.Tensor] = []
-        self._decoded(block, kind, out.append, write=False)(self.store.snapshot(block.key(kind)))
+        self._decoded(block, kind, out.append, write=False)(self._snapshot(block.key(kind), deadline))
         return out[0]
+
+    def _snapshot(self, key: str, deadline: float) -> torch.Tensor:
+        """``TierStore.snapshot``, read again where the state was moving home meanwhile (the measured placement after
+        the first step re-registers the blocks it moves)."""
+        while True:
+            try:
+                return self.store.snapshot(key)
+            except (KeyError, RuntimeError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def _with_state(self, block: Block, kind: str, use: Callable[[torch.Tensor], None], write: bool,
                     keep_staged: bool = False) -> None:
