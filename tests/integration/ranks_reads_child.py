@@ -1,14 +1,14 @@
 """One rank of tests/integration/test_ranks_reads.py: reads of the training state made by rank 0 alone while the other
-ranks go on ([Note: reads served by the owner]), as the HF Trainer's saves make them. Started as torchrun would; the
-scenario is argv[5] (after ranks_child's arguments, which it ignores); writes what rank 0 read to ``<out>/rank<R>.pt``.
+ranks go on ([Note: reads served by the owner]), as the HF Trainer's saves make them. Started as torchrun would; two
+sessions one after the other in one process group (the second must be served too); writes what rank 0 read to
+``<out>/rank<R>.pt``.
 
-- ``load-after``: one step, every rank's ``optimizer.state_dict()``; a second step; rank 0 alone reads
+- Session 1, ``going-on``: moments in swap files; after each step rank 0 alone reads the optimizer's state and the
+  weights while the others go on to their next step (and wait there for rank 0); the last reads equal the same reads
+  made on every rank at the end.
+- Session 2, ``load-after``: one step, every rank's ``optimizer.state_dict()``; a second step; rank 0 alone reads
   ``optimizer.state_dict()`` while the others go straight on to load the first state back: rank 0's holds the second
   step's state throughout (step counters and moments of one step), not the load's.
-- ``going-on``: moments in swap files; after each step rank 0 alone reads the optimizer's state and the weights while
-  the others go on to their next step (and wait there for rank 0); every read equals the same read made on every
-  rank at the end.
-- ``two-sessions``: offload, rank 0 reads alone, close; twice in one process group: the second session is served too.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 256, (2, 32), generator=generator), torch.randint(0, 256, (2, 32), generator=generator)
 
 
-def main(out: str, scenario: str) -> None:
+def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     record: dict = {}
-    sessions = 2 if scenario == "two-sessions" else 1
-    for attempt in range(sessions):
+    for scenario in ("going-on", "load-after"):
         torch.manual_seed(0)
         config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}}
         if scenario == "going-on":
@@ -52,9 +51,9 @@ def main(out: str, scenario: str) -> None:
                 first = optimizer.state_dict()
                 step(1)
                 if rank == 0:
-                    record["alone"], record["first"] = optimizer.state_dict(), first
+                    record["alone-before-load"], record["first"] = optimizer.state_dict(), first
                 optimizer.load_state_dict(first)
-            elif scenario == "going-on":
+            else:
                 alone = []
                 for number in range(3):
                     step(number)
@@ -62,14 +61,10 @@ def main(out: str, scenario: str) -> None:
                         alone.append((optimizer.state_dict(), session.master_state_dict()))
                 record["alone"] = alone[-1] if alone else None  # (rank 0 only)
                 record["together"] = (optimizer.state_dict(), session.master_state_dict())
-            else:
-                step(attempt)
-                if rank == 0:
-                    record[f"session{attempt}"] = session.master_state_dict()
         finally:
             session.close()
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[5])
+    main(sys.argv[1])

@@ -186,7 +186,7 @@ def test_a_read_from_a_rank_that_failed_raises_naming_it(tmp_path, how):
     rank 0 raises naming rank 1 (and its cause, where it said one) at once, or after the timeout when it was killed."""
     started = time.monotonic()
     procs = start(tmp_path, 2, CONFIGS["plain"], extra_env={"RANKS_TEST_LONE_READ": how,
-                                                            "TIERSTORE_COLLECTIVE_TIMEOUT_S": "10"})
+                                                            "TIERSTORE_COLLECTIVE_TIMEOUT_S": "5"})
     outputs = finish(procs, timeout_s=120)
     assert procs[0].returncode not in (0, None) and procs[1].returncode not in (0, None), outputs
     assert time.monotonic() - started < 100
@@ -195,7 +195,7 @@ def test_a_read_from_a_rank_that_failed_raises_naming_it(tmp_path, how):
                          outputs[0]), outputs[0][-3000:]
     else:
         assert "rank 0 of 2: rank 1 did not answer the read of block" in outputs[0], outputs[0][-3000:]
-        assert "not within 10 s" in outputs[0], outputs[0][-3000:]
+        assert "not within 5 s" in outputs[0], outputs[0][-3000:]
 
 
 def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path):
