@@ -115,7 +115,8 @@ if [[ $what == ranks ]]; then  # issue 42: the 8B scenario on N GPUs of this hos
   done
   # the several-process tests over NCCL, one GPU per rank (the 3-rank ones where there are 3 GPUs)
   RANKS_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/integration/test_ranks.py \
-    tests/integration/test_ranks_checkpoint.py tests/integration/test_hf_trainer_ranks.py 2>&1 | tee "$OUT/ranks_tests.log" | tail -15 || status=$(( status ? status : $? ))
+    tests/integration/test_ranks_checkpoint.py tests/integration/test_hf_trainer_ranks.py \
+    tests/integration/test_ranks_reads.py 2>&1 | tee "$OUT/ranks_tests.log" | tail -15 || status=$(( status ? status : $? ))
 fi
 if [[ $what == quality ]]; then  # issue 43: held-out loss of each moment_dtype beside the 8-bit baselines, one call
   # writes quality.json, quality.log and (where matplotlib is installed) quality.png; QARGS: e.g. "--host" or a shape

@@ -33,7 +33,8 @@ def main(out: str) -> None:
     record: dict = {}
     for scenario in ("going-on", "load-after"):
         torch.manual_seed(0)
-        config = {"device": "cpu", "dtype": "fp32", "optimizer": {"lr": 1e-3}}
+        device = os.environ.get("RANKS_TEST_DEVICE", "cpu")  # cuda: one GPU a rank over NCCL
+        config = {"device": device, "dtype": "fp32", "optimizer": {"lr": 1e-3}}
         if scenario == "going-on":
             config.update(placement={"moments": "nvme"}, tiers={"nvme": {"path": os.path.join(out, "swap")}})
         model, optimizer = offload(ExampleLM(SHAPE), config)
@@ -41,7 +42,8 @@ def main(out: str) -> None:
 
         def step(number: int, model: torch.nn.Module = model, optimizer: torch.optim.Optimizer = optimizer) -> None:
             x, y = batch(number)
-            model(x, y).backward()
+            where = next(model.parameters()).device  # the compute device (this rank's GPU under NCCL)
+            model(x.to(where), y.to(where)).backward()
             optimizer.step()
             optimizer.zero_grad()
 
