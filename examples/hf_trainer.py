@@ -1,6 +1,7 @@
 """Fine-tune with an unchanged HF Trainer, its optimizer state offloaded by tierstore.
 
     pip install -e '.[hf]' && python examples/hf_trainer.py [--steps N] [--out DIR]
+    torchrun --nproc-per-node 2 examples/hf_trainer.py     # the same, unchanged, on two GPUs (or two CPU processes)
 
 Builds a small LlamaForCausalLM from a config (nothing downloaded), its loss tierstore's chunked one
 (``use_chunked_loss``), trains it on the Python standard library's source with the stock ``Trainer`` (default
