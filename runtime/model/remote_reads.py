@@ -114,10 +114,10 @@ class ReadService:
                     time.sleep(_IDLE_POLL_S)
                     continue
                 request = json.loads(store.get(key).decode())
+                store.set(_answer_key(self.ranks, self.ranks.rank, number), self._answer(request))
             except Exception as error:  # the store's host (rank 0) is gone: nobody can ask any more
                 log.debug("rank %d: read service stops: %r", self.ranks.rank, error)
                 return
-            store.set(_answer_key(self.ranks, self.ranks.rank, number), self._answer(request))
             number += 1
 
     def _answer(self, request: dict) -> str:
