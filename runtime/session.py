@@ -680,6 +680,11 @@ def _reduced_here(model: nn.Module) -> Callable[[], None]:
     parameter that requires a gradient") instead of training wrongly. Returns what takes the marks off (at close)."""
     setattr(model, _DDP_IGNORED, [name for name, _ in model.named_parameters()])
     setattr(model, _ACCELERATE_PREPARED, True)
+    old = _old_accelerate()
+    if old is not None:  # said now, before the HF Trainer's DDP refuses the model with torch's words
+        log.warning("accelerate %s is installed: before 1.14 it wraps every model in DDP when several processes run, "
+                    "which refuses an offloaded one (\"DistributedDataParallel is not needed ...\"); with the HF Trainer, "
+                    "pip install 'accelerate>=1.14'", old)
 
     def unmark() -> None:
         for name in (_DDP_IGNORED, _ACCELERATE_PREPARED):
@@ -687,6 +692,21 @@ def _reduced_here(model: nn.Module) -> Callable[[], None]:
                 delattr(model, name)
 
     return unmark
+
+
+def _old_accelerate() -> str | None:
+    """The version of accelerate where the program has imported one older than 1.14 (the HF Trainer imports it),
+    else None."""
+    if "accelerate" not in sys.modules:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("accelerate")
+    except PackageNotFoundError:
+        return None
+    numbers = [int(part) for part in found.split(".")[:2] if part.isdigit()]
+    return found if len(numbers) == 2 and tuple(numbers) < (1, 14) else None
 
 
 @defers_interrupts
