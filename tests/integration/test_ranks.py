@@ -105,7 +105,7 @@ CONFIGS = {
 }
 
 
-QUICK = ("plain", "device-host-sums", "user-clip")  # the default suite's at 2 ranks; the other configs at 2 ranks and the last at
+QUICK = ("plain", "device-host-sums")  # the default suite's at 2 ranks; the other configs at 2 ranks and the last at
 # 3 in the slow suite (CI runs both)
 
 
