@@ -236,7 +236,7 @@ IN_CLOSE = ["OffloadSession.close:1", "TierStore.close:1", "NVMeDirectory.remove
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("swap, num", [("dir", 8), ("tmp", 4)])
+@pytest.mark.parametrize("swap, num", [("dir", 8), ("tmp", 3)])
 def test_sigterm_anywhere_in_a_script_ends_it_with_143_and_nothing_left(tmp_path, swap, num):
     """A user's script (no handler of its own) signalled at ``num`` points from the start of offload() to near the end
     of close(), at named points of close(), and once before offload() (the default action there: nothing to leave)."""
@@ -275,7 +275,7 @@ def test_sigterm_anywhere_in_tierstore_train_ends_it_with_143_and_nothing_left_a
     scratch directory)."""
     config = tiny_cli_config(tmp_path, "  steps: 3\n")
     calls, first, last = handled_span(tmp_path, "cli", str(config), str(tmp_path / "ckpt-count"))
-    for point in [*map(str, spread(first, last, 7)), *IN_SETUP, *IN_CLOSE]:
+    for point in [*map(str, spread(first, last, 5)), *IN_SETUP, *IN_CLOSE]:
         checkpoints = tmp_path / f"ckpt-{len(os.listdir(tmp_path))}"
         child = run_child(tmp_path, point, "cli", str(config), str(checkpoints))
         assert f"KILL {point.rpartition(':')[2]} handler" in child[1], (point, child[1:3])
