@@ -359,7 +359,7 @@ def _block_entries(controller: Controller, blocks: list[Block]) -> list[dict[str
     """meta.json's entries of ``blocks``: names, sizes and the parameters' AdamW step counters."""
     entries = []
     for block in blocks:
-        steps = controller.gpu_param_steps.get(block.index) or controller.worker.param_steps[block.index]
+        steps = controller.param_steps(block.index)
         entries.append({"index": block.index, "name": block.name, "numel": block.numel,
                         "params": [slot.name for slot in block.slots], "param_steps": [float(s.item()) for s in steps]})
     return entries

@@ -77,7 +77,12 @@ class Ranks:
     def store(self) -> dist.Store | None:
         """The process group's key-value store (torch.distributed's rendezvous store: ``runtime.model.remote_reads``
         asks the owners of blocks through it), or None."""
-        return _default_store()
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return _get_default_store()
+        except Exception:
+            return None
 
     def others_refusing(self, own: str | None, what: str = "the ranks' plans compared") -> list[tuple[int, str]]:
         """Every rank says whether it refuses to go on (``own``: why, or None); returns the other ranks' refusals
@@ -175,16 +180,6 @@ class _Work:
 
 _FAILED_KEY = "failed/rank"
 _SESSIONS = itertools.count(1)  # join_ranks' serial numbers: the sessions of this process, in order
-
-
-def _default_store() -> dist.Store | None:
-    """The process group's key-value store (torch.distributed's rendezvous store), or None."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:
-        return None
 
 
 def world_size_requested() -> int:

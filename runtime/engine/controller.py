@@ -447,11 +447,10 @@ class Controller:
         elsewhere, or for a step more than one behind)."""
         return self._committed_events.get(step)
 
-    def param_step(self, block_index: int, position: int) -> torch.Tensor:
-        """The AdamW step counter of a block's parameter (the tensor itself: a load fills it): the device's for a
-        block updated there, else the update worker's."""
-        steps = self.gpu_param_steps.get(block_index)
-        return steps[position] if steps is not None else self.worker.param_steps[block_index][position]
+    def param_steps(self, block_index: int) -> list[torch.Tensor]:
+        """The AdamW step counters of a block's parameters (the tensors themselves: a load fills them): the device's
+        for a block updated there, else the update worker's."""
+        return self.gpu_param_steps.get(block_index) or self.worker.param_steps[block_index]
 
     def synchronize(self) -> None:
         """Block until every committed update has finished."""

@@ -70,8 +70,8 @@ class StepView(Protocol):
     def check_open(self) -> None:
         """Raise, saying what to do, when the session was closed."""
 
-    def param_step(self, block_index: int, position: int) -> torch.Tensor:
-        """The AdamW step counter of a block's parameter (the tensor itself: a load fills it)."""
+    def param_steps(self, block_index: int) -> list[torch.Tensor]:
+        """The AdamW step counters of a block's parameters (the tensors themselves: a load fills them)."""
 
 
 class HostSumAccess(Protocol):

@@ -167,7 +167,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         return [(index, blocks[b], position, blocks[b].slots[position])
                 for index, (b, position) in enumerate(self.controller.param_slot[id(p)] for p in params)]
 
-
     @defers_interrupts
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's layout: ``state`` (per parameter index: ``step``, ``exp_avg``, ``exp_avg_sq``, CPU
@@ -220,8 +219,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, groups, strict=False):
             group.update({key: value for key, value in saved.items() if key != "params" and key not in IMPLEMENTATION_FLAGS})
         for block_index, entries in per_block.items():
+            counters = self.controller.param_steps(block_index)
             for position, _slot, entry in entries:
-                self.controller.param_step(block_index, position).fill_(float(entry.get("step", 0.0)))
+                counters[position].fill_(float(entry.get("step", 0.0)))
             self.access.count_write(block_index)  # (the step counters: a read of them waits for the owner's too)
         for block in self.controller.blocks:
             entries = per_block.get(block.index, [])

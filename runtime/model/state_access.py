@@ -95,7 +95,7 @@ class StateAccess:
         self.remote: RemoteReader | None = None
         self.broadcast_reads = False
         self.writes = [0] * len(blocks)  # between-step writes of each block so far (a remote block's counted too)
-        self.written_event: torch.cuda.Event | None = None  # after the last write's device work (_note_device_writes)
+        self.written_event: torch.cuda.Event | None = None  # after the last write's device work (count_write)
 
     # ---- batched writes (load_state_dict) --------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -188,8 +188,8 @@ class StateAccess:
         staged from NVMe is released afterwards. Call ``settle()`` first."""
         self._check_one_step()
         options = self.view.options
-        served = options.ranks is not None and self.remote is not None and not self.broadcast_reads
-        if options.ranks is None or (served and options.owners[block.index] == options.ranks.rank):
+        served = self.remote is not None and not self.broadcast_reads  # (a remote reader: several processes)
+        if options.ranks is None or (served and not self.weights.is_remote(block.index)):
             self._with_state(block, kind, self._decoded(block, kind, use, write=False), write=False)
             return
         # Several processes: a block another rank owns comes from its read service ([Note: reads served by the owner]),
@@ -274,10 +274,9 @@ class StateAccess:
         """The AdamW step counters of block's parameters: this rank's, or, for a block another rank owns and updates,
         its owner's ([Note: reads served by the owner]: this rank's count only the updates it saw). Call ``settle()``
         first."""
-        options = self.view.options
-        if options.ranks is None or self.remote is None or not self.weights.is_remote(block.index):
-            return [self.view.param_step(block.index, position) for position in range(len(block.slots))]
-        owner = options.owners[block.index]
+        if self.remote is None or not self.weights.is_remote(block.index):
+            return self.view.param_steps(block.index)
+        owner = self.view.options.owners[block.index]
         return list(self.remote.read(owner, block.index, STEPS, self.view.optimizer_step, self.writes[block.index]))
 
     def own_copy(self, index: int, kind: str, step: int, writes: int) -> torch.Tensor:
@@ -298,8 +297,7 @@ class StateAccess:
         # Under NCCL this rank's CPU may have committed the next step already, its device work waiting for the rank
         # reading (every step reduces every rank's gradients): the state is still the step asked for. A block the
         # CPU updated past it, or a write more, is not.
-        ahead = self.view.optimizer_step - step
-        if ahead > 1 or self.writes[index] > writes or \
+        if self.view.optimizer_step > step + 1 or self.writes[index] > writes or \
                 (self.worker.updated_step(index) > step and index not in self.view.gpu_updated):
             raise RuntimeError(f"block {index} was asked for at step {step} after {writes} writes of it; this rank has "
                                f"moved on to step {self.view.optimizer_step} after {self.writes[index]}: read the state "
@@ -312,8 +310,7 @@ class StateAccess:
                 time.sleep(0.001)
         block = self.blocks[index]
         if kind == STEPS:
-            return torch.stack([self.view.param_step(index, p).detach().to("cpu", torch.float32, copy=True)
-                                for p in range(len(block.slots))])
+            return torch.stack([s.detach().to("cpu", torch.float32, copy=True) for s in self.view.param_steps(index)])
         out: list[torch.Tensor] = []
         self._decoded(block, kind, out.append, write=False)(self._snapshot(block.key(kind), deadline))
         return out[0]
