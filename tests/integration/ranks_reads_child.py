@@ -39,6 +39,8 @@ def main(out: str) -> None:
             config.update(placement={"moments": "nvme"}, tiers={"nvme": {"path": os.path.join(out, "swap")}})
         model, optimizer = offload(ExampleLM(SHAPE), config)
         session = optimizer.session
+        moved: dict[str, int] = {"read": 0, "write": 0}  # bytes through this rank's swap files
+        session.store.bus.subscribe(lambda e, moved=moved: moved.__setitem__(e.kind, moved.get(e.kind, 0) + e.nbytes))
 
         def step(number: int, model: torch.nn.Module = model, optimizer: torch.optim.Optimizer = optimizer) -> None:
             x, y = batch(number)
@@ -63,6 +65,7 @@ def main(out: str) -> None:
                         alone.append((optimizer.state_dict(), session.master_state_dict()))
                 record["alone"] = alone[-1] if alone else None  # (rank 0 only)
                 record["together"] = (optimizer.state_dict(), session.master_state_dict())
+                record["nvme"] = (moved["read"], moved["write"], session.store.usage()["nvme"]["used_nbytes"])
         finally:
             session.close()
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))

@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 def test_reads_by_one_rank_alone_see_one_step_whole_whatever_the_others_do_next(tmp_path):
     record = run(tmp_path)  # two sessions in one process group: the second is served too
-    # Session 1 (moments in swap files): the reads alone while the others went on equal the same reads together
+    # Session 1: the moments lived in swap files (bytes read from and written to them on rank 0)...
+    read, written, on_disk = record["nvme"]
+    assert read > 0 and written > 0 and on_disk > 0, record["nvme"]
+    # ...and the reads alone while the others went on equal the same reads together
     (alone_optimizer, alone_weights), (optimizer, weights) = record["alone"], record["together"]
     assert alone_weights.keys() == weights.keys()
     for name, value in weights.items():
