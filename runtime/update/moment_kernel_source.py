@@ -5,12 +5,20 @@ Owns: the source text and the two values the Python side substitutes into it (:f
 building, choosing and calling it (``moment_kernel``), the formats it reads and writes (``moment_formats``: the same
 maps, the same layout, the same stochastic-rounding tables).
 
-- ``adamw_int8``: decode, AdamW and encode of one QUANT_BLOCK at a time in registers and a thread's L1, plain loops
-  the compiler vectorizes (``-O3 -march=native``). Its arithmetic is its own (not bit-identical to torch ops: codes
-  within one of theirs). On the H200 machine's 16 cores (2026-11-29, ``runtime.bench.adam_bench``): 0.88x the fp32
-  update. A rewrite with one root an element (``vrsqrt14ps`` and Newton steps, codes through narrowing stores,
-  ``1 - beta`` in double) was faster on one core of an EPYC (0.77x fp32 against 0.62x) but 0.39x at 16 threads on
-  the H200 machine in a later call (where fp32 ran 3.8 G parameters/s): it was not kept (branch h-kernel has it).
+- ``adamw_int8``: decode, AdamW and encode of one QUANT_BLOCK at a time in registers and a thread's L1. Its
+  arithmetic is its own (not bit-identical to torch ops: codes within one of theirs). Per element it is compute
+  bound, and on server cores the square-root-and-divide unit is what it waits for, so it spends one root and one
+  division an element, AdamW's own (the first version spent four and two: 0.88-0.98x the fp32 update on the H200
+  machine): AdamW's ``sqrt(v)`` is kept for the encode of v (``(v / s)^(1/4)`` as ``sqrt(sqrt(v) / sqrt(s))``), the
+  bias correction is a multiply, and where the build machine has AVX-512 the encode's two roots are
+  ``x * rsqrt(x)`` from vrsqrt14ps and one Newton step, the codes leaving through rounding conversions and
+  narrowing stores (elsewhere: sqrt loops the compiler vectorizes). Loops compiled ``-O3 -march=native`` with
+  512-bit vectors (``moment_kernel``). On the H200 machine's Xeon (Sapphire Rapids, 16 cores, 2026-11-29,
+  ``runtime.bench.adam_bench --threads 16``): 1.17x the fp32 update's parameters a second (4.31 G against 3.69 G).
+  Variants timed in one earlier run of that call (fp32 3.78 G): the first version 0.98x; one root and one division
+  with exact roots 1.15x (256-bit vectors) and 1.20x (512); with the encode's rsqrt 1.21x and 1.26x. A rewrite
+  that folded the block's maxima into the update loop (an omp simd reduction) ran at 0.39x there: GCC kept the
+  maxima on the stack, a store-to-load chain a vector, which AMD's cores hide and the Xeon does not.
 - ``adamw_bf16``: widen a chunk of the moments into a thread's fp32 scratch, run torch's own fused AdamW
   (``at::_fused_adamw_``) on the chunk, narrow back (to nearest even, or stochastically with the tables' bits:
   [Note: bf16 stochastic rounding] in ``moment_formats``). torch's kernel, not a copy of its arithmetic, so the
@@ -39,11 +47,50 @@ _SOURCE = r"""
 constexpr int64_t kBlock = QUANT_BLOCK_VALUE;
 constexpr float kMinScale = MIN_SCALE_VALUE;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// sqrt(x) of 16 values x >= 0 as x * rsqrt(x): vrsqrt14ps (14 bits) and one Newton step, to a few ulps, with no
+// vsqrtps (6-12 cycles a vector on server cores, in the unit that also serves AdamW's own root and division); 0
+// gives 0 (masked: 0 * rsqrt(0) would be NaN).
+static inline __m512 root16(__m512 x) {
+  const __m512 r = _mm512_rsqrt14_ps(x);
+  const __m512 half_x = _mm512_mul_ps(x, _mm512_set1_ps(0.5f));
+  const __m512 step = _mm512_fnmadd_ps(_mm512_mul_ps(half_x, r), r, _mm512_set1_ps(1.5f));
+  const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+  return _mm512_maskz_mul_ps(positive, x, _mm512_mul_ps(r, step));
+}
+
+// The encode of a whole block (values past the parameter's end are zero: their codes are the padding's zeros):
+// the codes of the loops below (one apart where a value lies within a few ulps of a rounding boundary), through a
+// conversion to int32 rounding to nearest even and a narrowing store (saturating to 255 for v) in place of the
+// compiler's dozen permutes a vector.
+static inline void encode_block(const float* __restrict m, const float* __restrict r, float m_inv, float r_inv,
+                                int8_t* __restrict mco, uint8_t* __restrict vco) {
+  const __m512 zero = _mm512_setzero_ps(), m_scale = _mm512_set1_ps(m_inv), r_scale = _mm512_set1_ps(r_inv);
+  const __m512 levels_m = _mm512_set1_ps(127.0f), levels_v = _mm512_set1_ps(255.0f);
+  const __m512i one = _mm512_set1_epi32(1), none = _mm512_setzero_si512();
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t i = 0; i < kBlock; i += 16) {
+    const __m512 mv = _mm512_load_ps(m + i);
+    const __m512 y = _mm512_mul_ps(root16(_mm512_mul_ps(_mm512_abs_ps(mv), m_scale)), levels_m);
+    __m512i c = _mm512_cvt_roundps_epi32(y, kNearest);
+    c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(mv, zero, _CMP_LT_OQ), none, c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(mco + i), _mm512_cvtepi32_epi8(c));
+    const __m512 rv = _mm512_load_ps(r + i);
+    const __m512 z = _mm512_mul_ps(root16(_mm512_mul_ps(rv, r_scale)), levels_v);
+    __m512i d = _mm512_cvt_roundps_epi32(z, kNearest);
+    d = _mm512_mask_max_epi32(d, _mm512_cmp_ps_mask(rv, zero, _CMP_GT_OQ), d, one);  // a positive v: code 1 at least
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(vco + i), _mm512_cvtusepi32_epi8(d));
+  }
+}
+#endif
+
 std::string build_info() {
 #if defined(__AVX512F__)
-  return "int8 encode: loops compiled -O3 -march=native (AVX-512)";
+  return "int8 encode: AVX-512 (vrsqrt14ps), update loops -O3 -march=native, 512-bit vectors";
 #else
-  return "int8 encode: loops compiled -O3 -march=native";
+  return "int8 encode: sqrt loops -O3 -march=native (no AVX-512 on the build machine)";
 #endif
 }
 
@@ -80,6 +127,7 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
     uint8_t* __restrict vco = vc_out;
     alignas(64) float m[kBlock];
     alignas(64) float v[kBlock];
+    alignas(64) float r[kBlock];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t flat = desc[4 * b], code = desc[4 * b + 1], n = desc[4 * b + 2];
       const double* h = hy + 6 * desc[4 * b + 3];
@@ -87,7 +135,7 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
       const float lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];
       const double step = h[5];
       const float bc1 = 1.0 - std::pow((double)beta1, step);
-      const float bc2_sqrt = std::sqrt(1.0 - std::pow((double)beta2, step));
+      const float inv_bc2_sqrt = 1.0 / std::sqrt(1.0 - std::pow((double)beta2, step));
       const float step_size = lr / bc1;
       const float decay = 1.0f - lr * wd;
       const float m_factor = ms_in[sb] / (127.0f * 127.0f);
@@ -101,13 +149,17 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
         const float g = gi[flat + i];
         mi = mi + (1.0f - beta1) * (g - mi);
         vi = beta2 * vi + (1.0f - beta2) * g * g;
-        const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+        const float ri = std::sqrt(vi);  // AdamW's root, kept for the encode of v
+        const float denom = ri * inv_bc2_sqrt + eps;
         po[flat + i] = pi[flat + i] * decay - step_size * mi / denom;
         m[i] = mi;
         v[i] = vi;
+        r[i] = ri;
       }
       // The largest magnitudes as integers: a non-negative float's bits order as it does (NaN above infinity, so
-      // it propagates), and an integer max reduction vectorizes where a float one would need -ffast-math.
+      // it propagates), and an integer max reduction vectorizes where a float one would need -ffast-math. A loop
+      // of its own: folded into the update's, as an omp simd reduction, GCC kept the maxima on the stack, a
+      // store-to-load chain a vector that cost 2.3x on the Xeon (AMD's cores hide it).
       const uint32_t* m_bits = reinterpret_cast<const uint32_t*>(m);
       const uint32_t* v_bits = reinterpret_cast<const uint32_t*>(v);
       uint32_t m_top = 0, v_top = 0;
@@ -119,19 +171,28 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
       std::memcpy(&m_max, &m_top, 4);
       std::memcpy(&v_max, &v_top, 4);
       const float ms = std::max(m_max, kMinScale), vs = std::max(v_max, kMinScale);
-      const float m_inv = 1.0f / ms, v_inv = 1.0f / vs;
+      // codes: c = 127 sign(m) sqrt(|m| / ms), d = 255 (v / vs)^(1/4) = 255 sqrt(sqrt(v) / sqrt(vs))
+      const float m_inv = 1.0f / ms, r_inv = 1.0f / std::sqrt(vs);
+#if defined(__AVX512F__)
+      for (int64_t i = n; i < kBlock; ++i) {
+        m[i] = 0.0f;
+        r[i] = 0.0f;
+      }
+      encode_block(m, r, m_inv, r_inv, mco + code, vco + code);
+#else
       for (int64_t i = 0; i < n; ++i) {
         const float y = std::rint(127.0f * std::sqrt(std::fabs(m[i]) * m_inv));
         mco[code + i] = (int8_t)std::copysign(y, m[i]);
-        float z = std::rint(255.0f * std::sqrt(std::sqrt(v[i] * v_inv)));
+        float z = std::rint(255.0f * std::sqrt(r[i] * r_inv));
         z = z > 255.0f ? 255.0f : z;
-        z = (v[i] > 0.0f && z < 1.0f) ? 1.0f : z;  // a positive v never gets code 0
+        z = (r[i] > 0.0f && z < 1.0f) ? 1.0f : z;  // a positive v never gets code 0
         vco[code + i] = (uint8_t)z;
       }
       for (int64_t i = n; i < kBlock; ++i) {  // the padding of a parameter's last block stays zero
         mco[code + i] = 0;
         vco[code + i] = 0;
       }
+#endif
       ms_out[sb] = ms;
       vs_out[sb] = vs;
     }

@@ -28,8 +28,8 @@ update, each block decoded, updated and encoded while in cache (bf16: torch's ow
 the same bits as here). CPU time of one update of 16 Mi parameters on one EPYC core (2026-11-29): fp32 7.7 ms,
 int8 kernel 12.8 ms, bf16 kernel 14.7 ms, bf16 in torch ops 20.3 ms; there fp32's update is bound by its own
 arithmetic, which bf16 repeats; where many cores share memory bandwidth, fp32's 28 bytes a parameter are what it
-waits for. On the H200 machine's 16 cores: int8 kernel 0.88x fp32, bf16 kernel 0.79x (a rewrite of the int8 kernel
-that reached 11.1 ms on the EPYC core ran at 0.39x there: not kept).
+waits for. On the H200 machine's 16 Xeon cores (2026-11-29): int8 kernel 1.17x fp32 (one root and one division an
+element: ``moment_kernel_source``), bf16 kernel 0.68x (torch's fused AdamW, whose bits define bf16's update).
 (torch.compile was tried first: 2.3x faster maps alone, the whole piece slower than eager, on this CPU.)
 
 Pieces split a parameter only at multiples of the piece size from its start (a multiple of the int8 block, so
