@@ -114,13 +114,6 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     _require_rates(cfg, device, rates)
     homes, source = resolve_homes(cfg)
     limit = host_limit_nbytes(cfg)
-    # Not where a compute-dtype copy of the weights may pay (unless the first step's plan spills moments): chosen for
-    # the first step, it would rule out streaming. (Adopting a placement with the copy works,
-    # tests/integration/test_weights_copy.py; not measured on a GPU yet.)
-    if measures_first_step(cfg, device):
-        first = _first_step_plan(blocks, cfg, device, rates, limit, recomputable=recomputable)
-        if first is not None:
-            return first
     placement, spilled_blocks, host_updated = _place_and_spill(blocks, cfg, device, homes, source, rates, limit)
     copy_note = None
     if copy_fetch_may_pay(cfg, device, source) and placement.gpu_update_fraction < 1:  # some weights are fetched
@@ -128,6 +121,14 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
                                         master=(placement, spilled_blocks, host_updated))
         if copy is not None:
             source, (placement, spilled_blocks, host_updated) = WeightSource.WEIGHTS, copy
+    # The first step measured, unless the plan chosen now keeps a compute-dtype copy of the weights: a first step
+    # fetching the master would rule the copy out (adopting a placement with the copy works,
+    # tests/integration/test_weights_copy.py; not measured on a GPU yet). Where the copy does not fit beside the rest
+    # (int8 moments of the 8B scenario at a 64 GiB host budget), the first step is measured as where it cannot pay.
+    if measures_first_step(cfg, device) and source is not WeightSource.WEIGHTS:
+        first = _first_step_plan(blocks, cfg, device, rates, limit, recomputable=recomputable)
+        if first is not None:
+            return first
     if source is WeightSource.WEIGHTS and placement.gpu_stream_fraction:
         raise RuntimeError("a compute-dtype weights copy with streamed updates: a streamed update refreshes no host copy")
     if spilled_blocks:
@@ -171,16 +172,19 @@ def first_step_config(cfg: TierstoreConfig) -> TierstoreConfig:
 def _first_step_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, rates: Rates | None, limit: int,
                      *, recomputable: bool) -> ResolvedPlan | None:
     """The plan of ``measures_first_step``'s first step (``first_step_config``), or None where it is not taken. It is
-    taken where it spills moments (fetching the master) within the host limit, or else where no compute-dtype copy
-    of the weights may pay and it fits the host with its pre-commit buffers."""
+    taken where it fetches the master (a compute-dtype copy of the weights, chosen for the first step, would rule
+    out streaming after it) and spills moments within the host limit, or else fits the host with its pre-commit
+    buffers. ``resolve_plan`` asks only where the plan chosen now keeps no copy either."""
     homes, source = resolve_homes(cfg)
     first_cfg = first_step_config(cfg)
     first = resolve_plan(blocks, first_cfg, device, rates=rates)
     # A plan that spills moments never takes the copy (_weights_copy); the host room of the blocks the measured
     # placement moves to the GPU brings spilled moments back (block_plan.spilled_after, Controller.adopt_placement).
+    if first.source is WeightSource.WEIGHTS:  # a first step keeping the copy would rule out streaming after it
+        return None
     spills = first.spilled_blocks and first.source is WeightSource.MASTER and within_limit(first.plan, cfg, limit)
-    if not spills and (copy_fetch_may_pay(cfg, device, source) or not plan_fits(
-            blocks, first_cfg, homes, first.source, first.placement, limit, spares=first.plan.pre_commit_buffers)):
+    if not spills and not plan_fits(blocks, first_cfg, homes, first.source, first.placement, limit,
+                                    spares=first.plan.pre_commit_buffers):
         return None
     trial_note = (TRIAL_NOTE,) if cfg.placement.activations == "auto" and recomputable else ()
     first.plan.notes = (FIRST_STEP_NOTE, *trial_note, *first.plan.notes)

@@ -377,6 +377,36 @@ def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
     assert not tight.measured_first_step
 
 
+def test_a_first_step_is_measured_where_the_weights_copy_does_not_fit():
+    """bf16 under accumulation, host sums, int8 moments and a host budget that holds the first step's plan but not a
+    bf16 copy of the weights beside it (the 8B scenario at 64 GiB with int8 moments): the copy may pay but is not
+    chosen, so the first step is measured (its placement then comes from the measured peak) rather than placed now
+    from the estimated activation reserve; with room for the copy, a first step would keep it (ruling out streaming
+    after it), so the placement is chosen now, as before."""
+    from runtime.planning.block_plan import plan_for
+    from runtime.planning.memory_plan import WeightSource
+    from runtime.planning.placement import copy_fetch_may_pay, resolve_plan
+    from runtime.planning.settings import resolve_homes
+
+    blocks = build_blocks(ExampleLM(SHAPE), 1)
+    total = sum(b.numel for b in blocks)
+    rates = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
+    config = {"dtype": "bf16", "tiers": {"gpu": {"budget": 36 * total}},
+              "optimizer": {"accumulation_steps": 4, "accumulate_on": "host", "moment_dtype": "int8"}}
+    cfg = load_config(config)
+    homes, _ = resolve_homes(cfg)
+    first_step = plan_for(blocks, cfg, homes, WeightSource.MASTER, placement=Placement(0.0, 0.0, 0, host_sums=True))
+    copy_nbytes = 2 * total  # the bf16 copy's pinned bytes
+    config["tiers"]["host"] = {"budget": first_step.host_nbytes + copy_nbytes // 4}
+    resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
+    assert copy_fetch_may_pay(load_config(config), torch.device("cuda", 0), WeightSource.MASTER)
+    assert resolved.measured_first_step and resolved.source is WeightSource.MASTER
+    assert resolved.placement.gpu_update_fraction == 0 and not resolved.spilled_blocks
+    config["tiers"]["host"] = {"budget": 4 * first_step.host_nbytes}
+    roomy = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
+    assert not roomy.measured_first_step and roomy.placement.gpu_update_fraction > 0
+
+
 def test_tierstore_plan_prints_the_choice(tmp_path, capsys):
     from runtime.cli.main import main as cli_main
 
