@@ -29,7 +29,10 @@ maps, the same layout, the same stochastic-rounding tables).
   through its vector loop and its scalar tail as over the whole tensor. Its cost beside fp32's: the fused
   kernel's arithmetic (on one core that is what fp32's update spends: there bf16 cannot be faster) plus the
   widening and narrowing in cache; where many cores share memory, fp32 waits on its 28 bytes a parameter and bf16
-  moves 20.
+  moves 20. Measured: 0.68x fp32 at 16 threads on the H200 machine's Xeon (2026-11-29); on one EPYC core, of its
+  0.85 ns a parameter torch's kernel on the cached chunk took 0.51 (fp32's whole update 0.56), the narrowing 0.16,
+  the widening 0.06. So no trimming of the widening and narrowing brings bf16 to fp32's speed: that needs
+  arithmetic of its own (one division, as int8's), hence a reference of its own for the bit-for-bit tests.
 """
 
 from __future__ import annotations
