@@ -88,7 +88,7 @@ class GpuTierConfig:
         "beyond the plan, plus 5% of the budget, is the reserve auto placement then uses; the chosen state "
         "moves to the GPU before the second step (runtime.planning.measured_placement), and moments spilled to NVMe come "
         "back into the pinned memory it frees. Where that is not done (an accumulated bf16 or fp16 run whose "
-        "first step would fetch a weights copy, nothing spilled): three quarters of what the plan with nothing "
+        "plan keeps a compute-dtype weights copy, its first step spilling nothing): three quarters of what the plan with nothing "
         "updated on the GPU leaves free of the budget. Set "
         "it when a run with `auto` placement runs out of GPU memory (the error says how much the step tried to "
         "use), or to hand the optimizer more of a card whose activations are small. Not used when none of the "

@@ -102,13 +102,14 @@ def resolve_placement(blocks: list[Block], cfg: TierstoreConfig, device: torch.d
 
 
 def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, *, rates: Rates | None = None,
-                 recomputable: bool = False) -> ResolvedPlan:
+                 recomputable: bool = False, weights_copy: bool = True) -> ResolvedPlan:
     """Homes, weight source, the ``auto`` placement knobs (``resolve_placement``) and the plan.
     ``placement.moments: auto`` with an NVMe path keeps the moments in pinned host memory as far as
     ``tiers.host.budget`` allows (``auto``: the RAM available now, less headroom) and spills blocks' moments to
     NVMe in ``spill_order``, only as many as needed. ``rates``: the machine's (``rates_needed`` says when they are
     used); ``recomputable``: the layers' forwards can be recomputed (``runtime.model.recompute.recompute_refusal``
-    found nothing), so ``placement.activations: auto`` may try that after a measured first step."""
+    found nothing), so ``placement.activations: auto`` may try that after a measured first step; ``weights_copy``
+    False: never a compute-dtype copy of the weights (the first step of a run whose plan keeps none)."""
     if cfg.optimizer.overlap != "exact":
         raise ValueError("optimizer.overlap: delayed is not implemented yet; use exact")
     _require_rates(cfg, device, rates)
@@ -116,17 +117,14 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
     limit = host_limit_nbytes(cfg)
     placement, spilled_blocks, host_updated = _place_and_spill(blocks, cfg, device, homes, source, rates, limit)
     copy_note = None
-    if copy_fetch_may_pay(cfg, device, source) and placement.gpu_update_fraction < 1:  # some weights are fetched
+    if weights_copy and copy_fetch_may_pay(cfg, device, source) and placement.gpu_update_fraction < 1:  # fetched
         copy, copy_note = _weights_copy(blocks, cfg, device, homes, rates, limit,
                                         master=(placement, spilled_blocks, host_updated))
         if copy is not None:
             source, (placement, spilled_blocks, host_updated) = WeightSource.WEIGHTS, copy
-    # The first step measured, unless the plan chosen now keeps a compute-dtype copy of the weights: a first step
-    # fetching the master would rule the copy out (adopting a placement with the copy works,
-    # tests/integration/test_weights_copy.py; not measured on a GPU yet). Where the copy does not fit beside the rest
-    # (int8 moments of the 8B scenario at a 64 GiB host budget), the first step is measured as where it cannot pay.
-    if measures_first_step(cfg, device) and source is not WeightSource.WEIGHTS:
-        first = _first_step_plan(blocks, cfg, device, rates, limit, recomputable=recomputable)
+    if measures_first_step(cfg, device):
+        first = _first_step_plan(blocks, cfg, device, rates, limit, recomputable=recomputable,
+                                 copy_now=source is WeightSource.WEIGHTS)
         if first is not None:
             return first
     if source is WeightSource.WEIGHTS and placement.gpu_stream_fraction:
@@ -170,21 +168,26 @@ def first_step_config(cfg: TierstoreConfig) -> TierstoreConfig:
 
 
 def _first_step_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, rates: Rates | None, limit: int,
-                     *, recomputable: bool) -> ResolvedPlan | None:
-    """The plan of ``measures_first_step``'s first step (``first_step_config``), or None where it is not taken. It is
-    taken where it fetches the master (a compute-dtype copy of the weights, chosen for the first step, would rule
-    out streaming after it) and spills moments within the host limit, or else fits the host with its pre-commit
-    buffers. ``resolve_plan`` asks only where the plan chosen now keeps no copy either."""
-    homes, source = resolve_homes(cfg)
+                     *, recomputable: bool, copy_now: bool) -> ResolvedPlan | None:
+    """The plan of ``measures_first_step``'s first step (``first_step_config``), or None where it is not taken.
+    ``copy_now``: the plan chosen now keeps a compute-dtype copy of the weights.
+
+    A first step fetching the master would rule the copy out, and one keeping it would rule out streaming after it
+    (adopting a placement with the copy works, tests/integration/test_weights_copy.py; not measured on a GPU yet).
+    So where the plan chosen now keeps the copy, the first step is measured only where it spills moments within the
+    host limit (a spilling plan never takes the copy: the host room of the blocks the measured placement moves to
+    the GPU brings spilled moments back, block_plan.spilled_after, Controller.adopt_placement); where it keeps none
+    (the copy cannot pay, or does not fit beside the rest: int8 moments of the 8B scenario at 64 GiB), the first
+    step fetches the master too and is measured where it spills within the limit or fits with its pre-commit
+    buffers."""
+    homes, _ = resolve_homes(cfg)
     first_cfg = first_step_config(cfg)
-    first = resolve_plan(blocks, first_cfg, device, rates=rates)
-    # A plan that spills moments never takes the copy (_weights_copy); the host room of the blocks the measured
-    # placement moves to the GPU brings spilled moments back (block_plan.spilled_after, Controller.adopt_placement).
-    if first.source is WeightSource.WEIGHTS:  # a first step keeping the copy would rule out streaming after it
+    first = resolve_plan(blocks, first_cfg, device, rates=rates, weights_copy=copy_now)
+    if first.source is WeightSource.WEIGHTS:  # the first step would keep the copy: chosen now, as the plan keeps it
         return None
     spills = first.spilled_blocks and first.source is WeightSource.MASTER and within_limit(first.plan, cfg, limit)
-    if not spills and not plan_fits(blocks, first_cfg, homes, first.source, first.placement, limit,
-                                    spares=first.plan.pre_commit_buffers):
+    if not spills and (copy_now or not plan_fits(
+            blocks, first_cfg, homes, first.source, first.placement, limit, spares=first.plan.pre_commit_buffers)):
         return None
     trial_note = (TRIAL_NOTE,) if cfg.placement.activations == "auto" and recomputable else ()
     first.plan.notes = (FIRST_STEP_NOTE, *trial_note, *first.plan.notes)

@@ -309,9 +309,10 @@ def test_on_a_gpu_the_plan_resolves_auto_with_given_rates():
 
 def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step():
     """Update fraction and activation reserve auto on a GPU: the plan is the first step's (every update on the CPU,
-    nothing streamed or kept), and says so, also where it sums gradients in host memory; a plan that may fetch a bf16
+    nothing streamed or kept), and says so, also where it sums gradients in host memory; a plan that keeps a bf16
     copy of the weights under accumulation keeps choosing now."""
     from runtime.planning.measured_placement import FIRST_STEP_NOTE, TRIAL_NOTE
+    from runtime.planning.memory_plan import WeightSource
     from runtime.planning.placement import resolve_plan
 
     blocks = build_blocks(ExampleLM(SHAPE), 1)
@@ -336,11 +337,18 @@ def test_on_a_gpu_auto_placement_with_an_auto_reserve_waits_for_the_first_step()
     measured = resolve_plan(blocks, summed, torch.device("cuda", 0), rates=rates)  # host sums: measured too
     assert measured.measured_first_step and measured.placement.host_sums
     assert measured.placement.gpu_update_fraction == 0
-    # A bf16 copy of the weights that may pay under accumulation, chosen for the first step, would rule out streaming.
+    # A bf16 copy of the weights may pay under accumulation; the plan chosen now streams instead of keeping it, so the
+    # first step is measured fetching the master (a first step keeping the copy would rule out streaming after it).
     copied = load_config({"dtype": "bf16", "tiers": {"gpu": {"budget": 36 * total}},
                           "optimizer": {"accumulation_steps": 4, "accumulate_on": "gpu"}})
-    chosen_now = resolve_plan(blocks, copied, torch.device("cuda", 0), rates=rates)
-    assert not chosen_now.measured_first_step and chosen_now.placement.gpu_update_fraction > 0
+    streamed = resolve_plan(blocks, copied, torch.device("cuda", 0), rates=rates)
+    assert streamed.measured_first_step and streamed.source is WeightSource.MASTER
+    # Where the plan chosen now keeps the copy (nothing to stream), it is chosen now, as the copy would be lost.
+    kept = load_config({"dtype": "bf16", "tiers": {"gpu": {"budget": 36 * total}},
+                        "optimizer": {"accumulation_steps": 4, "accumulate_on": "gpu", "gpu_stream_fraction": 0}})
+    chosen_now = resolve_plan(blocks, kept, torch.device("cuda", 0), rates=rates)
+    assert not chosen_now.measured_first_step and chosen_now.source is WeightSource.WEIGHTS
+    assert chosen_now.placement.gpu_update_fraction > 0
 
 
 def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
@@ -377,12 +385,12 @@ def test_a_first_step_plan_that_spills_moments_is_measured_too(tmp_path):
     assert not tight.measured_first_step
 
 
-def test_a_first_step_is_measured_where_the_weights_copy_does_not_fit():
-    """bf16 under accumulation, host sums, int8 moments and a host budget that holds the first step's plan but not a
-    bf16 copy of the weights beside it (the 8B scenario at 64 GiB with int8 moments): the copy may pay but is not
-    chosen, so the first step is measured (its placement then comes from the measured peak) rather than placed now
-    from the estimated activation reserve; with room for the copy, a first step would keep it (ruling out streaming
-    after it), so the placement is chosen now, as before."""
+def test_a_first_step_is_measured_where_the_weights_copy_does_not_fit(tmp_path):
+    """bf16 under accumulation, host sums, int8 moments, nothing streamed, and a host budget that holds the first
+    step's plan but not a bf16 copy of the weights beside the rest (the 8B scenario at 64 GiB with int8 moments):
+    the copy may pay but is not kept, so the first step is measured (its placement then comes from the measured
+    peak) rather than placed now from the estimated activation reserve. With room for the copy it is kept, chosen
+    now; and a first step that spills moments within the budget is measured even where the plan chosen now keeps it."""
     from runtime.planning.block_plan import plan_for
     from runtime.planning.memory_plan import WeightSource
     from runtime.planning.placement import copy_fetch_may_pay, resolve_plan
@@ -392,19 +400,33 @@ def test_a_first_step_is_measured_where_the_weights_copy_does_not_fit():
     total = sum(b.numel for b in blocks)
     rates = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
     config = {"dtype": "bf16", "tiers": {"gpu": {"budget": 36 * total}},
-              "optimizer": {"accumulation_steps": 4, "accumulate_on": "host", "moment_dtype": "int8"}}
+              "optimizer": {"accumulation_steps": 4, "accumulate_on": "host", "moment_dtype": "int8",
+                            "gpu_stream_fraction": 0}}
     cfg = load_config(config)
+    assert copy_fetch_may_pay(cfg, torch.device("cuda", 0), WeightSource.MASTER)
     homes, _ = resolve_homes(cfg)
     first_step = plan_for(blocks, cfg, homes, WeightSource.MASTER, placement=Placement(0.0, 0.0, 0, host_sums=True))
-    copy_nbytes = 2 * total  # the bf16 copy's pinned bytes
-    config["tiers"]["host"] = {"budget": first_step.host_nbytes + copy_nbytes // 4}
-    resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
-    assert copy_fetch_may_pay(load_config(config), torch.device("cuda", 0), WeightSource.MASTER)
-    assert resolved.measured_first_step and resolved.source is WeightSource.MASTER
-    assert resolved.placement.gpu_update_fraction == 0 and not resolved.spilled_blocks
-    config["tiers"]["host"] = {"budget": 4 * first_step.host_nbytes}
-    roomy = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=rates)
-    assert not roomy.measured_first_step and roomy.placement.gpu_update_fraction > 0
+    with_copy = plan_for(blocks, cfg, homes, WeightSource.WEIGHTS, placement=Placement(0.0, 0.0, 0, host_sums=True))
+    assert with_copy.host_nbytes > first_step.host_nbytes  # the copy's pinned bytes
+
+    def resolve(budget: int, **tiers: object):
+        return resolve_plan(blocks, load_config({**config, "tiers": {**config["tiers"], **tiers,
+                                                                     "host": {"budget": budget}}}),
+                            torch.device("cuda", 0), rates=rates)
+
+    tight = resolve(first_step.host_nbytes)  # the plan chosen now, blocks on the GPU, has no room for the copy either
+    assert tight.measured_first_step and tight.source is WeightSource.MASTER
+    assert tight.placement.gpu_update_fraction == 0 and not tight.spilled_blocks
+    roomy = resolve(4 * with_copy.host_nbytes)
+    assert not roomy.measured_first_step and roomy.source is WeightSource.WEIGHTS
+    # fp32 moments that may spill: a first step that spills within the budget is measured, where the plan chosen now
+    # (blocks on the GPU leave host room) would keep the copy.
+    config["optimizer"]["moment_dtype"] = "fp32"
+    config["placement"] = {"moments": "auto"}
+    fp32 = plan_for(blocks, load_config(config), homes, WeightSource.MASTER,
+                    placement=Placement(0.0, 0.0, 0, host_sums=True))
+    spilling = resolve(fp32.host_nbytes * 9 // 10, nvme={"path": str(tmp_path)})
+    assert spilling.measured_first_step and spilling.spilled_blocks and spilling.source is WeightSource.MASTER
 
 
 def test_tierstore_plan_prints_the_choice(tmp_path, capsys):
@@ -483,7 +505,8 @@ def test_the_copy_never_costs_streaming():
     for knob in ("gpu_update_fraction", "gpu_stream_fraction"):
         del config["optimizer"][knob]  # auto
     total = sum(b.numel for b in blocks)
-    config["tiers"]["gpu"]["budget"] = 36 * total
+    # a reserve set: placed now (with an auto reserve the first step is measured, fetching the master)
+    config["tiers"]["gpu"].update(budget=36 * total, activation_reserve=24 * total)
     slow_cpu = Rates(adam_params_per_s=total / 1e-2, h2d_bytes_per_s=total * 4 / 1e-3, d2h_bytes_per_s=total * 4 / 1e-3)
     resolved = resolve_plan(blocks, load_config(config), torch.device("cuda", 0), rates=slow_cpu)
     assert resolved.placement.gpu_stream_fraction > 0
