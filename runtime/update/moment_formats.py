@@ -163,6 +163,13 @@ def decode_into(codes: torch.Tensor, scales: torch.Tensor, kind: str, values: to
         blocks.mul_((scales / _V_LEVELS**4).unsqueeze(1))
 
 
+def _finite_or_nan(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales with an infinite one made NaN (in place): the block then decodes to NaN whatever its codes. An
+    infinite scale would decode codes 0 to NaN and the rest to infinities (v's positive values get code 1 at
+    least), which AdamW turns into steps of 0: a silently frozen block instead of the NaN fp32 moments carry."""
+    return scale.masked_fill_(scale.isinf(), float("nan"))
+
+
 def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
                 scratch: DecodeScratch) -> None:
     """int8 codes and block scales of fp32 ``values`` (a whole number of blocks; padding slots hold zeros).
@@ -175,7 +182,7 @@ def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: to
     y_blocks = y.view(-1, QUANT_BLOCK)
     if kind == "exp_avg":
         torch.abs(values, out=y)
-        scale = torch.amax(y_blocks, dim=1).clamp_min_(MIN_SCALE)
+        scale = _finite_or_nan(torch.amax(y_blocks, dim=1).clamp_min_(MIN_SCALE))
         inverse = scale.reciprocal().unsqueeze(1)
         y_blocks.mul_(inverse)
         y.add_(_T_FLOOR).rsqrt_().mul_(values)  # sign(m) sqrt(|m| s): at most s, no overflow
@@ -183,7 +190,7 @@ def encode_from(values: torch.Tensor, kind: str, codes: torch.Tensor, scales: to
         y.round_()  # |y| <= 127 up to a few ulps: rounds to 127 at most
         codes.view(torch.int8).copy_(y)
     else:
-        scale = torch.amax(values.view(-1, QUANT_BLOCK), dim=1).clamp_min_(MIN_SCALE)
+        scale = _finite_or_nan(torch.amax(values.view(-1, QUANT_BLOCK), dim=1).clamp_min_(MIN_SCALE))
         torch.mul(values.view(-1, QUANT_BLOCK), scale.reciprocal().unsqueeze(1), out=y_blocks)
         y.rsqrt_().rsqrt_().mul_(_V_LEVELS).round_()
         # A positive v never gets code 0 (sign is 1 there, 0 for v == 0): AdamW would divide its m by eps alone.

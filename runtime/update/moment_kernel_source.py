@@ -7,18 +7,20 @@ maps, the same layout, the same stochastic-rounding tables).
 
 - ``adamw_int8``: decode, AdamW and encode of one QUANT_BLOCK at a time in registers and a thread's L1. Its
   arithmetic is its own (not bit-identical to torch ops: codes within one of theirs). Per element it is compute
-  bound, and on server cores the square-root-and-divide unit is what it waits for, so it spends one root and one
-  division an element, AdamW's own (the first version spent four and two: 0.88-0.98x the fp32 update on the H200
-  machine): AdamW's ``sqrt(v)`` is kept for the encode of v (``(v / s)^(1/4)`` as ``sqrt(sqrt(v) / sqrt(s))``), the
-  bias correction is a multiply, and where the build machine has AVX-512 the encode's two roots are
-  ``x * rsqrt(x)`` from vrsqrt14ps and one Newton step, the codes leaving through rounding conversions and
-  narrowing stores (elsewhere: sqrt loops the compiler vectorizes). Loops compiled ``-O3 -march=native`` with
-  512-bit vectors (``moment_kernel``). On the H200 machine's Xeon (Sapphire Rapids, 16 cores, 2026-11-29,
-  ``runtime.bench.adam_bench --threads 16``): 1.17x the fp32 update's parameters a second (4.31 G against 3.69 G).
-  Variants timed in one earlier run of that call (fp32 3.78 G): the first version 0.98x; one root and one division
-  with exact roots 1.15x (256-bit vectors) and 1.20x (512); with the encode's rsqrt 1.21x and 1.26x. A rewrite
-  that folded the block's maxima into the update loop (an omp simd reduction) ran at 0.39x there: GCC kept the
-  maxima on the stack, a store-to-load chain a vector, which AMD's cores hide and the Xeon does not.
+  bound, and on server cores the square-root-and-divide unit is what it waits for, so where the build machine has
+  AVX-512 it spends one root and one division an element, AdamW's own (the first version spent four and two:
+  0.88-0.98x the fp32 update on the H200 machine): AdamW's ``sqrt(v)`` is kept for the encode of v
+  (``(v / s)^(1/4)`` as ``sqrt(sqrt(v) / sqrt(s))``), the bias correction is a multiply, and the encode's two roots are
+  ``x * rsqrt(x)`` from vrsqrt14ps and one Newton step, the codes leaving through rounding conversions and narrowing
+  stores (elsewhere the encode's two roots are sqrt in loops the compiler vectorizes: three an element). A block
+  whose largest value is not finite stores a NaN scale, so it decodes to NaN (``moment_formats``). Loops compiled
+  ``-O3 -march=native`` with 512-bit vectors on x86 (``moment_kernel``). On the H200 machine's Xeon (Sapphire
+  Rapids, 16 cores, 2026-11-29, ``runtime.bench.adam_bench --threads 16``): 1.17x the fp32 update's parameters a
+  second (4.31 G against 3.69 G). Variants timed in one earlier run of that call (fp32 3.78 G): the first version
+  0.98x; one root and one division with exact roots 1.15x (256-bit vectors) and 1.20x (512); with the encode's rsqrt
+  1.21x and 1.26x. A rewrite that folded the block's maxima into the update loop (an omp simd reduction) ran at
+  0.39x there: GCC kept the maxima on the stack, a store-to-load chain a vector, which AMD's cores hide and the Xeon
+  does not.
 - ``adamw_bf16``: widen a chunk of the moments into a thread's fp32 scratch, run torch's own fused AdamW
   (``at::_fused_adamw_``) on the chunk, narrow back (to nearest even, or stochastically with the tables' bits:
   [Note: bf16 stochastic rounding] in ``moment_formats``). torch's kernel, not a copy of its arithmetic, so the
@@ -48,6 +50,7 @@ _SOURCE = r"""
 #include <vector>
 
 constexpr int64_t kBlock = QUANT_BLOCK_VALUE;
+static_assert(kBlock % 16 == 0, "the AVX-512 encode takes a block 16 values at a time");
 constexpr float kMinScale = MIN_SCALE_VALUE;
 
 #if defined(__AVX512F__)
@@ -196,8 +199,10 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
         vco[code + i] = 0;
       }
 #endif
-      ms_out[sb] = ms;
-      vs_out[sb] = vs;
+      // a block holding an infinity (or NaN) decodes to NaN, as moment_formats says (the codes above assumed a
+      // finite scale: with inf, v's "at least 1" would decode every positive value to inf and freeze the block)
+      ms_out[sb] = ms < INFINITY ? ms : NAN;
+      vs_out[sb] = vs < INFINITY ? vs : NAN;
     }
   });
 }

@@ -149,3 +149,27 @@ def test_the_bench_has_the_kernel_row(kernel, capsys):
     assert [row[0] for row in rows] == ["fp32", "bf16", "int8", "bf16", "int8"]
     assert rows[3][1] == rows[4][1] == "kernel"
     assert rows[3][2] == rows[1][1] and rows[4][2] == rows[2][1]  # the same bytes a parameter
+
+
+@pytest.mark.parametrize("path", ["torch ops", "kernel"])
+def test_a_block_holding_an_infinity_decodes_to_nan(kernel, path):
+    """A gradient whose square overflows makes one v infinite: its whole block decodes to NaN on the
+    next read (a NaN scale), as fp32 moments would carry it, not to infinities that AdamW turns into frozen steps;
+    the other blocks stay finite. An infinite m does the same to its block."""
+    from runtime.update.moments import decode_moment
+
+    keep = [True] * len(SIZES)
+    master, exp_avg, exp_avg_sq = _state(0)
+    grad = torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(9)) * 1e-2
+    grad[3000 + 5] = 1e30  # the second parameter's first block: v = inf (its square overflows), m finite
+    grad[3000 + 70001 + 17 + 100] = float("inf")  # the fourth's first block: m = inf, v = inf
+    steps = [torch.full((), 4.0) for _ in SIZES]
+    scratch = MomentScratch(int8_kernel=kernel if path == "kernel" else None)
+    adamw_update_block(master, grad, exp_avg, exp_avg_sq, SIZES, keep, steps, HYPERS, "int8", scratch=scratch)
+    m, v = decode_moment(exp_avg, "int8", "exp_avg", SIZES), decode_moment(exp_avg_sq, "int8", "exp_avg_sq", SIZES)
+    second, fourth = slice(3000, 3000 + 2048), slice(3000 + 70001 + 17, 3000 + 70001 + 17 + 2048)
+    assert v[second].isnan().all() and m[second].isfinite().all()
+    assert v[fourth].isnan().all() and m[fourth].isnan().all()
+    rest = torch.ones(v.numel(), dtype=torch.bool)
+    rest[second] = rest[fourth] = False
+    assert v[rest].isfinite().all() and m[rest].isfinite().all()
