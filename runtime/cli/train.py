@@ -180,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
     if args.resume and cfg.train.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (or train.checkpoint_dir in the config)")
     if cfg.profile.dir:  # refused now, not after the run's steps
-        check_profile_dir(cfg.profile.dir)
+        check_profile_dir(rank_profile_dir(cfg.profile.dir, *rank_and_world()))
     _say(f"tierstore train: config: {config_source(args)}")
     if model_dir is not None:
         check_hf_inputs(args)  # a wrong DIR, FILE or --output is said before anything is made
@@ -228,6 +228,26 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_profile_dir(directory: str, rank: int, world: int) -> Path:
+    """Where this process writes its profile (``--profile DIR``): DIR in a run of one process, else DIR/rank<N>:
+    each rank profiles its own session, whose traffic is its own blocks'."""
+    return Path(directory) if world <= 1 else Path(directory) / f"rank{rank}"
+
+
+def _ceilings_one_rank_at_a_time(session: Any) -> dict[str, float]:
+    """The profiler's bandwidth ceilings (``measure_ceilings``), the ranks probing one after another: probing
+    together they would share the host's memory and the disk, and each would measure less than its path moves."""
+    ranks = session.controller.options.ranks
+    if ranks is None:
+        return measure_ceilings(session.store)
+    ceilings: dict[str, float] = {}
+    for turn in range(ranks.world_size):
+        if turn == ranks.rank:
+            ceilings = measure_ceilings(session.store)
+        ranks.barrier("the profile's bandwidth probes, one rank at a time")
+    return ceilings
+
+
 def _say(line: str, end: str = "\n") -> None:
     """Print for the person running the command: rank 0's lines only, where several ranks run."""
     if rank_and_world()[0] == 0:
@@ -242,8 +262,6 @@ def _check_ranks(args: argparse.Namespace, cfg: TierstoreConfig) -> None:
     if cfg.train.batch_size % world:
         raise ValueError(f"--micro-batch {cfg.train.batch_size} does not split between {world} processes (--nproc "
                          f"{world}): give a multiple of {world}")
-    if cfg.profile.dir:
-        raise ValueError("--profile does not work with --nproc yet: train with one process to use it")
 
 
 def rank_rows(batch: Any, rank: int, world: int) -> Any:
@@ -301,7 +319,7 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
     traffic = TrafficCounter(device.type)  # a CPU run's paths say device, not GPU
     session.store.bus.subscribe(traffic)
     # --profile DIR: ceilings measured now (see runtime.profiler.ceilings), then listen until the session is closed.
-    profiler = Profiler(session, measure_ceilings(session.store)).start() if cfg.profile.dir else None
+    profiler = Profiler(session, _ceilings_one_rank_at_a_time(session)).start() if cfg.profile.dir else None
     data = job.data
     progress = Progress(steps, cfg.train.log_every)
     scheduler = lr_scheduler(optimizer, cfg.train)
@@ -353,6 +371,9 @@ def _run(cfg: TierstoreConfig, args: argparse.Namespace, root: CheckpointRoot | 
          f"on fetches {session.controller.stats.wait_fetch_s:.2f} s{whose}")
     if profiler is not None:
         profiler.stop()  # after close(): the last write-backs are in the totals
-        saved = profiler.save(cfg.profile.dir, trace=cfg.profile.trace, plot=cfg.profile.plot is not False)
-        print(f"profile written to {saved.directory}; read it with: tierstore profile {saved.directory}", file=sys.stderr)
+        assert cfg.profile.dir is not None  # the profiler runs only with one
+        saved = profiler.save(rank_profile_dir(cfg.profile.dir, rank, world), trace=cfg.profile.trace,
+                              plot=cfg.profile.plot is not False)
+        print(f"profile{f' of rank {rank}' if world > 1 else ''} written to {saved.directory}; read it with: "
+              f"tierstore profile {saved.directory}", file=sys.stderr)
     return 0

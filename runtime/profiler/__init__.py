@@ -31,6 +31,11 @@ def load_summary(directory: str | Path) -> dict[str, Any]:
     """The summary.json of a saved profile."""
     path = Path(directory) / "summary.json"
     if not path.is_file():
+        ranks = sorted(p.name for p in Path(directory).glob("rank*") if (p / "summary.json").is_file())
+        if ranks:  # tierstore train --nproc N --profile DIR: one profile a rank
+            raise FileNotFoundError(f"{directory} holds one profile a process ({', '.join(ranks)}: a run of several "
+                                    f"processes, each its own blocks' traffic): read one, e.g. tierstore profile "
+                                    f"{Path(directory) / ranks[0]}")
         raise FileNotFoundError(f"{path} not found: write a profile first, e.g. tierstore train --profile {directory}")
     try:
         summary = json.loads(path.read_text())

@@ -4,6 +4,7 @@ refused before anything is built, naming the flag."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -32,10 +33,9 @@ def losses(text: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize(("flags", "said"), [
     pytest.param(["--micro-batch", "3"], "--micro-batch 3 does not split between 2 processes", marks=pytest.mark.slow),
-    pytest.param(["--profile", "ck"], "--profile does not work with --nproc yet", marks=pytest.mark.slow),
 ])
 def test_what_several_processes_cannot_do_is_refused_naming_the_flag(tmp_path, flags, said):
-    done = tierstore("train", "--nproc", "2", "--steps", "1", *[str(tmp_path / f) if f == "ck" else f for f in flags])
+    done = tierstore("train", "--nproc", "2", "--steps", "1", *flags)
     assert done.returncode != 0
     assert said in done.stderr, done.stderr[-3000:]
 
@@ -68,13 +68,16 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_leaves_no_swap_file(tmp_pat
 def test_two_processes_train_as_one_and_stop_and_resume_from_their_checkpoint_exactly(tmp_path):
     """--nproc 2 reports one process's losses at the same micro-batch; with --checkpoint-dir rank 0 claims the
     directory, both ranks save each checkpoint (one checkpoint of both ranks' blocks), and stopped at step 4 and
-    resumed to 6 is the uninterrupted 6-step run's loss."""
+    resumed to 6 is the uninterrupted 6-step run's loss. The uninterrupted run writes a profile a rank
+    (--profile DIR: DIR/rank0, DIR/rank1, each its own blocks' traffic), which `tierstore profile` reads; given DIR
+    itself it names them."""
     ck = str(tmp_path / "ck")
     first = tierstore("train", "--nproc", "2", "--steps", "4", "--micro-batch", "4", "--checkpoint-dir", ck, "--save-every", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = tierstore("train", "--nproc", "2", "--steps", "6", "--micro-batch", "4", "--checkpoint-dir", ck,
                         "--save-every", "2", "--resume")
-    whole = tierstore("train", "--nproc", "2", "--steps", "6", "--micro-batch", "4")
+    profile = tmp_path / "profile"
+    whole = tierstore("train", "--nproc", "2", "--steps", "6", "--micro-batch", "4", "--profile", str(profile))
     one = tierstore("train", "--steps", "6", "--micro-batch", "4")
     assert resumed.returncode == 0 and whole.returncode == 0, resumed.stderr[-3000:] + whole.stderr[-3000:]
     assert one.returncode == 0, one.stderr[-3000:]
@@ -87,6 +90,14 @@ def test_two_processes_train_as_one_and_stop_and_resume_from_their_checkpoint_ex
     assert last_two < first_two - 0.5  # it trained
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")) == \
         ["step-000002", "step-000004", "step-000006"]
+    for rank in (0, 1):
+        assert f"profile of rank {rank} written to {profile / f'rank{rank}'}" in whole.stderr, whole.stderr[-3000:]
+        report = tierstore("profile", str(profile / f"rank{rank}"))
+        assert report.returncode == 0 and "traffic per path" in report.stdout, report.stderr[-3000:]
+        paths = json.loads((profile / f"rank{rank}" / "summary.json").read_text())["totals"]["paths"]
+        assert sum(path["nbytes"] for path in paths.values()) > 0  # bytes moved through this rank's tiers
+    whole_dir = tierstore("profile", str(profile))
+    assert whole_dir.returncode != 0 and "holds one profile a process (rank0, rank1" in whole_dir.stderr
 
 
 @pytest.mark.slow
