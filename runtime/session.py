@@ -442,8 +442,6 @@ def _check_ranks(cfg: TierstoreConfig, resolved: ResolvedPlan, ranks: Ranks) -> 
     """Refuse, before anything is allocated, what a run of several processes does not do yet, naming the setting to
     change (every rank refuses alike: the config and the plan are the same on each)."""
     refusals = []
-    if cfg.dtype == "fp16":
-        refusals.append("dtype: fp16 (its loss scaling is per process): use bf16")
     if resolved.source is WeightSource.RESIDENT:
         refusals.append("placement.weights: gpu: write host")
     if refusals:

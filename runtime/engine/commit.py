@@ -71,7 +71,7 @@ class Commit:
             return
         skip = False
         if scaler is not None:
-            skip = bool(scaler.found_inf.item())
+            skip = bool(self._overflow_anywhere(scaler).item())
         coef = None
         total = self.clipper.commit() if not skip else None
         grad_clip = view.options.grad_clip
@@ -216,6 +216,19 @@ class Commit:
         self.weights.drop_gathers()
         self.fetch.release_unused()
         self.weights.release_refreshes()
+
+    def _overflow_anywhere(self, scaler: LossScaler) -> torch.Tensor:
+        """The step's fp16 overflow flag, with several processes summed over the ranks first: each rank unscales
+        only the gradients of the blocks it owns (reduced there from every rank), so an overflow is seen by one
+        owner, and every rank must skip the step and back its loss scale off alike (the scales stay equal, as under
+        DDP's GradScaler, whose ranks all see the averaged gradients). One call per commit, every rank at the same
+        point ([Note: collectives in program order])."""
+        ranks = self.view.options.ranks
+        if ranks is not None:
+            flag = scaler.found_inf.to(ranks.device, torch.float32)
+            ranks.sum(flag)
+            scaler.found_inf.copy_(flag)
+        return scaler.found_inf
 
     def clear_overflow_and_sums(self) -> None:
         """Nothing of a dropped step's overflow flag or host sums reaches the next step."""

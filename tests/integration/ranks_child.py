@@ -62,7 +62,7 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
             for x, y in global_batches(steps, accumulation, global_batch)[step * accumulation:(step + 1) * accumulation]:
                 device = next(model.parameters()).device  # the compute device (a rank's GPU under NCCL)
                 loss = model(x[rank * share:(rank + 1) * share].to(device), y[rank * share:(rank + 1) * share].to(device))
-                loss.backward()
+                optimizer.scale_loss(loss).backward()  # fp16: the loss scale (identity otherwise)
                 losses.append(loss.item())
             if user_clip:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), USER_CLIP)))
@@ -74,10 +74,13 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
                 os._exit(9)
             raise RuntimeError("test failure on rank 1 after training")
         weights = session.master_state_dict()
+        scaler = session.controller.scaler
+        loss_scale = None if scaler is None else float(scaler.scale)
         gathered_ahead = session.controller.weights.gathered_ahead
     finally:
         session.close()
-    torch.save({"losses": losses, "norms": norms, "weights": weights, "keys": keys, "cores": cores, "gathered_ahead": gathered_ahead,
+    torch.save({"losses": losses, "norms": norms, "loss_scale": loss_scale, "weights": weights, "keys": keys,
+                "cores": cores, "gathered_ahead": gathered_ahead,
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                os.path.join(out, f"rank{rank}.pt"))
 

@@ -70,15 +70,18 @@ LR = 1e-3
 DEVICE = os.environ.get("RANKS_TEST_DEVICE", "cpu")
 
 
-def assert_nearly_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+def assert_nearly_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str, fp16: bool = False) -> None:
     """fp32 on the CPU: equal up to the order in which the gradients' mean over ranks is summed. AdamW divides by
     the root of the second moment, so where a gradient element is near zero a difference in its last bit moves that
     element's update by a visible part of lr: each element within 5% of one step's lr, and on average within 1e-4
     of it (almost every element the same bits). A wrong mean (a missed micro-batch, an unscaled sum, one rank's
-    gradient alone) is off by a whole lr step in most elements."""
+    gradient alone) is off by a whole lr step in most elements. ``fp16``: the ranks' gradients are fp16 (10-bit
+    mantissa) before their mean is taken, so the near-zero elements swing by more: within half a step each, 1% of
+    one on average (seen: 12% and 0.02%); one step updated where the other process skipped it is a whole step."""
     diff = (ours - theirs).abs()
-    assert diff.max() <= 0.05 * LR, f"{what}: differs by {diff.max():.3g} (more than 5% of lr {LR})"
-    assert diff.mean() <= 1e-4 * LR, f"{what}: differs by {diff.mean():.3g} on average (more than 1e-4 of lr {LR})"
+    most, mean = (0.5, 1e-2) if fp16 else (0.05, 1e-4)
+    assert diff.max() <= most * LR, f"{what}: differs by {diff.max():.3g} (more than {most:g} of lr {LR})"
+    assert diff.mean() <= mean * LR, f"{what}: differs by {diff.mean():.3g} on average (more than {mean:g} of lr {LR})"
 
 
 CONFIGS = {
@@ -99,6 +102,10 @@ CONFIGS = {
     # compact moments (issue 43's 70B on one node needs both): each owner's int8 moments, as one process's
     "int8-moments": {"device": DEVICE, "dtype": "fp32",
                      "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "moment_dtype": "int8", "moment_kernel": "torch"}},
+    # fp16 with a loss scale that overflows the first steps: the owner of an overflowing block sees it, every rank
+    # skips those steps and backs its scale off alike
+    "fp16-overflow": {"device": DEVICE, "dtype": "fp16",
+                      "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "loss_scale": {"initial": 2.0**18}}},
     # each micro-batch's gradient reduced onto the owner, summed in its host memory
     "host-sums": {"device": DEVICE, "dtype": "fp32",
                   "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}},
@@ -124,16 +131,21 @@ def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
     ranks = launch(tmp_path / "many", world, config)
     for rank, record in enumerate(ranks):
         assert record["weights"].keys() == one["weights"].keys()
+        fp16 = config["dtype"] == "fp16"
         for param, value in one["weights"].items():
-            assert_nearly_equal(record["weights"][param], value, f"rank {rank}, {param}")
+            assert_nearly_equal(record["weights"][param], value, f"rank {rank}, {param}", fp16)
         # close() hands every rank the whole trained model, as DDP's ranks each hold it
         for param, value in record["params"].items():
-            assert_nearly_equal(value, one["weights"][param], f"rank {rank}, {param} after close()")
+            assert_nearly_equal(value, one["weights"][param], f"rank {rank}, {param} after close()", fp16)
     # The loop's clip_grad_norm_ returned the same norm on every rank, the whole model's (one process's)
     for record in ranks:
         assert record["norms"] == ranks[0]["norms"]
         assert record["norms"] == pytest.approx(one["norms"], rel=1e-5)
     assert len(one["norms"]) == (3 if config["optimizer"].get("user_grad_clip") else 0)
+    # fp16: the one process skipped overflowing steps (its scale backed off) and every rank's scale is the same
+    if config["dtype"] == "fp16":
+        assert one["loss_scale"] < config["optimizer"]["loss_scale"]["initial"]
+        assert all(record["loss_scale"] == one["loss_scale"] for record in ranks)
     # After the first step (its trace learned), blocks' broadcasts start ahead of their acquire, overlapping compute
     assert all(record["gathered_ahead"] > 0 for record in ranks)
     # One copy of the state (master and moments: a block's host gradient buffer depends on where its update runs,
@@ -199,14 +211,14 @@ def test_a_read_from_a_rank_that_failed_raises_naming_it(tmp_path, how):
 
 
 def test_what_several_processes_do_not_do_yet_is_refused_on_every_rank(tmp_path):
-    """fp16 (its loss scale is per process) and weights kept on the GPU are refused before anything is allocated, on
-    every rank, naming the setting."""
-    config = {"device": DEVICE, "dtype": "fp16", "placement": {"weights": "gpu"}}  # two refusals, one message
+    """Weights kept on the GPU are refused before anything is allocated, on every rank, naming the setting."""
+    config = {"device": DEVICE, "dtype": "fp16", "placement": {"weights": "gpu"}}
     procs = start(tmp_path, 2, config, extra_env={"TIERSTORE_COLLECTIVE_TIMEOUT_S": "15"})
     outputs = finish(procs, timeout_s=120)
     for proc, text in zip(procs, outputs, strict=True):
         assert proc.returncode != 0
-        assert "with several processes (2 ranks)" in text and "dtype: fp16" in text and "placement.weights: gpu" in text
+        assert "with several processes (2 ranks)" in text and "placement.weights: gpu" in text
+        assert "fp16" not in text.split("does not yet support")[-1].splitlines()[0]  # fp16 is not refused
 
 
 def test_a_plan_refused_on_one_rank_stops_every_rank_before_anything_is_allocated(tmp_path):
