@@ -19,7 +19,7 @@ from runtime.config.loader import ConfigError, TierstoreConfig, load_config
 from runtime.config.schema import clip_threshold, consistency_problems
 from runtime.config.units import approx_size
 from runtime.core.blocks import Block, build_blocks
-from runtime.core.ranks import Ranks, bind_cores, join_ranks
+from runtime.core.ranks import Ranks, bind_cores, join_ranks, rank_folder
 from runtime.core.signals import Terminated, defers_interrupts, handle_signals
 from runtime.engine.controller import Controller, RuntimeOptions
 from runtime.integrations.safetensors_export import save_sharded  # needs safetensors only when called
@@ -72,6 +72,11 @@ class OffloadSession:
     read_service: ReadService | None = field(default=None, repr=False)
 
     @property
+    def ranks(self) -> Ranks | None:
+        """This process's place among the run's processes (torchrun's), or None in a run of one process."""
+        return self.controller.options.ranks
+
+    @property
     def activations_recomputed(self) -> bool:
         """The layers' forwards are recomputed in the backward now (placement.activations: recompute, or auto's
         choice)."""
@@ -115,7 +120,7 @@ class OffloadSession:
         With several processes it is collective: every rank calls it with the same directory; rank 0 reads each
         block from its owner ([Note: reads served by the owner]) and writes the files, and every rank returns once
         they are written (or raises rank 0's failure)."""
-        ranks = self.controller.options.ranks
+        ranks = self.ranks
         if ranks is None:
             save_sharded(self, directory, max_shard_nbytes=max_shard_nbytes)
             return
@@ -146,7 +151,7 @@ class OffloadSession:
         values: dict[str, torch.Tensor] | None = None
         failure: BaseException | None = None
         dtypes = {s.name: s.dtype for b in self.blocks for s in b.slots}
-        ranks = self.controller.options.ranks
+        ranks = self.ranks
         leaving = sys.exc_info()[1]  # close() on the way out of an exception (a `finally`, a `with`)
         if ranks is not None and leaving is not None and ranks.broken is None:
             # This rank is failing: no collective more (the others are inside another one); they learn why.
@@ -199,7 +204,7 @@ class OffloadSession:
     def _trained_values(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """close(): the step in progress dropped, the masters to give back (where several processes failed, only
         this rank's own blocks': no collective can gather the others' now)."""
-        controller, ranks = self.controller, self.controller.options.ranks
+        controller, ranks = self.controller, self.ranks
         if controller.step_pending:
             controller.discard_pending()
             if controller.interrupted is None:
@@ -219,7 +224,7 @@ class OffloadSession:
         """Several processes whose collectives failed: a rank that was killed could not remove its swap files; the
         ones that lived remove those of every rank directory whose lock its holder no longer keeps
         (``tierstore.remove_abandoned``; a rank still closing keeps its lock, and removes its own)."""
-        ranks, path = self.controller.options.ranks, self.config.tiers.nvme.path
+        ranks, path = self.ranks, self.config.tiers.nvme.path
         if ranks is None or ranks.broken is None or path is None or not os.path.isdir(path):
             return
         for name in sorted(os.listdir(path)):
@@ -790,7 +795,7 @@ def _recompute_trial(session: OffloadSession, recompute: Recompute, device: torc
     activations are then kept and the log says why, under ``recompute`` the layers already are)."""
     if session.config.placement.activations != "auto":
         return None
-    if session.controller.options.ranks is not None:
+    if session.ranks is not None:
         # Several processes: each rank would decide from its own timings, and ranks recomputing and not recomputing
         # fetch their blocks in different orders ([Note: collectives in program order] in runtime.core.ranks).
         log.info("placement.activations auto: activations are kept with several processes (the model's own "
@@ -855,7 +860,7 @@ def _rank_directory(path: str | None, ranks: Ranks | None) -> str | None:
         return path
     if not os.path.isdir(path):
         return path  # the store refuses it, naming tiers.nvme.path
-    directory = os.path.join(path, f"rank{ranks.rank}")
+    directory = rank_folder(path, ranks.rank)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     return directory
 

@@ -118,7 +118,7 @@ def save_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     if isinstance(directory, CheckpointRoot) and overwrite:
         raise ValueError("overwrite is decided when the CheckpointRoot is opened: pass it to CheckpointRoot(...)")
     path = directory.path if isinstance(directory, CheckpointRoot) else Path(directory)
-    ranks = session.controller.options.ranks
+    ranks = session.ranks
     if ranks is not None:
         return _save_ranks(session, ranks, directory, path, _SaveArgs(data, keep_last, threads, progress, scheduler),
                            overwrite)
@@ -450,8 +450,8 @@ def load_checkpoint(session: OffloadSession, directory: str | os.PathLike[str] |
     blocks it owns, whatever number of ranks (or one process) saved it. A refusal or failure on any rank raises on
     every rank (one cut short part-way leaves every rank refusing to train until a load completes)."""
     remote = session.controller.options.remote()
-    if session.controller.options.ranks is not None:
-        return _load_ranks(session, session.controller.options.ranks, directory, data, scheduler, remote)
+    if session.ranks is not None:
+        return _load_ranks(session, session.ranks, directory, data, scheduler, remote)
     return _restore(session, _prepare_load(session, directory, scheduler, remote), data, scheduler, remote)
 
 

@@ -33,6 +33,7 @@ from runtime.checkpoint.state import (
 from runtime.cli.job import TrainJob
 from runtime.cli.train_hf import check_hf_inputs, hf_job
 from runtime.config.loader import TierstoreConfig, TrainConfig, load_config
+from runtime.core.ranks import rank_folder
 from runtime.core.text import counted
 from runtime.profiler import Profiler, measure_ceilings
 from runtime.profiler.outputs import check_profile_dir
@@ -231,13 +232,13 @@ def rank_and_world() -> tuple[int, int]:
 def rank_profile_dir(directory: str, rank: int, world: int) -> Path:
     """Where this process writes its profile (``--profile DIR``): DIR in a run of one process, else DIR/rank<N>:
     each rank profiles its own session, whose traffic is its own blocks'."""
-    return Path(directory) if world <= 1 else Path(directory) / f"rank{rank}"
+    return Path(directory if world <= 1 else rank_folder(directory, rank))
 
 
 def _ceilings_one_rank_at_a_time(session: Any) -> dict[str, float]:
     """The profiler's bandwidth ceilings (``measure_ceilings``), the ranks probing one after another: probing
     together they would share the host's memory and the disk, and each would measure less than its path moves."""
-    ranks = session.controller.options.ranks
+    ranks = session.ranks
     if ranks is None:
         return measure_ceilings(session.store)
     ceilings: dict[str, float] = {}

@@ -257,7 +257,7 @@ def hf_job(args: Any, cfg: TierstoreConfig) -> TrainJob:
     def finish(session: Any) -> None:
         if args.output is None:
             return
-        ranks = session.controller.options.ranks
+        ranks = session.ranks
         writes = ranks is None or ranks.rank == 0  # several processes: every rank reads, rank 0 writes the files
         if args.overwrite and writes:
             clear_weights(args.output)

@@ -182,6 +182,11 @@ _FAILED_KEY = "failed/rank"
 _SESSIONS = itertools.count(1)  # join_ranks' serial numbers: the sessions of this process, in order
 
 
+def rank_folder(path: str, rank: int) -> str:
+    """The folder of ``rank``'s own files under ``path`` (its swap files, its profile): ``path/rank<N>``."""
+    return os.path.join(path, f"rank{rank}")
+
+
 def world_size_requested() -> int:
     """The number of processes the launcher started: the process group's size, else ``WORLD_SIZE`` (torchrun)."""
     if dist.is_available() and dist.is_initialized():

@@ -123,7 +123,7 @@ def resolve_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device
         if copy is not None:
             source, (placement, spilled_blocks, host_updated) = WeightSource.WEIGHTS, copy
     if measures_first_step(cfg, device):
-        first = _first_step_plan(blocks, cfg, device, rates, limit, recomputable=recomputable,
+        first = _first_step_plan(blocks, cfg, device, rates, limit, homes, recomputable=recomputable,
                                  copy_now=source is WeightSource.WEIGHTS)
         if first is not None:
             return first
@@ -168,9 +168,9 @@ def first_step_config(cfg: TierstoreConfig) -> TierstoreConfig:
 
 
 def _first_step_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.device, rates: Rates | None, limit: int,
-                     *, recomputable: bool, copy_now: bool) -> ResolvedPlan | None:
+                     homes: dict[str, TierName], *, recomputable: bool, copy_now: bool) -> ResolvedPlan | None:
     """The plan of ``measures_first_step``'s first step (``first_step_config``), or None where it is not taken.
-    ``copy_now``: the plan chosen now keeps a compute-dtype copy of the weights.
+    ``homes``: cfg's (``resolve_homes``); ``copy_now``: the plan chosen now keeps a compute-dtype copy of the weights.
 
     A first step fetching the master would rule the copy out, and one keeping it would rule out streaming after it
     (adopting a placement with the copy works, tests/integration/test_weights_copy.py; not measured on a GPU yet).
@@ -180,7 +180,6 @@ def _first_step_plan(blocks: list[Block], cfg: TierstoreConfig, device: torch.de
     (the copy cannot pay, or does not fit beside the rest: int8 moments of the 8B scenario at 64 GiB), the first
     step fetches the master too and is measured where it spills within the limit or fits with its pre-commit
     buffers."""
-    homes, _ = resolve_homes(cfg)
     first_cfg = first_step_config(cfg)
     first = resolve_plan(blocks, first_cfg, device, rates=rates, weights_copy=copy_now)
     if first.source is WeightSource.WEIGHTS:  # the first step would keep the copy: chosen now, as the plan keeps it
