@@ -29,7 +29,11 @@ def _free_port() -> int:
 def start(out: Path, world: int, config: dict, steps: int = 3, global_batch: int = 6,
           extra_env: dict[str, str] | None = None, child: Path = CHILD,
           extra_args: list[str] | None = None) -> list[subprocess.Popen]:
-    """Start ``child`` (default ``ranks_child.py``) as ``world`` ranks (one process when 1), as torchrun would."""
+    """Start ``child`` (default ``ranks_child.py``) as ``world`` ranks (one process when 1), as torchrun would.
+    Over NCCL (RANKS_TEST_DEVICE=cuda) each rank needs a GPU of its own: more ranks than this machine has GPUs is a
+    skip naming both counts (never on the CPU, where gloo runs any number)."""
+    if os.environ.get("RANKS_TEST_DEVICE", "cpu") == "cuda" and world > torch.cuda.device_count():
+        pytest.skip(f"{world} ranks over NCCL need {world} GPUs; this machine has {torch.cuda.device_count()}")
     port = _free_port()
     procs = []
     for rank in range(world):
