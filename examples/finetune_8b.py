@@ -434,6 +434,10 @@ def _trace(running, path: str):  # type: ignore[no-untyped-def]
     if cuda:
         torch.cuda.synchronize()
     running.__exit__(None, None, None)
+    rank, world = rank_and_world()
+    if world > 1:  # each rank its own file: FILE's name with .rank<N> before its extensions
+        name, dot, ext = os.path.basename(path).partition(".")
+        path = os.path.join(os.path.dirname(path), f"{name}.rank{rank}{dot}{ext}")
     running.export_chrome_trace(path)
     print(f"\ntrace of two micro-batches written to {path}", file=sys.stderr)
     return None

@@ -111,7 +111,8 @@ if [[ $what == ranks ]]; then  # issue 42: the 8B scenario on N GPUs of this hos
     # the node's memory in use, sampled every second while the run lasts (MemTotal - MemAvailable: every rank's
     # pinned and pageable memory, the page cache's dirty pages not counted): its peak beside the ranks' summed RSS
     (peak=0; while sleep 1; do used=$(awk '/MemTotal/{t=$2}/MemAvailable/{a=$2}END{print t-a}' /proc/meminfo)
-       [ "$used" -gt "$peak" ] && peak=$used && echo "$peak" > "$OUT/node_mem_$n.kib"; done) & sampler=$!
+       [ "$used" -gt "$peak" ] && peak=$used && echo "$peak" > "$OUT/node_mem_$n.kib" \
+       && cp /proc/meminfo "$OUT/node_meminfo_$n.txt"; done) & sampler=$!
     timeout ${RUN_TIMEOUT:-900} python3 -m torch.distributed.run --nproc-per-node $n --standalone examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b \
       --steps ${STEPS:-3} ${FT_ARGS:-} 2>&1 | tr '\r' '\n' > "$OUT/ranks_$n.log" || status=$(( status ? status : $? ))
     kill $sampler
@@ -121,7 +122,7 @@ if [[ $what == ranks ]]; then  # issue 42: the 8B scenario on N GPUs of this hos
   done
   # the several-process tests over NCCL, one GPU per rank (the 3-rank ones where there are 3 GPUs)
   [[ -n ${NO_RANKS_TESTS:-} ]] && exit $status
-  RANKS_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-1200} python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/integration/test_ranks.py \
+  RANKS_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-1200} python3 -m pytest -v -p no:cacheprovider -m "slow or not slow" tests/integration/test_ranks.py \
     tests/integration/test_ranks_checkpoint.py tests/integration/test_hf_trainer_ranks.py \
     tests/integration/test_ranks_reads.py 2>&1 | tee "$OUT/ranks_tests.log" | tail -15 || status=$(( status ? status : $? ))
 fi
