@@ -628,6 +628,8 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
                                         io_threads=cfg.tiers.nvme.io_threads, io_block_nbytes=cfg.tiers.nvme.block_size,
                                         direct_io=str(direct)))
         store = opened[0]
+        if ranks is not None:  # no rank's first broadcast may spin while another still pins its arena
+            ranks.host_barrier("the ranks' host memory pinned")  # ([Note: no GPU collective beside a pinning])
         options = _options(cfg, dtype, resolved, record_intervals, int8_kernel, ranks, blocks)
         controller = Controller(model, blocks, store, options, fill_block=block_filler(init, uninitialized))
         undo.append(controller.close)

@@ -245,7 +245,8 @@ def _ceilings_one_rank_at_a_time(session: Any) -> dict[str, float]:
     for turn in range(ranks.world_size):
         if turn == ranks.rank:
             ceilings = measure_ceilings(session.store)
-        ranks.barrier("the profile's bandwidth probes, one rank at a time")
+        # in the store, not a collective: the probes pin host memory ([Note: no GPU collective beside a pinning])
+        ranks.host_barrier("the profile's bandwidth probes, one rank at a time")
     return ceilings
 
 

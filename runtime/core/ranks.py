@@ -15,6 +15,14 @@ is reduced to its owner when its backward is done, the gradient norm is summed a
 are compared once before anything is allocated. A rank whose model takes another path (a different block order)
 breaks this, as it breaks DDP.
 
+[Note: no GPU collective beside a pinning] Page-locking host memory (cudaHostRegister) or giving it back can wait
+for the GPUs this process reaches over NVLink, and a collective's kernel on another rank's GPU spins until this rank
+joins it: a rank that pins while another already waits in a collective hangs them both (seen on two H200s: the tiny
+test model's ranks, one in cudaHostRegister, the other in its first forward past its first broadcast;
+pytorch/pytorch#31095 is the same with DDP's broadcast). So every rank pins at the same point and the ranks meet in the store
+(``Ranks.host_barrier``, no kernel) before any collective that follows: after the store's arena at setup, and
+between the profile's one-rank-at-a-time bandwidth probes.
+
 What it leaves out: which rank owns which block (planning), when the calls are made (the engine).
 """
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -53,6 +62,7 @@ class Ranks:
         # session writes carry it, so that a later session never reads an earlier one's.
         self.serial = serial
         self.broken: str | None = None  # the first collective failure, once there was one
+        self._host_barriers = 0  # host_barrier's calls so far: every rank counts them alike (program order)
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -157,6 +167,33 @@ class Ranks:
         too (NCCL's calls return before the GPUs have met; ``item()`` waits for them)."""
         arrived = torch.zeros(1, device=self.device)
         self.call(what, lambda: (dist.all_reduce(arrived, op=dist.ReduceOp.SUM), arrived.item()))
+
+    def host_barrier(self, what: str) -> None:
+        """Return once every rank has come here (``what`` names the point in errors), meeting in the process group's
+        store alone: no GPU kernel runs for it. Where a rank page-locks host memory or probes copies while the others
+        wait ([Note: no GPU collective beside a pinning]), the waiting ranks must not sit in a collective's kernel.
+        A rank that said why it failed (``fail``) ends the wait at once, naming it; one that died silently, at
+        TIERSTORE_COLLECTIVE_TIMEOUT_S."""
+        store = self.store()
+        self._host_barriers += 1
+        keys = [self.key(f"host-barrier/{self._host_barriers}/rank{rank}") for rank in range(self.world_size)]
+
+        def meet() -> None:
+            if store is None:
+                raise RuntimeError("the process group has no store to meet in")
+            store.set(keys[self.rank], b"1")
+            deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+            pause = 0.001
+            while not store.check(keys):
+                causes = self._published_failures()
+                if causes:
+                    raise RuntimeError("; ".join(causes))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not every rank came within {COLLECTIVE_TIMEOUT_S:g} s")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+
+        self.call(what, meet)
 
     def key(self, name: str) -> str:
         """A key of this session in the process group's store."""
