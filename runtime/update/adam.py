@@ -7,6 +7,7 @@ exactly the tensor list ``torch.optim.AdamW(fused=True)`` sees, so results are b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,20 @@ class AdamWHyper:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.01
+
+
+# The order of the constants in :func:`bf16_update_constants` (and of a row of the compiled kernel's table).
+BF16_CONSTANTS = ("decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "inv_bias_root", "eps")
+
+
+def bf16_update_constants(hyper: AdamWHyper, step: float) -> tuple[float, ...]:
+    """The constants of bf16 moments' AdamW step (:data:`BF16_CONSTANTS`) for a parameter whose step counter reads
+    ``step`` after its increment, in Python floats (double): each is rounded to fp32 once, where it is used, as
+    torch rounds a Python scalar it multiplies an fp32 tensor by (``runtime.update.moments`` says the sequence of
+    operations they enter). Computed here once for every implementation: the torch-ops path takes them as scalars,
+    the compiled kernel as a float32 table, so both round the same doubles."""
+    return (1.0 - hyper.lr * hyper.weight_decay, hyper.beta1, 1.0 - hyper.beta1, hyper.beta2, 1.0 - hyper.beta2,
+            hyper.lr / (1.0 - hyper.beta1 ** step), 1.0 / math.sqrt(1.0 - hyper.beta2 ** step), hyper.eps)
 
 
 def split_views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

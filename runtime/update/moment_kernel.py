@@ -13,7 +13,8 @@ Why: in torch ops, int8 makes about thirty passes over each piece and as many pa
 each block is read once (master, gradient, stored moments) and written once, so the update moves the format's
 bytes (bf16 20 a parameter, int8 16) and little else. int8 is not bit-identical to the torch-ops path (its AdamW
 arithmetic and roots are its own): the same maps, codes within one of each other, the same per-block bounds. bf16
-is (torch's own fused kernel runs on the widened chunk). CPU tensors only; CUDA tensors take the torch-ops path.
+is: its arithmetic is a fixed sequence of single fp32 operations (``runtime.update.moments``), compiled without
+fused multiply-adds. CPU tensors only; CUDA tensors take the torch-ops path.
 Built with ``-march=native`` for the machine that builds it: a cache directory shared by machines of other CPUs
 would need its own name per CPU.
 """
@@ -32,7 +33,7 @@ import torch
 
 from runtime.config.loader import ConfigError
 from runtime.config.schema import MOMENT_KERNELS
-from runtime.update.adam import AdamWHyper
+from runtime.update.adam import AdamWHyper, bf16_update_constants
 from runtime.update.moment_formats import (
     MIN_SCALE,
     MOMENT_KINDS,
@@ -45,9 +46,9 @@ from runtime.update.moment_kernel_source import kernel_source
 
 log = logging.getLogger(__name__)
 
-# Elements of a bf16 chunk: a thread's fp32 scratch of both moments (2 x 256 KiB) stays in its L2 beside the
-# master and gradient it streams; torch's kernel is called once a chunk (a few microseconds of dispatch beside
-# about a hundred of work). A multiple of 64, so torch's kernel splits vector loop and tail as over whole tensors.
+# Elements of a bf16 chunk, the unit of work a thread takes: large enough that taking one costs nothing beside
+# its data, small enough to share an update's parameters between the threads. A multiple of 64 (whole cache lines
+# of both moments); the arithmetic is elementwise, so a chunk's size changes no bit (the tests try several).
 BF16_CHUNK = 1 << 16
 
 
@@ -123,7 +124,8 @@ class Int8Kernel:
                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     offsets: dict[str, torch.Tensor], chunk: int = BF16_CHUNK) -> None:
         """One AdamW step of the kept parameters' bf16 moments into ``out`` (which may be the inputs themselves),
-        bit for bit what ``moments.adamw_update_block`` does in torch ops: torch's fused AdamW on the widened values,
+        bit for bit what ``moments.adamw_update_block`` does in torch ops: the arithmetic of ``runtime.update.moments``
+        (with :func:`~runtime.update.adam.bf16_update_constants` of each parameter's step) on the widened values,
         each kind narrowed stochastically with its table offsets in ``offsets`` (``moment_formats.rounding_offsets``
         of the kept parameters' steps, int64 ``[kept, 2]``) or, a kind not in ``offsets``, to nearest even. The
         steps were incremented by the caller; skipped parameters are not touched."""
@@ -137,13 +139,15 @@ class Int8Kernel:
             flat += size
         if not rows:
             return
+        # each constant rounded from its double to fp32 once, here, as torch rounds a Python scalar
+        constants = torch.tensor([bf16_update_constants(h, t) for h, t in
+                                  zip(hypers, torch.stack(steps).tolist(), strict=True)], dtype=torch.float32)
         nearest = torch.full((kept, 2), -1, dtype=torch.int64)
         table_offsets = torch.cat([offsets.get(kind, nearest).to(torch.int64).reshape(kept, 2)
                                    for kind in MOMENT_KINDS], dim=1).contiguous()
         table1, table2 = self._tables
         self._module.adamw_bf16(master, grad, exp_avg, exp_avg_sq, out[0], out[1], out[2],
-                                torch.tensor(rows, dtype=torch.int64), _hyper_rows(steps, hypers), steps,
-                                table_offsets, table1, table2, chunk)
+                                torch.tensor(rows, dtype=torch.int64), constants, table_offsets, table1, table2, chunk)
 
 
 KERNEL_KEY = "optimizer.moment_kernel"
@@ -214,6 +218,6 @@ int8_kernel_for = moment_kernel_for
 
 @functools.cache  # once per process and reason, as the build: the rate probe and the session both ask
 def _warn_fallback(why: str, moment_dtype: str) -> None:
-    speed = {"int8": "about a quarter", "bf16": "about half"}.get(moment_dtype, "a fraction")
+    speed = {"int8": "about a quarter", "bf16": "about a tenth"}.get(moment_dtype, "a fraction")
     log.warning("%s: auto: the compiled AdamW moment kernel cannot be built here (%s); %s moments use torch ops "
                 "(%s of fp32's CPU update speed)", KERNEL_KEY, why, moment_dtype, speed)

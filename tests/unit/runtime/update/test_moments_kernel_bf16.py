@@ -1,7 +1,8 @@
-"""The compiled kernel's bf16 update (``adamw_bf16``: torch's fused AdamW on a cached chunk of widened moments,
-narrowed as the torch-ops path narrows): bit for bit the torch-ops path and the plain-torch reference, over several
-steps, every chunk size (a parameter split into chunks with a remainder, several parameters per call, parameters
-shorter than torch's vector), out of place, skipped parameters, any thread count. Its GIL-free run:
+"""The compiled kernel's bf16 update (``adamw_bf16``: bf16's own sequence of single fp32 operations on widened
+moments, compiled without contraction, narrowed as the torch-ops path narrows): bit for bit the torch-ops path and
+the plain-ops reference (tests/bf16_reference.py), over several steps, every chunk size (a parameter split into
+chunks with a remainder, several parameters per call, parameters shorter than a vector or a run), out of place,
+skipped parameters, any thread count. Its GIL-free run:
 test_moments_kernel's. Slow: the first build takes a minute (cached after)."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from tests.unit.runtime.update.test_moments_update import HYPERS, SIZES, Block, 
 
 pytestmark = pytest.mark.slow
 
-# Chunks: the default (parameter 1's 70001 values split into 65536 and a remainder of 4465, not a multiple of torch's
-# vector), 64 (the smallest: every parameter in many chunks), and one of 3 * 64 that is not a power of two.
+# Chunks: the default (parameter 1's 70001 values split into 65536 and a remainder of 4465, not a multiple of a
+# vector or of the kernel's run of 1024), 64 (the smallest: every parameter in many chunks), and one of 3 * 64 that is
+# not a power of two.
 CHUNKS = [BF16_CHUNK, 64, 192]
 
 
@@ -38,7 +40,7 @@ class ChunkedKernel(Int8Kernel):
 
 
 # Block layouts: test_moments_update's six parameters, and one of a long parameter (many chunks, a remainder of
-# 200003 - 3 * 65536 = 3395 values, not a multiple of a piece or of torch's vector) between two short ones.
+# 200003 - 3 * 65536 = 3395 values, not a multiple of a piece, a vector or a run) between two short ones.
 LAYOUTS = {"six": (SIZES, HYPERS), "long": ([7, 200_003, 64], [HYPERS[0], HYPERS[2], HYPERS[4]])}
 
 
