@@ -33,8 +33,9 @@ maps, the same layout, the same stochastic-rounding tables).
   fp32 update at 16 threads on the H200 machine's Xeon (2026-11-29), and on one EPYC core torch's kernel on the
   cached chunk alone took 0.51 of its 0.85 ns a parameter (fp32's whole update 0.56), so no trimming could reach
   fp32's speed. With its own arithmetic, on one busy core of the 2-core box (``adam_bench --threads 1 --numel
-  16000000``, 2026-11-29): 0.99x fp32's parameters a second (before: 0.57x), both bound there by their one root and
-  one division an element (its loop: 32 values an iteration, two vsqrtps and two vdivps, as fp32's); where many
+  16000000``, 2026-11-29): 0.97-1.03x fp32's parameters a second over several runs (0.99x in the bench's table;
+  before: 0.57x); its loop takes 32 values an iteration with two vsqrtps and two vdivps, and a build without them
+  ran no faster there, nor runs of 256 or 8192 values (a software prefetch of the next run: 0.69x); where many
   cores share memory bandwidth it moves 20 bytes a parameter to fp32's 28. A first version that narrowed from an
   fp32 scratch in a second pass ran at about 0.8x there.
 """

@@ -30,7 +30,8 @@ fp32 once where it is used, as torch rounds a Python scalar; t the parameter's s
     p = p - ((m / d) * step_size)               step_size = lr / (1 - beta1 ** t)
 
 sqrt is IEEE's (correctly rounded); torch.sqrt of fp32 on the CPU is not (1 ulp off for about a fifth of the values,
-torch 2.13 with AVX-512), so the torch ops take it in float64 and narrow once (``_sqrt_rounded``: exact). Why not
+torch 2.13 with AVX-512), so the torch-ops path takes numpy's on a CPU with few threads, else the float64 root
+narrowed once (``_sqrt_rounded``: both exact). Why not
 torch's fused AdamW on the widened moments, as bf16 did first: its bits are its build's (its vector width, its
 compiler's contractions), which a compiled kernel cannot reproduce, so the kernel had to call it on each chunk and
 could not be faster than fp32's update on one core (the kernel's docstring has the measurements). The result stays
@@ -50,9 +51,10 @@ update, each block decoded, updated and encoded while in cache (bf16: the sequen
 bits as here). CPU time of one update of 16 Mi parameters on one EPYC core (2026-11-29): fp32 7.7 ms, int8 kernel
 12.8 ms, bf16 kernel 14.7 ms when it ran torch's fused AdamW on widened chunks, bf16 in torch ops 20.3 ms then; with
 bf16's own arithmetic (one busy core of the 2-core box, ``adam_bench --threads 1 --numel 16000000``) the kernel went
-from 0.57x fp32's parameters a second to 0.99x (there both are bound by their one root and one division an
-element), and the torch ops (fifteen calls a parameter, the root in float64) from 0.38x to 0.13x: the kernel is
-what runs wherever a compiler is. On the H200 machine's 16 Xeon cores (2026-11-29): int8 kernel 1.17x fp32 (one
+from 0.57x fp32's parameters a second to 0.97-1.03x over several runs (0.99x in the bench's table; without its
+root and division it ran no faster there: both updates wait on the same streams), and the torch ops (fifteen calls
+a parameter, numpy's root) from 0.38x to 0.21x (0.13x with the float64 root): the kernel is what runs wherever a
+compiler is. On the H200 machine's 16 Xeon cores (2026-11-29): int8 kernel 1.17x fp32 (one
 root and one division an element: ``moment_kernel_source``), bf16 kernel 0.68x with torch's fused AdamW (not
 measured there since).
 (torch.compile was tried first: 2.3x faster maps alone, the whole piece slower than eager, on this CPU.)
@@ -71,6 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from runtime.update.adam import (
@@ -442,12 +445,22 @@ def _bf16_constants_on_device(steps: list[torch.Tensor], hypers: list[AdamWHyper
     return constants
 
 
+# Below this many torch threads the CPU's root is numpy's (one thread): on one EPYC core (2026-11-29) numpy's fp32
+# root took 0.29 ns an element, torch's float64 root with its conversions 1.74 ns a thread.
+_NUMPY_ROOT_THREADS = 6
+
+
 def _sqrt_rounded(values: torch.Tensor, out: torch.Tensor) -> None:
-    """The correctly rounded fp32 square root of ``values`` (IEEE's, what the compiled kernel's vsqrtps gives) into
-    ``out``: torch.sqrt on the CPU is not (torch 2.13, AVX-512: 1 ulp off for about a fifth of the values). Taken in
-    float64 and narrowed once: a double root within one of its ulps (2^-52 relative) of the exact one rounds to the
-    fp32 nearest the exact root, whose distance from an fp32 rounding boundary is at least 2^-51 relative (a 24-bit
-    value is never within that of a square of a 25-bit one)."""
+    """The correctly rounded fp32 square root of contiguous ``values`` (IEEE's, what the compiled kernel's vsqrtps
+    gives) into ``out``: torch.sqrt on the CPU is not (torch 2.13, AVX-512: 1 ulp off for about a fifth of the
+    values). On the CPU with few threads numpy's fp32 root (the hardware's, IEEE's); else taken in float64 and
+    narrowed once: a double root within one of its ulps (2^-52 relative) of the exact one rounds to the fp32 nearest
+    the exact root, whose distance from an fp32 rounding boundary is at least 2^-51 relative (a 24-bit value is never
+    within that of a square of a 25-bit one). Both give the same bits (test_moments_update checks them against
+    each other)."""
+    if values.device.type == "cpu" and torch.get_num_threads() < _NUMPY_ROOT_THREADS:
+        np.sqrt(values.numpy(), out=out.numpy())
+        return
     out.copy_(values.to(torch.float64).sqrt_())
 
 

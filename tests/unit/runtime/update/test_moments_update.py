@@ -13,12 +13,14 @@ import torch
 from runtime.update.adam import AdamWHyper, adamw_update_grouped, split_views
 from runtime.update.moment_formats import int8_views, padded_numel, round_bf16_stochastic, rounding_bits, rounding_offsets
 from runtime.update.moments import (
+    _NUMPY_ROOT_THREADS,
     BF16_STOCHASTIC_KINDS,
     MOMENT_DTYPES,
     QUANT_BLOCK,
     MomentScratch,
     _bf16_constants,
     _bf16_constants_on_device,
+    _sqrt_rounded,
     adamw_update_block,
     decode_moment,
     encode_moment,
@@ -160,13 +162,23 @@ def test_bf16_equals_the_plain_torch_reference_bit_for_bit(piece_numel):
 
 
 def test_the_reference_root_is_the_correctly_rounded_one():
-    """sqrt_rounded (the reference's and the torch-ops path's root) is IEEE's fp32 root, numpy's (vsqrtps), over
-    many decades and subnormals; torch.sqrt of fp32 on the CPU need not be (why the reference does not use it)."""
+    """sqrt_rounded (the reference's root) and both of the torch-ops path's ways are IEEE's fp32 root, numpy's
+    (vsqrtps), over many decades and subnormals; torch.sqrt of fp32 on the CPU need not be (why neither uses it)."""
     gen = torch.Generator().manual_seed(0)
     values = torch.rand(1 << 20, generator=gen) * torch.exp(torch.randn(1 << 20, generator=gen) * 20)
     values[:1000] = torch.rand(1000, generator=gen) * 1e-38  # subnormal and near it
     values[1000:1003] = torch.tensor([0.0, float("inf"), 3.4e38])
-    assert torch.equal(sqrt_rounded(values), torch.from_numpy(np.sqrt(values.numpy())))
+    ieee = torch.from_numpy(np.sqrt(values.numpy()))
+    assert torch.equal(sqrt_rounded(values), ieee)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, _NUMPY_ROOT_THREADS):  # the torch-ops path's two ways: numpy's root, the float64 one
+            torch.set_num_threads(threads)
+            ours = torch.empty_like(values)
+            _sqrt_rounded(values, ours)
+            assert torch.equal(ours, ieee), threads
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_the_device_constants_equal_the_python_ones():
