@@ -80,6 +80,7 @@ from runtime.update.adam import (
     AdamWHyper,
     adamw_update_grouped,
     adamw_update_out_of_place,
+    bf16_step_constants,
     bf16_update_constants,
     split_views,
 )
@@ -118,6 +119,8 @@ __all__ = [
     "moment_nbytes",
     "moment_storage",
     "scratch_nbytes",
+    "sqrt_rounded_into",
+    "NUMPY_ROOT_THREADS",
     "zero_moments",
 ]
 
@@ -150,7 +153,8 @@ def default_piece_numel() -> int:
 
 def scratch_nbytes(threads: int | None = None) -> int:
     """Bytes of one :class:`MomentScratch` at its largest (four fp32 buffers of a piece), for a host budget to count:
-    4 MiB a thread at the default piece size."""
+    4 MiB a thread at the default piece size. bf16's float64 root adds none: it holds its values in a temporary
+    that is free at that point (:func:`sqrt_rounded_into`)."""
     return 4 * 4 * PIECE_NUMEL_PER_THREAD * max(1, torch.get_num_threads() if threads is None else threads)
 
 
@@ -433,10 +437,10 @@ def _bf16_constants(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> list
 
 def _bf16_constants_on_device(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> list[tuple[_Constant, ...]]:
     """``_bf16_constants`` without reading the counters: the step-dependent two as 0-dim fp32 tensors of the steps'
-    device, in float64 there, then rounded once (one computation per distinct hyper-parameter setting)."""
+    device, ``adam.bf16_step_constants``' formula (the Python doubles' operations in their order) in float64 there,
+    then rounded once (one computation per distinct hyper-parameter setting)."""
     t = torch.stack(steps).to(torch.float64)
-    per_hyper = {h: ((h.lr / (1.0 - torch.pow(h.beta1, t))).float(),
-                     (1.0 / torch.sqrt(1.0 - torch.pow(h.beta2, t))).float()) for h in set(hypers)}
+    per_hyper = {h: tuple(c.float() for c in bf16_step_constants(h, t)) for h in set(hypers)}
     constants: list[tuple[_Constant, ...]] = []
     for k, h in enumerate(hypers):
         fixed = bf16_update_constants(h, 1.0)  # the step-independent ones (step_size and inv_bias_root replaced)
@@ -447,34 +451,45 @@ def _bf16_constants_on_device(steps: list[torch.Tensor], hypers: list[AdamWHyper
 
 # Below this many torch threads the CPU's root is numpy's (one thread): on one EPYC core (2026-11-29) numpy's fp32
 # root took 0.29 ns an element, torch's float64 root with its conversions 1.74 ns a thread.
-_NUMPY_ROOT_THREADS = 6
+NUMPY_ROOT_THREADS = 6
 
 
-def _sqrt_rounded(values: torch.Tensor, out: torch.Tensor) -> None:
-    """The correctly rounded fp32 square root of contiguous ``values`` (IEEE's, what the compiled kernel's vsqrtps
-    gives) into ``out``: torch.sqrt on the CPU is not (torch 2.13, AVX-512: 1 ulp off for about a fifth of the
-    values). On the CPU with few threads numpy's fp32 root (the hardware's, IEEE's); else taken in float64 and
-    narrowed once: a double root within one of its ulps (2^-52 relative) of the exact one rounds to the fp32 nearest
-    the exact root, whose distance from an fp32 rounding boundary is at least 2^-51 relative (a 24-bit value is never
-    within that of a square of a 25-bit one). Both give the same bits (test_moments_update checks them against
-    each other)."""
-    if values.device.type == "cpu" and torch.get_num_threads() < _NUMPY_ROOT_THREADS:
+def sqrt_rounded_into(values: torch.Tensor, out: torch.Tensor, work: torch.Tensor | None = None) -> None:
+    """The correctly rounded fp32 square root of contiguous fp32 ``values`` (IEEE's, what the compiled kernel's
+    vsqrtps gives) into fp32 ``out``: torch.sqrt on the CPU is not (torch 2.13, AVX-512: 1 ulp off for about a fifth
+    of the values). On the CPU with fewer than :data:`NUMPY_ROOT_THREADS` threads numpy's fp32 root (the hardware's,
+    IEEE's); else taken in float64 and narrowed once: a double root within one of its ulps (2^-52 relative) of the
+    exact one rounds to the fp32 nearest the exact root, whose distance from an fp32 rounding boundary is at least
+    2^-51 relative (a 24-bit value is never within that of a square of a 25-bit one). Both give the same bits
+    (test_moments_update checks them against each other). ``work``: a contiguous fp32 buffer of the values' device,
+    overlapping neither, whose bytes hold the float64 values (half its length at a time): the update passes its free
+    temporary, so the root allocates nothing the memory plan does not count; None (or under two values): one float64
+    copy is allocated."""
+    if out.dtype != torch.float32 or values.dtype != torch.float32:
+        raise TypeError(f"sqrt_rounded_into: fp32 values and out, got {values.dtype} and {out.dtype}")
+    if values.device.type == "cpu" and torch.get_num_threads() < NUMPY_ROOT_THREADS:
         np.sqrt(values.numpy(), out=out.numpy())
         return
-    out.copy_(values.to(torch.float64).sqrt_())
+    if work is None or work.numel() < 2:  # (a scratch of one value: its copy costs nothing)
+        out.copy_(values.to(torch.float64).sqrt_())
+        return
+    doubles = work[: work.numel() // 2 * 2].view(torch.float64)
+    for start in range(0, values.numel(), doubles.numel()):
+        end = min(values.numel(), start + doubles.numel())
+        wide = doubles[: end - start]
+        wide.copy_(values[start:end])
+        out[start:end].copy_(wide.sqrt_())
 
 
 def _bf16_piece(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, piece: _Piece,
                 constants: list[tuple[_Constant, ...]], temporaries: DecodeScratch) -> None:
     """bf16's AdamW step (the module's sequence of single fp32 operations, each rounded on its own) on the piece's
-    per-parameter sub-views: master in place, ``m``, ``v`` the piece's widened moments; the steps were incremented
-    already. No lerp, addcmul, addcdiv or alpha: each torch op below is one IEEE operation an element."""
-    for part in piece.parts:
-        length = part.end - part.start
-        flat, local = slice(part.flat, part.flat + length), slice(part.local, part.local + length)
+    runs of consecutive parameters with equal constants (one op sequence a run): master in place, ``m``, ``v`` the
+    piece's widened moments; the steps were incremented already. No lerp, addcmul, addcdiv or alpha: each torch op
+    below is one IEEE operation an element. The root's float64 values live in ``temporaries.tmp`` (free then)."""
+    for flat, local, (decay, b1, c1, b2, c2, step_size, inv_bias_root, eps) in _bf16_runs(piece, constants):
         p, g, mi, vi = master[flat], grad[flat], m[local], v[local]
         t, d = temporaries.tmp[local], temporaries.tmp2[local]
-        decay, b1, c1, b2, c2, step_size, inv_bias_root, eps = constants[part.kept]
         p.mul_(decay)                     # p = p * decay
         mi.mul_(b1)                       # m = (m * b1) + (g * c1)
         torch.mul(g, c1, out=t)
@@ -483,9 +498,29 @@ def _bf16_piece(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
         torch.mul(g, g, out=t)
         t.mul_(c2)
         vi.add_(t)
-        _sqrt_rounded(vi, d)              # d = (sqrt(v) * inv_bias_root) + eps
+        sqrt_rounded_into(vi, d, temporaries.tmp)  # d = (sqrt(v) * inv_bias_root) + eps
         d.mul_(inv_bias_root)
         d.add_(eps)
         torch.div(mi, d, out=d)           # p = p - ((m / d) * step_size)
         d.mul_(step_size)
         p.sub_(d)
+
+
+def _bf16_runs(piece: _Piece, constants: list[tuple[_Constant, ...]]
+               ) -> list[tuple[slice, slice, tuple[_Constant, ...]]]:
+    """(master slice, scratch slice, constants) of each run of the piece's consecutive parts whose constants are
+    equal Python floats (a piece's parts are consecutive in master and in the scratch: bf16 pads nothing); a part
+    with device constants is a run of its own (comparing them would wait for the device)."""
+    runs: list[tuple[slice, slice, tuple[_Constant, ...]]] = []
+    previous: tuple[_Constant, ...] | None = None
+    for part in piece.parts:
+        length = part.end - part.start
+        current = constants[part.kept]
+        mergeable = not any(isinstance(c, torch.Tensor) for c in current)
+        if runs and mergeable and previous == current and (runs[-1][0].stop, runs[-1][1].stop) == (part.flat, part.local):
+            flat, local, _ = runs[-1]
+            runs[-1] = (slice(flat.start, part.flat + length), slice(local.start, part.local + length), current)
+        else:
+            runs.append((slice(part.flat, part.flat + length), slice(part.local, part.local + length), current))
+        previous = current if mergeable else None
+    return runs

@@ -10,22 +10,20 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.update.adam import AdamWHyper, adamw_update_grouped, split_views
+from runtime.update.adam import AdamWHyper, adamw_update_grouped, bf16_step_constants, bf16_update_constants, split_views
 from runtime.update.moment_formats import int8_views, padded_numel, round_bf16_stochastic, rounding_bits, rounding_offsets
 from runtime.update.moments import (
-    _NUMPY_ROOT_THREADS,
     BF16_STOCHASTIC_KINDS,
     MOMENT_DTYPES,
+    NUMPY_ROOT_THREADS,
     QUANT_BLOCK,
     MomentScratch,
-    _bf16_constants,
-    _bf16_constants_on_device,
-    _sqrt_rounded,
     adamw_update_block,
     decode_moment,
     encode_moment,
     moment_storage,
     scratch_nbytes,
+    sqrt_rounded_into,
     zero_moments,
 )
 from tests.bf16_reference import plain_adamw_step, sqrt_rounded
@@ -144,20 +142,27 @@ def test_fp32_is_todays_update_bit_for_bit():
         assert block.same(ref), f"step {step}"
 
 
+@pytest.mark.parametrize("threads", [1, NUMPY_ROOT_THREADS])
 @pytest.mark.parametrize("piece_numel", PIECES)
-def test_bf16_equals_the_plain_torch_reference_bit_for_bit(piece_numel):
+def test_bf16_equals_the_plain_torch_reference_bit_for_bit(piece_numel, threads):
     """Widen, the reference's plain fp32 ops over whole tensors, narrow (stochastic rounding, parameter by
     parameter): the same bits, whatever the piece size (a parameter split across pieces, several parameters in
-    one)."""
+    one, consecutive ones with equal constants updated as one run) and the root's way (numpy's at one thread, the
+    float64 one in the scratch's temporary at NUMPY_ROOT_THREADS)."""
     block = Block("bf16", SIZES)
     ref = block.clone()
     scratch = MomentScratch()
-    for step in range(1, 6):
-        grad = _grads(step)
-        keep = [True, True, step % 2 == 0, True, True, step != 2]
-        block.update(grad, keep, HYPERS, scratch=scratch, piece_numel=piece_numel)
-        _reference_step(ref, grad, keep, HYPERS)
-        assert block.same(ref), f"step {step}"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(1, 6):
+            grad = _grads(step)
+            keep = [True, True, step % 2 == 0, True, True, step != 2]
+            block.update(grad, keep, HYPERS, scratch=scratch, piece_numel=piece_numel)
+            _reference_step(ref, grad, keep, HYPERS)
+            assert block.same(ref), f"step {step}"
+    finally:
+        torch.set_num_threads(previous)
     assert block.exp_avg.float().abs().sum() > 0 and float(block.steps[2]) == 2.0
 
 
@@ -172,22 +177,55 @@ def test_the_reference_root_is_the_correctly_rounded_one():
     assert torch.equal(sqrt_rounded(values), ieee)
     previous = torch.get_num_threads()
     try:
-        for threads in (1, _NUMPY_ROOT_THREADS):  # the torch-ops path's two ways: numpy's root, the float64 one
+        for threads in (1, NUMPY_ROOT_THREADS):  # the torch-ops path's two ways: numpy's root, the float64 one
             torch.set_num_threads(threads)
             ours = torch.empty_like(values)
-            _sqrt_rounded(values, ours)
+            sqrt_rounded_into(values, ours)
             assert torch.equal(ours, ieee), threads
+            for work_numel in (2, 1001, 1 << 19, 1 << 21):  # the float64 values in a scratch, in pieces or at once
+                ours = torch.empty_like(values)
+                sqrt_rounded_into(values, ours, torch.empty(work_numel))
+                assert torch.equal(ours, ieee), (threads, work_numel)
     finally:
         torch.set_num_threads(previous)
 
 
+def test_sqrt_rounded_into_refuses_a_non_fp32_out():
+    with pytest.raises(TypeError, match="fp32"):
+        sqrt_rounded_into(torch.ones(4), torch.empty(4, dtype=torch.float64))
+
+
 def test_the_device_constants_equal_the_python_ones():
-    """On CUDA the step-dependent constants are computed on the device from the counters (no sync): that
-    computation, run here on CPU tensors, rounds to the same fp32 constants as the CPU's Python doubles."""
-    steps = [torch.tensor(float(t)) for t in (1, 2, 3, 10, 99, 1000, 4097, 100_000)]
-    hypers = [HYPERS[0], HYPERS[2], HYPERS[4], AdamWHyper(lr=3e-4, beta1=0.8, beta2=0.95, weight_decay=0.1)] * 2
-    for ours, theirs in zip(_bf16_constants_on_device(steps, hypers), _bf16_constants(steps, hypers), strict=True):
-        assert torch.equal(torch.tensor([float(c) for c in ours]).float(), torch.tensor(theirs, dtype=torch.float32))
+    """On CUDA the step-dependent constants are computed on the device from the counters (no sync) by
+    bf16_step_constants' tensor form: run here on CPU tensors, it rounds to the same fp32 constants as the Python
+    doubles (bf16_update_constants) over a range of steps and betas."""
+    steps = torch.arange(1, 20_001, dtype=torch.float64)
+    for beta1, beta2 in ((0.9, 0.999), (0.8, 0.95), (0.95, 0.9999), (0.5, 0.99), (0.0, 0.0)):
+        hyper = AdamWHyper(lr=3e-4, beta1=beta1, beta2=beta2, weight_decay=0.1)
+        ours = [c.float() for c in bf16_step_constants(hyper, steps)]
+        theirs = torch.tensor([bf16_update_constants(hyper, t)[5:7] for t in steps.tolist()], dtype=torch.float32)
+        assert torch.equal(torch.stack(ours, dim=1), theirs), (beta1, beta2)
+
+
+def test_the_device_step_size_is_one_division_near_fp32_rounding_boundaries():
+    """lr chosen so that lr / (1 - beta1 ** t) lies within a double's ulps of the midpoint between two fp32 values:
+    the tensor form's one correctly rounded division (torch.div) rounds there as Python's does, where ``lr / tensor``
+    (torch: reciprocal, then times lr, two roundings) lands on the midpoint's other side for some of them."""
+    gen = torch.Generator().manual_seed(3)
+    midpoints = torch.rand(4000, generator=gen, dtype=torch.float64) * 1e-2 + 1e-4
+    low = midpoints.float().double()  # an fp32 value; the midpoint between it and the next one up
+    midpoints = low + (torch.nextafter(low.float(), torch.tensor(1.0)).double() - low) / 2
+    steps = torch.randint(1, 5000, (4000,), generator=gen).double()
+    beta1 = 0.9
+    bias = [1.0 - beta1 ** t for t in steps.tolist()]
+    lrs = [mid * b for mid, b in zip(midpoints.tolist(), bias, strict=True)]
+    python = torch.tensor([lr / b for lr, b in zip(lrs, bias, strict=True)], dtype=torch.float64).float()
+    tensor_form = torch.stack([bf16_step_constants(AdamWHyper(lr=lr, beta1=beta1), t)[0]
+                               for lr, t in zip(lrs, steps, strict=True)]).float()
+    reciprocal = torch.stack([lr / (1.0 - torch.pow(beta1, t)) for lr, t in zip(lrs, steps, strict=True)]).float()
+    pow_agrees = torch.tensor([float(torch.pow(beta1, t)) == beta1 ** float(t) for t in steps])
+    assert torch.equal(tensor_form[pow_agrees], python[pow_agrees])
+    assert not torch.equal(reciprocal[pow_agrees], python[pow_agrees])  # the inputs do test the division
 
 
 # bf16 against torch.optim.AdamW(fused=True) keeping bf16 moments (narrowed after each step as the update narrows),
