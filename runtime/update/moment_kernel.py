@@ -14,7 +14,9 @@ each block is read once (master, gradient, stored moments) and written once, so 
 bytes (bf16 20 a parameter, int8 16) and little else. int8 is not bit-identical to the torch-ops path (its AdamW
 arithmetic and roots are its own): the same maps, codes within one of each other, the same per-block bounds. bf16
 is: its arithmetic is a fixed sequence of single fp32 operations (``runtime.update.moments``), compiled without
-fused multiply-adds. CPU tensors only; CUDA tensors take the torch-ops path.
+fused multiply-adds, and each build checks it: ``adamw_bf16`` on :func:`contraction_probe`'s input must give the
+torch ops' bits, else (a compiler that contracted anyway) one warning naming the compiler, and bf16 runs torch ops
+while int8 keeps the kernel (:attr:`Int8Kernel.bf16_exact`). CPU tensors only; CUDA tensors take the torch-ops path.
 Built with ``-march=native`` for the machine that builds it: a cache directory shared by machines of other CPUs
 would need its own name per CPU.
 """
@@ -34,6 +36,7 @@ import torch
 from runtime.config.loader import ConfigError
 from runtime.config.schema import MOMENT_KERNELS
 from runtime.update.adam import AdamWHyper, bf16_update_constants
+from runtime.update.bf16_arith import bf16_ops_step
 from runtime.update.moment_formats import (
     MIN_SCALE,
     MOMENT_KINDS,
@@ -52,6 +55,20 @@ log = logging.getLogger(__name__)
 BF16_CHUNK = 1 << 16
 
 
+def contraction_probe() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[float, ...]]:
+    """A small fixed input of bf16's update, (master, gradient, exp_avg, exp_avg_sq as bf16, constants), on which a
+    fused multiply-add in place of any one of the sequence's multiply-then-add steps changes the result
+    (test_moments_kernel_bf16 checks each): the kernel's build check runs it."""
+    gen = torch.Generator().manual_seed(20261129)
+    n = 256
+    master = torch.randn(n, generator=gen) * 1e-3  # near the step's size: its last bits reach the master's
+    grad = torch.randn(n, generator=gen) * 1e-2
+    m = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+    # v over five decades: where it is small, (g * g) * (1 - beta2) is not lost beside v * beta2
+    v = (torch.rand(n, generator=gen) * 10 ** (torch.rand(n, generator=gen) * -5 - 4)).bfloat16()
+    return master, grad, m, v, bf16_update_constants(AdamWHyper(lr=1e-2, weight_decay=0.01), 3.0)
+
+
 def _hyper_rows(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> torch.Tensor:
     """float64 [kept, 6]: (lr, beta1, beta2, eps, weight_decay, step) of each kept parameter, as the kernels take."""
     return torch.tensor([(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, float(step))
@@ -62,6 +79,9 @@ class Int8Kernel:
     """The compiled CPU update of int8 and bf16 moments (one extension: ``adamw_int8``, ``adamw_bf16``), built (or
     loaded from the cache) at construction; :meth:`build` returns None with one log line where it cannot build.
     (Named for its first format: the engine and the session hold it under that name.)"""
+
+    #: Whether bf16 updates run it: its build's contraction check found the torch-ops path's bits (set when built).
+    bf16_exact: bool = True
 
     def __init__(self) -> None:
         from torch.utils.cpp_extension import load_inline
@@ -74,10 +94,38 @@ class Int8Kernel:
         self._module: Any = load_inline(name="tierstore_moments", cpp_sources=[kernel_source(QUANT_BLOCK, MIN_SCALE)],
                                         functions=["adamw_int8", "adamw_bf16", "build_info"], extra_cflags=flags,
                                         extra_ldflags=["-fopenmp"], verbose=False)
+        # bf16 runs the kernel only where it gives the torch-ops path's bits: a compiler that fused multiply-adds
+        # despite the source's fp-contract=off would give others (int8's bits are its own: it keeps the kernel)
+        self.bf16_exact = self._bf16_check()
+        if not self.bf16_exact:
+            log.warning("%s: the compiled bf16 AdamW kernel differs from the torch-ops path on its contraction check "
+                        "(built by %s: it fused multiply-adds?); bf16 moments use torch ops, int8 moments keep the "
+                        "kernel", KERNEL_KEY, self.compiler())
+
+    def compiler(self) -> str:
+        """The C++ compiler torch's cpp_extension built with: ``$CXX`` (or ``c++``) and the version it reported."""
+        version = str(self._module.build_info()).rpartition("; compiler ")[2]
+        return f"{os.environ.get('CXX', 'c++')} ({version})"
 
     def describe(self) -> str:
-        """What the build chose where the machine decides (the int8 encode's instructions), for a table's header."""
-        return str(self._module.build_info())
+        """What the build chose where the machine decides (the int8 encode's instructions), the compiler, and whether
+        bf16 runs it (:attr:`bf16_exact`), for a table's header."""
+        bf16 = "bf16 bit-identical to torch ops" if self.bf16_exact else "bf16 in torch ops (contraction check failed)"
+        return f"{self._module.build_info()} ({os.environ.get('CXX', 'c++')}); {bf16}"
+
+    def _bf16_check(self) -> bool:
+        """``adamw_bf16`` on :func:`contraction_probe`'s input equals :func:`bf16_ops_step`'s torch ops (then narrowed to
+        nearest, as the kernel narrows it here) bit for bit: master, both moments."""
+        master, grad, m, v, constants = contraction_probe()
+        ours = (master.clone(), m.clone(), v.clone())
+        self._module.adamw_bf16(master, grad, m, v, *ours, torch.tensor([[0, master.numel(), 0]], dtype=torch.int64),
+                                torch.tensor([constants], dtype=torch.float32), torch.full((1, 4), -1, dtype=torch.int64),
+                                *self._tables, BF16_CHUNK)
+        p, m32, v32 = master.clone(), m.float(), v.float()
+        bf16_ops_step(p, grad, m32, v32, constants, torch.empty_like(p), torch.empty_like(p))
+        return all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+                   for a, b in zip(ours, (p, m32.bfloat16(), v32.bfloat16()), strict=True))
 
     @classmethod
     def build(cls) -> Int8Kernel | None:
@@ -202,6 +250,8 @@ def moment_kernel_for(choice: str, moment_dtype: str, *, cpu_updates: bool = Tru
     if choice == "torch" or moment_dtype not in COMPILED_MOMENT_DTYPES or not cpu_updates:
         return None
     kernel, why = _built_once()
+    if kernel is not None and moment_dtype == "bf16" and not kernel.bf16_exact:
+        return None  # its build check failed and warned: bf16 runs torch ops
     if kernel is not None:
         return kernel
     if choice == "compiled":

@@ -97,10 +97,11 @@ static inline void encode_block(const float* __restrict m, const float* __restri
 
 std::string build_info() {
 #if defined(__AVX512F__)
-  return "int8 encode: AVX-512 (vrsqrt14ps), update loops -O3 -march=native, 512-bit vectors";
+  const std::string chosen = "int8 encode: AVX-512 (vrsqrt14ps), update loops -O3 -march=native, 512-bit vectors";
 #else
-  return "int8 encode: sqrt loops -O3 -march=native (no AVX-512 on the build machine)";
+  const std::string chosen = "int8 encode: sqrt loops -O3 -march=native (no AVX-512 on the build machine)";
 #endif
+  return chosen + "; compiler " + __VERSION__;  // GCC and clang both define __VERSION__
 }
 
 // blocks: int64 [n, 4] = (flat offset of the block's first value, code offset (a block multiple), valid values, hyper row)
@@ -287,6 +288,17 @@ void adamw_bf16(torch::Tensor master, torch::Tensor grad, torch::Tensor m_in, to
   TORCH_CHECK(std::min(table1.numel(), table2.numel()) / 2 >= kRun, "a run must fit a table's period");
   TORCH_CHECK(constants.scalar_type() == at::kFloat && constants.dim() == 2 && constants.size(1) == 8,
               "constants must be float32 [kept, 8]");
+  TORCH_CHECK(params.scalar_type() == at::kLong && params.dim() == 2 && params.size(1) == 3,
+              "params must be int64 [n, 3]");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 2 && offsets.size(1) == 4 &&
+              offsets.size(0) == constants.size(0), "offsets must be int64 [kept, 4], a row for each row of constants");
+  for (const torch::Tensor* t : {&master, &grad, &m_in, &v_in, &out_master, &out_m, &out_v, &params, &constants,
+                                 &offsets, &table1, &table2}) {
+    TORCH_CHECK(t->is_contiguous(), "adamw_bf16 takes contiguous tensors only");
+  }
+  TORCH_CHECK(master.numel() == grad.numel() && master.numel() == out_master.numel() && m_in.numel() == master.numel()
+              && v_in.numel() == master.numel() && out_m.numel() == master.numel() && out_v.numel() == master.numel(),
+              "master, gradient and moments must have as many values");
   const float* p_in = master.data_ptr<float>();
   const float* g_in = grad.data_ptr<float>();
   const uint16_t* m_src = reinterpret_cast<const uint16_t*>(m_in.data_ptr<at::BFloat16>());
@@ -305,6 +317,9 @@ void adamw_bf16(torch::Tensor master, torch::Tensor grad, torch::Tensor m_in, to
   // The chunks: (parameter row, first value), each at most chunk values, at multiples of chunk from the start.
   std::vector<std::pair<int64_t, int64_t>> chunks;
   for (int64_t r = 0; r < params.size(0); ++r) {
+    TORCH_CHECK(desc[3 * r + 2] >= 0 && desc[3 * r + 2] < constants.size(0), "a parameter's kept row has no constants");
+    TORCH_CHECK(desc[3 * r] >= 0 && desc[3 * r + 1] >= 0 && desc[3 * r] + desc[3 * r + 1] <= master.numel(),
+                "a parameter's range lies outside master");
     for (int64_t start = 0; start < desc[3 * r + 1]; start += chunk) {
       chunks.emplace_back(r, start);
     }

@@ -73,7 +73,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import numpy as np
 import torch
 
 from runtime.update.adam import (
@@ -84,6 +83,7 @@ from runtime.update.adam import (
     bf16_update_constants,
     split_views,
 )
+from runtime.update.bf16_arith import NUMPY_ROOT_THREADS, Bf16Constant, bf16_ops_step, sqrt_rounded_into
 from runtime.update.moment_formats import (
     MOMENT_DTYPES,
     QUANT_BLOCK,
@@ -271,8 +271,8 @@ def adamw_update_block(
         _copy_skipped(master, exp_avg, exp_avg_sq, sizes, keep, moment_dtype, out)
     if steps:
         torch._foreach_add_(steps, 1)  # once, before every piece: the reference increments before the update
-    kernel = scratch.int8_kernel if scratch is not None else None
-    if kernel is not None and master.device.type == "cpu":
+    kernel = _compiled_kernel(scratch, moment_dtype, master.device)
+    if kernel is not None:
         target = out if out is not None else (master, exp_avg, exp_avg_sq)
         if moment_dtype == "int8":
             kernel.update(master, grad, exp_avg, exp_avg_sq, sizes, list(keep), steps, hypers, target)
@@ -301,6 +301,15 @@ def adamw_update_block(
         _update_piece(target[0], grad, m, v, piece, steps, hypers, constants, temporaries)
         _encode_piece(m, "exp_avg", moment_dtype, sizes, piece, target[1], temporaries, offsets.get("exp_avg"))
         _encode_piece(v, "exp_avg_sq", moment_dtype, sizes, piece, target[2], temporaries, offsets.get("exp_avg_sq"))
+
+
+def _compiled_kernel(scratch: MomentScratch | None, moment_dtype: str, device: torch.device) -> Int8Kernel | None:
+    """The compiled kernel that runs this update: the scratch's, for CPU tensors, and for bf16 only where its build's
+    contraction check found the torch-ops path's bits (:attr:`Int8Kernel.bf16_exact`)."""
+    kernel = scratch.int8_kernel if scratch is not None else None
+    if kernel is None or device.type != "cpu" or (moment_dtype == "bf16" and not kernel.bf16_exact):
+        return None
+    return kernel
 
 
 def _update_fp32(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -390,7 +399,7 @@ def _encode_piece(values: torch.Tensor, kind: str, moment_dtype: str, sizes: lis
 
 
 def _update_piece(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, piece: _Piece,
-                  steps: list[torch.Tensor], hypers: list[AdamWHyper], constants: list[tuple[_Constant, ...]] | None,
+                  steps: list[torch.Tensor], hypers: list[AdamWHyper], constants: list[tuple[Bf16Constant, ...]] | None,
                   temporaries: DecodeScratch) -> None:
     """A piece's AdamW: bf16's own sequence where its ``constants`` are given, else (int8) torch's fused AdamW."""
     if constants is not None:
@@ -417,12 +426,7 @@ def _fused_piece(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
         )
 
 
-# One bf16 constant: a Python float (torch rounds it to fp32 where it multiplies or adds), or, on CUDA, a 0-dim fp32
-# tensor of the device (the step-dependent ones, computed there from the step counters: no sync).
-_Constant = float | torch.Tensor
-
-
-def _bf16_constants(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> list[tuple[_Constant, ...]]:
+def _bf16_constants(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> list[tuple[Bf16Constant, ...]]:
     """Each kept parameter's ``adam.BF16_CONSTANTS`` at its step (incremented already). CPU steps: read, and
     ``bf16_update_constants`` in Python doubles, as the compiled kernel takes them. CUDA steps: the step-dependent
     two computed on the device in float64 from the counters and rounded to fp32 there (reading the counters would
@@ -435,13 +439,13 @@ def _bf16_constants(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> list
     return _bf16_constants_on_device(steps, hypers)
 
 
-def _bf16_constants_on_device(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> list[tuple[_Constant, ...]]:
+def _bf16_constants_on_device(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> list[tuple[Bf16Constant, ...]]:
     """``_bf16_constants`` without reading the counters: the step-dependent two as 0-dim fp32 tensors of the steps'
     device, ``adam.bf16_step_constants``' formula (the Python doubles' operations in their order) in float64 there,
     then rounded once (one computation per distinct hyper-parameter setting)."""
     t = torch.stack(steps).to(torch.float64)
     per_hyper = {h: tuple(c.float() for c in bf16_step_constants(h, t)) for h in set(hypers)}
-    constants: list[tuple[_Constant, ...]] = []
+    constants: list[tuple[Bf16Constant, ...]] = []
     for k, h in enumerate(hypers):
         fixed = bf16_update_constants(h, 1.0)  # the step-independent ones (step_size and inv_bias_root replaced)
         step_size, inv_bias_root = per_hyper[h]
@@ -449,70 +453,24 @@ def _bf16_constants_on_device(steps: list[torch.Tensor], hypers: list[AdamWHyper
     return constants
 
 
-# Below this many torch threads the CPU's root is numpy's (one thread): on one EPYC core (2026-11-29) numpy's fp32
-# root took 0.29 ns an element, torch's float64 root with its conversions 1.74 ns a thread.
-NUMPY_ROOT_THREADS = 6
-
-
-def sqrt_rounded_into(values: torch.Tensor, out: torch.Tensor, work: torch.Tensor | None = None) -> None:
-    """The correctly rounded fp32 square root of contiguous fp32 ``values`` (IEEE's, what the compiled kernel's
-    vsqrtps gives) into fp32 ``out``: torch.sqrt on the CPU is not (torch 2.13, AVX-512: 1 ulp off for about a fifth
-    of the values). On the CPU with fewer than :data:`NUMPY_ROOT_THREADS` threads numpy's fp32 root (the hardware's,
-    IEEE's); else taken in float64 and narrowed once: a double root within one of its ulps (2^-52 relative) of the
-    exact one rounds to the fp32 nearest the exact root, whose distance from an fp32 rounding boundary is at least
-    2^-51 relative (a 24-bit value is never within that of a square of a 25-bit one). Both give the same bits
-    (test_moments_update checks them against each other). ``work``: a contiguous fp32 buffer of the values' device,
-    overlapping neither, whose bytes hold the float64 values (half its length at a time): the update passes its free
-    temporary, so the root allocates nothing the memory plan does not count; None (or under two values): one float64
-    copy is allocated."""
-    if out.dtype != torch.float32 or values.dtype != torch.float32:
-        raise TypeError(f"sqrt_rounded_into: fp32 values and out, got {values.dtype} and {out.dtype}")
-    if values.device.type == "cpu" and torch.get_num_threads() < NUMPY_ROOT_THREADS:
-        np.sqrt(values.numpy(), out=out.numpy())
-        return
-    if work is None or work.numel() < 2:  # (a scratch of one value: its copy costs nothing)
-        out.copy_(values.to(torch.float64).sqrt_())
-        return
-    doubles = work[: work.numel() // 2 * 2].view(torch.float64)
-    for start in range(0, values.numel(), doubles.numel()):
-        end = min(values.numel(), start + doubles.numel())
-        wide = doubles[: end - start]
-        wide.copy_(values[start:end])
-        out[start:end].copy_(wide.sqrt_())
-
-
 def _bf16_piece(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, piece: _Piece,
-                constants: list[tuple[_Constant, ...]], temporaries: DecodeScratch) -> None:
+                constants: list[tuple[Bf16Constant, ...]], temporaries: DecodeScratch) -> None:
     """bf16's AdamW step (the module's sequence of single fp32 operations, each rounded on its own) on the piece's
     runs of consecutive parameters with equal constants (one op sequence a run): master in place, ``m``, ``v`` the
-    piece's widened moments; the steps were incremented already. No lerp, addcmul, addcdiv or alpha: each torch op
-    below is one IEEE operation an element. The root's float64 values live in ``temporaries.tmp`` (free then)."""
-    for flat, local, (decay, b1, c1, b2, c2, step_size, inv_bias_root, eps) in _bf16_runs(piece, constants):
-        p, g, mi, vi = master[flat], grad[flat], m[local], v[local]
-        t, d = temporaries.tmp[local], temporaries.tmp2[local]
-        p.mul_(decay)                     # p = p * decay
-        mi.mul_(b1)                       # m = (m * b1) + (g * c1)
-        torch.mul(g, c1, out=t)
-        mi.add_(t)
-        vi.mul_(b2)                       # v = (v * b2) + ((g * g) * c2)
-        torch.mul(g, g, out=t)
-        t.mul_(c2)
-        vi.add_(t)
-        sqrt_rounded_into(vi, d, temporaries.tmp)  # d = (sqrt(v) * inv_bias_root) + eps
-        d.mul_(inv_bias_root)
-        d.add_(eps)
-        torch.div(mi, d, out=d)           # p = p - ((m / d) * step_size)
-        d.mul_(step_size)
-        p.sub_(d)
+    piece's widened moments; the steps were incremented already (``bf16_arith.bf16_ops_step``). The root's float64
+    values live in ``temporaries.tmp`` (free then)."""
+    for flat, local, constants_of_run in _bf16_runs(piece, constants):
+        bf16_ops_step(master[flat], grad[flat], m[local], v[local], constants_of_run, temporaries.tmp[local],
+                      temporaries.tmp2[local], temporaries.tmp)
 
 
-def _bf16_runs(piece: _Piece, constants: list[tuple[_Constant, ...]]
-               ) -> list[tuple[slice, slice, tuple[_Constant, ...]]]:
+def _bf16_runs(piece: _Piece, constants: list[tuple[Bf16Constant, ...]]
+               ) -> list[tuple[slice, slice, tuple[Bf16Constant, ...]]]:
     """(master slice, scratch slice, constants) of each run of the piece's consecutive parts whose constants are
     equal Python floats (a piece's parts are consecutive in master and in the scratch: bf16 pads nothing); a part
     with device constants is a run of its own (comparing them would wait for the device)."""
-    runs: list[tuple[slice, slice, tuple[_Constant, ...]]] = []
-    previous: tuple[_Constant, ...] | None = None
+    runs: list[tuple[slice, slice, tuple[Bf16Constant, ...]]] = []
+    previous: tuple[Bf16Constant, ...] | None = None
     for part in piece.parts:
         length = part.end - part.start
         current = constants[part.kept]
