@@ -268,6 +268,6 @@ int8_kernel_for = moment_kernel_for
 
 @functools.cache  # once per process and reason, as the build: the rate probe and the session both ask
 def _warn_fallback(why: str, moment_dtype: str) -> None:
-    speed = {"int8": "about a quarter", "bf16": "about a fifth"}.get(moment_dtype, "a fraction")
+    speed = {"int8": "about a quarter", "bf16": "about a fifth, on one thread,"}.get(moment_dtype, "a fraction")
     log.warning("%s: auto: the compiled AdamW moment kernel cannot be built here (%s); %s moments use torch ops "
                 "(%s of fp32's CPU update speed)", KERNEL_KEY, why, moment_dtype, speed)

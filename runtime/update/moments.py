@@ -31,14 +31,17 @@ fp32 once where it is used, as torch rounds a Python scalar; t the parameter's s
 
 sqrt is IEEE's (correctly rounded); torch.sqrt of fp32 on the CPU is not (1 ulp off for about a fifth of the values,
 torch 2.13 with AVX-512), so the torch-ops path takes numpy's on a CPU with few threads, else the float64 root
-narrowed once (``_sqrt_rounded``: both exact). Why not
+narrowed once (``bf16_arith.sqrt_rounded_into``, its float64 values in the piece's free temporary: both exact). Why not
 torch's fused AdamW on the widened moments, as bf16 did first: its bits are its build's (its vector width, its
 compiler's contractions), which a compiled kernel cannot reproduce, so the kernel had to call it on each chunk and
-could not be faster than fp32's update on one core (the kernel's docstring has the measurements). The result stays
-within a few fp32 ulps of torch.optim.AdamW's before the narrowing (tests/unit/runtime/update/test_moments_update.py).
+could not be faster than fp32's update on one core (the kernel's docstring has the measurements). After one step
+the result is within a few fp32 ulps of torch.optim.AdamW's before the narrowing; over steps a moment sometimes
+narrows one bf16 step apart, and masters drift by a few thousandths of lr at most
+(tests/unit/runtime/update/test_moments_update.py: 1.2e-5 lr measured over five steps).
 
-Speed (torch ops): bf16 adds four conversion passes over cached data (and since its own arithmetic, below, a
-float64 root and more calls), int8 about twenty-five elementwise passes (the maps, two
+Speed (torch ops): bf16 adds four conversion passes over cached data (and since its own arithmetic, above, about
+fifteen calls a run of parameters and the root's conversions: numpy's fp32 root below NUMPY_ROOT_THREADS threads, the
+float64 one, three passes more, from there), int8 about twenty-five elementwise passes (the maps, two
 amax) and three rsqrt an element: where the fp32 update is bound by memory bandwidth (many cores sharing it) they
 cost less than the bytes they save; where one core streams memory as fast as it computes they do not. On one EPYC
 core streaming 58 GB/s (2026-11-29, 64 Mi parameters, ``python -m runtime.bench.adam_bench --threads 1``): fp32
