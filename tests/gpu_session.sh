@@ -4,7 +4,7 @@
 # under $OUT (or ./out); the device tool brings back at most 8 files: a train run writes train.json and
 # train.log (train_$TAG.* with TAG set, so several shapes share one $OUT) beside the one device.txt, and `all`
 # writes more than 8. Usage on the device:
-#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|moments|quality|ranks|ab|ab-bench|all]
+#   bash tests/gpu_session.sh [tests|store|sweep|train|session|finetune|deepspeed|compare|trainer|moments|quality|ranks|bf16|ab|ab-bench|all]
 # Environment: TESTS (pytest targets, default tests), NO_TRAIN (tests: skip the quick-start train), TOTAL (sweep:
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
 # options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options), LOSSES (trainer: the
@@ -133,6 +133,17 @@ if [[ $what == quality ]]; then  # issue 43: held-out loss of each moment_dtype 
     --steps ${QSTEPS:-1000} --json "$OUT/quality.json" $plot ${QARGS:-} 2>&1 | tee "$OUT/quality.log" \
     | grep -vE "^\s|^Traceback" | tail -40
   status=$(( status ? status : ${PIPESTATUS[0]} ))
+fi
+if [[ $what == bf16 ]]; then  # branch h-bf16arith (bf16's own arithmetic), one call: its GPU tests, whether CUDA's fp32
+  # sqrt is correctly rounded, the CPU AdamW table (kernel and torch ops), then the quality rows ts-fp32 and ts-bf16
+  TIERSTORE_FAILURES_NOW=1 python3 -m pytest -v --tb=short -m gpu -s -p no:cacheprovider tests/unit/runtime/update/test_moments_update.py \
+    tests/unit/runtime/update/test_moments_rounding.py tests/unit/runtime/update/test_moments_kernel_bf16.py \
+    tests/integration/test_compact_moments_gpu.py tests/integration/test_moment_kernel_training.py 2>&1 | tee "$OUT/bf16_tests.log" \
+    | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -30 || status=$(( status ? status : $? ))
+  python3 -c "import torch, numpy as np; x = torch.rand(1 << 24) * torch.exp(torch.randn(1 << 24) * 20); x[:1000] *= 1e-38; print('CUDA fp32 sqrt correctly rounded:', torch.equal(torch.sqrt(x.cuda()).cpu(), torch.from_numpy(np.sqrt(x.numpy()))))"
+  python3 -m runtime.bench.adam_bench --threads 16 2>&1 | grep -v INFO | tee "$OUT/adam_bench.log"
+  python3 -m runtime.bench.adam_bench --threads 16 --no-kernel --moment-dtype fp32 --moment-dtype bf16 2>&1 | grep -v INFO | tee -a "$OUT/adam_bench.log"
+  QROWS=${QROWS:-ts-fp32,ts-bf16} bash "$0" quality || status=$(( status ? status : $? ))
 fi
 if [[ $what == session || $what == all ]]; then
   python3 -m runtime.bench.session_bench --out "$OUT" --steps ${STEPS:-6} 2>&1 | tee "$OUT/session_bench.log" | tail -40

@@ -321,8 +321,10 @@ class OptimizerConfig:
         "built with torch's cpp_extension when the run starts: it needs a C++ compiler and ninja "
         "(`pip install -e '.[kernel]'`), and the run refuses to start where it cannot build. The first build on a "
         "machine takes tens of seconds to a minute (logged, with its time); later runs load it from torch's "
-        "extension cache (~/.cache/torch_extensions). `bf16`: torch's own fused AdamW on a cached chunk of widened "
-        "moments, narrowed back as the torch-ops path does: the same bits. `int8`: decode, AdamW and encode of each "
+        "extension cache (~/.cache/torch_extensions). `bf16`: widen, bf16's own AdamW (a fixed sequence of single fp32 "
+        "operations, compiled without fused multiply-adds) and narrow a run of values in registers: the torch-ops "
+        "path's bits (each build checks that; where it does not hold, bf16 uses torch ops with one warning naming "
+        "the compiler). `int8`: decode, AdamW and encode of each "
         "block in registers; not bit-identical to torch ops (the same maps and per-block scales, codes within one "
         "of each other). `auto` (the default): `compiled` where it builds, else torch ops with one warning. "
         "`torch`: never the kernel.",

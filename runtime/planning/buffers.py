@@ -23,6 +23,7 @@ FETCH_PIECE_NUMEL = 1 << 26  # fp32 elements a piece of a master fetch is staged
 # Elements of a piece of a device update over compact moments (optimizer.moment_dtype bf16, int8): the update decodes
 # a piece into an fp32 scratch of two moments and two temporaries, 16 bytes an element (64 MiB), updates and encodes
 # it back; large enough that a piece's dozen kernels cost little beside its data. A multiple of the int8 block.
+# bf16's float64 root takes no more: its values live in a temporary free at that point (moments.sqrt_rounded_into).
 DEVICE_MOMENT_PIECE_NUMEL = 1 << 22
 MOMENT_SCRATCH_ITEMSIZE = 16
 

@@ -7,7 +7,10 @@ exactly the tensor list ``torch.optim.AdamW(fused=True)`` sees, so results are b
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +26,54 @@ class AdamWHyper:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.01
+
+
+# The order of the constants in :func:`bf16_update_constants` (and of a row of the compiled kernel's table).
+BF16_CONSTANTS = ("decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "inv_bias_root", "eps")
+
+
+def bf16_update_constants(hyper: AdamWHyper, step: float) -> tuple[float, ...]:
+    """The constants of bf16 moments' AdamW step (:data:`BF16_CONSTANTS`) for a parameter whose step counter reads
+    ``step`` after its increment, in Python floats (double): each is rounded to fp32 once, where it is used, as
+    torch rounds a Python scalar it multiplies an fp32 tensor by (``runtime.update.moments`` says the sequence of
+    operations they enter). Computed here once for every implementation: the torch-ops path takes them as scalars,
+    the compiled kernel as a float32 table, so both round the same doubles. The step-dependent two are
+    :func:`bf16_step_constants`'s."""
+    step_size, inv_bias_root = bf16_step_constants(hyper, step)
+    return (1.0 - hyper.lr * hyper.weight_decay, hyper.beta1, 1.0 - hyper.beta1, hyper.beta2, 1.0 - hyper.beta2,
+            step_size, inv_bias_root, hyper.eps)
+
+
+StepT = TypeVar("StepT", float, torch.Tensor)
+
+
+def bf16_step_constants(hyper: AdamWHyper, step: StepT) -> tuple[StepT, StepT]:
+    """(step_size, inv_bias_root) of :data:`BF16_CONSTANTS` at ``step`` (after its increment): one formula, the same
+    operations in the same order, for a Python float (the CPU's constants, in doubles) and for a float64 tensor of
+    step counters (CUDA's, computed on the device without reading the counters)::
+
+        step_size = lr / (1 - beta1 ** step)          one correctly rounded division
+        inv_bias_root = 1 / sqrt(1 - beta2 ** step)
+
+    With tensors the division is ``torch.div`` of two tensors (``lr / tensor`` would be ``reciprocal() * lr`` in
+    torch: two roundings). Where the two still differ: a device's ``pow`` (and the CPU's float64 ``torch.sqrt``) need
+    not round as the C library's ``pow`` and ``math.sqrt`` do, a double's last bit, which moves the fp32 constant
+    only where it lies that close to an fp32 rounding boundary."""
+    pow_: Any
+    div: Any
+    sqrt: Any
+    if isinstance(step, torch.Tensor):
+        pow_, div, sqrt = torch.pow, _tensor_div, torch.sqrt
+    else:
+        pow_, div, sqrt = operator.pow, operator.truediv, math.sqrt
+    step_size = div(hyper.lr, 1.0 - pow_(hyper.beta1, step))
+    inv_bias_root = div(1.0, sqrt(1.0 - pow_(hyper.beta2, step)))
+    return step_size, inv_bias_root
+
+
+def _tensor_div(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` as one division an element (torch.div of two tensors; no sync on a device)."""
+    return torch.div(torch.full_like(denominator, numerator), denominator)
 
 
 def split_views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

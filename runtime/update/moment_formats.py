@@ -18,7 +18,8 @@ and CUDA. Measured on the tiny ExampleLM (byte tokens, lr 3e-3, held-out loss ag
 tests/unit/runtime/update/test_moments_quality.py): after 200 steps nearest rounding +0.97%, stochastic (v) +0.07%,
 -0.24%, +0.11% over three block seeds (v and m both stochastic: +0.59% to -0.40% over five), int8 +0.02%; after
 1,000 steps nearest -0.82%, stochastic (v) +0.31%, +0.35% (v and m: +0.18%, +0.29%, -0.04%), int8 +0.16%. The
-cost, on one core (7.1 M parameters, ``adam_bench --threads 1``): the bf16 update 0.56x fp32's parameters/s with
+cost, on one core (7.1 M parameters, ``adam_bench --threads 1``; the torch-ops update when it ran torch's fused AdamW,
+before bf16's own arithmetic: ``runtime.update.moments``): the bf16 update 0.56x fp32's parameters/s with
 nearest rounding, 0.40x with v stochastic, 0.28x with both (two more int32 passes and an XOR over each piece's
 v).
 

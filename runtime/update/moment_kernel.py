@@ -13,7 +13,10 @@ Why: in torch ops, int8 makes about thirty passes over each piece and as many pa
 each block is read once (master, gradient, stored moments) and written once, so the update moves the format's
 bytes (bf16 20 a parameter, int8 16) and little else. int8 is not bit-identical to the torch-ops path (its AdamW
 arithmetic and roots are its own): the same maps, codes within one of each other, the same per-block bounds. bf16
-is (torch's own fused kernel runs on the widened chunk). CPU tensors only; CUDA tensors take the torch-ops path.
+is: its arithmetic is a fixed sequence of single fp32 operations (``runtime.update.moments``), compiled without
+fused multiply-adds, and each build checks it: ``adamw_bf16`` on :func:`contraction_probe`'s input must give the
+torch ops' bits, else (a compiler that contracted anyway) one warning naming the compiler, and bf16 runs torch ops
+while int8 keeps the kernel (:attr:`Int8Kernel.bf16_exact`). CPU tensors only; CUDA tensors take the torch-ops path.
 Built with ``-march=native`` for the machine that builds it: a cache directory shared by machines of other CPUs
 would need its own name per CPU.
 """
@@ -32,7 +35,8 @@ import torch
 
 from runtime.config.loader import ConfigError
 from runtime.config.schema import MOMENT_KERNELS
-from runtime.update.adam import AdamWHyper
+from runtime.update.adam import AdamWHyper, bf16_update_constants
+from runtime.update.bf16_arith import bf16_ops_step
 from runtime.update.moment_formats import (
     MIN_SCALE,
     MOMENT_KINDS,
@@ -45,10 +49,24 @@ from runtime.update.moment_kernel_source import kernel_source
 
 log = logging.getLogger(__name__)
 
-# Elements of a bf16 chunk: a thread's fp32 scratch of both moments (2 x 256 KiB) stays in its L2 beside the
-# master and gradient it streams; torch's kernel is called once a chunk (a few microseconds of dispatch beside
-# about a hundred of work). A multiple of 64, so torch's kernel splits vector loop and tail as over whole tensors.
+# Elements of a bf16 chunk, the unit of work a thread takes: large enough that taking one costs nothing beside
+# its data, small enough to share an update's parameters between the threads. A multiple of 64 (whole cache lines
+# of both moments); the arithmetic is elementwise, so a chunk's size changes no bit (the tests try several).
 BF16_CHUNK = 1 << 16
+
+
+def contraction_probe() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[float, ...]]:
+    """A small fixed input of bf16's update, (master, gradient, exp_avg, exp_avg_sq as bf16, constants), on which a
+    fused multiply-add in place of any one of the sequence's multiply-then-add steps changes the result
+    (test_moments_kernel_bf16 checks each): the kernel's build check runs it."""
+    gen = torch.Generator().manual_seed(20261129)
+    n = 256
+    master = torch.randn(n, generator=gen) * 1e-3  # near the step's size: its last bits reach the master's
+    grad = torch.randn(n, generator=gen) * 1e-2
+    m = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+    # v over five decades: where it is small, (g * g) * (1 - beta2) is not lost beside v * beta2
+    v = (torch.rand(n, generator=gen) * 10 ** (torch.rand(n, generator=gen) * -5 - 4)).bfloat16()
+    return master, grad, m, v, bf16_update_constants(AdamWHyper(lr=1e-2, weight_decay=0.01), 3.0)
 
 
 def _hyper_rows(steps: list[torch.Tensor], hypers: list[AdamWHyper]) -> torch.Tensor:
@@ -62,6 +80,9 @@ class Int8Kernel:
     loaded from the cache) at construction; :meth:`build` returns None with one log line where it cannot build.
     (Named for its first format: the engine and the session hold it under that name.)"""
 
+    #: Whether bf16 updates run it: its build's contraction check found the torch-ops path's bits (set when built).
+    bf16_exact: bool = True
+
     def __init__(self) -> None:
         from torch.utils.cpp_extension import load_inline
 
@@ -73,10 +94,38 @@ class Int8Kernel:
         self._module: Any = load_inline(name="tierstore_moments", cpp_sources=[kernel_source(QUANT_BLOCK, MIN_SCALE)],
                                         functions=["adamw_int8", "adamw_bf16", "build_info"], extra_cflags=flags,
                                         extra_ldflags=["-fopenmp"], verbose=False)
+        # bf16 runs the kernel only where it gives the torch-ops path's bits: a compiler that fused multiply-adds
+        # despite the source's fp-contract=off would give others (int8's bits are its own: it keeps the kernel)
+        self.bf16_exact = self._bf16_check()
+        if not self.bf16_exact:
+            log.warning("%s: the compiled bf16 AdamW kernel differs from the torch-ops path on its contraction check "
+                        "(built by %s: it fused multiply-adds?); bf16 moments use torch ops, int8 moments keep the "
+                        "kernel", KERNEL_KEY, self.compiler())
+
+    def compiler(self) -> str:
+        """The C++ compiler torch's cpp_extension built with: ``$CXX`` (or ``c++``) and the version it reported."""
+        version = str(self._module.build_info()).rpartition("; compiler ")[2]
+        return f"{os.environ.get('CXX', 'c++')} ({version})"
 
     def describe(self) -> str:
-        """What the build chose where the machine decides (the int8 encode's instructions), for a table's header."""
-        return str(self._module.build_info())
+        """What the build chose where the machine decides (the int8 encode's instructions), the compiler, and whether
+        bf16 runs it (:attr:`bf16_exact`), for a table's header."""
+        bf16 = "bf16 bit-identical to torch ops" if self.bf16_exact else "bf16 in torch ops (contraction check failed)"
+        return f"{self._module.build_info()} ({os.environ.get('CXX', 'c++')}); {bf16}"
+
+    def _bf16_check(self) -> bool:
+        """``adamw_bf16`` on :func:`contraction_probe`'s input equals :func:`bf16_ops_step`'s torch ops (then narrowed to
+        nearest, as the kernel narrows it here) bit for bit: master, both moments."""
+        master, grad, m, v, constants = contraction_probe()
+        ours = (master.clone(), m.clone(), v.clone())
+        self._module.adamw_bf16(master, grad, m, v, *ours, torch.tensor([[0, master.numel(), 0]], dtype=torch.int64),
+                                torch.tensor([constants], dtype=torch.float32), torch.full((1, 4), -1, dtype=torch.int64),
+                                *self._tables, BF16_CHUNK)
+        p, m32, v32 = master.clone(), m.float(), v.float()
+        bf16_ops_step(p, grad, m32, v32, constants, torch.empty_like(p), torch.empty_like(p))
+        return all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+                   for a, b in zip(ours, (p, m32.bfloat16(), v32.bfloat16()), strict=True))
 
     @classmethod
     def build(cls) -> Int8Kernel | None:
@@ -123,7 +172,8 @@ class Int8Kernel:
                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     offsets: dict[str, torch.Tensor], chunk: int = BF16_CHUNK) -> None:
         """One AdamW step of the kept parameters' bf16 moments into ``out`` (which may be the inputs themselves),
-        bit for bit what ``moments.adamw_update_block`` does in torch ops: torch's fused AdamW on the widened values,
+        bit for bit what ``moments.adamw_update_block`` does in torch ops: the arithmetic of ``runtime.update.moments``
+        (with :func:`~runtime.update.adam.bf16_update_constants` of each parameter's step) on the widened values,
         each kind narrowed stochastically with its table offsets in ``offsets`` (``moment_formats.rounding_offsets``
         of the kept parameters' steps, int64 ``[kept, 2]``) or, a kind not in ``offsets``, to nearest even. The
         steps were incremented by the caller; skipped parameters are not touched."""
@@ -137,13 +187,15 @@ class Int8Kernel:
             flat += size
         if not rows:
             return
+        # each constant rounded from its double to fp32 once, here, as torch rounds a Python scalar
+        constants = torch.tensor([bf16_update_constants(h, t) for h, t in
+                                  zip(hypers, torch.stack(steps).tolist(), strict=True)], dtype=torch.float32)
         nearest = torch.full((kept, 2), -1, dtype=torch.int64)
         table_offsets = torch.cat([offsets.get(kind, nearest).to(torch.int64).reshape(kept, 2)
                                    for kind in MOMENT_KINDS], dim=1).contiguous()
         table1, table2 = self._tables
         self._module.adamw_bf16(master, grad, exp_avg, exp_avg_sq, out[0], out[1], out[2],
-                                torch.tensor(rows, dtype=torch.int64), _hyper_rows(steps, hypers), steps,
-                                table_offsets, table1, table2, chunk)
+                                torch.tensor(rows, dtype=torch.int64), constants, table_offsets, table1, table2, chunk)
 
 
 KERNEL_KEY = "optimizer.moment_kernel"
@@ -198,6 +250,8 @@ def moment_kernel_for(choice: str, moment_dtype: str, *, cpu_updates: bool = Tru
     if choice == "torch" or moment_dtype not in COMPILED_MOMENT_DTYPES or not cpu_updates:
         return None
     kernel, why = _built_once()
+    if kernel is not None and moment_dtype == "bf16" and not kernel.bf16_exact:
+        return None  # its build check failed and warned: bf16 runs torch ops
     if kernel is not None:
         return kernel
     if choice == "compiled":
@@ -214,6 +268,6 @@ int8_kernel_for = moment_kernel_for
 
 @functools.cache  # once per process and reason, as the build: the rate probe and the session both ask
 def _warn_fallback(why: str, moment_dtype: str) -> None:
-    speed = {"int8": "about a quarter", "bf16": "about half"}.get(moment_dtype, "a fraction")
+    speed = {"int8": "about a quarter", "bf16": "about a fifth, on one thread,"}.get(moment_dtype, "a fraction")
     log.warning("%s: auto: the compiled AdamW moment kernel cannot be built here (%s); %s moments use torch ops "
                 "(%s of fp32's CPU update speed)", KERNEL_KEY, why, moment_dtype, speed)

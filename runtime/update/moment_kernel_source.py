@@ -21,20 +21,23 @@ maps, the same layout, the same stochastic-rounding tables).
   1.21x and 1.26x. A rewrite that folded the block's maxima into the update loop (an omp simd reduction) ran at
   0.39x there: GCC kept the maxima on the stack, a store-to-load chain a vector, which AMD's cores hide and the Xeon
   does not.
-- ``adamw_bf16``: widen a chunk of the moments into a thread's fp32 scratch, run torch's own fused AdamW
-  (``at::_fused_adamw_``) on the chunk, narrow back (to nearest even, or stochastically with the tables' bits:
-  [Note: bf16 stochastic rounding] in ``moment_formats``). torch's kernel, not a copy of its arithmetic, so the
-  result is the torch-ops path's bit for bit on every CPU torch runs on (its vector width and its compiler's
-  fused multiply-adds included): a copy of the arithmetic would have to match the contractions of each of torch's
-  builds (AVX2, AVX-512) and could not be tested on the machines that matter. A chunk splits a parameter only at
-  multiples of its size from the parameter's start (a multiple of 64): torch's kernel takes the same elements
-  through its vector loop and its scalar tail as over the whole tensor. Its cost beside fp32's: the fused
-  kernel's arithmetic (on one core that is what fp32's update spends: there bf16 cannot be faster) plus the
-  widening and narrowing in cache; where many cores share memory, fp32 waits on its 28 bytes a parameter and bf16
-  moves 20. Measured: 0.68x fp32 at 16 threads on the H200 machine's Xeon (2026-11-29); on one EPYC core, of its
-  0.85 ns a parameter torch's kernel on the cached chunk took 0.51 (fp32's whole update 0.56), the narrowing 0.16,
-  the widening 0.06. So no trimming of the widening and narrowing brings bf16 to fp32's speed: that needs
-  arithmetic of its own (one division, as int8's), hence a reference of its own for the bit-for-bit tests.
+- ``adamw_bf16``: bf16 moments' own AdamW arithmetic (``runtime.update.moments`` defines it: a fixed sequence of
+  single fp32 operations, one division and one root an element, the constants computed in Python and passed as a
+  float32 table), one run of 1024 values at a time in registers: widen both moments, update, narrow (to nearest
+  even, or stochastically with the tables' bits: [Note: bf16 stochastic rounding] in ``moment_formats``), the
+  master updated in place. Compiled without contraction (``#pragma GCC optimize("fp-contract=off")`` around this
+  code only: GCC's default for C++ fuses ``a * b + c`` into one rounding; int8's loops keep the build's defaults and
+  their bits), vectorized as the rest, so its bits are the torch-ops path's and the tests' plain-ops reference's
+  on any CPU. History: it first called torch's own ``at::_fused_adamw_`` on widened chunks, to share torch's bits
+  (a copy of torch's arithmetic would have had to match each torch build's contractions); that ran at 0.68x the
+  fp32 update at 16 threads on the H200 machine's Xeon (2026-11-29), and on one EPYC core torch's kernel on the
+  cached chunk alone took 0.51 of its 0.85 ns a parameter (fp32's whole update 0.56), so no trimming could reach
+  fp32's speed. With its own arithmetic, on one busy core of the 2-core box (``adam_bench --threads 1 --numel
+  16000000``, 2026-11-29): 0.97-1.03x fp32's parameters a second over several runs (0.99x in the bench's table;
+  before: 0.57x); its loop takes 32 values an iteration with two vsqrtps and two vdivps, and a build without them
+  ran no faster there, nor runs of 256 or 8192 values (a software prefetch of the next run: 0.69x); where many
+  cores share memory bandwidth it moves 20 bytes a parameter to fp32's 28. A first version that narrowed from an
+  fp32 scratch in a second pass ran at about 0.8x there.
 """
 
 from __future__ import annotations
@@ -94,10 +97,11 @@ static inline void encode_block(const float* __restrict m, const float* __restri
 
 std::string build_info() {
 #if defined(__AVX512F__)
-  return "int8 encode: AVX-512 (vrsqrt14ps), update loops -O3 -march=native, 512-bit vectors";
+  const std::string chosen = "int8 encode: AVX-512 (vrsqrt14ps), update loops -O3 -march=native, 512-bit vectors";
 #else
-  return "int8 encode: sqrt loops -O3 -march=native (no AVX-512 on the build machine)";
+  const std::string chosen = "int8 encode: sqrt loops -O3 -march=native (no AVX-512 on the build machine)";
 #endif
+  return chosen + "; compiler " + __VERSION__;  // GCC and clang both define __VERSION__
 }
 
 // blocks: int64 [n, 4] = (flat offset of the block's first value, code offset (a block multiple), valid values, hyper row)
@@ -208,83 +212,102 @@ void adamw_int8(torch::Tensor master, torch::Tensor grad,
 }
 
 
-// Both moments' bfloat16 -> float: exact, the bits moved up, the two streams read together (restrict arguments: the
-// loop vectorizes), and the same stretch of the next chunk asked for (``ahead`` values further on; 0: none): its
-// moments reach the cache while torch's kernel runs on this chunk, where each chunk's reads would otherwise start
-// cold (two short streams a chunk: the hardware's prefetch ramps up again on each).
-static inline void widen(const uint16_t* __restrict m16, const uint16_t* __restrict v16, float* __restrict m,
-                         float* __restrict v, int64_t n, int64_t ahead) {
-  uint32_t* __restrict m_bits = reinterpret_cast<uint32_t*>(m);
-  uint32_t* __restrict v_bits = reinterpret_cast<uint32_t*>(v);
-  for (int64_t start = 0; start < n; start += 32) {  // a cache line of bf16 values at a time
-    if (ahead) {
-      __builtin_prefetch(m16 + start + ahead);
-      __builtin_prefetch(v16 + start + ahead);
-    }
-    const int64_t end = std::min(n, start + 32);
-    #pragma omp simd
-    for (int64_t i = start; i < end; ++i) {
-      m_bits[i] = (uint32_t)m16[i] << 16;
-      v_bits[i] = (uint32_t)v16[i] << 16;
-    }
-  }
-}
+// bf16 moments' AdamW arithmetic, compiled without contraction: each operation below is one IEEE fp32 operation,
+// rounded on its own, as torch's single ops are (GCC contracts a * b + c into a fused multiply-add by default in
+// C++, which rounds once: other bits). Only this code: int8's kernel above keeps the build's defaults (its bits
+// stay as they were). GCC takes the pragma; clang the one inside the function.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+// Values a run: a run's slices of the rounding tables are contiguous (a run is shorter than either table's period,
+// and the tables are stored twice over), and its master, gradient and moments (12 bytes a value) stay in L1.
+constexpr int64_t kRun = 1024;
 
 // torch's float -> bfloat16 conversion: to nearest even; NaN as torch's scalar conversion writes it.
-static inline void narrow_nearest(const float* __restrict values, uint16_t* __restrict out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &values[i], 4);
-    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    out[i] = std::isnan(values[i]) ? (uint16_t)0x7fc0 : rounded;
-  }
+static inline uint16_t bf16_nearest(float value) {
+  uint32_t u;
+  std::memcpy(&u, &value, 4);
+  const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return std::isnan(value) ? (uint16_t)0x7fc0 : rounded;
 }
 
 // [Note: bf16 stochastic rounding]: element i of the block adds T1[(i + o1) % P1] ^ T2[(i + o2) % P2] below the
-// bf16 bits and truncates. The tables are stored twice over, so a run of up to min(P1, P2) consecutive entries from
-// any offset below P is one contiguous slice: the loop takes such runs, as moment_formats.rounding_bits does.
-static inline void narrow_stochastic(const float* __restrict values, uint16_t* __restrict out, int64_t n,
-                                     int64_t start, int64_t o1, int64_t o2,
-                                     const uint16_t* __restrict t1, int64_t p1,
-                                     const uint16_t* __restrict t2, int64_t p2) {
-  int64_t first = (start + o1) % p1, second = (start + o2) % p2;
-  const int64_t most = std::min(p1, p2);
-  for (int64_t done = 0; done < n;) {
-    const int64_t length = std::min(most, n - done);
-    const uint16_t* __restrict a = t1 + first;
-    const uint16_t* __restrict b = t2 + second;
-    const float* __restrict x = values + done;
-    uint16_t* __restrict y = out + done;
-    #pragma omp simd
-    for (int64_t i = 0; i < length; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &x[i], 4);
-      y[i] = (uint16_t)((u + (uint32_t)(uint16_t)(a[i] ^ b[i])) >> 16);
-    }
-    done += length;
-    first = (first + length) % p1;
-    second = (second + length) % p2;
+// bf16 bits and truncates (the caller passes the run's two table slices).
+static inline uint16_t bf16_stochastic(float value, uint16_t bits) {
+  uint32_t u;
+  std::memcpy(&u, &value, 4);
+  return (uint16_t)((u + (uint32_t)bits) >> 16);
+}
+
+static inline float widened(uint16_t bits) {  // exact: the bits moved up
+  const uint32_t u = (uint32_t)bits << 16;
+  float value;
+  std::memcpy(&value, &u, 4);
+  return value;
+}
+
+// One run of n <= kRun values of a parameter, in place, each value once through registers: widen both moments,
+// AdamW in the order of runtime.update.moments (one division and one root an element), narrow (M_STOCHASTIC,
+// V_STOCHASTIC: with the tables' bits ma ^ mb, va ^ vb, the run's slices; else to nearest even). k: the parameter's
+// constants (adam.BF16_CONSTANTS, rounded to float once).
+template <bool M_STOCHASTIC, bool V_STOCHASTIC>
+static void update_run(float* __restrict p, const float* __restrict g, uint16_t* __restrict m16,
+                       uint16_t* __restrict v16, int64_t n, const float* __restrict k,
+                       const uint16_t* __restrict ma, const uint16_t* __restrict mb,
+                       const uint16_t* __restrict va, const uint16_t* __restrict vb) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const float decay = k[0], b1 = k[1], c1 = k[2], b2 = k[3], c2 = k[4], step_size = k[5], inv_bc2 = k[6], eps = k[7];
+  for (int64_t i = 0; i < n; ++i) {
+    float mi = widened(m16[i]), vi = widened(v16[i]);
+    const float gi = g[i];
+    const float pi = p[i] * decay;
+    mi = (mi * b1) + (gi * c1);
+    vi = (vi * b2) + ((gi * gi) * c2);
+    const float d = (std::sqrt(vi) * inv_bc2) + eps;
+    p[i] = pi - ((mi / d) * step_size);
+    m16[i] = M_STOCHASTIC ? bf16_stochastic(mi, (uint16_t)(ma[i] ^ mb[i])) : bf16_nearest(mi);
+    v16[i] = V_STOCHASTIC ? bf16_stochastic(vi, (uint16_t)(va[i] ^ vb[i])) : bf16_nearest(vi);
   }
 }
 
-// params: int64 [n, 3] = (flat offset, values, kept row) of each kept parameter; hypers: float64 [h, 6] as
-// adamw_int8's (its step column unused: torch's kernel reads the step tensor); steps: the kept parameters' step
-// tensors (incremented already); offsets: int64 [h, 4] = the stochastic rounding's table offsets (o1, o2) of
-// exp_avg, then of exp_avg_sq, -1: to nearest even.
+#pragma GCC pop_options
+
+using RunFn = void (*)(float*, const float*, uint16_t*, uint16_t*, int64_t, const float*, const uint16_t*,
+                       const uint16_t*, const uint16_t*, const uint16_t*);
+
+// params: int64 [n, 3] = (flat offset, values, kept row) of each kept parameter; constants: float32 [h, 8] = each
+// kept parameter's adam.BF16_CONSTANTS (its step's, the step incremented already); offsets: int64 [h, 4] = the
+// stochastic rounding's table offsets (o1, o2) of exp_avg, then of exp_avg_sq, -1: to nearest even.
 void adamw_bf16(torch::Tensor master, torch::Tensor grad, torch::Tensor m_in, torch::Tensor v_in,
                 torch::Tensor out_master, torch::Tensor out_m, torch::Tensor out_v,
-                torch::Tensor params, torch::Tensor hypers, std::vector<torch::Tensor> steps,
+                torch::Tensor params, torch::Tensor constants,
                 torch::Tensor offsets, torch::Tensor table1, torch::Tensor table2, int64_t chunk) {
   TORCH_CHECK(chunk > 0 && chunk % 64 == 0, "chunk must be a positive multiple of 64");
-  float* p_in = master.data_ptr<float>();
-  float* g_in = grad.data_ptr<float>();
+  TORCH_CHECK(std::min(table1.numel(), table2.numel()) / 2 >= kRun, "a run must fit a table's period");
+  TORCH_CHECK(constants.scalar_type() == at::kFloat && constants.dim() == 2 && constants.size(1) == 8,
+              "constants must be float32 [kept, 8]");
+  TORCH_CHECK(params.scalar_type() == at::kLong && params.dim() == 2 && params.size(1) == 3,
+              "params must be int64 [n, 3]");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 2 && offsets.size(1) == 4 &&
+              offsets.size(0) == constants.size(0), "offsets must be int64 [kept, 4], a row for each row of constants");
+  for (const torch::Tensor* t : {&master, &grad, &m_in, &v_in, &out_master, &out_m, &out_v, &params, &constants,
+                                 &offsets, &table1, &table2}) {
+    TORCH_CHECK(t->is_contiguous(), "adamw_bf16 takes contiguous tensors only");
+  }
+  TORCH_CHECK(master.numel() == grad.numel() && master.numel() == out_master.numel() && m_in.numel() == master.numel()
+              && v_in.numel() == master.numel() && out_m.numel() == master.numel() && out_v.numel() == master.numel(),
+              "master, gradient and moments must have as many values");
+  const float* p_in = master.data_ptr<float>();
+  const float* g_in = grad.data_ptr<float>();
   const uint16_t* m_src = reinterpret_cast<const uint16_t*>(m_in.data_ptr<at::BFloat16>());
   const uint16_t* v_src = reinterpret_cast<const uint16_t*>(v_in.data_ptr<at::BFloat16>());
   float* p_out = out_master.data_ptr<float>();
   uint16_t* m_dst = reinterpret_cast<uint16_t*>(out_m.data_ptr<at::BFloat16>());
   uint16_t* v_dst = reinterpret_cast<uint16_t*>(out_v.data_ptr<at::BFloat16>());
   const int64_t* desc = params.data_ptr<int64_t>();
-  const double* hy = hypers.data_ptr<double>();
+  const float* consts = constants.data_ptr<float>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   // The tables' 16-bit values as uint16 (int16 tensors): half the bytes of moment_formats' int32 tables to read.
   const uint16_t* t1 = reinterpret_cast<const uint16_t*>(table1.data_ptr<int16_t>());
@@ -294,47 +317,37 @@ void adamw_bf16(torch::Tensor master, torch::Tensor grad, torch::Tensor m_in, to
   // The chunks: (parameter row, first value), each at most chunk values, at multiples of chunk from the start.
   std::vector<std::pair<int64_t, int64_t>> chunks;
   for (int64_t r = 0; r < params.size(0); ++r) {
+    TORCH_CHECK(desc[3 * r + 2] >= 0 && desc[3 * r + 2] < constants.size(0), "a parameter's kept row has no constants");
+    TORCH_CHECK(desc[3 * r] >= 0 && desc[3 * r + 1] >= 0 && desc[3 * r] + desc[3 * r + 1] <= master.numel(),
+                "a parameter's range lies outside master");
     for (int64_t start = 0; start < desc[3 * r + 1]; start += chunk) {
       chunks.emplace_back(r, start);
     }
   }
-  const auto options = master.options();
+  // the four variants: exp_avg, exp_avg_sq each narrowed stochastically or to nearest
+  const RunFn runs[2][2] = {{update_run<false, false>, update_run<false, true>},
+                            {update_run<true, false>, update_run<true, true>}};
   pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, (int64_t)chunks.size(), 1, [&](int64_t begin, int64_t end) {
-    // torch's kernel below runs on this thread (a parallel_for inside a parallel region runs inline), without
-    // autograd's bookkeeping: these are plain buffers.
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    // the thread's scratch, kept from call to call (a fresh 512 KiB would be mapped and faulted in every update)
-    static thread_local std::vector<float> scratch;
-    if ((int64_t)scratch.size() < 2 * chunk) {
-      scratch.resize(2 * chunk);
-    }
-    float* m = scratch.data();
-    float* v = m + chunk;
     for (int64_t c = begin; c < end; ++c) {
       const int64_t r = chunks[c].first, start = chunks[c].second;
-      const int64_t flat = desc[3 * r] + start, n = std::min(chunk, desc[3 * r + 1] - start), k = desc[3 * r + 2];
-      const double* h = hy + 6 * k;
-      // the next chunk of this thread's range, where it continues this one's values (nothing to ask for else)
-      const bool next_follows = c + 1 < end && desc[3 * chunks[c + 1].first] + chunks[c + 1].second == flat + n;
-      widen(m_src + flat, v_src + flat, m, v, n, next_follows ? n : 0);
-      if (!in_place) {
-        std::memcpy(p_out + flat, p_in + flat, n * sizeof(float));
-      }
-      at::Tensor p_t = at::from_blob(p_out + flat, {n}, options);
-      at::Tensor g_t = at::from_blob(g_in + flat, {n}, options);
-      at::Tensor m_t = at::from_blob(m, {n}, options);
-      at::Tensor v_t = at::from_blob(v, {n}, options);
-      at::_fused_adamw_({p_t}, {g_t}, {m_t}, {v_t}, {}, {steps[k]}, h[0], h[1], h[2], h[4], h[3], false, false);
+      const int64_t first = desc[3 * r] + start, n = std::min(chunk, desc[3 * r + 1] - start), k = desc[3 * r + 2];
+      const float* kc = consts + 8 * k;
       const int64_t* o = off + 4 * k;
-      const float* values[2] = {m, v};
-      uint16_t* targets[2] = {m_dst + flat, v_dst + flat};
-      for (int kind = 0; kind < 2; ++kind) {
-        if (o[2 * kind] < 0) {
-          narrow_nearest(values[kind], targets[kind], n);
-        } else {
-          narrow_stochastic(values[kind], targets[kind], n, flat, o[2 * kind], o[2 * kind + 1], t1, p1, t2, p2);
+      const RunFn run = runs[o[0] >= 0][o[2] >= 0];
+      for (int64_t done = 0; done < n; done += kRun) {
+        const int64_t flat = first + done, length = std::min(kRun, n - done);
+        if (!in_place) {  // out of place: the run copied, then updated there (in L1 now)
+          std::memcpy(p_out + flat, p_in + flat, length * sizeof(float));
+          std::memcpy(m_dst + flat, m_src + flat, length * sizeof(uint16_t));
+          std::memcpy(v_dst + flat, v_src + flat, length * sizeof(uint16_t));
         }
+        // the run's table slices, element flat's entries first (unused where a kind rounds to nearest)
+        const uint16_t* ma = o[0] >= 0 ? t1 + (flat + o[0]) % p1 : nullptr;
+        const uint16_t* mb = o[0] >= 0 ? t2 + (flat + o[1]) % p2 : nullptr;
+        const uint16_t* va = o[2] >= 0 ? t1 + (flat + o[2]) % p1 : nullptr;
+        const uint16_t* vb = o[2] >= 0 ? t2 + (flat + o[3]) % p2 : nullptr;
+        run(p_out + flat, g_in + flat, m_dst + flat, v_dst + flat, length, kc, ma, mb, va, vb);
       }
     }
   });

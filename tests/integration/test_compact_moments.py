@@ -1,7 +1,7 @@
 """Compact Adam moments (``optimizer.moment_dtype``) through the user's path, on the CPU: bf16 moments equal a plain
-PyTorch loop whose AdamW keeps bf16 moments, bit for bit; int8 stays close to fp32 and the loss falls; the moments
-live in each tier in their compact size (swap files included); ``state_dict()`` gives fp32 moments; checkpoints
-resume exactly within a format and load across formats."""
+PyTorch loop whose AdamW (tests/bf16_reference.py's plain ops) keeps bf16 moments, bit for bit; int8 stays close to
+fp32 and the loss falls; the moments live in each tier in their compact size (swap files included); ``state_dict()``
+gives fp32 moments; checkpoints resume exactly within a format and load across formats."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from runtime.bundled.example_model import ExampleLM, ModelShape
 from runtime.checkpoint.state import load_checkpoint, save_checkpoint
 from runtime.update.moment_formats import round_bf16_stochastic, rounding_bits, rounding_offsets
 from runtime.update.moments import BF16_STOCHASTIC_KINDS, decode_moment, encode_moment, moment_nbytes, moment_storage
+from tests.bf16_reference import PlainAdamW
 from tests.integration.checkpoint_training import tiny_config, train
 from tests.integration.reference_loop import ReferenceTrainer
 from tests.integration.test_parity import SHAPE, assert_identical, make_batches, nbytes_moved, steps_and_check
@@ -34,12 +35,14 @@ INT8_STEPS = 12
 
 
 def bf16_moment_reference(model: torch.nn.Module, grad_clip: float | None) -> ReferenceTrainer:
-    """The plain loop (``torch.optim.AdamW(fused=True)`` on fp32 parameters) keeping bf16 moments: after each step the
-    moments are narrowed to bf16 and widened back, which is what storing them in bf16 is. The narrowing is the
+    """The plain loop (on fp32 parameters, its AdamW the plain-ops :class:`~tests.bf16_reference.PlainAdamW` with
+    the trainer's hyper-parameters, bf16's arithmetic) keeping bf16 moments: after each step the moments are
+    narrowed to bf16 and widened back, which is what storing them in bf16 is. The narrowing is the
     update's: stochastic rounding with the bits of each element's index in its block's flat buffer and its step
     (``follow_blocks`` gives the blocks' layout: each parameter's offset in its block, and its block's index, the
     seed the runtime rounds that block's moments with)."""
     reference = ReferenceTrainer(model, grad_clip=grad_clip)
+    reference.optimizer = PlainAdamW(reference.masters, lr=reference.lr, weight_decay=reference.weight_decay)
     offsets: list[tuple[int, int]] = []  # (offset in the block's flat buffer, the block's index) per parameter
     reference.block_offsets = offsets  # type: ignore[attr-defined]
 

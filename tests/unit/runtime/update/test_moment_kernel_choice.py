@@ -88,6 +88,21 @@ def test_a_kernel_is_built_once_per_process(monkeypatch):
     assert len(built) == 1
 
 
+def test_a_kernel_whose_bf16_check_failed_serves_int8_only(monkeypatch):
+    """A build whose contraction check failed (it warned then: test_moments_kernel_bf16): bf16 runs torch ops under
+    auto and compiled alike, int8 keeps the kernel."""
+    built = []
+    monkeypatch.setattr(moment_kernel, "missing_build_tools", lambda: [])
+
+    def mismatched(self):
+        self.bf16_exact = False
+        built.append(self)
+
+    monkeypatch.setattr(Int8Kernel, "__init__", mismatched)
+    assert int8_kernel_for("auto", "bf16") is None and int8_kernel_for("compiled", "bf16") is None
+    assert int8_kernel_for("auto", "int8") is built[0] and len(built) == 1
+
+
 def test_compiled_with_bf16_refuses_naming_bf16(failing_build):
     with pytest.raises(ConfigError, match="compiled: the bf16 AdamW kernel cannot be built") as raised:
         int8_kernel_for("compiled", "bf16")
