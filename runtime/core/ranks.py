@@ -10,18 +10,30 @@ gives each rank of a host its share of the cores (``bind_cores``); it decides no
 run hangs (NCCL) or mixes up tensors. The engine issues them only from events every rank reaches in the same order:
 a block's weights are broadcast from its owner each time a hook acquires the block (never by a prefetch, whose
 timing differs between ranks, and whatever the block's residency on this rank), or started one acquire ahead for the
-block the prefetch schedule's trace expects next (the trace is made of the hooks' events alone), a block's gradient
+block the prefetch schedule's trace expects next (the trace is made of the hooks' events alone), except where the
+block is held (below), a block's gradient
 is reduced to its owner when its backward is done, the gradient norm is summed at the commit, and the ranks' plans
 are compared once before anything is allocated. A rank whose model takes another path (a different block order)
 breaks this, as it breaks DDP.
+
+[Note: held blocks are not broadcast again] A block acquired while it is held is not broadcast: held by an earlier
+acquire of a pass still going on (a forward still inside it, the backward after its recomputation), or by a forward
+of it that ended just before, not releasing it because the trace expects it next (a head called once a loss piece;
+held for that one acquire: ``Fetcher.held``). Its weights have been on every device since the broadcast that began
+the hold, no release of a step that raised nothing touches a held block (the acquire checks: a rank that finds it
+gone raises), and the weights change only at the commit, which no hold spans. The hooks and the trace alone set the
+marks, so every rank skips alike. Seen on two H200s before this (the 8B scenario, micro-batches of 4 x 4096 tokens,
+a 1024-token loss piece): 147 broadcasts a micro-batch (1,176 acquires a step of 8), each layer's in its forward,
+its recomputation and its backward, the head's once a piece in the forward and in the backward. Held now: each
+layer's backward, and the head's pieces after the first.
 
 [Note: no GPU collective beside a pinning] Page-locking host memory (cudaHostRegister) or giving it back can wait
 for the GPUs this process reaches over NVLink, and a collective's kernel on another rank's GPU spins until this rank
 joins it: a rank that pins while another already waits in a collective hangs them both (seen on two H200s: the tiny
 test model's ranks, one in cudaHostRegister, the other in its first forward past its first broadcast;
-pytorch/pytorch#31095 is the same with DDP's broadcast). So every rank pins at the same point and the ranks meet in the store
-(``Ranks.host_barrier``, no kernel) before any collective that follows: after the store's arena at setup, and
-between the profile's one-rank-at-a-time bandwidth probes.
+pytorch/pytorch#31095 is the same with DDP's broadcast). So every rank pins at the same point and the ranks meet in
+the store (``Ranks.host_barrier``, no kernel) before any collective that follows: after the store's arena at setup,
+and between the profile's one-rank-at-a-time bandwidth probes.
 
 What it leaves out: which rank owns which block (planning), when the calls are made (the engine).
 """
@@ -181,7 +193,7 @@ class Ranks:
         def meet() -> None:
             if store is None:
                 raise RuntimeError("the process group has no store to meet in")
-            store.set(keys[self.rank], b"1")
+            store.set(keys[self.rank], "1")
             deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
             pause = 0.001
             while not store.check(keys):

@@ -273,8 +273,9 @@ class Controller:
             self.commit.read_spilled_early()
         for index in indices:
             self.schedule.observe(index, "bwd")
+            held = self.fetch.held(index)  # (its recomputation's acquire: read before this one marks it)
             self.table[index].in_backward = True
-            self.fetch.ready(index)
+            self.fetch.ready(index, held=held)
             if streams and last_micro:
                 self.grads.stream_state_ahead_of(index)
         self.fetch.prefetch()
@@ -292,7 +293,7 @@ class Controller:
         for index in indices:
             self.schedule.observe(index, "bwd")
             self.table[index].in_grad_only = True
-            self.fetch.ready(index)
+            self.fetch.ready(index, held=self.fetch.held(index))
         self.fetch.prefetch()
 
     def on_grad_only_backward_end(self) -> None:

@@ -51,6 +51,10 @@ class Fetcher:
         # Blocks a training forward left on the device for backward -> bytes, oldest first: a byte budget's queue
         # (its order is the point), not a fact of each block, so it is not in the blocks' records.
         self._kept: dict[int, int] = {}
+        # A block whose forward just ended without releasing it, the trace expecting it next (a head called once per
+        # loss piece): held for that next acquire only ([Note: held blocks are not broadcast again]).
+        self._kept_for_next: int | None = None
+        self.kept_for_next_hits = 0  # acquires that found their block so held (counted over the session)
 
     # ---- acquire / release -----------------------------------------------------------------------------
     def acquire(self, indices: list[int], phase: str) -> None:
@@ -60,7 +64,7 @@ class Fetcher:
             self.writebacks.before_forward(indices[0])
         for index in indices:
             self.schedule.observe(index, phase)
-            self.ready(index)
+            self.ready(index, held=self.held(index))
             if phase == "recompute":
                 self.recomputed_acquires += self.blocks[index].is_layer
                 # Activation checkpointing may stop a recomputation early (its forward hook never runs):
@@ -96,6 +100,8 @@ class Fetcher:
             if state.users == 0 and not self.table[index].in_backward and not self.schedule.needed_within(index, depth + 1):
                 if not self._keep_for_backward(index):
                     self.release(index)
+            elif state.users == 0 and not self.table[index].in_backward and self.schedule.next_use() == index:
+                self._kept_for_next = index  # (needed next: not released, whatever this rank holds besides)
 
     def _keep_for_backward(self, index: int) -> bool:
         """Leave a block's weights on the device for the backward of this training forward, within
@@ -163,8 +169,22 @@ class Fetcher:
         return raised
 
     # ---- waiting -----------------------------------------------------------------------------------------
-    def ready(self, index: int) -> None:
-        """Wait for block index's update of the committed step, then for its weights on the device."""
+    def held(self, index: int) -> bool:
+        """Whether block index is held since an earlier acquire: a forward still inside it (``users``), a backward
+        that still needs it (its recomputation, ``in_backward``), or a forward that ended just before without
+        releasing it, the trace expecting it next. Called once per acquire, before the acquire marks the block: the
+        last kind holds for this one acquire. No release touches a held block, and the hooks and the trace alone set
+        these marks, in the same order on every rank: with several processes a held block's weights are on every
+        device since the acquire that broadcast them ([Note: held blocks are not broadcast again])."""
+        kept_for_next, self._kept_for_next = self._kept_for_next, None
+        if self.weights.states[index].users > 0 or self.table[index].in_backward:
+            return True
+        self.kept_for_next_hits += index == kept_for_next
+        return index == kept_for_next
+
+    def ready(self, index: int, held: bool = False) -> None:
+        """Wait for block index's update of the committed step, then for its weights on the device. ``held``: the
+        block was held by an earlier acquire since (``held()``, read before this acquire marks it)."""
         step = self.view.optimizer_step
         if not self.worker.is_updated(index, step):
             self.table[index].wanted = True  # the worker fetches it the moment its update lands
@@ -181,7 +201,7 @@ class Fetcher:
         cause = self._fetch_stall_cause(index) if self.stall_listeners and not self.weights.is_fetched(index) \
             and not self.weights.is_remote(index) else None
         t1 = time.perf_counter()
-        hit = self.weights.wait(index)
+        hit = self.weights.wait(index, held)
         waited = time.perf_counter() - t1 if not hit else 0.0
         self.stats.wait_fetch_s += waited
         if not hit and cause is not None:

@@ -160,7 +160,9 @@ class Gradients:
         ranks.reduce_mean(flat, owner)
         if owner != ranks.rank:
             return False
-        grad, present = flat[:numel], (flat[numel:] > 0).tolist()
+        # Any rank's gradient makes a parameter present: where this rank has every one, so has the mean, and the
+        # flags are not read back (a read waits for the GPU: the backward's next kernels would be launched only then)
+        grad, present = flat[:numel], (present if all(present) else (flat[numel:] > 0).tolist())
         earlier = self._device_sums.pop(block.index, None)
         if earlier is not None:  # the step's earlier micro-batches, summed in the compute dtype as .grad would be
             grad = grad.to(earlier[0].dtype).add_(earlier[0]).float()

@@ -53,6 +53,7 @@ class WeightManager:
         # Broadcasts started ahead of their block's acquire (gather_ahead), by block: the wait that acquire makes.
         self._gathers: dict[int, Callable[[], None]] = {}
         self.gathered_ahead = 0  # acquires whose broadcast had been started ahead (several processes)
+        self.held_hits = 0  # acquires of a held block, no broadcast ([Note: held blocks are not broadcast again])
         self.store = store
         self.device = store.device
         self.compute_dtype = compute_dtype
@@ -220,12 +221,13 @@ class WeightManager:
         """Another rank owns the block: its weights arrive by broadcast, never by a fetch of this process's."""
         return self.ranks is not None and self.owners[index] != self.ranks.rank
 
-    def wait(self, index: int) -> bool:
+    def wait(self, index: int, held: bool = False) -> bool:
         """Make the current stream wait for block index's weights (fetching on demand; a fetch from the master is
         cast on the copy stream before its last event). Returns True when the weights were resident or prefetched (a schedule hit).
         In a run of several processes every rank calls this for the same blocks in the same order, and the owner's
         weights are broadcast to the others each time, whatever each rank holds already ([Note: collectives in
-        program order])."""
+        program order]), unless the block is ``held`` by an earlier acquire of a pass still going on: its weights are
+        then on every device since that acquire's broadcast ([Note: held blocks are not broadcast again])."""
         with self._lock:
             if self.ranks is None:
                 return self._wait(index)
@@ -233,6 +235,12 @@ class WeightManager:
             if gathered is not None:  # its broadcast was started ahead (gather_ahead): its end is all there is to wait for
                 gathered()
                 self.gathered_ahead += 1
+                return True
+            if held:
+                if not self.states[index].resident:  # a release that should not have happened: say so, never compute
+                    raise RuntimeError(f"{self.states[index].block.name} is held by a pass on every rank but its "
+                                       f"weights left rank {self.ranks.rank}'s device")
+                self.held_hits += 1
                 return True
             hit = self._ready_to_broadcast(index)
             self.ranks.broadcast(self.states[index].flat, self.owners[index])

@@ -28,12 +28,42 @@ def global_batches(steps: int, accumulation: int, global_batch: int) -> list[tup
     return [data.next() for _ in range(steps * accumulation)]
 
 
+class PieceLossLM(ExampleLM):
+    """The example model whose loss is taken ``piece`` tokens at a time, each piece's head and cross-entropy
+    recomputed in the backward (a chunked loss, as ``runtime.integrations.hf_loss``'s): the head is acquired once a
+    piece, one acquire after another."""
+
+    def __init__(self, shape: ModelShape, piece: int):
+        super().__init__(shape)
+        self.piece = piece
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        from runtime.bundled.example_model import rotary_tables
+
+        cos, sin = rotary_tables(tokens.shape[1], self.shape.hidden_size // self.shape.num_heads, tokens.device)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        hidden, labels = self.norm(x).reshape(-1, self.shape.hidden_size), targets.reshape(-1)
+
+        def piece_loss(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.head(h).float(), t, reduction="sum")
+
+        total = sum(checkpoint(piece_loss, hidden[start:start + self.piece], labels[start:start + self.piece],
+                               use_reentrant=False) for start in range(0, labels.numel(), self.piece))
+        return total / labels.numel()
+
+
 def main(out: str, config: dict, steps: int, global_batch: int) -> None:
     """Train: rank R of N feeds rows [R*B/N, (R+1)*B/N) of each global micro-batch."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     accumulation = config.get("optimizer", {}).get("accumulation_steps", 1)
     torch.manual_seed(0)
-    model = ExampleLM(SHAPE)  # the same initial values on every rank; the owners' are the ones kept
+    piece = config.pop("test_loss_piece", None)  # the test's, not offload()'s: a loss taken that many tokens a piece
+    # the same initial values on every rank; the owners' are the ones kept
+    model = ExampleLM(SHAPE) if piece is None else PieceLossLM(SHAPE, piece)
     mine = os.environ.get(f"RANKS_TEST_CONFIG_RANK{rank}")  # a test's setting for one rank only (a refused plan)
     if mine is not None:
         config = {**config, **json.loads(mine)}
@@ -77,10 +107,12 @@ def main(out: str, config: dict, steps: int, global_batch: int) -> None:
         scaler = session.controller.scaler
         loss_scale = None if scaler is None else float(scaler.scale)
         gathered_ahead = session.controller.weights.gathered_ahead
+        held_hits = session.controller.weights.held_hits
+        kept_for_next_hits = session.controller.fetch.kept_for_next_hits
     finally:
         session.close()
     torch.save({"losses": losses, "norms": norms, "loss_scale": loss_scale, "weights": weights, "keys": keys,
-                "cores": cores, "gathered_ahead": gathered_ahead,
+                "cores": cores, "gathered_ahead": gathered_ahead, "held_hits": held_hits, "kept_for_next_hits": kept_for_next_hits,
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                os.path.join(out, f"rank{rank}.pt"))
 

@@ -25,7 +25,7 @@ def test_a_rank_leaves_the_host_barrier_only_once_every_rank_came(monkeypatch):
     for _ in range(2):  # a second barrier is a new meeting, not the first one's keys
         arrived: list[float] = []
 
-        def late() -> None:
+        def late(arrived: list[float] = arrived) -> None:
             time.sleep(0.3)
             arrived.append(time.monotonic())
             second.host_barrier("the test's meeting")
