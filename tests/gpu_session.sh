@@ -107,12 +107,19 @@ fi
 if [[ $what == ranks ]]; then  # issue 42: the 8B scenario on N GPUs of this host (NPROCS, default "1 2"), one after the
   # other in this call (each rank: 24 GiB cap, its micro-batches; host budget 100 GiB for the node), then its tests over NCCL
   mkdir -p /var/tmp/ts-8b
+  most=$(echo ${NPROCS:-1 2} | tr ' ' '\n' | sort -n | tail -1)
+  if [ "$most" -gt 1 ]; then  # the ranks' broadcasts and reductions without the model: NCCL's choice, then Simple
+    for proto in "" Simple; do
+      env ${proto:+NCCL_PROTO=$proto} timeout 120 python3 -m torch.distributed.run --nproc-per-node $most --standalone \
+        -m runtime.bench.collectives_bench 2>&1 | grep -v "^W\|OMP_NUM_THREADS\|^\*" | tee -a "$OUT/collectives.log"
+    done
+  fi
   for n in ${NPROCS:-1 2}; do
     # the node's memory in use, sampled every second while the run lasts (MemTotal - MemAvailable: every rank's
     # pinned and pageable memory, the page cache's dirty pages not counted): its peak beside the ranks' summed RSS
     (peak=0; while sleep 1; do used=$(awk '/MemTotal/{t=$2}/MemAvailable/{a=$2}END{print t-a}' /proc/meminfo)
        [ "$used" -gt "$peak" ] && peak=$used && echo "$peak" > "$OUT/node_mem_$n.kib" \
-       && cp /proc/meminfo "$OUT/node_meminfo_$n.txt"; done) & sampler=$!
+       && { cat /proc/meminfo; ps -eo pid,rss,vsz,comm --sort=-rss | head -12; } > "$OUT/node_meminfo_$n.txt"; done) & sampler=$!
     timeout ${RUN_TIMEOUT:-900} python3 -m torch.distributed.run --nproc-per-node $n --standalone examples/finetune_8b.py --nvme-dir /var/tmp/ts-8b \
       --steps ${STEPS:-3} ${FT_ARGS:-} 2>&1 | tr '\r' '\n' > "$OUT/ranks_$n.log" || status=$(( status ? status : $? ))
     kill $sampler
