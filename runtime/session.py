@@ -76,6 +76,19 @@ class OffloadSession:
         """This process's place among the run's processes (torchrun's), or None in a run of one process."""
         return self.controller.options.ranks
 
+    def _unpinned_on_every_rank(self) -> None:
+        """Several processes: wait in the store until every rank has given its pinned arena back, so that none enters
+        the program's next collective while another still unpins ([Note: no GPU collective beside a pinning]).
+        Skipped where a collective failed (the others may be gone); a rank that does not come is logged, not raised:
+        the session is closed either way."""
+        ranks = self.ranks
+        if ranks is None or ranks.broken is not None:
+            return
+        try:
+            ranks.host_barrier("the ranks' host memory unpinned at close()")
+        except RuntimeError as error:
+            log.warning("close(): %s", error)
+
     @property
     def activations_recomputed(self) -> bool:
         """The layers' forwards are recomputed in the backward now (placement.activations: recompute, or auto's
@@ -188,6 +201,7 @@ class OffloadSession:
                         slot.param.data = values[slot.name]
             _move_rest(self.model, torch.device("cpu"))
             self.store.close()
+            self._unpinned_on_every_rank()
             self._sweep_dead_ranks()
         finally:  # also when giving something back failed: closed is set, a second close() returns at once
             for undo in self.on_close:  # e.g. the layers' own classes back, SIGTERM's handler back
@@ -422,6 +436,8 @@ def _planned(model: nn.Module, cfg: TierstoreConfig, device: torch.device,
     blocks, and every rank learns whether every other's plan was accepted: one rank's refusal stops them all here,
     each naming it, rather than leaving the others to wait for it at their first exchange."""
     refusal: Exception | None = None
+    if ranks is not None:  # before planning: the plan's rate probe pins host memory, the ranks then meet in the store
+        ranks.agree_on_serial()
     try:
         blocks, resolved, budgets = plan_model(model, cfg, device,
                                                rank=None if ranks is None else (ranks.rank, ranks.world_size))
@@ -433,7 +449,8 @@ def _planned(model: nn.Module, cfg: TierstoreConfig, device: torch.device,
             raise
         refusal = error
     if ranks is not None:
-        ranks.agree_on_serial()
+        # no rank's comparison may spin while another still probes ([Note: no GPU collective beside a pinning])
+        ranks.host_barrier("the ranks' plans made (their rate probes' host memory given back)")
         others = ranks.others_refusing(None if refusal is None else f"{type(refusal).__name__}: {refusal}")
         if refusal is not None:
             raise refusal
@@ -662,7 +679,9 @@ def _offload(model: nn.Module, config: TierstoreConfig | Mapping[str, Any] | str
             session.on_close.append(session.read_service.close)  # (a setup undone; close() stops it earlier)
             session.read_service.start()
         session.on_close.append(leave_signals)
-    except BaseException:  # the model as it was, the directory unlocked, no thread left; the error unchanged
+    except BaseException as error:  # the model as it was, the directory unlocked, no thread left; the error unchanged
+        if ranks is not None:  # the others, waiting in a collective or in the store, end at once naming this rank
+            ranks.fail(f"offload() failed: {error!r}")
         if session is not None:
             session.closed = True  # its listeners and close() then do nothing
         _undo_offload(blocks, opened[0] if opened else None, [*reversed(undo), *(session.on_close if session is not None else [])])

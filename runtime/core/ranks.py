@@ -17,15 +17,18 @@ are compared once before anything is allocated. A rank whose model takes another
 breaks this, as it breaks DDP.
 
 [Note: held blocks are not broadcast again] A block acquired while it is held is not broadcast: held by an earlier
-acquire of a pass still going on (a forward still inside it, the backward after its recomputation), or by a forward
-of it that ended just before, not releasing it because the trace expects it next (a head called once a loss piece;
-held for that one acquire: ``Fetcher.held``). Its weights have been on every device since the broadcast that began
-the hold, no release of a step that raised nothing touches a held block (the acquire checks: a rank that finds it
-gone raises), and the weights change only at the commit, which no hold spans. The hooks and the trace alone set the
-marks, so every rank skips alike. Seen on two H200s before this (the 8B scenario, micro-batches of 4 x 4096 tokens,
-a 1024-token loss piece): 147 broadcasts a micro-batch (1,176 acquires a step of 8), each layer's in its forward,
-its recomputation and its backward, the head's once a piece in the forward and in the backward. Held now: each
-layer's backward, and the head's pieces after the first.
+acquire of a pass still going on (a forward still inside it; the backward of a block, whose recomputation then
+acquires it again), or by a forward of it that ended just before, not releasing it because the trace expects it
+next (a head called once a loss piece; held for that one acquire, and no longer past any point where the ranks'
+paths meet: a forward's begin, a step's commit or drop: ``Fetcher.held``, ``drop_kept_for_next``). Its weights
+have been on every device since the broadcast that began the hold: the releases that run while a block is held
+leave it (a forward's and a backward's own, the keep-for-backward queue, a read's room-making), a release that
+should not have happened is found at the acquire (a rank that finds the block gone raises, never computes), and a
+block's weights change only once its gradients are done or at the commit, after its holds. The hooks and the trace
+alone set the marks, so every rank skips alike. Seen on two H200s before this (the 8B scenario, micro-batches of
+4 x 4096 tokens, a 1024-token loss piece): 147 broadcasts a micro-batch (1,176 acquires a step of 8), each layer's
+in its forward, its backward and its recomputation, the head's once a piece in the forward and in the backward.
+Held now: each layer's recomputation, and the head's pieces after the first.
 
 [Note: no GPU collective beside a pinning] Page-locking host memory (cudaHostRegister) or giving it back can wait
 for the GPUs this process reaches over NVLink, and a collective's kernel on another rank's GPU spins until this rank
@@ -197,9 +200,8 @@ class Ranks:
             deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
             pause = 0.001
             while not store.check(keys):
-                causes = self._published_failures()
-                if causes:
-                    raise RuntimeError("; ".join(causes))
+                if self._published_failures():  # (call() names them)
+                    raise RuntimeError("another rank failed")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"not every rank came within {COLLECTIVE_TIMEOUT_S:g} s")
                 time.sleep(pause)

@@ -273,7 +273,7 @@ class Controller:
             self.commit.read_spilled_early()
         for index in indices:
             self.schedule.observe(index, "bwd")
-            held = self.fetch.held(index)  # (its recomputation's acquire: read before this one marks it)
+            held = self.fetch.held(index)  # (read before this acquire marks it)
             self.table[index].in_backward = True
             self.fetch.ready(index, held=held)
             if streams and last_micro:
@@ -383,6 +383,7 @@ class Controller:
         if self._phase is not StepPhase.READY:
             raise refusals.step_count_mismatch(self.micro, self.options.accumulation_steps)
         self.hypers.warn_if_changed_since_backward()
+        self.fetch.drop_kept_for_next()  # (a forward with no backward before this step: its last block's hold ends)
         self.commit.run(self.discard_pending)
         self.weights.drop_gathers()  # broadcasts started ahead and not used: the weights change now
         self.clipper.reset()
@@ -468,8 +469,9 @@ class Controller:
         return self._phase.pending
 
     def in_backward_use(self, index: int) -> bool:
-        """True while block index's weights are held for a backward (or its recomputation)."""
-        return self.table[index].in_backward
+        """True while block index's weights are held for a backward (or its recomputation), or for the next acquire
+        ([Note: held blocks are not broadcast again])."""
+        return self.table[index].in_backward or self.fetch.is_kept_for_next(index)
 
     def update_under_way(self, index: int) -> bool:
         """True when block index's update of the pending step started before optimizer.step() (streaming)."""
@@ -489,6 +491,7 @@ class Controller:
         if interrupted:
             self._interrupt(broken or refusals.abandoned_step(started, len(self.blocks)))
         speculative = self.commit.forget_pending()  # first: whatever fails below, a checkpoint load finds no step
+        self.fetch.drop_kept_for_next()
         self.micro = 0
         try:
             self.commit.release_pending(speculative, interrupted)

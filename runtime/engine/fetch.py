@@ -101,7 +101,10 @@ class Fetcher:
                 if not self._keep_for_backward(index):
                     self.release(index)
             elif state.users == 0 and not self.table[index].in_backward and self.schedule.next_use() == index:
-                self._kept_for_next = index  # (needed next: not released, whatever this rank holds besides)
+                # Needed next (not released): held for that acquire, out of the keep-for-backward queue, whose
+                # evictions differ by rank (a block updated on the device is never kept)
+                self._kept.pop(index, None)
+                self._kept_for_next = index
 
     def _keep_for_backward(self, index: int) -> bool:
         """Leave a block's weights on the device for the backward of this training forward, within
@@ -136,6 +139,7 @@ class Fetcher:
         """A forward begins: the last backward's carried blocks stay when this forward begins with them, and so do
         ``fresh`` ones (a device update's new weights); any other leftover (prefetched for a path not taken, or after
         anything that may have changed the weights) goes."""
+        self.drop_kept_for_next()
         upcoming = set(self.schedule.upcoming(self.wrap_limit))
         for index, state in enumerate(self.weights.states):
             record = self.table[index]
@@ -160,6 +164,7 @@ class Fetcher:
     def drop_raised_forward_holds(self) -> bool:
         """Outside a forward: blocks a forward that raised left held (their users counted, never released) are
         released. Returns whether there were any."""
+        self.drop_kept_for_next()
         raised = False
         for index, state in enumerate(self.weights.states):
             if state.users:  # a forward raised inside this block: nothing else holds it
@@ -171,16 +176,27 @@ class Fetcher:
     # ---- waiting -----------------------------------------------------------------------------------------
     def held(self, index: int) -> bool:
         """Whether block index is held since an earlier acquire: a forward still inside it (``users``), a backward
-        that still needs it (its recomputation, ``in_backward``), or a forward that ended just before without
-        releasing it, the trace expecting it next. Called once per acquire, before the acquire marks the block: the
-        last kind holds for this one acquire. No release touches a held block, and the hooks and the trace alone set
-        these marks, in the same order on every rank: with several processes a held block's weights are on every
-        device since the acquire that broadcast them ([Note: held blocks are not broadcast again])."""
-        kept_for_next, self._kept_for_next = self._kept_for_next, None
+        that still needs it (``in_backward``: its recomputation acquires it again), or a forward of it that ended
+        just before without releasing it, the trace expecting it next. Called once per acquire, before the acquire
+        marks the block: the last kind holds for this one acquire (``drop_kept_for_next``). The hooks and the trace
+        alone set these marks, in the same order on every rank: with several processes a held block's weights are on
+        every device since the acquire that broadcast them ([Note: held blocks are not broadcast again])."""
+        kept_for_next = self._kept_for_next
+        self.drop_kept_for_next()
         if self.weights.states[index].users > 0 or self.table[index].in_backward:
             return True
         self.kept_for_next_hits += index == kept_for_next
         return index == kept_for_next
+
+    def is_kept_for_next(self, index: int) -> bool:
+        """Whether block index is held for the next acquire (``held``): a read between passes must not release it."""
+        return index == self._kept_for_next
+
+    def drop_kept_for_next(self) -> None:
+        """The hold for the next acquire ends: at that acquire, and at every point where the ranks' paths meet before
+        anything may release or change a block (a forward begins, a step commits or is dropped, a forward that raised
+        is cleaned up), so no rank finds it released while another finds it held. The block is not released here."""
+        self._kept_for_next = None
 
     def ready(self, index: int, held: bool = False) -> None:
         """Wait for block index's update of the committed step, then for its weights on the device. ``held``: the

@@ -62,7 +62,7 @@ class StepView(Protocol):
         """Blocks updated on the device over state streamed in from host memory."""
 
     def in_backward_use(self, index: int) -> bool:
-        """True while block index's weights are held for a backward (or its recomputation)."""
+        """True while block index's weights are held for a backward (or its recomputation), or for the next acquire."""
 
     def update_under_way(self, index: int) -> bool:
         """True when block index's update of the pending step started before optimizer.step() (streaming)."""
