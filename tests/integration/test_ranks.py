@@ -110,13 +110,11 @@ CONFIGS = {
     # skips those steps and backs its scale off alike
     "fp16-overflow": {"device": DEVICE, "dtype": "fp16",
                       "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "loss_scale": {"initial": 2.0**18}}},
-    # tierstore recomputes the layers: a layer's recomputation finds it held by its backward on every rank and
-    # broadcasts nothing ([Note: held blocks are not broadcast again])
-    "recompute": {"device": DEVICE, "dtype": "fp32", "placement": {"activations": "recompute"},
-                  "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2}},
-    # the loss taken 8 tokens a piece (the test's model, not a setting of offload()): the head's acquires one after
-    # another, each after the first held since its forward ([Note: held blocks are not broadcast again])
-    "loss-pieces": {"device": DEVICE, "dtype": "fp32", "test_loss_piece": 8, "optimizer": {"lr": 1e-3, "grad_clip": 0.05}},
+    # held blocks ([Note: held blocks are not broadcast again]): tierstore recomputes the layers (each layer's
+    # recomputation finds it held by its backward) and the loss is taken 8 tokens a piece (the test's model, not a
+    # setting of offload(): the head's acquires one after another, each after the first held since its forward)
+    "held": {"device": DEVICE, "dtype": "fp32", "placement": {"activations": "recompute"}, "test_loss_piece": 8,
+             "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2}},
     # each micro-batch's gradient reduced onto the owner, summed in its host memory
     "host-sums": {"device": DEVICE, "dtype": "fp32",
                   "optimizer": {"lr": 1e-3, "grad_clip": 0.05, "accumulation_steps": 2, "accumulate_on": "host"}},
@@ -124,7 +122,7 @@ CONFIGS = {
 
 
 # the default suite's at 2 ranks; the other configs at 2 ranks and the last at 3 in the slow suite (CI runs both)
-QUICK = ("plain", "device-host-sums", "loss-pieces")
+QUICK = ("plain", "device-host-sums", "held")
 
 
 def _cases() -> list:
@@ -178,13 +176,11 @@ def test_ranks_train_as_one_process_at_the_global_batch(tmp_path, name, world):
         assert all(record["loss_scale"] == one["loss_scale"] for record in ranks)
     # After the first step (its trace learned), blocks' broadcasts start ahead of their acquire, overlapping compute
     assert all(record["gathered_ahead"] > 0 for record in ranks)
-    if name == "recompute":  # each layer's recomputation found it held by its backward: 3 layers, 2 micro-batches, 3 steps
-        assert all(record["held_hits"] - record["kept_for_next_hits"] >= 3 * 2 * 3 for record in ranks), \
-            [(record["held_hits"], record["kept_for_next_hits"]) for record in ranks]
-    if name == "loss-pieces":  # 3 rows x 32 tokens a rank: 12 pieces; once the trace is known (steps 2 and 3) the
-        # forward's head acquires after the first found it held for them
-        assert all(record["kept_for_next_hits"] >= 2 * 11 for record in ranks), \
-            [record["kept_for_next_hits"] for record in ranks]
+    if name == "held":  # 3 layers, 2 micro-batches, 3 steps; 3 rows x 32 tokens a rank: 12 pieces a micro-batch,
+        # once the trace is known (steps 2 and 3) the forward's head acquires after the first are held for them
+        for record in ranks:
+            assert record["held_hits"] - record["kept_for_next_hits"] >= 3 * 2 * 3, record["held_hits"]
+            assert record["kept_for_next_hits"] >= 2 * 2 * 11, record["kept_for_next_hits"]
     # One copy of the state (master and moments: a block's host gradient buffer depends on where its update runs,
     # which each rank's placement decides over its own blocks): each block's on exactly one rank
     def state(keys: list[str]) -> list[str]:
