@@ -9,7 +9,9 @@
 # bytes a point, default 2GiB), ROWS, STEPS (default 6; finetune/deepspeed 2), BENCH_ARGS (bench train's shape
 # options), TAG, FT_ARGS / DS_ARGS (finetune_8b.py / finetune_8b_deepspeed.py options), LOSSES (trainer: the
 # hf_trainer_8b.py --loss values to run after finetune_8b.py, default "liger chunked"), QROWS / QSTEPS / QARGS
-# (quality: examples/moment_quality.py's rows, default all six; steps, default 1000; more of its options).
+# (quality: examples/moment_quality.py's rows, default all six; steps, default 1000; more of its options); ranks:
+# NPROCS (GPU counts, default "1 2"), NO_RANKS_RUNS / NO_RANKS_TESTS (skip the 8B runs / the NCCL tests),
+# RUN_TIMEOUT / TESTS_TIMEOUT (seconds, each run / the tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -108,6 +110,7 @@ if [[ $what == ranks ]]; then  # issue 42: the 8B scenario on N GPUs of this hos
   # other in this call (each rank: 24 GiB cap, its micro-batches; host budget 100 GiB for the node), then its tests over NCCL
   mkdir -p /var/tmp/ts-8b
   most=$(echo ${NPROCS:-1 2} | tr ' ' '\n' | sort -n | tail -1)
+  [[ -n ${NO_RANKS_RUNS:-} ]] && most=1 && NPROCS=" "  # the tests alone (NO_RANKS_TESTS: the runs alone)
   if [ "$most" -gt 1 ]; then  # the ranks' broadcasts and reductions without the model: NCCL's choice, then Simple
     for proto in "" Simple; do
       env ${proto:+NCCL_PROTO=$proto} timeout 120 python3 -m torch.distributed.run --nproc-per-node $most --standalone \
@@ -115,6 +118,7 @@ if [[ $what == ranks ]]; then  # issue 42: the 8B scenario on N GPUs of this hos
     done
   fi
   for n in ${NPROCS:-1 2}; do
+    [[ $n =~ ^[0-9]+$ ]] || continue
     # the node's memory in use, sampled every second while the run lasts (MemTotal - MemAvailable: every rank's
     # pinned and pageable memory, the page cache's dirty pages not counted): its peak beside the ranks' summed RSS
     (peak=0; while sleep 1; do used=$(awk '/MemTotal/{t=$2}/MemAvailable/{a=$2}END{print t-a}' /proc/meminfo)
