@@ -236,7 +236,7 @@ IN_CLOSE = ["OffloadSession.close:1", "TierStore.close:1", "NVMeDirectory.remove
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("swap, num", [("dir", 8), ("tmp", 3)])
+@pytest.mark.parametrize("swap, num", [("dir", 6), ("tmp", 3)])
 def test_sigterm_anywhere_in_a_script_ends_it_with_143_and_nothing_left(tmp_path, swap, num):
     """A user's script (no handler of its own) signalled at ``num`` points from the start of offload() to near the end
     of close(), at named points of close(), and once before offload() (the default action there: nothing to leave)."""

@@ -1,6 +1,6 @@
 """Soak: the bundled example trains for many steps on the CPU and nothing grows once it has warmed up.
 
-700 steps by default (``TIERSTORE_SOAK_STEPS`` changes it) of ``tierstore train``'s embedded config with a
+600 steps by default (``TIERSTORE_SOAK_STEPS`` changes it) of ``tierstore train``'s embedded config with a
 2 x 64-token batch (tests/integration/soak_child.py; about 0.1 s a step, under two minutes on a two-core
 box). Sampled every 25 steps after the updates have landed: the host tier's bytes in use and arena size,
 the GPU tier's bytes, open file descriptors and threads stay exactly the same after warm-up; resident memory
@@ -21,7 +21,7 @@ from statistics import median
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = int(os.environ.get("TIERSTORE_SOAK_STEPS", "700"))
+STEPS = int(os.environ.get("TIERSTORE_SOAK_STEPS", "600"))
 EVERY = 25
 WARMUP = 0.1  # of the steps: the allocators' caches fill, the prefetch trace is learned
 
