@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from runtime.bench import synchronize
+
 MIB = 2**20
 
 
@@ -50,20 +52,15 @@ class Row:
         return max(0.0, min(1.0, (self.call_s + self.compute_s - self.both_s) / shorter)) if shorter > 0 else 0.0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(device: torch.device, run: Callable[[], None], iters: int) -> float:
     """Seconds a run of ``run``, the mean of ``iters`` after one to warm up (the device waited for)."""
     run()
-    _sync(device)
+    synchronize(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         run()
-    _sync(device)
+    synchronize(device)
     return (time.perf_counter() - start) / iters
 
 

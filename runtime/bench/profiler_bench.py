@@ -30,17 +30,13 @@ from typing import Any
 
 import torch
 
+from runtime.bench import synchronize
 from runtime.bench.train_model import MODEL_KINDS
 from runtime.bundled.example_model import PRESETS
 
 log = logging.getLogger(__name__)
 
 HEADLINE_ROW = "host-s40-keep"
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def default_bench_config() -> dict[str, Any]:
@@ -92,7 +88,7 @@ def measure_profiler_overhead(preset: str = "small", *, steps: int = 8, rounds: 
     def run(num: int) -> list[float]:
         """num + 1 steps from a drained pipeline; the periods of the last num (see the module doc)."""
         optimizer.synchronize()
-        _sync()
+        synchronize()
         times: list[float] = []
         last = time.perf_counter()
         for i in range(num + 1):

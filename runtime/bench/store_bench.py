@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.bench import synchronize
 from runtime.profiler.ceilings import measure_disk_ceiling
 from tierstore import StoreConfig, TensorMeta, TierName, TierStore
 
@@ -57,11 +58,6 @@ class PathResult:
         return {**asdict(self), "store_gbps": self.store_gbps, "raw_gbps": self.raw_gbps, "ratio": self.ratio}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _best_of(repeats: int, run: Callable[[], float]) -> float:
     """The fastest of ``repeats`` timed runs (after the first, a warm-up): the ceiling each side can reach."""
     run()
@@ -81,7 +77,7 @@ def _time_fetch(store: TierStore, keys: list[str], to: TierName) -> float:
     for key in keys:
         if store.state(key, to).value != "absent":
             store.release(key, to)
-    _sync(store.device)
+    synchronize(store.device)
     start = time.perf_counter()
     for handle in [store.fetch(key, to) for key in keys]:
         handle.wait()
@@ -93,7 +89,7 @@ def _time_writeback(store: TierStore, keys: list[str], frm: TierName, to: TierNa
     for key in keys:
         store.fetch(key, frm).wait()
         store.mark_dirty(key, frm)
-    _sync(store.device)
+    synchronize(store.device)
     start = time.perf_counter()
     for handle in [store.evict(key, frm, to, release=False) for key in keys]:
         handle.wait()
@@ -112,12 +108,12 @@ def bench_pcie(store: TierStore, num_transfers: int, transfer_nbytes: int, repea
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def raw(to_device: bool) -> float:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else _null():
             for host, gpu in zip(hosts, gpus, strict=True):
                 (gpu.copy_(host, non_blocking=True) if to_device else host.copy_(gpu, non_blocking=True))
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     raw_h2d_s = _best_of(repeats, lambda: raw(True))

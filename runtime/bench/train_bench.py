@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from runtime.bench import synchronize
 from runtime.bench.train_bound import (
     Bound,
     Rates,
@@ -57,11 +58,6 @@ log = logging.getLogger(__name__)
 
 CLIP_EPS = 1e-6  # the clip coefficient is max_norm / (norm + eps), as torch and the runtime compute it
 HOST_CAP_ROWS = ("ds-zero3-cpu", "ds-zero3-nvme")  # whose peak RSS caps nvme-auto, first found first
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _device() -> torch.device:
@@ -89,15 +85,15 @@ def _torch_row(spec: BenchModel, steps: int, accumulation: int, clip: bool) -> d
     fwd_s, bwd_s, step_s, norms = [], [], [], []
     batch = make_batch(spec, device, 0)
     for _ in range(steps):
-        _sync()
+        synchronize()
         t0 = time.perf_counter()
         for _ in range(accumulation):
             ta = time.perf_counter()
             loss = batch_loss(spec, model, batch)
-            _sync()
+            synchronize()
             tb = time.perf_counter()
             loss.backward()
-            _sync()
+            synchronize()
             tc = time.perf_counter()
             fwd_s.append(tb - ta)
             bwd_s.append(tc - tb)
@@ -111,7 +107,7 @@ def _torch_row(spec: BenchModel, steps: int, accumulation: int, clip: bool) -> d
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             torch._foreach_copy_(params, masters)
-        _sync()
+        synchronize()
         step_s.append(time.perf_counter() - t0)
     warm = max(1, steps // 3)
     return {"step_s": statistics.median(step_s[warm:]), "fwd_s": statistics.median(fwd_s[warm * accumulation:]),
@@ -170,7 +166,7 @@ def _tierstore_row(spec: BenchModel, steps: int, config: dict[str, Any], accumul
         # A step's time is the period between the ends of consecutive steps, as a training loop that logs its
         # loss sees it: no device sync between steps, so copies still in flight at a step's end (state written
         # back, weights refreshed) run into the next step and are charged wherever they delay it.
-        _sync()
+        synchronize()
         t0 = time.perf_counter()
         held_per_step, scale_per_step, kernel_per_step = [], [], []
         for _ in range(steps):

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.bench import synchronize
 from runtime.engine.schedule import joins_window
 from runtime.planning.predict import FP32, RowPlacement, Traffic, disk_state_nbytes, row_traffic
 from runtime.planning.predict import STATE_NBYTES as STATE_NBYTES  # re-exported: the DeepSpeed rows count with it
@@ -196,11 +197,6 @@ def row_bound(placement: RowPlacement, rates: Rates, default_threads: int,
     return Bound(terms, t, used, parts)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def measure_cpu_adam_s_per_param(num_params: int, threads: int) -> float:
     """Seconds per parameter of one CPU fused AdamW step (the runtime's own kernel) with ``threads``
     threads, over min(num_params, 256 Mi) fp32 parameters: far beyond any cache, so the rate is the memory
@@ -220,10 +216,10 @@ def measure_gpu_adam_s_per_param(num_params: int, device: torch.device) -> float
     opt.step()
     times = []
     for _ in range(3):
-        _sync()
+        synchronize()
         t0 = time.perf_counter()
         opt.step()
-        _sync()
+        synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / numel
 
